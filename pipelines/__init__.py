@@ -1,0 +1,1 @@
+"""Companion diffusers pipelines: stock pipelines plus :class:`nw_adapter.mixin.NWIPAdapterMixin`."""
