@@ -11,3 +11,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny SD 1.5-layout pipeline folder (random weights, written once per test session)."""
+    from nw_adapter.tiny import save_tiny_sd15
+
+    return save_tiny_sd15(tmp_path_factory.mktemp("tiny") / "sd15")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny SDXL-layout pipeline folder."""
+    from nw_adapter.tiny import save_tiny_sdxl
+
+    return save_tiny_sdxl(tmp_path_factory.mktemp("tiny") / "sdxl")
+
+
+@pytest.fixture(scope="session")
+def tiny_ip_adapter_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny IP-Adapter repository folder in the h94/IP-Adapter layout.
+
+    Holds ``models/ip-adapter_sd15.safetensors``, ``models/ip-adapter-plus_sd15.safetensors``,
+    ``models/image_encoder/`` and the SDXL twins under ``sdxl_models/``.
+    """
+    from nw_adapter.tiny import save_tiny_ip_adapter
+
+    path = tmp_path_factory.mktemp("tiny") / "ip-adapter"
+    for sdxl in (False, True):
+        for variant in ("base", "plus"):
+            save_tiny_ip_adapter(path, variant=variant, sdxl=sdxl)
+    return path
