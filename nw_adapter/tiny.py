@@ -31,7 +31,9 @@ from __future__ import annotations
 import json
 import os
 import string
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -39,6 +41,7 @@ from safetensors.torch import save_file
 __all__ = [
     "TINY_IMAGE_SIZE",
     "ip_adapter_weight_name",
+    "random_ip_adapter_state_dict",
     "save_tiny_ip_adapter",
     "save_tiny_sd15",
     "save_tiny_sdxl",
@@ -57,6 +60,12 @@ _IMAGE_ENCODER_PROJECTION = 32
 _PLUS_TOKENS = 16
 _PLUS_HIDDEN = 64  # the Plus resampler's width; diffusers infers heads = width // 64
 _PLUS_DEPTH = 4  # diffusers rebuilds the resampler with its default depth of 4
+_UNET_BLOCKS = {
+    "block_out_channels": _BLOCK_OUT_CHANNELS,
+    "layers_per_block": 1,
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+}
 
 _SD15_SCHEDULE = {
     "beta_start": 0.00085,
@@ -167,10 +176,7 @@ def save_tiny_sd15(path: str | os.PathLike, *, seed: int = 0) -> Path:
         sample_size=TINY_IMAGE_SIZE // 2,
         in_channels=4,
         out_channels=4,
-        layers_per_block=1,
-        block_out_channels=_BLOCK_OUT_CHANNELS,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        **_UNET_BLOCKS,
         cross_attention_dim=_TEXT_HIDDEN,
         attention_head_dim=_HEADS,  # diffusers' legacy name: the number of heads, as in SD 1.5
         norm_num_groups=32,
@@ -216,10 +222,7 @@ def save_tiny_sdxl(path: str | os.PathLike, *, seed: int = 0) -> Path:
         sample_size=TINY_IMAGE_SIZE // 2,
         in_channels=4,
         out_channels=4,
-        layers_per_block=1,
-        block_out_channels=_BLOCK_OUT_CHANNELS,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        **_UNET_BLOCKS,
         cross_attention_dim=hidden_1 + hidden_2,
         attention_head_dim=_HEADS,  # diffusers' legacy name: the number of heads, as in SD 1.5
         norm_num_groups=32,
@@ -263,22 +266,26 @@ def _normal(generator: torch.Generator, *shape: int, std: float | None = None) -
     return torch.randn(*shape, generator=generator) * std
 
 
-def _base_image_proj(generator: torch.Generator, cross_attention_dim: int) -> dict[str, torch.Tensor]:
+def _base_image_proj(
+    generator: torch.Generator, cross_attention_dim: int, image_embed_dim: int
+) -> dict[str, torch.Tensor]:
     """Original-format ``image_proj`` of the base adapter: Linear(clip_dim, 4 * cross) + LayerNorm."""
     return {
-        "proj.weight": _normal(generator, 4 * cross_attention_dim, _IMAGE_ENCODER_PROJECTION),
+        "proj.weight": _normal(generator, 4 * cross_attention_dim, image_embed_dim),
         "proj.bias": torch.zeros(4 * cross_attention_dim),
         "norm.weight": torch.ones(cross_attention_dim),
         "norm.bias": torch.zeros(cross_attention_dim),
     }
 
 
-def _plus_image_proj(generator: torch.Generator, cross_attention_dim: int) -> dict[str, torch.Tensor]:
+def _plus_image_proj(
+    generator: torch.Generator, cross_attention_dim: int, image_hidden_dim: int
+) -> dict[str, torch.Tensor]:
     """Original-format ``image_proj`` of the Plus adapter: a 4-layer perceiver resampler."""
     width = _PLUS_HIDDEN
     state = {
         "latents": _normal(generator, 1, _PLUS_TOKENS, width, std=width**-0.5),
-        "proj_in.weight": _normal(generator, width, _IMAGE_ENCODER_HIDDEN),
+        "proj_in.weight": _normal(generator, width, image_hidden_dim),
         "proj_in.bias": torch.zeros(width),
         "proj_out.weight": _normal(generator, cross_attention_dim, width),
         "proj_out.bias": torch.zeros(cross_attention_dim),
@@ -300,7 +307,7 @@ def _plus_image_proj(generator: torch.Generator, cross_attention_dim: int) -> di
     return state
 
 
-def _cross_attention_hidden_sizes(unet_config: dict) -> list[int]:
+def _cross_attention_hidden_sizes(unet_config: Mapping[str, Any]) -> list[int]:
     """Hidden size of each cross-attention (attn2) layer, in ``unet.attn_processors`` order.
 
     The order is down blocks, up blocks, then the mid block, which is how diffusers enumerates the
@@ -317,6 +324,48 @@ def _cross_attention_hidden_sizes(unet_config: dict) -> list[int]:
             sizes += [channels[::-1][block]] * (layers + 1)
     sizes.append(channels[-1])
     return sizes
+
+
+def random_ip_adapter_state_dict(
+    unet_config: Mapping[str, Any],
+    *,
+    variant: str = "base",
+    image_embed_dim: int = 1024,
+    image_hidden_dim: int = 1280,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Random IP-Adapter weights, in the original key layout, for any SD-style UNet config.
+
+    Useful beyond the tiny model: benchmarks build the real SD 1.5 UNet with random weights and
+    load these with the same conversion diffusers applies to the public checkpoints.
+
+    Args:
+        unet_config: The UNet's config (``unet.config`` works): ``block_out_channels``,
+            ``layers_per_block``, ``down_block_types``, ``up_block_types``, ``cross_attention_dim``.
+            One transformer layer per attention block is assumed (as in SD 1.5).
+        variant: ``"base"`` or ``"plus"``.
+        image_embed_dim: Width of the image encoder's projected embedding (base adapter input;
+            1024 for SD 1.5's ViT-H encoder).
+        image_hidden_dim: Width of the image encoder's hidden states (Plus adapter input; 1280).
+        seed: Seed of the random weights.
+
+    Returns:
+        ``{"image_proj.<name>": tensor, "ip_adapter.<id>.to_k_ip.weight": tensor, ...}`` with
+        ``id = 1, 3, 5, ...`` over the cross-attention layers in ``unet.attn_processors`` order.
+    """
+    _check_variant(variant)
+    cross_attention_dim = int(unet_config["cross_attention_dim"])
+    generator = torch.Generator().manual_seed(seed)
+    if variant == "base":
+        image_proj = _base_image_proj(generator, cross_attention_dim, image_embed_dim)
+    else:
+        image_proj = _plus_image_proj(generator, cross_attention_dim, image_hidden_dim)
+    state = {f"image_proj.{key}": value for key, value in image_proj.items()}
+    for index, hidden_size in enumerate(_cross_attention_hidden_sizes(unet_config)):
+        key_id = 2 * index + 1  # the original numbering counts attn1 and attn2 layers alike
+        state[f"ip_adapter.{key_id}.to_k_ip.weight"] = _normal(generator, hidden_size, cross_attention_dim)
+        state[f"ip_adapter.{key_id}.to_v_ip.weight"] = _normal(generator, hidden_size, cross_attention_dim)
+    return state
 
 
 def save_tiny_ip_adapter(
@@ -363,23 +412,14 @@ def save_tiny_ip_adapter(
     )
     encoder.save_pretrained(subfolder / "image_encoder", safe_serialization=True)
 
-    unet_config = {
-        "block_out_channels": _BLOCK_OUT_CHANNELS,
-        "layers_per_block": 1,
-        "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
-        "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
-    }
-    cross_attention_dim = sum(_SDXL_TEXT_HIDDEN) if sdxl else _TEXT_HIDDEN
-    generator = torch.Generator().manual_seed(seed + (1 if variant == "base" else 2))
-    if variant == "base":
-        image_proj = _base_image_proj(generator, cross_attention_dim)
-    else:
-        image_proj = _plus_image_proj(generator, cross_attention_dim)
-    state = {f"image_proj.{key}": value for key, value in image_proj.items()}
-    for index, hidden_size in enumerate(_cross_attention_hidden_sizes(unet_config)):
-        key_id = 2 * index + 1  # the original numbering counts attn1 and attn2 layers alike
-        state[f"ip_adapter.{key_id}.to_k_ip.weight"] = _normal(generator, hidden_size, cross_attention_dim)
-        state[f"ip_adapter.{key_id}.to_v_ip.weight"] = _normal(generator, hidden_size, cross_attention_dim)
+    unet_config = {**_UNET_BLOCKS, "cross_attention_dim": sum(_SDXL_TEXT_HIDDEN) if sdxl else _TEXT_HIDDEN}
+    state = random_ip_adapter_state_dict(
+        unet_config,
+        variant=variant,
+        image_embed_dim=_IMAGE_ENCODER_PROJECTION,
+        image_hidden_dim=_IMAGE_ENCODER_HIDDEN,
+        seed=seed + (1 if variant == "base" else 2),
+    )
     weight_file = subfolder / ip_adapter_weight_name(variant, sdxl=sdxl)
     save_file({key: value.contiguous() for key, value in state.items()}, weight_file)
     (path / "README.md").write_text(
