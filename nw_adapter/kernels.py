@@ -1,0 +1,407 @@
+"""Nadaraya-Watson (Gaussian-kernel) weights, means and attention (THEORY.md sections 1 and 3).
+
+All functions are batched over leading dimensions and pure torch:
+
+* ``query`` ``[..., n, d]`` and ``support`` ``[..., m, d]``; their leading dimensions broadcast.
+* ``support_mask`` (optional) bool ``[..., m]``, ``True`` = valid support point (ragged ``m``).
+* ``bandwidth`` is a positive ``float`` or a tensor whose shape broadcasts with the leading
+  dimensions. It is applied as ``bandwidth[..., None, None]`` against the ``[..., n, m]`` logits,
+  so a ``[B, H]`` (or ``[H]``) tensor gives one bandwidth per (batch, head) for ``[B, H, n, d]``
+  queries. Extra leading dimensions of ``bandwidth`` are allowed and appear in the output
+  (e.g. a ``[T]`` bandwidth with ``[n, d]`` queries gives ``[T, n, m]`` weights).
+
+The shape of every result is ``L + (n, m)`` or ``L + (n, d_v)`` where ``L`` is the broadcast of
+``query.shape[:-2]``, ``support.shape[:-2]``, ``support_mask.shape[:-1]`` and ``bandwidth.shape``.
+
+Numerics: inputs are upcast to float32 (float64 stays float64) and never run under autocast.
+Both query and support are centred on the (masked) support mean before any distance is formed,
+so data far from the origin loses nothing beyond the rounding of the inputs themselves.
+:func:`nw_logits` / :func:`nw_weights` use direct differences ``x - s_i`` (chunked over queries);
+:func:`gaussian_kernel_attention` uses the expanded dot-product form required by SDPA, whose
+absolute logit error is of order ``eps * (||x - c||^2 + ||s_i - c||^2) / (2 h^2)`` with ``c`` the
+support mean.
+
+A support row whose mask is all ``False`` has no NW weights: with ``validate=True`` this raises
+``ValueError``; with ``validate=False`` its logits are ``-inf`` and its weights and means ``NaN``.
+
+``validate=True`` (default) additionally checks values (NaN/inf inputs, bandwidth > 0 for tensor
+bandwidths, empty mask rows); these checks synchronise with the device. Shape checks are always
+done and cost nothing. Hot paths (the attention processor) pass ``validate=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "ELEMENT_BUDGET",
+    "compute_dtype",
+    "effective_sample_size",
+    "gaussian_kernel_attention",
+    "no_autocast",
+    "nw_logits",
+    "nw_mean",
+    "nw_weights",
+]
+
+#: Default number of elements of the largest intermediate tensor; chunk sizes derive from it.
+ELEMENT_BUDGET = 2**24
+
+BandwidthLike = float | Tensor
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """The dtype used for the math: float64 if any given tensor is float64, else float32."""
+    any64 = any(t is not None and t.dtype == torch.float64 for t in tensors)
+    return torch.float64 if any64 else torch.float32
+
+
+@contextlib.contextmanager
+def no_autocast(device: torch.device) -> Iterator[None]:
+    """Context in which autocast is disabled for ``device``'s type (no-op where unsupported)."""
+    if torch.amp.is_autocast_available(device.type):
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def _check_points(name: str, x: object, what: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape {what}, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must have shape {what} (at least 2 dims), got shape {tuple(x.shape)}")
+    if not (x.is_floating_point()):
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}; cast it with .float()")
+    return x
+
+
+def _check_finite(name: str, x: Tensor, valid: Tensor | None = None) -> None:
+    ok = torch.isfinite(x)
+    if valid is not None:
+        ok = ok | ~valid[..., None]
+    if not bool(ok.all()):
+        raise ValueError(f"{name} contains NaN or inf values; remove or mask them")
+
+
+def _broadcast(names: tuple[str, ...], shapes: tuple[torch.Size | tuple[int, ...], ...]) -> torch.Size:
+    try:
+        return torch.broadcast_shapes(*shapes)
+    except RuntimeError as err:
+        desc = ", ".join(f"{n} {tuple(s)}" for n, s in zip(names, shapes, strict=True))
+        raise ValueError(f"leading dimensions do not broadcast: {desc}") from err
+
+
+def _bandwidth(
+    bandwidth: BandwidthLike, dtype: torch.dtype, device: torch.device, validate: bool
+) -> Tensor | float:
+    """Validate a bandwidth and return it as a float or a tensor of ``dtype`` on ``device``."""
+    if isinstance(bandwidth, Tensor):
+        if bandwidth.is_complex() or bandwidth.dtype == torch.bool:
+            raise ValueError(f"bandwidth must be a real tensor, got dtype {bandwidth.dtype}")
+        h = bandwidth.to(device=device, dtype=dtype)
+        if validate and not bool(((h > 0) & torch.isfinite(h)).all()):
+            raise ValueError("bandwidth must be finite and > 0 everywhere, got a value <= 0 or non-finite")
+        return h
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, int | float):
+        raise ValueError(f"bandwidth must be a float or a Tensor, got {type(bandwidth).__name__}")
+    if not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise ValueError(f"bandwidth must be finite and > 0, got {bandwidth}")
+    return float(bandwidth)
+
+
+def _expand_h(h: Tensor | float) -> Tensor | float:
+    return h[..., None, None] if isinstance(h, Tensor) else h
+
+
+def _prepare(
+    query: Tensor,
+    support: Tensor,
+    bandwidth: BandwidthLike,
+    support_mask: Tensor | None,
+    validate: bool,
+    names: tuple[str, str, str] = ("query", "support", "support_mask"),
+    extra: tuple[Tensor, ...] = (),
+) -> tuple[Tensor, Tensor, Tensor | float, Tensor | None, torch.Size]:
+    """Validate, upcast and centre. Returns (q - c, s - c, h, mask, leading shape L)."""
+    qn, sn, mn = names
+    _check_points(qn, query, "[..., n, d]")
+    _check_points(sn, support, "[..., m, d]")
+    if query.shape[-1] != support.shape[-1]:
+        raise ValueError(
+            f"{qn} and {sn} must have the same feature dim d, got {query.shape[-1]} and {support.shape[-1]}"
+        )
+    m = support.shape[-2]
+    if m == 0:
+        raise ValueError(f"{sn} is empty (m = 0 points); at least one support point is required")
+    dtype = compute_dtype(query, support, *extra)
+    q = query.to(dtype)
+    s = support.to(device=q.device, dtype=dtype)
+    h = _bandwidth(bandwidth, dtype, q.device, validate)
+    shapes: list[tuple[str, torch.Size]] = [(qn, query.shape[:-2]), (sn, support.shape[:-2])]
+    mask = None
+    if support_mask is not None:
+        if not isinstance(support_mask, Tensor) or support_mask.dtype != torch.bool:
+            raise ValueError(f"{mn} must be a bool tensor [..., m] (True = valid)")
+        if support_mask.dim() < 1 or support_mask.shape[-1] != m:
+            raise ValueError(
+                f"{mn} must have shape [..., m] with m = {m}, got shape {tuple(support_mask.shape)}"
+            )
+        mask = support_mask.to(q.device)
+        shapes.append((mn, support_mask.shape[:-1]))
+    if isinstance(h, Tensor):
+        shapes.append(("bandwidth", h.shape))
+    lead = _broadcast(tuple(n for n, _ in shapes), tuple(s_ for _, s_ in shapes))
+    if validate:
+        _check_finite(qn, q)
+        _check_finite(sn, s, mask)
+        if mask is not None and not bool(mask.any(-1).all()):
+            raise ValueError(f"{mn} has a row with no valid support point (all False); every row needs one")
+    if mask is None:
+        centre = s.mean(dim=-2, keepdim=True)
+    else:
+        w = mask[..., None]
+        s = torch.where(w, s, torch.zeros((), dtype=dtype, device=s.device))
+        count = w.sum(dim=-2, keepdim=True).clamp_min(1).to(dtype)
+        centre = s.sum(dim=-2, keepdim=True) / count
+    return q - centre, s - centre, h, mask, lead
+
+
+def _rows_per_chunk(lead: torch.Size, per_row: int, budget: int) -> int:
+    return max(1, budget // max(1, math.prod(lead) * per_row))
+
+
+def nw_logits(
+    query: Tensor,
+    support: Tensor,
+    bandwidth: BandwidthLike,
+    *,
+    support_mask: Tensor | None = None,
+    validate: bool = True,
+    element_budget: int = ELEMENT_BUDGET,
+) -> Tensor:
+    """Gaussian-kernel logits ``l_ij = -||x_j - s_i||^2 / (2 h^2)``.
+
+    Args:
+        query: ``[..., n, d]`` query points x.
+        support: ``[..., m, d]`` support points s.
+        bandwidth: ``h > 0``, float or tensor broadcastable as ``bandwidth[..., None, None]``.
+        support_mask: optional bool ``[..., m]``, True = valid; invalid entries get ``-inf``.
+        validate: check values (NaN, h > 0, empty mask rows); synchronises with the device.
+        element_budget: largest intermediate ``[..., chunk, m, d]`` size; chunks over queries.
+
+    Returns:
+        ``[L..., n, m]`` float32 (float64 for float64 inputs). Direct differences of centred
+        points are used, so the result is accurate to a few ulps of ``||x - s||^2 / 2h^2``.
+    """
+    q, s, h, mask, lead = _prepare(query, support, bandwidth, support_mask, validate)
+    n, m, d = q.shape[-2], s.shape[-2], q.shape[-1]
+    with no_autocast(q.device):
+        inv = _expand_h(h)
+        rows = _rows_per_chunk(lead, m * d, element_budget)
+        s_b = s[..., None, :, :]
+        parts = []
+        for start in range(0, n, rows):
+            diff = q[..., start : start + rows, None, :] - s_b
+            dist2 = diff.square().sum(dim=-1)
+            parts.append(dist2 * (-0.5 / (inv * inv)))
+        if parts:
+            logits = torch.cat([p.expand(*lead, p.shape[-2], m) for p in parts], dim=-2)
+        else:
+            logits = q.new_zeros((*lead, 0, m))
+        if mask is not None:
+            logits = torch.where(mask[..., None, :], logits, torch.full((), -math.inf, dtype=logits.dtype))
+    return logits
+
+
+def nw_weights(
+    query: Tensor,
+    support: Tensor,
+    bandwidth: BandwidthLike,
+    *,
+    support_mask: Tensor | None = None,
+    validate: bool = True,
+    element_budget: int = ELEMENT_BUDGET,
+) -> Tensor:
+    """NW weights ``w_ij = softmax_i(-||x_j - s_i||^2 / (2 h^2))`` (rows sum to 1).
+
+    Args: as :func:`nw_logits`.
+
+    Returns:
+        ``[L..., n, m]`` float32 (float64 for float64 inputs); masked entries are 0, rows of an
+        all-masked support are NaN (only reachable with ``validate=False``).
+    """
+    logits = nw_logits(
+        query, support, bandwidth, support_mask=support_mask, validate=validate, element_budget=element_budget
+    )
+    with no_autocast(logits.device):
+        return torch.softmax(logits, dim=-1)
+
+
+def gaussian_kernel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bandwidth: BandwidthLike,
+    *,
+    key_mask: Tensor | None = None,
+    form: str = "bias",
+    chunk_size: int | None = None,
+    out_dtype: torch.dtype | None = None,
+    validate: bool = True,
+) -> Tensor:
+    """Gaussian-kernel attention ``out_j = sum_i softmax_i(-||q_j - k_i||^2 / 2h^2) v_i`` via SDPA.
+
+    THEORY.md section 3: with ``c`` the (masked) key mean, ``q' = (q - c)/h`` and
+    ``k'_i = (k_i - c)/h``, ``-||q - k_i||^2 / 2h^2 = q'.k'_i - ||k'_i||^2 / 2 + (const in i)``.
+
+    * ``form="bias"``: ``SDPA(q', k', v, attn_mask = -||k'_i||^2/2 (-inf if masked), scale=1)``.
+    * ``form="augmented"``: ``q'' = [q', 1, 0...]``, ``k''_i = [k'_i, -||k'_i||^2/2, 0...]`` zero-
+      padded to a multiple of 8 features, ``SDPA(q'', k'', v, scale=1)`` (bool mask if masked).
+
+    Args:
+        query: ``[..., n, d]``.
+        key: ``[..., m, d]``.
+        value: ``[..., m, d_v]``.
+        bandwidth: ``h > 0``, float or tensor broadcastable as ``bandwidth[..., None, None]``.
+        key_mask: optional bool ``[..., m]``, True = valid key.
+        form: ``"bias"`` or ``"augmented"``.
+        chunk_size: queries per SDPA call; ``None`` chooses ``ELEMENT_BUDGET // (prod(L) * m)``,
+            so the peak extra memory is ``O(chunk_size * m)`` per leading index, never ``n * m``.
+        out_dtype: dtype of the result; ``None`` = ``value.dtype`` (as SDPA itself). The math is
+            always float32 or better.
+        validate: check values (NaN, h > 0, empty mask rows); synchronises with the device.
+
+    Returns:
+        ``[L..., n, d_v]``. Rows with no valid key are NaN (only reachable with validate=False).
+    """
+    if form not in ("bias", "augmented"):
+        raise ValueError(f"form must be 'bias' or 'augmented', got {form!r}")
+    bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    if chunk_size is not None and bad_chunk:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_points("value", value, "[..., m, d_v]")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value must have as many rows as key (m), got value {tuple(value.shape)}, key {tuple(key.shape)}"
+        )
+    out_dtype = value.dtype if out_dtype is None else out_dtype
+    q, k, h, mask, lead = _prepare(
+        query, key, bandwidth, key_mask, validate, names=("query", "key", "key_mask"), extra=(value,)
+    )
+    if validate:
+        _check_finite("value", value, mask)
+    lead = _broadcast(("query/key/bandwidth", "value"), (lead, value.shape[:-2]))
+    n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    with no_autocast(q.device):
+        v = value.to(device=q.device, dtype=q.dtype)
+        if mask is not None:
+            v = torch.where(mask[..., None], v, torch.zeros((), dtype=v.dtype, device=v.device))
+        inv_h = _expand_h(h)
+        q = q / inv_h
+        k = k / inv_h
+        bias = -0.5 * k.square().sum(dim=-1)  # [.., m]
+        q = q.expand(*lead, n, d)
+        k = k.expand(*lead, m, d)
+        v = v.expand(*lead, m, v.shape[-1])
+        bias = bias.expand(*lead, m)
+        if form == "bias":
+            if mask is not None:
+                neg_inf = torch.full((), -math.inf, dtype=bias.dtype, device=bias.device)
+                bias = torch.where(mask, bias, neg_inf)
+            attn_mask: Tensor | None = bias[..., None, :]
+            k_in = k
+        else:
+            pad = (-(d + 1)) % 8
+            k_in = torch.cat([k, bias[..., None], k.new_zeros((*lead, m, pad))], dim=-1)
+            q = torch.cat([q, q.new_ones((*lead, n, 1)), q.new_zeros((*lead, n, pad))], dim=-1)
+            attn_mask = None if mask is None else mask.expand(*lead, m)[..., None, :]
+        if len(lead) == 0:  # SDPA wants at least one batch dim for broadcasting masks uniformly
+            q, k_in, v = q[None], k_in[None], v[None]
+            attn_mask = None if attn_mask is None else attn_mask[None]
+        rows = chunk_size or _rows_per_chunk(lead, m, ELEMENT_BUDGET)
+        parts = [
+            F.scaled_dot_product_attention(q[..., i : i + rows, :], k_in, v, attn_mask=attn_mask, scale=1.0)
+            for i in range(0, n, rows)
+        ]
+        out = torch.cat(parts, dim=-2) if parts else v.new_zeros((*v.shape[:-2], 0, v.shape[-1]))
+        if len(lead) == 0:
+            out = out[0]
+        if mask is not None:
+            any_valid = mask.any(dim=-1).expand(lead)
+            out = torch.where(any_valid[..., None, None], out, torch.full((), math.nan, dtype=out.dtype))
+    return out.to(out_dtype)
+
+
+def nw_mean(
+    query: Tensor,
+    support: Tensor,
+    bandwidth: BandwidthLike,
+    *,
+    values: Tensor | None = None,
+    support_mask: Tensor | None = None,
+    chunk_size: int | None = None,
+    form: str = "bias",
+    validate: bool = True,
+) -> Tensor:
+    """NW local mean ``m_h(x_j) = sum_i w_ij v_i`` with ``w`` the NW weights and ``v = s`` by default.
+
+    Args:
+        query: ``[..., n, d]``.
+        support: ``[..., m, d]``.
+        bandwidth: ``h > 0``, float or tensor broadcastable as ``bandwidth[..., None, None]``.
+        values: ``[..., m, d_v]`` averaged values (default: ``support``).
+        support_mask: optional bool ``[..., m]``, True = valid.
+        chunk_size: queries per chunk (see :func:`gaussian_kernel_attention`).
+        form: ``"bias"`` / ``"augmented"`` (SDPA, fast) or ``"direct"`` (explicit weights from
+            direct differences, :func:`nw_weights`; most accurate for tiny bandwidths).
+        validate: value checks, see the module docstring.
+
+    Returns:
+        ``[L..., n, d_v]`` in float32 (float64 for float64 inputs).
+    """
+    values = support if values is None else values
+    if form == "direct":
+        _check_points("values", values, "[..., m, d_v]")
+        if values.shape[-2] != support.shape[-2]:
+            raise ValueError(f"values must have m = {support.shape[-2]} rows, got {tuple(values.shape)}")
+        w = nw_weights(query, support, bandwidth, support_mask=support_mask, validate=validate)
+        v = values.to(device=w.device, dtype=compute_dtype(w, values))
+        if support_mask is not None:
+            v = torch.where(support_mask[..., None].to(v.device), v, torch.zeros((), dtype=v.dtype))
+        with no_autocast(w.device):
+            return w.to(v.dtype) @ v
+    out_dtype = compute_dtype(query, support, values)
+    return gaussian_kernel_attention(
+        query,
+        support,
+        values,
+        bandwidth,
+        key_mask=support_mask,
+        form=form,
+        chunk_size=chunk_size,
+        out_dtype=out_dtype,
+        validate=validate,
+    )
+
+
+def effective_sample_size(weights: Tensor) -> Tensor:
+    """Effective sample size ``n_eff = 1 / sum_i w_i^2`` over the last dim.
+
+    Args:
+        weights: ``[..., m]`` rows of probability weights (rows summing to 1).
+
+    Returns:
+        ``[...]`` in float32 (float64 for float64 input); 1 = one point dominates, m = uniform.
+    """
+    if not isinstance(weights, Tensor) or weights.dim() < 1:
+        raise ValueError("weights must be a tensor [..., m] of probability rows")
+    w = weights.to(compute_dtype(weights))
+    with no_autocast(w.device):
+        return 1.0 / w.square().sum(dim=-1)
