@@ -1,0 +1,319 @@
+"""Validated loading of reference images for the command line.
+
+Every reference image goes through :func:`load_reference_image` before any model is built,
+so a bad file is reported at once, in one line that names the file, the problem and the fix,
+and nothing is written. What a diffusion pipeline cannot take is an error; what it can take
+after a well-defined conversion is converted to 8-bit RGB with a note:
+
+==========================  ===========================================================
+input                       outcome
+==========================  ===========================================================
+missing path, directory     error
+zero-byte file              error
+not an image / unreadable   error (Pillow cannot identify it)
+truncated PNG / JPEG        error (decoding fails; truncated images are never padded)
+animated GIF / APNG / WebP  error (more than one frame; export the frame you mean)
+decompression bomb          error (more pixels than ``PIL.Image.MAX_IMAGE_PIXELS``,
+                            both Pillow's warning and its error level)
+float (mode ``F``)          error (no well-defined 8-bit scale)
+16-bit grayscale            converted: ``round(v / 257)`` to 8 bits, then gray -> RGB
+16-bit RGB PNG              converted by Pillow on load (high byte), note
+CMYK                        converted with Pillow's CMYK -> RGB (no ICC profile), note
+palette (``P``)             converted to RGB (over white if it has transparency), note
+RGBA / LA / PA              alpha composited over a white background, note
+grayscale / bilevel         replicated to RGB, note
+EXIF orientation            applied (the image is shown upright), note
+==========================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+IMAGE_SUFFIXES: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+"""File name endings (case-insensitive) that ``--image-dir`` picks up."""
+
+_WHITE = (255, 255, 255)
+
+
+class ImageInputError(ValueError):
+    """A reference image that cannot be used; the message is one line with the fix."""
+
+
+@dataclass(frozen=True)
+class ReferenceImage:
+    """A validated reference image.
+
+    Attributes:
+        path: The file, as given (resolved to an absolute path).
+        key: Stable identifier ``<stem>-<first 10 hex of sha256>``, used for per-image
+            output folders and for resuming a sweep.
+        sha256: SHA-256 of the file's bytes.
+        mode: Pillow mode of the file before conversion (``"RGB"``, ``"I;16"``, ...).
+        size: ``(width, height)`` in pixels.
+        notes: One line per conversion applied (empty for a plain 8-bit RGB file).
+    """
+
+    path: Path
+    key: str
+    sha256: str
+    mode: str
+    size: tuple[int, int]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        """JSON-ready description (used in ``rho.json``'s ``images`` list)."""
+        return {
+            "key": self.key,
+            "path": str(self.path),
+            "sha256": self.sha256,
+            "mode": self.mode,
+            "width": self.size[0],
+            "height": self.size[1],
+            "notes": list(self.notes),
+        }
+
+
+def _one_line(text: object) -> str:
+    """Collapse an exception text to a single line."""
+    return " ".join(str(text).split())
+
+
+def _check_file(path: Path, label: str) -> None:
+    if not path.exists():
+        raise ImageInputError(f"{label} '{path}': file not found; check the path")
+    if path.is_dir():
+        raise ImageInputError(
+            f"{label} '{path}': is a directory, not an image; pass folders with --image-dir"
+        )
+    if not path.is_file():
+        raise ImageInputError(f"{label} '{path}': is not a regular file; pass a PNG or JPEG file")
+    if path.stat().st_size == 0:
+        raise ImageInputError(f"{label} '{path}': file is empty (0 bytes); pass a real PNG or JPEG file")
+
+
+def _to_rgb(img: Image.Image) -> tuple[Image.Image, list[str]]:
+    """Convert a decoded Pillow image to 8-bit RGB, returning the notes of what was done."""
+    notes: list[str] = []
+    mode = img.mode
+    if mode == "RGB":
+        return img, notes
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        values = np.asarray(img, dtype=np.float64)
+        if mode == "I" and values.min() >= 0 and values.max() <= 255:
+            gray = values.astype(np.uint8)
+            notes.append("32-bit integer grayscale with 8-bit values converted to RGB")
+        else:
+            gray = np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8)
+            notes.append("16-bit grayscale reduced to 8 bits (value / 257) and converted to RGB")
+        return Image.fromarray(gray, mode="L").convert("RGB"), notes
+    if mode == "F":
+        raise ImageInputError(
+            "floating-point image (mode F) has no defined 8-bit scale; save it as an 8-bit RGB PNG"
+        )
+    if mode == "P":
+        if "transparency" in img.info:
+            img = img.convert("RGBA")
+            mode = "RGBA"
+            notes.append("palette image with transparency converted to RGBA")
+        else:
+            notes.append("palette image converted to RGB")
+            return img.convert("RGB"), notes
+    if mode == "PA":
+        img = img.convert("RGBA")
+        mode = "RGBA"
+    if mode in ("RGBA", "LA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, _WHITE + (255,))
+        notes.append(f"{mode} alpha channel composited over a white background")
+        return Image.alpha_composite(background, rgba).convert("RGB"), notes
+    if mode == "CMYK":
+        notes.append("CMYK converted to RGB (Pillow's conversion, no ICC colour management)")
+        return img.convert("RGB"), notes
+    if mode in ("L", "1"):
+        notes.append(f"{'grayscale' if mode == 'L' else 'bilevel'} image converted to RGB")
+        return img.convert("RGB"), notes
+    try:
+        converted = img.convert("RGB")
+    except (ValueError, OSError) as exc:
+        raise ImageInputError(
+            f"pixel mode {mode} cannot be converted to RGB ({_one_line(exc)}); save it as an 8-bit RGB PNG"
+        ) from None
+    notes.append(f"{mode} image converted to RGB")
+    return converted, notes
+
+
+def _png_bit_depth(path: Path) -> int | None:
+    """Bit depth byte of a PNG's IHDR chunk, or None for other files."""
+    with path.open("rb") as handle:
+        head = handle.read(26)
+    if len(head) == 26 and head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR":
+        return head[24]
+    return None
+
+
+def _decode(path: Path, label: str) -> tuple[Image.Image, str, tuple[int, int], list[str]]:
+    """Open and fully decode one file; map every Pillow failure to :class:`ImageInputError`."""
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        raise ImageInputError(
+            "PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True in this process; set it back to False so "
+            "truncated images are reported instead of padded"
+        )
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                frames = int(getattr(img, "n_frames", 1) or 1)
+                if frames > 1:
+                    raise ImageInputError(
+                        f"{label} '{path}': animated image with {frames} frames; "
+                        "export the one frame you mean as a PNG"
+                    )
+                img.load()
+                mode = img.mode
+                size = img.size
+                notes: list[str] = []
+                if _orientation(img) not in (None, 1):
+                    decoded = ImageOps.exif_transpose(img)
+                    notes.append("EXIF orientation applied")
+                else:
+                    decoded = img.copy()
+    except ImageInputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageInputError(
+            f"{label} '{path}': refused as a possible decompression bomb ({_one_line(exc)}); "
+            f"downscale it below {limit} pixels"
+        ) from None
+    except UnidentifiedImageError:
+        raise ImageInputError(
+            f"{label} '{path}': not an image Pillow can read; pass a PNG or JPEG file"
+        ) from None
+    except PermissionError:
+        raise ImageInputError(f"{label} '{path}': permission denied; make the file readable") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise ImageInputError(
+            f"{label} '{path}': truncated or corrupt image ({_one_line(exc)}); re-export or re-download it"
+        ) from None
+    if mode == "RGB" and _png_bit_depth(path) == 16:
+        notes.append("16-bit RGB reduced to 8 bits per channel")
+    return decoded, mode, size, notes
+
+
+def _orientation(img: Image.Image) -> int | None:
+    try:
+        return img.getexif().get(0x0112)
+    except Exception:  # noqa: BLE001 - a broken EXIF block just means "no orientation"
+        return None
+
+
+def image_key(path: Path, sha256: str) -> str:
+    """Stable per-image identifier: file stem (safe characters only) + 10 hex of the hash."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.stem).strip("._") or "image"
+    return f"{stem[:60]}-{sha256[:10]}"
+
+
+def load_reference_image(path: str | Path, *, label: str = "--image") -> tuple[Image.Image, ReferenceImage]:
+    """Open, validate and convert one reference image.
+
+    Args:
+        path: Image file.
+        label: Name of the option the path came from, used in error messages.
+
+    Returns:
+        ``(rgb_image, info)``: an 8-bit RGB :class:`PIL.Image.Image` and its description
+        (with one note per conversion).
+
+    Raises:
+        ImageInputError: For every input the module docstring lists as an error; the
+            message is one line naming the file, the problem and the fix.
+    """
+    path = Path(path).expanduser()
+    _check_file(path, label)
+    try:
+        data = path.read_bytes()
+    except PermissionError:
+        raise ImageInputError(f"{label} '{path}': permission denied; make the file readable") from None
+    decoded, mode, size, notes = _decode(path, label)
+    try:
+        rgb, more = _to_rgb(decoded)
+    except ImageInputError as exc:
+        raise ImageInputError(f"{label} '{path}': {exc}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    info = ReferenceImage(
+        path=path.resolve(),
+        key=image_key(path, digest),
+        sha256=digest,
+        mode=mode,
+        size=size,
+        notes=tuple(notes + more),
+    )
+    return rgb, info
+
+
+def _scan_dir(folder: Path) -> list[Path]:
+    if not folder.exists():
+        raise ImageInputError(f"--image-dir '{folder}': folder not found; check the path")
+    if not folder.is_dir():
+        raise ImageInputError(f"--image-dir '{folder}': is a file, not a folder; pass files with --image")
+    found = sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+    if not found:
+        raise ImageInputError(
+            f"--image-dir '{folder}': contains no images ({', '.join(IMAGE_SUFFIXES)}); "
+            "add images or pass files with --image"
+        )
+    return found
+
+
+def collect_image_paths(images: Iterable[str | Path] = (), image_dirs: Iterable[str | Path] = ()) -> list[
+    tuple[Path, str]
+]:
+    """List the reference files named by ``--image`` and ``--image-dir``, in order.
+
+    Folders are scanned non-recursively for :data:`IMAGE_SUFFIXES`, sorted by name; hidden
+    files (``.name``, e.g. macOS ``._photo.jpg``) are skipped.
+
+    Returns:
+        ``(path, label)`` pairs, where label is the option the path came from.
+
+    Raises:
+        ImageInputError: A folder that does not exist or holds no images, or no input at all.
+    """
+    collected: list[tuple[Path, str]] = [(Path(p).expanduser(), "--image") for p in images]
+    for folder in image_dirs:
+        collected.extend((p, "--image-dir") for p in _scan_dir(Path(folder).expanduser()))
+    if not collected:
+        raise ImageInputError("no reference image given; pass --image FILE or --image-dir FOLDER")
+    return collected
+
+
+def validate_images(entries: Sequence[tuple[Path, str]]) -> list[ReferenceImage]:
+    """Validate every file before any work starts; identical files are kept once.
+
+    Args:
+        entries: ``(path, label)`` pairs from :func:`collect_image_paths`.
+
+    Returns:
+        One :class:`ReferenceImage` per distinct image, in input order.
+
+    Raises:
+        ImageInputError: The first bad file, in input order.
+    """
+    seen: dict[str, ReferenceImage] = {}
+    for path, label in entries:
+        _, info = load_reference_image(path, label=label)
+        seen.setdefault(info.key, info)
+    return list(seen.values())
