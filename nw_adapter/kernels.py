@@ -173,6 +173,17 @@ def _prepare(
     return q - centre, s - centre, h, mask, lead
 
 
+def _as_4d(x: Tensor, heads: int) -> Tensor:
+    """``[L..., r, c]`` -> ``[prod(L[:-1]), L[-1], r, c]`` (a view when the layout allows)."""
+    return x.reshape(-1, heads, x.shape[-2], x.shape[-1])
+
+
+def _pad_last(x: Tensor, width: int) -> Tensor:
+    """Zero-pad the last dim of ``x`` to ``width`` (no copy when already that wide)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else torch.cat([x, x.new_zeros((*x.shape[:-1], extra))], dim=-1)
+
+
 def _rows_per_chunk(lead: torch.Size, per_row: int, budget: int) -> int:
     return max(1, budget // max(1, math.prod(lead) * per_row))
 
@@ -311,28 +322,33 @@ def gaussian_kernel_attention(
         k = k.expand(*lead, m, d)
         v = v.expand(*lead, m, v.shape[-1])
         bias = bias.expand(*lead, m)
+        d_v = v.shape[-1]
         if form == "bias":
             if mask is not None:
                 neg_inf = torch.full((), -math.inf, dtype=bias.dtype, device=bias.device)
                 bias = torch.where(mask, bias, neg_inf)
             attn_mask: Tensor | None = bias[..., None, :]
-            k_in = k
+            width = max(d, d_v)
+            q, k_in = _pad_last(q, width), _pad_last(k, width)
         else:
-            pad = (-(d + 1)) % 8
-            k_in = torch.cat([k, bias[..., None], k.new_zeros((*lead, m, pad))], dim=-1)
-            q = torch.cat([q, q.new_ones((*lead, n, 1)), q.new_zeros((*lead, n, pad))], dim=-1)
+            width = max(d + 1 + (-(d + 1)) % 8, d_v)
+            k_in = _pad_last(torch.cat([k, bias[..., None]], dim=-1), width)
+            q = _pad_last(torch.cat([q, q.new_ones((*lead, n, 1))], dim=-1), width)
             attn_mask = None if mask is None else mask.expand(*lead, m)[..., None, :]
-        if len(lead) == 0:  # SDPA wants at least one batch dim for broadcasting masks uniformly
-            q, k_in, v = q[None], k_in[None], v[None]
-            attn_mask = None if attn_mask is None else attn_mask[None]
+        # Fused kernels need one common head dim for q, k and v: zero-pad v (sliced off below).
+        v = _pad_last(v, width)
+        # SDPA's fused CPU/GPU kernels need 4-D [batch, heads, rows, features] inputs
+        # (3-D inputs fall back to the slow math path): fold the leading dims into two.
+        heads = lead[-1] if len(lead) else 1
+        q, k_in, v = (_as_4d(t, heads) for t in (q, k_in, v))
+        attn_mask = None if attn_mask is None else _as_4d(attn_mask, heads)
         rows = chunk_size or _rows_per_chunk(lead, m, ELEMENT_BUDGET)
         parts = [
             F.scaled_dot_product_attention(q[..., i : i + rows, :], k_in, v, attn_mask=attn_mask, scale=1.0)
             for i in range(0, n, rows)
         ]
         out = torch.cat(parts, dim=-2) if parts else v.new_zeros((*v.shape[:-2], 0, v.shape[-1]))
-        if len(lead) == 0:
-            out = out[0]
+        out = out[..., :d_v].reshape(*lead, n, d_v)
         if mask is not None:
             any_valid = mask.any(dim=-1).expand(lead)
             out = torch.where(any_valid[..., None, None], out, torch.full((), math.nan, dtype=out.dtype))
