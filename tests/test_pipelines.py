@@ -50,16 +50,26 @@ def _masks() -> list[torch.Tensor]:
 
 def _run(pipe, steps: int = 2, **kw) -> np.ndarray:
     kw.setdefault("ip_adapter_image", _image(1))
-    return pipe("a cat", num_inference_steps=steps, height=SIZE, width=SIZE, output_type="np",
-                generator=torch.Generator().manual_seed(0), **kw).images
+    return pipe(
+        "a cat",
+        num_inference_steps=steps,
+        height=SIZE,
+        width=SIZE,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    ).images
 
 
 @pytest.fixture(scope="module")
 def sd15(tiny_sd15_dir, tiny_ip_adapter_dir):
     pipe = StableDiffusionNWPipeline.from_pretrained(tiny_sd15_dir)
     pipe.set_progress_bar_config(disable=True)
-    pipe.load_ip_adapter(tiny_ip_adapter_dir, subfolder="models",
-                         weight_name=[ip_adapter_weight_name("base"), ip_adapter_weight_name("plus")])
+    pipe.load_ip_adapter(
+        tiny_ip_adapter_dir,
+        subfolder="models",
+        weight_name=[ip_adapter_weight_name("base"), ip_adapter_weight_name("plus")],
+    )
     return pipe
 
 
@@ -67,9 +77,11 @@ def sd15(tiny_sd15_dir, tiny_ip_adapter_dir):
 def sdxl(tiny_sdxl_dir, tiny_ip_adapter_dir):
     pipe = StableDiffusionXLNWPipeline.from_pretrained(tiny_sdxl_dir)
     pipe.set_progress_bar_config(disable=True)
-    pipe.load_ip_adapter(tiny_ip_adapter_dir, subfolder="sdxl_models",
-                         weight_name=[ip_adapter_weight_name("base", sdxl=True),
-                                      ip_adapter_weight_name("plus", sdxl=True)])
+    pipe.load_ip_adapter(
+        tiny_ip_adapter_dir,
+        subfolder="sdxl_models",
+        weight_name=[ip_adapter_weight_name("base", sdxl=True), ip_adapter_weight_name("plus", sdxl=True)],
+    )
     return pipe
 
 
@@ -77,10 +89,17 @@ def sdxl(tiny_sdxl_dir, tiny_ip_adapter_dir):
 FEATURES = {
     "two_adapters_plus": (lambda: {"ip_adapter_image": [_image(1), _image(2)]}, [0.8, 0.6]),
     "images_per_adapter": (lambda: {"ip_adapter_image": [_image(1), [_image(2), _image(3)]]}, [0.8, 0.6]),
-    "ip_masks": (lambda: {"ip_adapter_image": [[_image(1)], [_image(2), _image(3)]],
-                          "cross_attention_kwargs": {"ip_adapter_masks": _masks()}}, [0.7, [0.5, 0.9]]),
-    "instantstyle_layer_scales": (lambda: {"ip_adapter_image": [_image(1), _image(2)]},
-                                  [{"up": {"block_1": [1.0]}}, {"down": 0.5, "mid": 0.0}]),
+    "ip_masks": (
+        lambda: {
+            "ip_adapter_image": [[_image(1)], [_image(2), _image(3)]],
+            "cross_attention_kwargs": {"ip_adapter_masks": _masks()},
+        },
+        [0.7, [0.5, 0.9]],
+    ),
+    "instantstyle_layer_scales": (
+        lambda: {"ip_adapter_image": [_image(1), _image(2)]},
+        [{"up": {"block_1": [1.0]}}, {"down": 0.5, "mid": 0.0}],
+    ),
     "scale_zero": (lambda: {"ip_adapter_image": [_image(1), _image(2)]}, [0.0, 0.0]),
 }
 
@@ -142,8 +161,9 @@ def test_swap_changes_image_and_unset_restores(sd15):
     assert np.array_equal(stock, back)
 
 
-@pytest.mark.parametrize("scheduler_cls", [DDIMScheduler, PNDMScheduler, EulerDiscreteScheduler,
-                                           DPMSolverMultistepScheduler])
+@pytest.mark.parametrize(
+    "scheduler_cls", [DDIMScheduler, PNDMScheduler, EulerDiscreteScheduler, DPMSolverMultistepScheduler]
+)
 def test_step_labels_equal_scheduler_timesteps(sd15, scheduler_cls):
     from nw_adapter.schedules import noise_level
 
@@ -260,15 +280,20 @@ def test_sdxl_from_pipe_and_swap(sdxl):
     assert np.array_equal(ref, _run(StableDiffusionXLNWPipeline.from_pipe(stock), **kwargs))
 
 
-@pytest.mark.parametrize(("file", "cls_name"), [("pipeline_stable_diffusion_nw.py", "StableDiffusionNWPipeline"),
-                                                ("pipeline_stable_diffusion_xl_nw.py",
-                                                 "StableDiffusionXLNWPipeline")])
+@pytest.mark.parametrize(
+    ("file", "cls_name"),
+    [
+        ("pipeline_stable_diffusion_nw.py", "StableDiffusionNWPipeline"),
+        ("pipeline_stable_diffusion_xl_nw.py", "StableDiffusionXLNWPipeline"),
+    ],
+)
 def test_custom_pipeline_file(tiny_sd15_dir, tiny_sdxl_dir, file, cls_name, tmp_path, monkeypatch):
     import diffusers.utils.dynamic_modules_utils as dyn
 
     monkeypatch.setattr(dyn, "HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder = tiny_sdxl_dir if "xl" in file else tiny_sd15_dir
-    pipe = DiffusionPipeline.from_pretrained(folder, custom_pipeline=str(ROOT / "pipelines" / file),
-                                             trust_remote_code=True)
+    pipe = DiffusionPipeline.from_pretrained(
+        folder, custom_pipeline=str(ROOT / "pipelines" / file), trust_remote_code=True
+    )
     assert type(pipe).__name__ == cls_name
     assert hasattr(pipe, "set_ip_adapter_nw_processor")
