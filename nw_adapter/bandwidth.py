@@ -3,7 +3,8 @@
 Each rule works per leading index (e.g. per (batch, head) for ``[B, H, n, d]`` queries and
 ``[B, H, m, d]`` keys): the query rows ``n`` (and keys ``m``) are reduced, the leading dims stay.
 Returned bandwidths plug straight into :mod:`nw_adapter.kernels` as ``bandwidth[..., None, None]``.
-Nothing here synchronises with the device.
+Nothing here synchronises with the device unless ``validate=True`` is passed (shapes are always
+checked; values such as NaN only with ``validate``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 import torch
 from torch import Tensor
 
-from nw_adapter.kernels import compute_dtype, no_autocast, nw_logits
+from nw_adapter.kernels import _logits, compute_dtype, no_autocast
+
+_NAMES = ("query", "key", "key_mask")
 
 __all__ = [
     "fit_schedule_constant",
@@ -65,6 +68,7 @@ def fitted_bandwidth(
     key_mask: Tensor | None = None,
     steps: int = 48,
     beta_range: tuple[float, float] = (1e-6, 1e6),
+    validate: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Bandwidth ``h = beta*^(-1/2)`` whose NW weights best match the attention weights.
 
@@ -83,6 +87,7 @@ def fitted_bandwidth(
         key_mask: optional bool ``[..., m]``, True = valid key.
         steps: bisection steps.
         beta_range: bracket of ``beta * sqrt(d)`` (beta relative to the matched ``1/sqrt(d)``).
+        validate: also check values (NaN, empty mask rows); off by default because it syncs.
 
     Returns:
         ``(h, kl)``, both ``[...]`` float32 (float64 for float64 inputs): the fitted bandwidth and
@@ -94,7 +99,7 @@ def fitted_bandwidth(
         raise ValueError(f"beta_range must satisfy 0 < low < high < inf, got {beta_range}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
-    g = nw_logits(query, key, 1.0, support_mask=key_mask, validate=False)  # -||q - k||^2 / 2
+    g = _logits(query, key, 1.0, key_mask, validate, names=_NAMES)  # -||q - k||^2 / 2
     if attn.shape[-2:] != g.shape[-2:]:
         raise ValueError(
             f"attn must have shape [..., n, m] = [..., {g.shape[-2]}, {g.shape[-1]}], got {tuple(attn.shape)}"
@@ -125,7 +130,9 @@ def fitted_bandwidth(
     return beta.rsqrt(), kl
 
 
-def median_bandwidth(query: Tensor, key: Tensor, *, key_mask: Tensor | None = None) -> Tensor:
+def median_bandwidth(
+    query: Tensor, key: Tensor, *, key_mask: Tensor | None = None, validate: bool = False
+) -> Tensor:
     """Median heuristic ``h^2 = median_{j, i} ||q_j - k_i||^2 / 2`` over all (query, valid key) pairs.
 
     The median is the lower median (torch.nanmedian). It over-smooths in high ``d_k``.
@@ -134,11 +141,12 @@ def median_bandwidth(query: Tensor, key: Tensor, *, key_mask: Tensor | None = No
         query: ``[..., n, d]``.
         key: ``[..., m, d]``.
         key_mask: optional bool ``[..., m]``.
+        validate: also check values (NaN, empty mask rows); off by default because it syncs.
 
     Returns:
         ``[...]`` h.
     """
-    g = nw_logits(query, key, 1.0, support_mask=key_mask, validate=False)  # -||q - k||^2 / 2
+    g = _logits(query, key, 1.0, key_mask, validate, names=_NAMES)  # -||q - k||^2 / 2
     with no_autocast(g.device):
         dist2_half = torch.where(torch.isfinite(g), -g, torch.full((), math.nan, dtype=g.dtype))
         return dist2_half.flatten(-2).nanmedian(dim=-1).values.sqrt()

@@ -211,7 +211,20 @@ def nw_logits(
         ``[L..., n, m]`` float32 (float64 for float64 inputs). Direct differences of centred
         points are used, so the result is accurate to a few ulps of ``||x - s||^2 / 2h^2``.
     """
-    q, s, h, mask, lead = _prepare(query, support, bandwidth, support_mask, validate)
+    return _logits(query, support, bandwidth, support_mask, validate, element_budget)
+
+
+def _logits(
+    query: Tensor,
+    support: Tensor,
+    bandwidth: BandwidthLike,
+    support_mask: Tensor | None,
+    validate: bool,
+    element_budget: int = ELEMENT_BUDGET,
+    names: tuple[str, str, str] = ("query", "support", "support_mask"),
+) -> Tensor:
+    """:func:`nw_logits` with the argument names used in error messages as a parameter."""
+    q, s, h, mask, lead = _prepare(query, support, bandwidth, support_mask, validate, names)
     n, m, d = q.shape[-2], s.shape[-2], q.shape[-1]
     with no_autocast(q.device):
         inv = _expand_h(h)
