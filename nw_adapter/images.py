@@ -278,9 +278,9 @@ def _scan_dir(folder: Path) -> list[Path]:
     return found
 
 
-def collect_image_paths(images: Iterable[str | Path] = (), image_dirs: Iterable[str | Path] = ()) -> list[
-    tuple[Path, str]
-]:
+def collect_image_paths(
+    images: Iterable[str | Path] = (), image_dirs: Iterable[str | Path] = ()
+) -> list[tuple[Path, str]]:
     """List the reference files named by ``--image`` and ``--image-dir``, in order.
 
     Folders are scanned non-recursively for :data:`IMAGE_SUFFIXES`, sorted by name; hidden

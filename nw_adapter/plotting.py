@@ -184,14 +184,22 @@ def plot_attention_maps(generated, panels: Sequence[MapPanel], path: str | os.Pa
             for offset, (label, data) in enumerate((("A", panel.attn), ("NW", panel.nw))):
                 ax = axes[row][1 + 2 * col + offset]
                 ax.imshow(image, extent=extent)
-                ax.imshow(data, extent=extent, cmap="inferno", alpha=0.6, vmin=0.0, vmax=vmax,
-                          interpolation="nearest")
+                ax.imshow(
+                    data,
+                    extent=extent,
+                    cmap="inferno",
+                    alpha=0.6,
+                    vmin=0.0,
+                    vmax=vmax,
+                    interpolation="nearest",
+                )
                 ax.set_title(f"{label} token {panel.token}", fontsize=7)
         for ax in axes[row]:
             ax.set_xticks([])
             ax.set_yticks([])
-        for ax in axes[row][1 + 2 * len(row_panels):]:
+        for ax in axes[row][1 + 2 * len(row_panels) :]:
             ax.set_visible(False)
-    fig.suptitle(f"image-branch attention (A) vs NW weights, layer {panels[0].layer}, tokens {tokens}",
-                 fontsize=8)
+    fig.suptitle(
+        f"image-branch attention (A) vs NW weights, layer {panels[0].layer}, tokens {tokens}", fontsize=8
+    )
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))

@@ -157,6 +157,7 @@ def select_steps(step_rows: Sequence[dict], targets: Sequence[float] = PAPER_TIM
     """
     if not targets or not step_rows:
         return list(step_rows)
+
     def closest(target: float) -> int:
         return min(range(len(step_rows)), key=lambda i: (abs(step_rows[i]["timestep"] - target), i))
 

@@ -40,7 +40,9 @@ def write_png16_rgb(path: Path, array: np.ndarray) -> Path:
     raw = b"".join(b"\x00" + array[row].astype(">u2").tobytes() for row in range(height))
     ihdr = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)
     path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(raw))
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", zlib.compress(raw))
         + _png_chunk(b"IEND", b"")
     )
     return path
@@ -50,7 +52,9 @@ def write_bomb_png(path: Path, side: int = 20000) -> Path:
     """A PNG whose header claims side x side pixels (a decompression bomb), with tiny data."""
     ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
     path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", zlib.compress(b"\x00" * 64))
         + _png_chunk(b"IEND", b"")
     )
     return path

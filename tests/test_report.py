@@ -35,8 +35,12 @@ DDIM_50 = [981 - 20 * i for i in range(50)]  # SD 1.5, 50 DDIM steps, steps_offs
 
 
 def make_records(
-    timesteps=(981, 501, 1), layers=("down_blocks.0.a", "mid_block.a", "up_blocks.1.a"), heads=2, seed=0,
-    references=("ref-a",), halves=("uncond", "cond"),
+    timesteps=(981, 501, 1),
+    layers=("down_blocks.0.a", "mid_block.a", "up_blocks.1.a"),
+    heads=2,
+    seed=0,
+    references=("ref-a",),
+    halves=("uncond", "cond"),
 ) -> list[dict]:
     """Records in the recorder's schema with rho rising over the steps, plus a ``reference`` key."""
     rng = random.Random(seed)
@@ -48,10 +52,21 @@ def make_records(
                     for half in halves:
                         rho = 0.3 + 0.6 * step / max(1, len(timesteps) - 1) + rng.uniform(-0.05, 0.05)
                         record = {
-                            "reference": reference, "call": 0, "step": step, "timestep": float(t),
-                            "alpha": 0.5, "sigma": 0.5, "h_schedule": 1.0, "layer": layer,
-                            "block": layer.split("_")[0], "head": head, "half": half, "adapter": 0,
-                            "image": 0, "scale": 1.0, "num_keys": 4,
+                            "reference": reference,
+                            "call": 0,
+                            "step": step,
+                            "timestep": float(t),
+                            "alpha": 0.5,
+                            "sigma": 0.5,
+                            "h_schedule": 1.0,
+                            "layer": layer,
+                            "block": layer.split("_")[0],
+                            "head": head,
+                            "half": half,
+                            "adapter": 0,
+                            "image": 0,
+                            "scale": 1.0,
+                            "num_keys": 4,
                         }
                         for name in STAT_FIELDS:
                             record[name] = rng.uniform(0, 1)
