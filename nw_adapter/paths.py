@@ -336,6 +336,8 @@ class NWVelocityField:
             raise ValueError("x must be a tensor [..., n, d]")
         if x.shape[-1] != self.support.shape[-1]:
             raise ValueError(f"x must have d = {self.support.shape[-1]} features, got shape {tuple(x.shape)}")
+        if validate and not bool(torch.isfinite(x).all()):
+            raise ValueError("x contains NaN or inf values")
         dtype = compute_dtype(x, self.support)
         a = self.path.alpha(t, validate=validate)
         b = self.path.sigma(t, validate=False)
