@@ -131,19 +131,25 @@ def pearson_raveled(a: Tensor, b: Tensor) -> Tensor:
     return pearson(a.flatten(-2), b.flatten(-2))
 
 
-def kl_divergence(p: Tensor, q: Tensor) -> Tensor:
+def kl_divergence(p: Tensor, q: Tensor, *, log_q: Tensor | None = None) -> Tensor:
     """``KL(p || q) = sum_i p_i (log p_i - log q_i)`` over the last dim (natural log, 0 log 0 = 0).
 
     Args:
         p: ``[..., m]`` probability rows.
         q: ``[..., m]`` probability rows.
+        log_q: optional ``[..., m]`` log-probabilities of q (e.g. ``log_softmax`` of NW logits),
+            used instead of ``log q``: finite even where ``q`` underflows to 0 at tiny bandwidths.
 
     Returns:
-        ``[...]``; ``inf`` where ``q_i = 0 < p_i``.
+        ``[...]``; ``inf`` where ``q_i = 0 < p_i`` (with ``log_q``: where ``log_q_i = -inf``).
     """
     p, q = _pair(p, q, ("p", "q"))
     with no_autocast(p.device):
-        return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
+        if log_q is None:
+            return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
+        lq = log_q.to(device=p.device, dtype=p.dtype)
+        cross = torch.where(p > 0, p * lq, torch.zeros((), dtype=p.dtype, device=p.device))
+        return (torch.xlogy(p, p) - cross).sum(-1)
 
 
 def js_divergence(p: Tensor, q: Tensor) -> Tensor:

@@ -75,7 +75,18 @@ def test_kl_and_js_match_scipy() -> None:
     np.testing.assert_allclose(kl_divergence(p, q).numpy(), kl_ref, rtol=1e-12)
     np.testing.assert_allclose(js_divergence(p, q).numpy(), js_ref, rtol=1e-10)
     assert torch.isinf(kl_divergence(q[:1], p[:1]))  # q > 0 where p = 0
+    np.testing.assert_allclose(kl_divergence(p, q, log_q=q.log()).numpy(), kl_ref, rtol=1e-12)
     assert float(js_divergence(q[:1], p[:1])) <= math.log(2)
+
+
+def test_kl_from_log_probabilities_stays_finite_when_weights_underflow() -> None:
+    logits = torch.tensor([[0.0, -800.0, -1000.0]])  # exp underflows to 0 in float32 and float64
+    q = torch.softmax(logits, -1)
+    p = torch.tensor([[0.5, 0.25, 0.25]])
+    assert torch.isinf(kl_divergence(p, q))
+    expected = float((p * p.log()).sum() - (p * torch.log_softmax(logits, -1)).sum())
+    got = kl_divergence(p, q, log_q=torch.log_softmax(logits, -1))
+    assert math.isclose(float(got), expected, rel_tol=1e-6)
 
 
 def test_top1_agreement() -> None:
