@@ -248,8 +248,17 @@ def norm_equalised_null_rho(
 
 
 def _pairwise_dist2(x: Tensor, y: Tensor) -> Tensor:
-    """``||x_i - y_j||^2`` by direct differences (exact to rounding), ``[..., n, m]``."""
-    return (x[..., :, None, :] - y[..., None, :, :]).square().sum(-1)
+    """``||x_i - y_j||^2``, ``[..., n, m]``, in O(n m) memory.
+
+    Both samples are centred on a common point first (the mean of ``x``), so the expanded form
+    ``|x|^2 + |y|^2 - 2 x.y`` loses only ``~eps * spread^2`` (not ``eps * ||offset||^2``); the
+    result is clamped at 0.
+    """
+    c = x.mean(dim=-2, keepdim=True)
+    xc, yc = x - c, y - c
+    sq_x, sq_y = xc.square().sum(-1), yc.square().sum(-1)
+    d2 = sq_x[..., :, None] + sq_y[..., None, :] - 2.0 * (xc @ yc.transpose(-1, -2))
+    return d2.clamp_min(0.0)
 
 
 def _check_samples(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
