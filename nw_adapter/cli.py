@@ -449,6 +449,12 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
         state=state,
         progress=not args.quiet and state.is_main_process,
     )
+    if state.num_processes > 1 and not args.quiet:
+        print(
+            f"note: process {state.process_index}/{state.num_processes} computed "
+            f"{len(outcome.computed)} image(s)",
+            file=sys.stderr,
+        )
     if outcome.reused:
         _note(args, state, f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}")
     if not state.is_main_process:

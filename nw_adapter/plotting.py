@@ -43,7 +43,8 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
     present = [b for b in (*BLOCKS, "other") if any(r.get("block") == b for r in block_rows)]
     if not present:
         raise ValueError("block_rows: no rows with a block; nothing to plot (did the run record any layer?)")
-    fig = Figure(figsize=(3.2 * len(present) + 0.6, 3.4), layout="constrained")
+    fig = Figure(figsize=(3.2 * len(present) + 0.6, 3.4))
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.82, wspace=0.1)
     axes = fig.subplots(1, len(present), sharey=True, squeeze=False)[0]
     for ax, block in zip(axes, present, strict=True):
         rows = sorted((r for r in block_rows if r.get("block") == block), key=lambda r: -float(r["timestep"]))
@@ -56,6 +57,7 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
         ax.plot(t, rho, marker="o", markersize=3, color=color, label=f"rho ({block})")
         ax.axhline(0.0, color="0.3", linewidth=0.6)
         ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
+        ax.set_xticks([750, 500, 250])
         ax.set_ylim(-0.2, 1.05)
         ax.set_xlabel("timestep (denoising ->)")
         ax.set_title(f"{block} block")
@@ -170,7 +172,10 @@ def plot_attention_maps(generated, panels: Sequence[MapPanel], path: str | os.Pa
     tokens = sorted({p.token for p in panels}, key=int)
     per_step = {s: [p for p in panels if p.step == s] for s in steps}
     ncols = 1 + 2 * max(len(v) for v in per_step.values())
-    fig = Figure(figsize=(1.6 * ncols, 1.7 * len(steps) + 0.5), layout="constrained")
+    fig = Figure(figsize=(1.6 * ncols, 1.75 * len(steps) + 0.5))
+    fig.subplots_adjust(
+        left=0.01, right=0.99, bottom=0.02, top=1 - 0.45 / (1.75 * len(steps) + 0.5), wspace=0.06, hspace=0.22
+    )
     axes = fig.subplots(len(steps), ncols, squeeze=False)
     image = np.asarray(generated.convert("RGB"))
     extent = (0, image.shape[1], image.shape[0], 0)
