@@ -92,6 +92,11 @@ def fitted_bandwidth(
     Returns:
         ``(h, kl)``, both ``[...]`` float32 (float64 for float64 inputs): the fitted bandwidth and
         the residual ``mean_rows KL(A || NW(h))`` (clamped at 0 against rounding).
+
+    Example:
+        >>> q, k = torch.randn(2, 8, 64, 40), torch.randn(2, 8, 4, 40)
+        >>> attn = torch.softmax(q @ k.transpose(-1, -2) / 40**0.5, dim=-1)
+        >>> h, kl = fitted_bandwidth(attn, q, k)  # [2, 8] each, one per (batch, head)
     """
     if not isinstance(attn, Tensor) or attn.dim() < 2:
         raise ValueError("attn must be a tensor [..., n, m] of attention probability rows")

@@ -260,6 +260,12 @@ def nw_weights(
     Returns:
         ``[L..., n, m]`` float32 (float64 for float64 inputs); masked entries are 0, rows of an
         all-masked support are NaN (only reachable with ``validate=False``).
+
+    Example:
+        >>> q, k = torch.randn(2, 8, 64, 40), torch.randn(2, 8, 4, 40)  # [B, H, n, d], [B, H, m, d]
+        >>> w = nw_weights(q, k, torch.full((8,), 40**0.25), validate=False)  # h per head
+        >>> w.shape
+        torch.Size([2, 8, 64, 4])
     """
     logits = nw_logits(
         query, support, bandwidth, support_mask=support_mask, validate=validate, element_budget=element_budget
@@ -304,6 +310,12 @@ def gaussian_kernel_attention(
 
     Returns:
         ``[L..., n, d_v]``. Rows with no valid key are NaN (only reachable with validate=False).
+
+    Example:
+        >>> x, s = torch.randn(65536, 64), torch.randn(1024, 64)
+        >>> m = gaussian_kernel_attention(x, s, s, 3.0, form="augmented", chunk_size=8192)
+        >>> m.shape
+        torch.Size([65536, 64])
     """
     if form not in ("bias", "augmented"):
         raise ValueError(f"form must be 'bias' or 'augmented', got {form!r}")

@@ -81,6 +81,11 @@ def sample_ode(
 
     Returns:
         ``[..., n, d]`` points at ``grid[-1]``.
+
+    Example:
+        >>> from nw_adapter.paths import NWVelocityField, OTPath
+        >>> field = NWVelocityField(torch.randn(50, 2), OTPath(sigma_min=0.01))
+        >>> samples = sample_ode(field, torch.randn(500, 2), time_grid(100), method="heun")
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -165,6 +165,15 @@ def test_mmd2_matches_explicit_formula_and_median_heuristic() -> None:
     assert math.isclose(float(out[0]), ref_fixed, rel_tol=1e-10)
 
 
+def test_mmd2_float32_far_from_origin_matches_float64() -> None:
+    g = torch.Generator().manual_seed(10)
+    x = (1e3 + torch.randn(200, 8, generator=g)).float()
+    y = (1e3 + torch.randn(200, 8, generator=g) + 0.1).float()
+    ref = float(mmd2_unbiased(x.double(), y.double()))  # same rounded inputs
+    # centred distances: kernel errors ~ eps * 2 d spread^2 / sigma^2 ~ 1e-6 (uncentred: ~eps * 1e6 ~ 0.1)
+    assert abs(float(mmd2_unbiased(x, y)) - ref) < 1e-5
+
+
 def test_mmd2_is_centred_on_zero_for_one_distribution_and_positive_for_two() -> None:
     gen = torch.Generator().manual_seed(8)
     seeds, n, d = 200, 60, 2
