@@ -7,8 +7,10 @@ JSON's table. Option tests compare against the baseline run so that an ignored o
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
+import io
 import json
 import math
 from pathlib import Path
@@ -57,9 +59,11 @@ def baseline(tmp_path_factory, photos, model_args) -> dict:
     out = tmp_path_factory.mktemp("baseline") / "out"
     argv = ["--image", photos["china"], "--image", photos["flower"], *model_args, *BASE, "--store-maps"]
     argv += ["--out", out]
-    code = main([str(a) for a in argv])
-    assert code == 0
-    return {"out": out, "argv": argv}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([str(a) for a in argv])
+    assert code == 0, stderr.getvalue()
+    return {"out": out, "argv": argv, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
 def printed_table(stdout: str) -> tuple[str, str]:
@@ -114,12 +118,14 @@ def test_files_and_schema(baseline, photos) -> None:
     assert all(r["neff_attn"] >= 1 and r["neff_nw"] >= 1 for r in cond)
 
 
-def test_printed_table_equals_the_json(baseline, capsys) -> None:
-    out = baseline["out"]
-    code, stdout, err = run(baseline["argv"], capsys)  # a resumed rerun prints the same report
-    assert code == 0 and "resumed: 2 finished image(s)" in err
-    report = json.loads((out / "rho.json").read_text())
-    table, verdict_line = printed_table(stdout)
+def test_progress_bars_are_shown(baseline) -> None:
+    assert "images (process 0)" in baseline["stderr"]  # over the reference images
+    assert "2/2 [" in baseline["stderr"]  # diffusers' bar over the denoising steps
+
+
+def test_printed_table_equals_the_json(baseline) -> None:
+    report = json.loads((baseline["out"] / "rho.json").read_text())
+    table, verdict_line = printed_table(baseline["stdout"])
     assert table == format_table(report["table"])
     assert verdict_line == format_verdict(report["verdict"])
     parsed = parse_table(table)
@@ -154,8 +160,9 @@ def test_resume_recomputes_only_the_missing_image(baseline, capsys) -> None:
     china, flower = key_of(report, "china"), key_of(report, "flower")
     kept = (out / "images" / china / "result.json").stat().st_mtime_ns
     (out / "images" / flower / "result.json").unlink()  # as if interrupted during the second image
-    code, _, err = run(baseline["argv"], capsys)
+    code, stdout, err = run(baseline["argv"], capsys)
     assert code == 0 and "resumed: 1 finished image(s)" in err
+    assert stdout == baseline["stdout"]
     assert (out / "images" / china / "result.json").stat().st_mtime_ns == kept
     assert (out / "rho.json").read_text() == before  # recomputed image gives identical numbers
 
