@@ -218,7 +218,7 @@ class GaussianMixtureFamily(TaskFamily):
         base = torch.empty(b, k_hi, 1).uniform_(*self.std_range, generator=generator)
         aspect = torch.empty(b, k_hi, 1).uniform_(*self.aspect_range, generator=generator)
         expo = torch.linspace(-0.5, 0.5, d) if d > 1 else torch.zeros(1)
-        stds = base * aspect ** expo
+        stds = base * aspect**expo
         return {"num_components": num_components, "means": means, "rotations": rotations, "stds": stds}
 
     def sample_points(self, params: dict[str, Tensor], num_points: int, generator: torch.Generator) -> Tensor:

@@ -1,0 +1,238 @@
+"""Sub-experiments ("units") of the three failure regimes; each writes one result JSON.
+
+Units (ids in brackets):
+
+- dimension sweep, Gaussian mixtures in d: a learned model per (d, seed, variant OFF/ON)
+  [``dims-d<d>-s<seed>-<off|on>``] and the plug-in field per d [``dims-d<d>-plugin``];
+- shells in d: a learned model (OFF) per (d, seed) [``shells-d<d>-s<seed>-off``] and the
+  plug-in per d [``shells-d<d>-plugin``];
+- support-size sweep on real features: one learned model per seed trained on ragged m in
+  [1, max m] [``digits-s<seed>-learned``], and the plug-in [``digits-plugin``], both scored at
+  every m of the sweep on nested supports of the same test tasks.
+
+Evaluation tasks depend on the regime and d only (never on the training seed or the method),
+and all methods start from the same noise, so comparisons are paired by task and by seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
+from nw_adapter.experiments.fields import model_field, plugin_field
+from nw_adapter.experiments.heads import analyse_heads
+from nw_adapter.experiments.model import ICFMConfig
+from nw_adapter.experiments.scale import Scale
+from nw_adapter.experiments.tasks import (
+    GaussianMixtureFamily,
+    ShellFamily,
+    TaskBatch,
+    TaskFamily,
+    load_digits_features,
+    load_feature_file,
+    make_feature_splits,
+    split_generator,
+)
+from nw_adapter.experiments.training import TrainConfig, train
+
+__all__ = ["plan_units", "run_unit", "write_json_atomic", "SIGMA_MIN", "EVAL_SEED"]
+
+SIGMA_MIN = 0.01
+EVAL_SEED = 0
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write JSON to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, allow_nan=True))
+    os.replace(tmp, path)
+
+
+def plan_units(scale: Scale, regimes: tuple[str, ...]) -> list[dict]:
+    """All units of the chosen regimes, cheapest (plug-in) first within a regime."""
+    units: list[dict] = []
+    if "dims" in regimes:
+        for d in scale.dims:
+            units.append({"id": f"dims-d{d}-plugin", "regime": "dims", "d": d, "method": "plugin"})
+            for seed in range(scale.seeds):
+                for variant in ("off", "on"):
+                    units.append(
+                        {
+                            "id": f"dims-d{d}-s{seed}-{variant}",
+                            "regime": "dims",
+                            "d": d,
+                            "seed": seed,
+                            "method": variant,
+                        }
+                    )
+    if "shells" in regimes:
+        for d in scale.shell_dims:
+            units.append({"id": f"shells-d{d}-plugin", "regime": "shells", "d": d, "method": "plugin"})
+            for seed in range(scale.seeds):
+                units.append(
+                    {
+                        "id": f"shells-d{d}-s{seed}-off",
+                        "regime": "shells",
+                        "d": d,
+                        "seed": seed,
+                        "method": "off",
+                    }
+                )
+    if "digits" in regimes:
+        units.append({"id": "digits-plugin", "regime": "digits", "method": "plugin"})
+        for seed in range(scale.seeds):
+            units.append({"id": f"digits-s{seed}-learned", "regime": "digits", "seed": seed, "method": "off"})
+    return units
+
+
+def _family(unit: dict) -> TaskFamily:
+    return GaussianMixtureFamily(unit["d"]) if unit["regime"] == "dims" else ShellFamily(unit["d"])
+
+
+def _feature_splits(scale: Scale):
+    if scale.features:
+        x, y = load_feature_file(scale.features, scale.labels)
+    else:
+        x, y = load_digits_features()
+    return make_feature_splits(x, y, num_components=min(16, x.shape[1]))
+
+
+def _model_config(scale: Scale, dim: int, exact_head: bool) -> ICFMConfig:
+    return ICFMConfig(
+        dim=dim,
+        d_model=scale.d_model,
+        num_heads=scale.num_heads,
+        num_layers=scale.num_layers,
+        exact_head=exact_head,
+        sigma_min=SIGMA_MIN,
+    )
+
+
+def _train_config(scale: Scale, seed: int, steps: int, num_support) -> TrainConfig:
+    return TrainConfig(
+        steps=steps,
+        tasks_per_batch=scale.tasks_per_batch,
+        targets_per_task=scale.targets_per_task,
+        num_support=num_support,
+        lr=scale.lr,
+        warmup_steps=min(50, max(1, steps // 10)),
+        sigma_min=SIGMA_MIN,
+        seed=seed,
+        checkpoint_every=max(1, steps // 4),
+    )
+
+
+def _eval_config(scale: Scale) -> EvalConfig:
+    return EvalConfig(
+        num_generated=scale.eval_generated, grid_points=scale.grid_points, sigma_min=SIGMA_MIN, seed=EVAL_SEED
+    )
+
+
+def _lists(res: dict, name: str) -> dict:
+    return {k: v.tolist() for k, v in res[name].items()}
+
+
+def _train_unit(unit, scale, family, steps, num_support, ckpt_dir, progress):
+    t0 = time.process_time()
+    result = train(
+        family,
+        _model_config(scale, family.dim, unit["method"] == "on"),
+        _train_config(scale, unit["seed"], steps, num_support),
+        checkpoint_dir=ckpt_dir,
+        progress=progress,
+        description=unit["id"],
+    )
+    losses = result.losses
+    k = max(1, len(losses) // 10)
+    info = {
+        "steps": result.step,
+        "resumed_from": result.resumed_from,
+        "loss_first": sum(losses[:k]) / k,
+        "loss_last": sum(losses[-k:]) / k,
+        "loss_curve": losses[:: max(1, len(losses) // 50)],
+        "cpu_s": time.process_time() - t0,
+    }
+    return result.model, info
+
+
+def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False) -> dict:
+    """Run one unit (train if learned, evaluate, analyse heads) and write its result JSON.
+
+    Args:
+        unit: A dict from :func:`plan_units`.
+        scale: Experiment scale.
+        out_dir: Run folder; the result goes to ``results/<id>.json``, checkpoints to
+            ``checkpoints/<id>/`` (training resumes from them).
+        progress: Show the training progress bar.
+
+    Returns:
+        The result dict (also written to disk).
+    """
+    out_dir = Path(out_dir)
+    ckpt_dir = out_dir / "checkpoints" / unit["id"]
+    wall0 = time.time()
+    payload: dict = dict(unit)
+    ecfg = _eval_config(scale)
+    if unit["regime"] in ("dims", "shells"):
+        family = _family(unit)
+        tasks = family.sample(
+            scale.eval_tasks,
+            scale.num_support,
+            scale.eval_targets,
+            generator=split_generator(EVAL_SEED, "test"),
+        )
+        if unit["method"] == "plugin":
+            t0 = time.process_time()
+            res = evaluate_methods(
+                {"plugin": lambda s, mk: plugin_field(s, mk, sigma_min=SIGMA_MIN)}, tasks, ecfg
+            )
+            payload.update(
+                _lists(res, "plugin"), neff=res["neff"].tolist(), sigma_fixed=res["sigma_fixed"].tolist()
+            )
+        else:
+            model, payload["train"] = _train_unit(
+                unit, scale, family, scale.steps, scale.num_support, ckpt_dir, progress
+            )
+            t0 = time.process_time()
+            res = evaluate_methods({"model": lambda s, mk: model_field(model, s, mk)}, tasks, ecfg)
+            payload.update(_lists(res, "model"))
+            if unit["method"] == "off":
+                head_tasks = TaskBatch(
+                    tasks.support[: scale.head_tasks], tasks.target[: scale.head_tasks, : scale.head_targets]
+                )
+                payload["heads"] = analyse_heads(model, head_tasks, scale.head_times, sigma_min=SIGMA_MIN)
+        payload["eval_cpu_s"] = time.process_time() - t0
+    elif unit["regime"] == "digits":
+        splits = _feature_splits(scale)
+        m_max = max(scale.support_sizes)
+        n_test = scale.digits_tasks_per_class * len(splits.test.classes)
+        base = splits.test.sample(
+            n_test, m_max, scale.digits_targets, generator=split_generator(EVAL_SEED, "test")
+        )
+        payload["explained_variance"] = splits.explained_variance
+        payload["train_classes"], payload["test_classes"] = splits.train.classes, splits.test.classes
+        if unit["method"] == "plugin":
+            methods = {"plugin": lambda s, mk: plugin_field(s, mk, sigma_min=SIGMA_MIN)}
+            name = "plugin"
+        else:
+            model, payload["train"] = _train_unit(
+                unit, scale, splits.train, scale.digits_steps, (1, m_max), ckpt_dir, progress
+            )
+            methods = {"model": lambda s, mk: model_field(model, s, mk)}
+            name = "model"
+        t0 = time.process_time()
+        per_m = {}
+        for m in scale.support_sizes:
+            res = evaluate_methods(methods, TaskBatch(base.support[:, :m], base.target), ecfg)
+            per_m[str(m)] = {**_lists(res, name), "neff": res["neff"].tolist()}
+        payload["per_m"] = per_m
+        payload["eval_cpu_s"] = time.process_time() - t0
+    else:
+        raise ValueError(f"unknown regime {unit['regime']!r}; use one of dims, shells, digits.")
+    payload["wall_s"] = time.time() - wall0
+    write_json_atomic(out_dir / "results" / f"{unit['id']}.json", payload)
+    return payload
