@@ -79,6 +79,9 @@ class NWProcessorConfig:
             swap; None = all.
         statistics: record statistics; None means True for observe and False for swap.
         nulls: compute the permutation null and the norm-equalised null of rho.
+        null_rows: number of random query rows (per layer and step) the two nulls are
+            estimated on; None = all rows. The nulls are controls, a mean of per-row values,
+            so a subsample keeps them cheap at a small variance cost.
         seed: seed of the generator of the nulls (reseeded at the start of every call).
         cfg: whether the batch is [uncond; cond]. None = ask the pipeline's
             ``do_classifier_free_guidance`` at every UNet call (False without a pipeline).
@@ -107,6 +110,7 @@ class NWProcessorConfig:
     steps: Sequence[int] | int | None = None
     statistics: bool | None = None
     nulls: bool = True
+    null_rows: int | None = 256
     seed: int = 0
     cfg: bool | None = None
     store_maps: bool = False
@@ -169,6 +173,11 @@ class NWProcessorConfig:
         mb = self.map_max_mb
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
             raise _err("map_max_mb", f"must be a positive number, got {mb!r}", "pass e.g. 256")
+        nr = self.null_rows
+        if nr is not None and (isinstance(nr, bool) or not isinstance(nr, int) or nr < 1):
+            raise _err(
+                "null_rows", f"must be None or an int >= 1, got {nr!r}", "pass e.g. 256 (None = all rows)"
+            )
         cs = self.chunk_size
         if cs is not None and (isinstance(cs, bool) or not isinstance(cs, int) or cs < 1):
             raise _err("chunk_size", f"must be None or an int >= 1, got {cs!r}", "pass e.g. 1024")

@@ -48,6 +48,8 @@ from diffusers.models.attention_processor import (
     IPAdapterAttnProcessor2_0,
 )
 
+from . import bandwidth as bw
+from . import kernels, metrics
 from .config import NWProcessorConfig
 from .recorder import STAT_NAMES, NWRecorder
 
@@ -130,8 +132,6 @@ class _NWProcessorMixin:
         self, q: torch.Tensor, k: torch.Tensor, attn_weights: torch.Tensor | None, s: float
     ) -> torch.Tensor | float:
         """h per (batch, head) [B, H] (or a float) under the configured rule."""
-        from . import bandwidth as bw
-
         rule = self.nw_config.bandwidth
         if isinstance(rule, float):
             return rule
@@ -261,8 +261,6 @@ class _NWProcessorMixin:
         masks: Sequence[Any],
         scales: Sequence[Any],
     ) -> None:
-        from . import metrics
-
         rec, cfg = self.recorder, self.nw_config
         q_raw = captured["q"]
         batch = q_raw.shape[0]
@@ -291,8 +289,12 @@ class _NWProcessorMixin:
             nan = torch.full(q.shape[:2], math.nan, device=q.device)
             if cfg.nulls:
                 gen = rec.generator(q.device)
-                perm_null = metrics.permutation_null_rho(attn_w, nw_w, generator=gen)
-                norm_null = metrics.norm_equalised_null_rho(q, k, scale=s, bandwidth=h, generator=gen)
+                a_n, w_n, q_n = attn_w, nw_w, q
+                if cfg.null_rows is not None and q.shape[-2] > cfg.null_rows:
+                    rows = torch.randperm(q.shape[-2], generator=gen, device=q.device)[: cfg.null_rows]
+                    a_n, w_n, q_n = attn_w[..., rows, :], nw_w[..., rows, :], q[..., rows, :]
+                perm_null = metrics.permutation_null_rho(a_n, w_n, generator=gen)
+                norm_null = metrics.norm_equalised_null_rho(q_n, k, scale=s, bandwidth=h, generator=gen)
             else:
                 perm_null = norm_null = nan
             stats = torch.stack(
@@ -355,21 +357,18 @@ class _NWProcessorMixin:
 def _gka(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | float, chunk_size: int | None
 ) -> torch.Tensor:
-    from .kernels import gaussian_kernel_attention
-
-    return gaussian_kernel_attention(q, k, v, h, chunk_size=chunk_size, validate=False)
+    """Gaussian-kernel attention [B, H, N, d_v] (no value checks: no host sync)."""
+    return kernels.gaussian_kernel_attention(q, k, v, h, chunk_size=chunk_size, validate=False)
 
 
 def _nw_weights(q: torch.Tensor, k: torch.Tensor, h: torch.Tensor | float) -> torch.Tensor:
-    from .kernels import nw_weights
-
-    return nw_weights(q, k, h, validate=False)
+    """NW weights [B, H, N, M] from direct differences (no value checks: no host sync)."""
+    return kernels.nw_weights(q, k, h, validate=False)
 
 
 def _ess(w: torch.Tensor) -> torch.Tensor:
-    from .kernels import effective_sample_size
-
-    return effective_sample_size(w)
+    """Effective sample size per row [B, H, N]."""
+    return kernels.effective_sample_size(w)
 
 
 def _pool_rows(

@@ -50,6 +50,7 @@ def test_normalisation():
         ({"statistics": "yes"}, "statistics"),
         ({"nulls": 1}, "nulls"),
         ({"seed": 1.5}, "seed"),
+        ({"null_rows": 0}, "null_rows"),
         ({"cfg": 1}, "cfg"),
         ({"store_maps": "no"}, "store_maps"),
         ({"store_maps": True, "mode": "swap"}, "store_maps"),

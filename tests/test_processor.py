@@ -441,3 +441,26 @@ def test_legacy_tensor_encoder_states_fall_back_to_stock():
     rec = _install(attn, stock)
     assert torch.equal(attn(x, packed), ref)
     assert rec.to_records() == []
+
+
+def test_null_rows_subsample_is_reproduced():
+    attn, stock = _attention(), _stock(tokens=(4,), scale=(1.0,))
+    x, text, ip = _inputs(images=(1,), tokens=(4,))
+    rec = _install(attn, stock, null_rows=5, seed=7, store_maps=True, map_dtype="float32", cfg=False)
+    attn(x, (text, ip))
+    q, (k,) = _captured_qk(attn, stock, x, ip)
+    maps = rec.maps()
+    A = maps["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/attn"]
+    W = maps["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/nw"]
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randperm(q.shape[-2], generator=gen)[:5]
+    perm = metrics.permutation_null_rho(A[..., rows, :], W[..., rows, :], generator=gen).mean(0)
+    norm = metrics.norm_equalised_null_rho(
+        q[..., rows, :].float(), k.float(), scale=1 / math.sqrt(DIM), bandwidth=DIM**0.25, generator=gen
+    ).mean(0)
+    records = rec.to_records()
+    assert [r["rho_perm_null"] for r in records] == pytest.approx(perm.tolist(), abs=1e-6)
+    assert [r["rho_norm_null"] for r in records] == pytest.approx(norm.tolist(), abs=1e-5)
+    rec_all = _install(attn, stock, null_rows=None, seed=7, cfg=False)
+    attn(x, (text, ip))
+    assert [r["rho_norm_null"] for r in rec_all.to_records()] != [r["rho_norm_null"] for r in records]
