@@ -14,8 +14,9 @@ The shape of every result is ``L + (n, m)`` or ``L + (n, d_v)`` where ``L`` is t
 ``query.shape[:-2]``, ``support.shape[:-2]``, ``support_mask.shape[:-1]`` and ``bandwidth.shape``.
 
 Numerics: inputs are upcast to float32 (float64 stays float64) and never run under autocast.
-Both query and support are centred on the (masked) support mean before any distance is formed,
-so data far from the origin loses nothing beyond the rounding of the inputs themselves.
+:func:`gaussian_kernel_attention` centres query and key on the (masked) key mean before the
+expanded form is used, so data far from the origin loses nothing beyond the rounding of the
+inputs themselves; the direct differences of :func:`nw_logits` need no centring.
 :func:`nw_logits` / :func:`nw_weights` use direct differences ``x - s_i`` (fused, ``torch.cdist``);
 :func:`gaussian_kernel_attention` uses the expanded dot-product form required by SDPA, whose
 absolute logit error is of order ``eps * (||x - c||^2 + ||s_i - c||^2) / (2 h^2)`` with ``c`` the
@@ -128,8 +129,12 @@ def _prepare(
     validate: bool,
     names: tuple[str, str, str] = ("query", "support", "support_mask"),
     extra: tuple[Tensor, ...] = (),
+    centre: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor | float, Tensor | None, torch.Size]:
-    """Validate, upcast and centre. Returns (q - c, s - c, h, mask, leading shape L)."""
+    """Validate, upcast and (optionally) centre. Returns (q - c, s - c, h, mask, leading shape L).
+
+    Masked support rows are zeroed so garbage (NaN) there cannot leak into any result.
+    """
     qn, sn, mn = names
     _check_points(qn, query, "[..., n, d]")
     _check_points(sn, support, "[..., m, d]")
@@ -163,14 +168,16 @@ def _prepare(
         _check_finite(sn, s, mask)
         if mask is not None and not bool(mask.any(-1).all()):
             raise ValueError(f"{mn} has a row with no valid support point (all False); every row needs one")
+    if mask is not None:
+        s = torch.where(mask[..., None], s, torch.zeros((), dtype=dtype, device=s.device))
+    if not centre:
+        return q, s, h, mask, lead
     if mask is None:
-        centre = s.mean(dim=-2, keepdim=True)
+        c = s.mean(dim=-2, keepdim=True)
     else:
-        w = mask[..., None]
-        s = torch.where(w, s, torch.zeros((), dtype=dtype, device=s.device))
-        count = w.sum(dim=-2, keepdim=True).clamp_min(1).to(dtype)
-        centre = s.sum(dim=-2, keepdim=True) / count
-    return q - centre, s - centre, h, mask, lead
+        count = mask[..., None].sum(dim=-2, keepdim=True).clamp_min(1).to(dtype)
+        c = s.sum(dim=-2, keepdim=True) / count
+    return q - c, s - c, h, mask, lead
 
 
 def _as_4d(x: Tensor, heads: int) -> Tensor:
@@ -222,7 +229,8 @@ def _logits(
     names: tuple[str, str, str] = ("query", "support", "support_mask"),
 ) -> Tensor:
     """:func:`nw_logits` with the argument names used in error messages as a parameter."""
-    q, s, h, mask, lead = _prepare(query, support, bandwidth, support_mask, validate, names)
+    # direct differences need no centring: x - s is exact up to one rounding wherever x ~ s
+    q, s, h, mask, lead = _prepare(query, support, bandwidth, support_mask, validate, names, centre=False)
     n, m = q.shape[-2], s.shape[-2]
     with no_autocast(q.device):
         inv = _expand_h(h)
