@@ -304,6 +304,13 @@ def build_report(
     )
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it to ``path``.
 
@@ -317,6 +324,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     tmp = Path(name)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual mode
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -183,6 +184,9 @@ def test_build_report_schema_is_strict_json(tmp_path: Path) -> None:
     assert len(rows) == len(records)
     assert list(rows[0])[:3] == ["reference", "call", "step"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rho.csv", "rho.json"]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert paths["json"].stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
     text = format_report(loaded)
     assert format_table(loaded["table"]) in text and text.splitlines()[-1].startswith("verdict:")
 
