@@ -20,7 +20,8 @@ inputs themselves; the direct differences of :func:`nw_logits` need no centring.
 :func:`nw_logits` / :func:`nw_weights` use direct differences ``x - s_i`` (fused, ``torch.cdist``);
 :func:`gaussian_kernel_attention` uses the expanded dot-product form required by SDPA, whose
 absolute logit error is of order ``eps * (||x - c||^2 + ||s_i - c||^2) / (2 h^2)`` with ``c`` the
-support mean.
+support mean. On CUDA, enabling TF32 matmuls (``torch.backends.cuda.matmul.allow_tf32``) lowers
+``eps`` of that form to ~1e-3; keep it off when float32 accuracy matters.
 
 A support row whose mask is all ``False`` has no NW weights: with ``validate=True`` this raises
 ``ValueError``; with ``validate=False`` its logits are ``-inf`` and its weights and means ``NaN``.
