@@ -346,12 +346,17 @@ def reported_steps(pipe: Any, steps: int, *, all_steps: bool = False) -> tuple[l
 
 
 def _device_and_state(requested: str) -> tuple[str, Any]:
+    """Resolve ``--device`` and join the other processes when launched distributed.
+
+    Under a multi-process launch, ``auto`` and a bare accelerator name (``cuda``) become the
+    process's own device (``cuda:<local rank>``) from ``PartialState``; an explicit index is kept.
+    """
     from .loading import resolve_device
     from .sweep import is_distributed_launch, process_state
 
     device = resolve_device(requested)
     state = process_state(cpu=device == "cpu")
-    if is_distributed_launch() and requested == "auto" and device != "cpu":
+    if is_distributed_launch() and device != "cpu" and ":" not in requested:
         device = str(state.device)
     return device, state
 
