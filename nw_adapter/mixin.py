@@ -225,6 +225,9 @@ class NWIPAdapterMixin:
 
     def _nw_call(self, parent_call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``parent_call``; on any exception remove the NW processors, then re-raise."""
+        recorder = active_recorder(self)
+        if recorder is not None:
+            recorder.new_call()
         try:
             return parent_call(*args, **kwargs)
         except BaseException:

@@ -8,8 +8,10 @@ and converts everything to Python once, at export.
 Call and step tracking: every UNet forward is one step. A new pipeline call is detected when
 ``pipe.scheduler.timesteps`` is a different tensor object than at the previous UNet forward
 (``set_timesteps`` creates a new tensor at the start of every call); the step counter then
-restarts at 0 and the call index increments. PNDM's repeated timestep is therefore a step of
-its own, so the step labels equal ``scheduler.timesteps`` entry by entry.
+restarts at 0 and the call index increments. Without a pipeline (a bare UNet) call
+:meth:`NWRecorder.new_call` before each sampling loop; the mixin pipelines also call it.
+PNDM's repeated timestep is a step of its own, so the step labels equal
+``scheduler.timesteps`` entry by entry.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ class NWRecorder:
         self._started = False
         self._generators: dict[torch.device, torch.Generator] = {}
         self._hook: Any = None
+        self._pending_call = False
 
     # ------------------------------------------------------------------ step tracking
     def attach(self, unet: torch.nn.Module) -> None:
@@ -161,7 +164,12 @@ class NWRecorder:
         hw = tuple(sample.shape[-2:]) if isinstance(sample, torch.Tensor) and sample.ndim == 4 else None
         scheduler = getattr(self.pipe, "scheduler", None)
         timesteps = getattr(scheduler, "timesteps", None)
-        new_call = not self._started or (timesteps is not None and timesteps is not self._last_timesteps)
+        new_call = (
+            not self._started
+            or self._pending_call
+            or (timesteps is not None and timesteps is not self._last_timesteps)
+        )
+        self._pending_call = False
         if new_call and timesteps is not None:
             self._last_timesteps = timesteps
             self._table = schedule_table(scheduler)
@@ -183,6 +191,10 @@ class NWRecorder:
         self.begin_step(
             call=call, step=step, timestep=_first(timestep), alpha=alpha, sigma=sigma, cfg=cfg, latent_hw=hw
         )
+
+    def new_call(self) -> None:
+        """Mark the next UNet forward as step 0 of a new call (needed only without a pipeline)."""
+        self._pending_call = True
 
     def begin_step(
         self,

@@ -154,8 +154,13 @@ def test_apply_on_bare_unet(pipe):
     before = dict(pipe.unet.attn_processors)
     rec = apply_nw_processor(pipe.unet, cfg=True, layers="mid_block")
     _run(pipe)
+    rec.new_call()
+    _run(pipe)
     remove_nw_processor(pipe.unet)
-    assert {r["half"] for r in rec.to_records()} == {"uncond", "cond"}
+    records = rec.to_records()
+    assert {r["half"] for r in records} == {"uncond", "cond"}
+    n_steps = len(pipe.scheduler.timesteps)
+    assert {(r["call"], r["step"]) for r in records} == {(c, s) for c in (0, 1) for s in range(n_steps)}
     assert all(pipe.unet.attn_processors[n] is before[n] for n in before)
     with pytest.raises(ValueError, match="no `unet`"):
         apply_nw_processor(object())
