@@ -152,6 +152,14 @@ class _NWProcessorMixin:
             attn_weights = torch.softmax((q @ k.transpose(-1, -2)) * s, dim=-1)
         return bw.fitted_bandwidth(attn_weights, q, k)[0]
 
+    def _index(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A cached index tensor on ``device`` (no host-to-device copy after the first step)."""
+        cache = self.__dict__.setdefault("_index_cache", {})
+        key = (values, device)
+        if key not in cache:
+            cache[key] = torch.tensor(values, device=device)
+        return cache[key]
+
     def _mask_factor(self, mask: torch.Tensor, batch: int, rows: int, inner: int, like: torch.Tensor):
         down = IPAdapterMaskProcessor.downsample(mask, batch, rows, inner)
         return down.to(dtype=like.dtype, device=like.device)
@@ -270,7 +278,7 @@ class _NWProcessorMixin:
         )
         if not heads:
             return
-        head_idx = None if cfg.heads is None else torch.tensor(heads, device=q_raw.device)
+        head_idx = None if cfg.heads is None else self._index(heads, q_raw.device)
         q = q_all.float() if head_idx is None else q_all.index_select(1, head_idx).float()
         s = self.attention_scale(attn, q.shape[-1])
         n_halves = 2 if rec.cfg and batch % 2 == 0 else 1
@@ -284,7 +292,10 @@ class _NWProcessorMixin:
             attn_w = torch.softmax((q @ k.transpose(-1, -2)) * s, dim=-1)  # A [B, H, N, M]
             h = self._bandwidth(q, k, attn_w, s)
             nw_w = _nw_weights(q, k, h)  # W [B, H, N, M]
-            h_t = torch.as_tensor(h, dtype=torch.float32, device=q.device).expand(q.shape[:2])
+            if isinstance(h, torch.Tensor):
+                h_t = h.float().expand(q.shape[:2])
+            else:
+                h_t = torch.full(q.shape[:2], float(h), device=q.device)
             knorm = k.norm(dim=-1)
             nan = torch.full(q.shape[:2], math.nan, device=q.device)
             if cfg.nulls:
@@ -335,7 +346,7 @@ class _NWProcessorMixin:
         keep = heads if cfg.map_heads is None else tuple(h for h in heads if h in cfg.map_heads)
         if not keep:
             return
-        pos = torch.tensor([heads.index(h) for h in keep], device=attn_w.device)
+        pos = self._index(tuple(heads.index(h) for h in keep), attn_w.device)
         maps = []
         grid = None
         for m in (attn_w.index_select(1, pos), nw_w.index_select(1, pos)):
