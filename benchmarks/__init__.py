@@ -1,0 +1,1 @@
+"""Reproducible performance measurements of nw-adapter (run ``python benchmarks/run.py``)."""

@@ -1,0 +1,178 @@
+"""Cost of the NW processor: one SD 1.5 cross-attention layer and one whole SD 1.5 UNet step.
+
+Variants, timed side by side in one process (see :mod:`benchmarks.timing`):
+
+- ``stock``: diffusers' ``IPAdapterAttnProcessor2_0``;
+- ``observe``: the NW processor in observe mode with the default options (matched bandwidth,
+  both nulls) -- what ``apply_nw_processor(pipe)`` gives a user;
+- ``observe_no_nulls``: observe mode with ``nulls=False`` (shows what the nulls cost);
+- ``swap``: the NW processor in swap mode (statistics off, the default for swap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from nw_adapter.config import NWProcessorConfig
+from nw_adapter.mixin import apply_nw_processor, remove_nw_processor
+from nw_adapter.processor import nw_processor_for
+from nw_adapter.recorder import NWRecorder
+
+from .models import SD15_UNET_CONFIG, attention_inputs, attention_layer, build_unet, unet_inputs
+from .timing import add_ratios, time_interleaved
+
+#: NW processor options of each non-stock variant.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "observe": {"mode": "observe", "cfg": True},
+    "observe_no_nulls": {"mode": "observe", "cfg": True, "nulls": False},
+    "swap": {"mode": "swap"},
+}
+
+#: (hidden size, query tokens) of SD 1.5's attn2 layers at 512 x 512 (64 x 64 latents).
+SD15_LAYER_SHAPES: tuple[tuple[int, int], ...] = ((320, 4096), (640, 1024), (1280, 256), (1280, 64))
+
+
+def bench_attention_layer(
+    hidden: int,
+    queries: int,
+    *,
+    image_tokens: int,
+    repeats: int,
+    variants: Sequence[str] = tuple(VARIANTS),
+    heads: int = 8,
+    cross: int = 768,
+    text_tokens: int = 77,
+    batch: int = 2,
+) -> dict[str, Any]:
+    """Time one attn2 call (CFG batch) with the stock processor and each NW variant.
+
+    Args:
+        hidden: query width (320 / 640 / 1280).
+        queries: query tokens (latent pixels at that level).
+        image_tokens: IP-Adapter tokens (4 base, 16 plus).
+        repeats: timed repeats per variant.
+        variants: names from :data:`VARIANTS`.
+        heads: attention heads.
+        cross: text / image token width.
+        text_tokens: text sequence length.
+        batch: batch (2 = CFG).
+
+    Returns:
+        ``{"shape": {...}, "results": {variant: timing stats with "ratio"}}``.
+    """
+    attn, stock = attention_layer(hidden, cross=cross, heads=heads, image_tokens=image_tokens)
+    inputs = attention_inputs(
+        hidden, queries, cross=cross, batch=batch, text_tokens=text_tokens, image_tokens=image_tokens
+    )
+    processors: dict[str, torch.nn.Module] = {"stock": stock}
+    recorders: dict[str, NWRecorder] = {}
+    for name in variants:
+        config = NWProcessorConfig(**VARIANTS[name])
+        recorder = NWRecorder(config)
+        recorder.begin_step(cfg=bool(config.cfg))
+        recorders[name] = recorder
+        processors[name] = nw_processor_for(
+            stock, layer_name="attn2.processor", config=config, recorder=recorder
+        )
+
+    def install(name: str) -> Callable[[], None]:
+        def setup() -> None:
+            attn.set_processor(processors[name])
+            if name in recorders:
+                recorders[name].clear()
+
+        return setup
+
+    def call() -> None:
+        with torch.no_grad():
+            attn(inputs["hidden_states"], encoder_hidden_states=inputs["encoder_hidden_states"])
+
+    names = list(processors)
+    results = time_interleaved(
+        {name: call for name in names}, repeats=repeats, setup={name: install(name) for name in names}
+    )
+    shape = {
+        "hidden": hidden,
+        "heads": heads,
+        "queries": queries,
+        "text_tokens": text_tokens,
+        "image_tokens": image_tokens,
+        "batch": batch,
+    }
+    return {"shape": shape, "results": add_ratios(results, "stock")}
+
+
+def bench_unet_step(
+    *,
+    latent_size: int,
+    repeats: int,
+    variants: Sequence[str] = tuple(VARIANTS),
+    config: dict[str, Any] | None = None,
+    variant: str = "base",
+    unet: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """Time one UNet forward (CFG batch 2) with stock processors and each NW variant.
+
+    The NW processors are installed with :func:`nw_adapter.mixin.apply_nw_processor` on the UNet
+    (which also registers the recorder's step pre-hook: its cost is part of the measurement) and
+    removed with :func:`~nw_adapter.mixin.remove_nw_processor` before each stock run.
+
+    Args:
+        latent_size: latent height and width (image size / 8).
+        repeats: timed repeats per variant.
+        variants: names from :data:`VARIANTS`.
+        config: UNet config (default SD 1.5).
+        variant: IP-Adapter variant (``"base"`` or ``"plus"``).
+        unet: a prebuilt UNet from :func:`benchmarks.models.build_unet` (built when None).
+
+    Returns:
+        ``{"latent_size", "results": {variant: timing stats with "ratio"}}``.
+    """
+    config = SD15_UNET_CONFIG if config is None else config
+    if unet is None:
+        unet = build_unet(config, variant=variant)
+    embed_kwargs = {}
+    if config is not SD15_UNET_CONFIG:
+        embed_kwargs = {
+            "image_embed_dim": _proj_in_features(unet),
+            "image_hidden_dim": _proj_in_features(unet),
+        }
+    kwargs = unet_inputs(unet, latent_size=latent_size, variant=variant, **embed_kwargs)
+
+    def install(name: str) -> Callable[[], None]:
+        def setup() -> None:
+            remove_nw_processor(unet)
+            if name != "stock":
+                apply_nw_processor(unet, NWProcessorConfig(**VARIANTS[name]))
+
+        return setup
+
+    def step() -> None:
+        with torch.no_grad():
+            unet(**kwargs)
+
+    names = ["stock", *variants]
+    try:
+        results = time_interleaved(
+            {name: step for name in names}, repeats=repeats, setup={name: install(name) for name in names}
+        )
+    finally:
+        remove_nw_processor(unet)
+    return {
+        "latent_size": latent_size,
+        "batch": 2,
+        "adapter": variant,
+        "results": add_ratios(results, "stock"),
+    }
+
+
+def _proj_in_features(unet: torch.nn.Module) -> int:
+    """Input width of the first image projection of a UNet with a loaded IP-Adapter."""
+    proj = unet.encoder_hid_proj.image_projection_layers[0]
+    for module in proj.modules():
+        if isinstance(module, torch.nn.Linear):
+            return module.in_features
+    raise ValueError("the UNet's image projection has no Linear layer")

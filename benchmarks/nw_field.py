@@ -1,0 +1,186 @@
+"""The exact NW field: the library path versus a naive ``cdist + softmax + matmul`` reference.
+
+Implementations (all compute ``m(x_j) = sum_i softmax_i(-||x_j - a s_i||^2 / 2b^2) s_i`` for a
+query batch ``x`` ``[n, d]`` and a support set ``s`` ``[m, d]``, at the OT-path time t = 0.5,
+i.e. ``a = b = 0.5``):
+
+- ``naive``: ``torch.cdist`` -> square -> softmax -> matmul, materialising ``[n, m]`` several times;
+- ``nw_mean``: :func:`nw_adapter.kernels.nw_mean` (SDPA ``"bias"`` form, default chunking);
+- ``nw_mean_augmented``: the same with ``form="augmented"``;
+- ``field_direct``: :class:`nw_adapter.paths.NWVelocityField` with its default ``form="direct"``;
+- ``field_bias``: :class:`~nw_adapter.paths.NWVelocityField` with ``form="bias"``.
+
+Time: medians of interleaved repeats in this process. Peak memory: for each (case,
+implementation) a fresh subprocess builds the inputs, then resets the kernel's peak-RSS counter
+(``echo 5 > /proc/self/clear_refs`` resets ``VmHWM``), runs the implementation once and reports
+``VmHWM - VmRSS(before)``: the extra resident memory the call needed at its peak, inputs
+excluded, output included. Each subprocess first runs the implementation once on 8 points so
+that lazily loaded kernels and code pages are not counted. Where ``clear_refs`` is unavailable
+the subprocess falls back to ``ru_maxrss`` after minus before. PyTorch's CPU allocator does not
+cache, so this is the memory the implementation really asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from nw_adapter.kernels import nw_mean
+from nw_adapter.paths import NWVelocityField, OTPath
+
+from .timing import add_ratios, time_interleaved
+
+IMPLEMENTATIONS: tuple[str, ...] = ("naive", "nw_mean", "nw_mean_augmented", "field_direct", "field_bias")
+#: OT path at t = 0.5: x_t = t x_1 + (1 - t) x_0, so a = t and b = 1 - t.
+T = 0.5
+
+
+def make_inputs(n: int, m: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[n, d]`` and support ``[m, d]``, standard normal, float32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randn(m, d, generator=g)
+
+
+def naive_nw_mean(x: torch.Tensor, support: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """Reference NW mean: ``softmax(-cdist(x, a s)^2 / 2b^2) @ s`` (materialises ``[n, m]``)."""
+    dist2 = torch.cdist(x, a * support).square()
+    return torch.softmax(dist2 * (-0.5 / (b * b)), dim=-1) @ support
+
+
+def implementation(name: str, x: torch.Tensor, support: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Zero-argument callable computing the NW mean (or field) of ``name`` on ``x``, ``support``."""
+    a, b = T, 1.0 - T
+    if name == "naive":
+        return lambda: naive_nw_mean(x, support, a, b)
+    if name == "nw_mean":
+        return lambda: nw_mean(x, a * support, b, values=support)
+    if name == "nw_mean_augmented":
+        return lambda: nw_mean(x, a * support, b, values=support, form="augmented")
+    if name in ("field_direct", "field_bias"):
+        field = NWVelocityField(support, OTPath(), form=name.split("_")[1])
+        return lambda: field(x, T)
+    raise ValueError(f"unknown implementation {name!r}; use one of {IMPLEMENTATIONS}")
+
+
+def _status_kb(key: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return _status_kb("VmHWM") is not None
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def measure_peak_here(name: str, n: int, m: int, d: int) -> dict[str, Any]:
+    """Peak extra resident memory (MiB) of one call of ``name`` in *this* process."""
+    warm_x, warm_support = make_inputs(8, min(m, 8), d, seed=1)
+    implementation(name, warm_x, warm_support)()  # load kernels / code pages before measuring
+    x, support = make_inputs(n, m, d)
+    fn = implementation(name, x, support)
+    _trim()
+    if _reset_peak():
+        before = _status_kb("VmRSS") or 0
+        out = fn()
+        peak = _status_kb("VmHWM") or 0
+        method = "VmHWM-VmRSS (clear_refs)"
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = fn()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        method = "ru_maxrss delta"
+    del out
+    return {"peak_mib": max(0, peak - before) / 1024, "method": method}
+
+
+def measure_peak(name: str, n: int, m: int, d: int, threads: int) -> dict[str, Any]:
+    """Run :func:`measure_peak_here` in a fresh subprocess (``python -m benchmarks.nw_field``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "benchmarks.nw_field", "--peak", name, str(n), str(m), str(d), str(threads)]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"peak_mib": float("nan"), "method": "failed", "error": done.stderr.strip()[-400:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_nw_field(
+    cases: Sequence[tuple[int, int, int]],
+    *,
+    repeats: int,
+    threads: int,
+    implementations: Sequence[str] = IMPLEMENTATIONS,
+    memory: bool = True,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Time (interleaved) and measure peak memory (subprocesses) of each implementation per case.
+
+    Args:
+        cases: ``(n, m, d)`` triples.
+        repeats: timed repeats per implementation.
+        threads: torch threads of the memory subprocesses (the timing uses the current setting).
+        implementations: names from :data:`IMPLEMENTATIONS` (the first is the ratio baseline).
+        memory: also measure peak memory.
+        log: progress printer.
+
+    Returns:
+        One dict per case: ``{"n", "m", "d", "nm_mib", "results": {impl: {... "peak_mib"}}}``,
+        ``nm_mib`` being the size of one float32 ``[n, m]`` matrix, and ``max_abs_diff`` of every
+        implementation's NW mean against ``naive`` (the fields are converted back to means).
+    """
+    rows = []
+    for n, m, d in cases:
+        log(f"  nw field n={n} m={m} d={d}")
+        x, support = make_inputs(n, m, d)
+        fns = {name: implementation(name, x, support) for name in implementations}
+        results = add_ratios(time_interleaved(fns, repeats=repeats), implementations[0])
+        reference = naive_nw_mean(x, support, T, 1.0 - T)
+        for name in implementations:
+            out = fns[name]()
+            if name.startswith("field"):
+                out = x + (1.0 - T) * out  # OT velocity v = (m - x) / (1 - t)  =>  m = x + (1 - t) v
+            results[name]["max_abs_diff_vs_naive"] = float((out - reference).abs().max())
+            if memory:
+                results[name].update(measure_peak(name, n, m, d, threads))
+        rows.append({"n": n, "m": m, "d": d, "nm_mib": n * m * 4 / 2**20, "results": results})
+    return rows
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="internal: peak memory of one NW field implementation")
+    parser.add_argument("--peak", nargs=5, metavar=("IMPL", "N", "M", "D", "THREADS"), required=True)
+    args = parser.parse_args(argv)
+    name, n, m, d, threads = args.peak
+    torch.set_num_threads(int(threads))
+    print(json.dumps(measure_peak_here(name, int(n), int(m), int(d))))
+
+
+if __name__ == "__main__":
+    _main()

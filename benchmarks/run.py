@@ -1,0 +1,233 @@
+"""Run all nw-adapter benchmarks, print tables and write JSON (the one command of issue 6).
+
+Usage::
+
+    python benchmarks/run.py            # full run (~10 min on 2 CPU cores)
+    python benchmarks/run.py --quick    # reduced sizes and repeats (~2 min)
+    python benchmarks/run.py --out results.json --threads 2 --sections attention unet
+
+Sections: ``attention`` (one SD 1.5 attn2 layer: stock vs observe vs swap), ``unet`` (one whole
+SD 1.5 UNet step, random weights, reduced resolution), ``field`` (exact NW field vs a naive
+reference: time and peak memory), ``recorder`` (recorder memory, streaming vs stored maps).
+Times are medians of interleaved repeats with their interquartile range [q1-q3]; ratios are
+against the stock processor (attention, unet) or the naive reference (field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.timing import fmt_ms, machine_info  # noqa: E402
+
+SECTIONS = ("attention", "unet", "field", "recorder")
+
+#: Sizes of the full and the quick run.
+PLANS: dict[str, dict[str, Any]] = {
+    "full": {
+        "attention": [
+            ((320, 4096), 4),
+            ((640, 1024), 4),
+            ((1280, 256), 4),
+            ((1280, 64), 4),
+            ((320, 4096), 16),
+            ((1280, 256), 16),
+        ],
+        "attention_repeats": 5,
+        "unet_latent": 16,
+        "unet_repeats": 3,
+        "unet_variants": ("observe", "observe_no_nulls", "swap"),
+        "field": [(4096, 256, 16), (16384, 1024, 64), (65536, 256, 16), (65536, 1024, 64)],
+        "field_repeats": 3,
+        "field_direct_max": 2**28,  # NWVelocityField(form="direct") is skipped above n*m*d
+        "recorder_queries": [64, 256, 1024, 4096],
+    },
+    "quick": {
+        "attention": [((640, 1024), 4), ((1280, 64), 16)],
+        "attention_repeats": 2,
+        "unet_latent": 8,
+        "unet_repeats": 1,
+        "unet_variants": ("observe", "swap"),
+        "field": [(4096, 256, 16), (16384, 256, 64)],
+        "field_repeats": 2,
+        "field_direct_max": 2**26,
+        "recorder_queries": [64, 256],
+    },
+}
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table with right-aligned columns."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cell(entry: dict[str, Any], ratio: bool = True) -> str:
+    """``median [q1-q3] xRATIO (cpu xRATIO)``: wall-clock ms, its ratio and the CPU-time ratio."""
+    text = f"{fmt_ms(entry['median'])} [{fmt_ms(entry['q1'])}-{fmt_ms(entry['q3'])}]"
+    if not ratio or "ratio" not in entry:
+        return text
+    text += f" x{entry['ratio']:.2f}"
+    if "cpu" in entry and "ratio" in entry["cpu"]:
+        text += f" (cpu x{entry['cpu']['ratio']:.2f})"
+    return text
+
+
+def run_attention(plan: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """Attention-layer section: results and their table."""
+    from benchmarks.attention import VARIANTS, bench_attention_layer
+
+    rows, out = [], []
+    for (hidden, queries), tokens in plan["attention"]:
+        print(f"  attention hidden={hidden} queries={queries} image_tokens={tokens}", flush=True)
+        res = bench_attention_layer(hidden, queries, image_tokens=tokens, repeats=plan["attention_repeats"])
+        out.append(res)
+        rows.append(
+            [str(hidden), str(queries), str(tokens), *(cell(res["results"][v]) for v in ("stock", *VARIANTS))]
+        )
+    header = ["hidden", "queries", "img", "stock ms", *(f"{v} ms" for v in VARIANTS)]
+    return out, table(header, rows)
+
+
+def run_unet(plan: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Whole-UNet section: results and their table."""
+    from benchmarks.attention import bench_unet_step
+    from benchmarks.models import build_unet
+
+    start = time.perf_counter()
+    unet = build_unet()
+    print(f"  SD 1.5 UNet built in {time.perf_counter() - start:.1f} s", flush=True)
+    res = bench_unet_step(
+        latent_size=plan["unet_latent"],
+        repeats=plan["unet_repeats"],
+        unet=unet,
+        variants=plan["unet_variants"],
+    )
+    res["build_s"] = time.perf_counter() - start
+    latent = plan["unet_latent"]
+    rows = []
+    for v in ("stock", *plan["unet_variants"]):
+        r = res["results"][v]
+        rows.append(
+            [
+                v,
+                cell(r, ratio=False),
+                f"{r['ratio']:.3f}",
+                fmt_ms(r["cpu"]["median"]),
+                f"{r['cpu']['ratio']:.3f}",
+            ]
+        )
+    title = f"SD 1.5 UNet step, latents {latent}x{latent} ({8 * latent}x{8 * latent} px), CFG batch 2"
+    return res, title + "\n" + table(
+        ["variant", "wall ms [q1-q3]", "wall ratio", "cpu ms", "cpu ratio"], rows
+    )
+
+
+def run_field(plan: dict[str, Any], threads: int) -> tuple[list[dict[str, Any]], str]:
+    """NW-field section: results and their table."""
+    from benchmarks.nw_field import IMPLEMENTATIONS, bench_nw_field
+
+    out, rows = [], []
+    for n, m, d in plan["field"]:
+        impls = [i for i in IMPLEMENTATIONS if i != "field_direct" or n * m * d <= plan["field_direct_max"]]
+        res = bench_nw_field(
+            [(n, m, d)], repeats=plan["field_repeats"], threads=threads, implementations=impls
+        )[0]
+        res["skipped"] = [i for i in IMPLEMENTATIONS if i not in impls]
+        out.append(res)
+        for impl in IMPLEMENTATIONS:
+            if impl not in res["results"]:
+                rows.append([str(n), str(m), str(d), impl, "skipped (too slow)", "", "", "", ""])
+                continue
+            r = res["results"][impl]
+            rows.append(
+                [
+                    str(n),
+                    str(m),
+                    str(d),
+                    impl,
+                    cell(r, ratio=False),
+                    f"{r['ratio']:.2f}",
+                    f"{r['cpu']['ratio']:.2f}",
+                    f"{r.get('peak_mib', float('nan')):.1f}",
+                    f"{res['nm_mib']:.0f}",
+                ]
+            )
+    header = [
+        "n",
+        "m",
+        "d",
+        "impl",
+        "wall ms [q1-q3]",
+        "wall vs naive",
+        "cpu vs naive",
+        "peak MiB",
+        "n*m fp32 MiB",
+    ]
+    return out, table(header, rows)
+
+
+def run_recorder(plan: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """Recorder-memory section: results and their table."""
+    from benchmarks.recorder_memory import MODES, bench_recorder_memory
+
+    out = bench_recorder_memory(plan["recorder_queries"])
+    rows = [[str(r["queries"]), str(r["records"]), *(str(r["bytes"][m]) for m in MODES)] for r in out]
+    return out, table(["queries", "records", *(f"{m} bytes" for m in MODES)], rows)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse arguments, run the selected sections, print tables, write JSON; returns the results."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="reduced sizes and repeats (~2 min)")
+    parser.add_argument("--out", default="benchmark_results.json", help="JSON output path")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    plan_name = "quick" if args.quick else "full"
+    plan = PLANS[plan_name]
+    info = machine_info()
+    print(f"nw-adapter benchmarks ({plan_name}); torch.set_num_threads({torch.get_num_threads()})")
+    print(json.dumps(info))
+    results: dict[str, Any] = {"plan": plan_name, "machine": info, "sections": {}}
+    tables: dict[str, str] = {}
+    start = time.perf_counter()
+    for section in args.sections:
+        print(f"[{section}]", flush=True)
+        t0 = time.perf_counter()
+        if section == "attention":
+            data, text = run_attention(plan)
+        elif section == "unet":
+            data, text = run_unet(plan)
+        elif section == "field":
+            data, text = run_field(plan, args.threads)
+        else:
+            data, text = run_recorder(plan)
+        results["sections"][section] = data
+        tables[section] = text
+        print(text + f"\n({time.perf_counter() - t0:.0f} s)\n", flush=True)
+    results["total_s"] = time.perf_counter() - start
+    results["tables"] = tables
+    Path(args.out).write_text(json.dumps(results, indent=1, default=float), encoding="utf-8")
+    print(f"total {results['total_s']:.0f} s; wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
