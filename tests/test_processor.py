@@ -464,3 +464,32 @@ def test_null_rows_subsample_is_reproduced():
     rec_all = _install(attn, stock, null_rows=None, seed=7, cfg=False)
     attn(x, (text, ip))
     assert [r["rho_norm_null"] for r in rec_all.to_records()] != [r["rho_norm_null"] for r in records]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"bandwidth": "fitted", "heads": [1]},
+        {"bandwidth": "median", "cfg": True},
+        {"mode": "swap", "bandwidth": "median", "statistics": True},
+        {"mode": "swap", "bandwidth": "fitted"},
+        {"store_maps": True, "map_downsample": 2, "map_heads": [0]},
+    ],
+)
+def test_no_host_reads_during_a_layer_call(monkeypatch, options):
+    """Neither observe nor swap reads a tensor value on the host (no device sync per layer)."""
+    attn, stock = _attention(), _stock()
+    x, text, ip = _inputs()
+    rec = _install(attn, stock, **options)
+    rec.begin_step(latent_hw=(4, 6))
+    attn(x, (text, ip))  # warm caches (index tensors) outside the guarded call
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host read of a tensor value during the layer call")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    attn(x, (text, ip))
+    monkeypatch.undo()
+    assert rec.to_records() or options.get("mode") == "swap"
