@@ -221,6 +221,12 @@ def test_cfg_halves_reported_separately(sd15):
     assert {r["half"] for r in records if r["call"] == 1} == {"all"}
     by = {(r["half"], r["step"], r["adapter"], r["head"]): r["q_norm"] for r in records if r["call"] == 0}
     assert any(by[("cond", *k[1:])] != by[("uncond", *k[1:])] for k in by if k[0] == "cond")
+    rec_forced = sd15.set_ip_adapter_nw_processor(layers=["mid_block"], nulls=False, cfg=False)
+    try:
+        _run(sd15, **kwargs)  # CFG batch, but cfg=False reports the whole batch as one half
+    finally:
+        sd15.unset_ip_adapter_nw_processor()
+    assert {r["half"] for r in rec_forced.to_records()} == {"all"}
     # summary is per (call, step, half)
     keys = {(s["call"], s["step"], s["half"]) for s in rec.summary()}
     assert keys == {(r["call"], r["step"], r["half"]) for r in records}
