@@ -232,8 +232,7 @@ def _aggregate_digits(results: dict, scale: Scale) -> dict:
         verdicts.append(
             {
                 "trend": (
-                    "plug-in catches up as m grows (advantage at "
-                    "the largest m below the small-m advantage)"
+                    "plug-in catches up as m grows (advantage at the largest m below the small-m advantage)"
                 ),
                 "appeared": bool(last < best_small),
                 "evidence": (

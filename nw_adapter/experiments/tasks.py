@@ -380,9 +380,13 @@ class FeatureTaskFamily(TaskFamily):
         features: ``[N, d]`` features (already projected / standardised).
         labels: ``[N]`` integer class labels.
         classes: Classes this family draws from (e.g. the test classes).
+        rotate: Apply a fresh Haar-random rotation of feature space to each task (support and
+            targets alike). A training-time augmentation: with few training classes it stops the
+            model from memorising them and makes it read the support, while keeping each class's
+            covariance spectrum (the shape prior the model can amortise).
     """
 
-    def __init__(self, features: Tensor, labels: Tensor, classes: list[int]) -> None:
+    def __init__(self, features: Tensor, labels: Tensor, classes: list[int], *, rotate: bool = False) -> None:
         features = torch.as_tensor(features, dtype=torch.float32)
         labels = torch.as_tensor(labels, dtype=torch.long)
         if features.ndim != 2 or labels.ndim != 1 or features.shape[0] != labels.shape[0]:
@@ -392,6 +396,7 @@ class FeatureTaskFamily(TaskFamily):
         if not classes:
             raise ValueError("classes is empty; pass at least one class label.")
         self.dim = features.shape[1]
+        self.rotate = rotate
         self.classes = [int(c) for c in classes]
         self._points = {}
         for c in self.classes:
@@ -417,7 +422,10 @@ class FeatureTaskFamily(TaskFamily):
             pts = self._points[self.classes[int(c)]]
             perm = torch.randperm(pts.shape[0], generator=generator)[: m + num_target]
             rows.append(pts[perm])
-        return _split_points(torch.stack(rows), m, mask)
+        points = torch.stack(rows)
+        if self.rotate:
+            points = points @ _random_rotations((num_tasks,), self.dim, generator)
+        return _split_points(points, m, mask)
 
 
 @dataclass
@@ -492,6 +500,7 @@ def make_feature_splits(
     val_classes: list[int] | None = None,
     test_classes: list[int] | None = None,
     test_fraction: float = 0.3,
+    rotate_train: bool = False,
 ) -> FeatureSplits:
     """Project features with a PCA fitted on training classes only, standardise, split by class.
 
@@ -506,6 +515,7 @@ def make_feature_splits(
             split as the last ``ceil(test_fraction * C)`` for test, the one before for
             validation (when C >= 4) and the rest for training.
         test_fraction: Fraction of classes held out for test when the lists are not given.
+        rotate_train: Random-rotation augmentation of training tasks (see :class:`FeatureTaskFamily`).
 
     Returns:
         The three families and the fraction of training variance the PCA keeps.
@@ -538,7 +548,7 @@ def make_feature_splits(
     z = torch.as_tensor((z - mean) / std, dtype=torch.float32)
     y = torch.as_tensor(labels)
     return FeatureSplits(
-        train=FeatureTaskFamily(z, y, list(train_classes)),
+        train=FeatureTaskFamily(z, y, list(train_classes), rotate=rotate_train),
         val=FeatureTaskFamily(z, y, list(val_classes)) if val_classes else None,
         test=FeatureTaskFamily(z, y, list(test_classes)),
         explained_variance=float(pca.explained_variance_ratio_.sum()),

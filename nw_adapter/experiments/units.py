@@ -16,6 +16,7 @@ and all methods start from the same noise, so comparisons are paired by task and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -42,6 +43,7 @@ __all__ = ["plan_units", "run_unit", "write_json_atomic", "SIGMA_MIN", "EVAL_SEE
 
 SIGMA_MIN = 0.01
 EVAL_SEED = 0
+ROTATE_TRAIN = True
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -93,12 +95,11 @@ def _family(unit: dict) -> TaskFamily:
     return GaussianMixtureFamily(unit["d"]) if unit["regime"] == "dims" else ShellFamily(unit["d"])
 
 
-def _feature_splits(scale: Scale):
-    if scale.features:
-        x, y = load_feature_file(scale.features, scale.labels)
-    else:
-        x, y = load_digits_features()
-    return make_feature_splits(x, y, num_components=min(16, x.shape[1]))
+@functools.lru_cache(maxsize=2)
+def _feature_splits(features: str | None, labels: str | None):
+    """Feature families (PCA on training classes), cached per process: units of one run share them."""
+    x, y = load_feature_file(features, labels) if features else load_digits_features()
+    return make_feature_splits(x, y, num_components=min(16, x.shape[1]), rotate_train=ROTATE_TRAIN)
 
 
 def _model_config(scale: Scale, dim: int, exact_head: bool) -> ICFMConfig:
@@ -207,7 +208,7 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
                 payload["heads"] = analyse_heads(model, head_tasks, scale.head_times, sigma_min=SIGMA_MIN)
         payload["eval_cpu_s"] = time.process_time() - t0
     elif unit["regime"] == "digits":
-        splits = _feature_splits(scale)
+        splits = _feature_splits(scale.features, scale.labels)
         m_max = max(scale.support_sizes)
         n_test = scale.digits_tasks_per_class * len(splits.test.classes)
         base = splits.test.sample(
