@@ -111,6 +111,13 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     ip_layers = [
         n for n, p in originals.items() if isinstance(p, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0))
     ]
+    if not ip_layers and any(
+        type(p).__name__ == "IPAdapterXFormersAttnProcessor" for p in originals.values()
+    ):
+        raise ValueError(
+            "set_ip_adapter_nw_processor: xFormers IP-Adapter processors are not supported; call "
+            "pipe.disable_xformers_memory_efficient_attention() and reload the IP-Adapter"
+        )
     if not ip_layers:
         raise ValueError(
             "set_ip_adapter_nw_processor: the UNet has no IP-Adapter attention processors; call "

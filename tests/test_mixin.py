@@ -164,3 +164,24 @@ def test_apply_on_bare_unet(pipe):
     assert all(pipe.unet.attn_processors[n] is before[n] for n in before)
     with pytest.raises(ValueError, match="no `unet`"):
         apply_nw_processor(object())
+
+
+def test_xformers_ip_processors_get_a_clear_error(pipe):
+    from diffusers.models.attention_processor import IPAdapterXFormersAttnProcessor
+
+    p = pipe
+    before = dict(p.unet.attn_processors)
+    procs = {}
+    for name, proc in p.unet.attn_processors.items():
+        if isinstance(proc, IPAdapterAttnProcessor2_0):
+            x = IPAdapterXFormersAttnProcessor.__new__(IPAdapterXFormersAttnProcessor)
+            torch.nn.Module.__init__(x)
+            procs[name] = x
+        else:
+            procs[name] = proc
+    p.unet.set_attn_processor(procs)
+    try:
+        with pytest.raises(ValueError, match="xFormers"):
+            p.set_ip_adapter_nw_processor()
+    finally:
+        p.unet.set_attn_processor(dict(before))
