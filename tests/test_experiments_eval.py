@@ -67,8 +67,12 @@ def test_evaluate_methods_is_paired_and_deterministic():
 def test_benefit_and_paired_tests():
     assert benefit(2.0, 1.5) == pytest.approx(0.25)
     assert math.isnan(benefit(0.0, 1.0))
-    res = paired_tests(np.arange(10.0) + 1.0, np.arange(10.0))
-    assert res["n"] == 10 and res["mean_diff"] == 1.0 and res["wilcoxon_p"] < 0.01
+    b = np.arange(10.0)
+    a = b + 1.0 + 0.1 * np.sin(b)
+    res = paired_tests(a, b)
+    assert res["n"] == 10 and res["mean_diff"] == pytest.approx(np.mean(a - b))
+    assert res["wilcoxon_p"] < 0.01 and res["t_p"] < 1e-6
+    assert paired_tests(b + 1.0, b)["mean_diff"] == 1.0  # constant differences: no warning escapes
     assert math.isnan(paired_tests(np.ones(1), np.zeros(1))["t_p"])
     with pytest.raises(ValueError, match="shape"):
         paired_tests(np.ones(2), np.ones(3))

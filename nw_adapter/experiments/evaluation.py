@@ -18,6 +18,7 @@ training seeds (``scipy.stats.ttest_rel``) and a Wilcoxon signed-rank test over 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -171,6 +172,9 @@ def paired_tests(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     if a.shape != b.shape:
         raise ValueError(f"paired samples must have the same shape, got {a.shape} and {b.shape}.")
     res = {"n": int(a.size), "mean_diff": float(np.mean(a - b)) if a.size else math.nan}
-    res["t_p"] = float(stats.ttest_rel(a, b).pvalue) if a.size >= 2 and np.any(a != b) else math.nan
-    res["wilcoxon_p"] = float(stats.wilcoxon(a, b).pvalue) if a.size >= 2 and np.any(a != b) else math.nan
+    testable = a.size >= 2 and bool(np.any(a != b))
+    with warnings.catch_warnings():  # constant differences: scipy warns about precision, p is still defined
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res["t_p"] = float(stats.ttest_rel(a, b).pvalue) if testable else math.nan
+        res["wilcoxon_p"] = float(stats.wilcoxon(a, b).pvalue) if testable else math.nan
     return res

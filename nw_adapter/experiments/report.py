@@ -222,6 +222,7 @@ def _aggregate_digits(results: dict, scale: Scale) -> dict:
         small = [r for r in rows if r["m"] <= 10] or rows[:1]
         best_small = max(r["advantage"] for r in small)
         last = rows[-1]["advantage"]
+        crossover = next((r["m"] for r in rows if r["advantage"] <= 0), "none of the sizes run")
         verdicts.append(
             {
                 "trend": "learned model wins at small m (advantage > 0 at some m <= 10)",
@@ -237,7 +238,8 @@ def _aggregate_digits(results: dict, scale: Scale) -> dict:
                 "appeared": bool(last < best_small),
                 "evidence": (
                     f"best small-m advantage {100 * best_small:+.0f}%, "
-                    f"at m={rows[-1]['m']}: {100 * last:+.0f}%"
+                    f"at m={rows[-1]['m']}: {100 * last:+.0f}%; the plug-in first matches or beats "
+                    f"the learned model at m={crossover} (paper: m ~{PAPER['digits']['catch_up_m']})"
                 ),
             }
         )
