@@ -22,8 +22,9 @@ Layouts written:
   ``sdxl_models/image_encoder/``. Weights use the original IP-Adapter key names
   (``image_proj.*``, ``ip_adapter.{1,3,5,...}.to_{k,v}_ip.weight``), which diffusers converts on load.
 
-Sizes: images are 32 x 32 pixels (latents 16 x 16), cross-attention layers have 2 heads of
-``d_k = 16`` (SD 1.5 layout: down, mid and up blocks each carry an IP-Adapter layer).
+Sizes: images are 32 x 32 pixels (latents 16 x 16); the four cross-attention layers (SD 1.5
+layout: down, mid and up blocks each carry IP-Adapter layers) have 2 heads of ``d_k = 16``
+(32 channels) or ``d_k = 32`` (64 channels, the mid block).
 """
 
 from __future__ import annotations
@@ -272,7 +273,9 @@ def _base_image_proj(
     """Original-format ``image_proj`` of the base adapter: Linear(clip_dim, 4 * cross) + LayerNorm."""
     return {
         "proj.weight": _normal(generator, 4 * cross_attention_dim, image_embed_dim),
-        "proj.bias": torch.zeros(4 * cross_attention_dim),
+        # A non-zero bias, as trained adapters have: the zero (unconditional) image embedding then
+        # still gives 4 distinct tokens, so the CFG "uncond" half has non-constant attention rows.
+        "proj.bias": _normal(generator, 4 * cross_attention_dim, std=1.0),
         "norm.weight": torch.ones(cross_attention_dim),
         "norm.bias": torch.zeros(cross_attention_dim),
     }
@@ -288,7 +291,7 @@ def _plus_image_proj(
         "proj_in.weight": _normal(generator, width, image_hidden_dim),
         "proj_in.bias": torch.zeros(width),
         "proj_out.weight": _normal(generator, cross_attention_dim, width),
-        "proj_out.bias": torch.zeros(cross_attention_dim),
+        "proj_out.bias": _normal(generator, cross_attention_dim, std=1.0),
         "norm_out.weight": torch.ones(cross_attention_dim),
         "norm_out.bias": torch.zeros(cross_attention_dim),
     }
