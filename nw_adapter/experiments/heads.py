@@ -9,7 +9,7 @@ A = softmax(q k^T / sqrt(d_k)) over the support is compared with
   exp(||k_i||^2 / 2 sqrt(d_k)));
 - NW weights in data space: the exact posterior softmax_i(-||x_t / t - s_i||^2 / 2h_t^2),
   h_t = b_t / t, i.e. the weights of the plug-in field at the same point;
-- a permutation null (data-space weights shuffled per row, expected ~0).
+- permutation nulls (NW weights shuffled per row, expected ~0).
 
 The statistic is the paper's rho (:func:`nw_adapter.metrics.spearman_rho`: per-row Spearman,
 averaged over rows), averaged over tasks.
@@ -53,7 +53,9 @@ def analyse_heads(
     Returns:
         One dict per (t, layer, head): ``t``, ``h_data`` (b_t / t), ``layer``, ``head``,
         ``rho_head`` (matched bandwidth, head space), ``rho_data`` (data space),
-        ``rho_null`` (permutation null), ``neff_attn``, ``neff_head_nw``, ``neff_data_nw``.
+        ``rho_null`` / ``rho_head_null`` (permutation nulls of both), ``key_norm_cv`` (coefficient of
+        variation of the head's key norms: the key prior, and so rho_head < 1, comes from it),
+        ``neff_attn``, ``neff_head_nw``, ``neff_data_nw``.
     """
     path = OTPath(sigma_min)
     gen = torch.Generator().manual_seed(int(seed) + 777)
@@ -74,6 +76,9 @@ def analyse_heads(
             rho_head = spearman_rho(rec.weights, w_head).nanmean(0)
             rho_data = spearman_rho(rec.weights, w_data_h).nanmean(0)
             rho_null = permutation_null_rho(rec.weights, w_data_h, generator=gen).nanmean(0)
+            rho_head_null = permutation_null_rho(rec.weights, w_head, generator=gen).nanmean(0)
+            key_norm = rec.key.norm(dim=-1)  # [B, H, m]; equal norms <=> attention == matched NW exactly
+            key_cv = (key_norm.std(-1) / key_norm.mean(-1)).mean(0)
             neff_attn = effective_sample_size(rec.weights).mean((0, 2))
             neff_head = effective_sample_size(w_head).mean((0, 2))
             neff_data = float(effective_sample_size(w_data).mean())
@@ -87,6 +92,8 @@ def analyse_heads(
                         "rho_head": float(rho_head[head]),
                         "rho_data": float(rho_data[head]),
                         "rho_null": float(rho_null[head]),
+                        "rho_head_null": float(rho_head_null[head]),
+                        "key_norm_cv": float(key_cv[head]),
                         "neff_attn": float(neff_attn[head]),
                         "neff_head_nw": float(neff_head[head]),
                         "neff_data_nw": neff_data,

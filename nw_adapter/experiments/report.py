@@ -42,6 +42,11 @@ def _seed_stack(results: dict, prefix: str, suffix: str, key: str) -> np.ndarray
     return np.asarray(rows, dtype=np.float64)
 
 
+def _nanmean(values: list[float]) -> float:
+    arr = np.asarray(values, dtype=np.float64)
+    return float(np.nanmean(arr)) if np.isfinite(arr).any() else math.nan
+
+
 def _heads_summary(rows: list[dict]) -> list[dict]:
     """Mean over layers, heads (and seeds) per t."""
     by_t: dict[float, list[dict]] = {}
@@ -54,12 +59,14 @@ def _heads_summary(rows: list[dict]) -> list[dict]:
             {
                 "t": t,
                 "h_data": rs[0]["h_data"],
-                "rho_head": float(np.nanmean([r["rho_head"] for r in rs])),
-                "rho_data": float(np.nanmean([r["rho_data"] for r in rs])),
-                "rho_null": float(np.nanmean([r["rho_null"] for r in rs])),
+                "rho_head": _nanmean([r["rho_head"] for r in rs]),
+                "rho_data": _nanmean([r["rho_data"] for r in rs]),
+                "rho_null": _nanmean([r["rho_null"] for r in rs]),
+                "rho_head_null": _nanmean([r.get("rho_head_null", math.nan) for r in rs]),
+                "key_norm_cv": _nanmean([r.get("key_norm_cv", math.nan) for r in rs]),
                 "frac_rho_data_gt_0_9": float(np.mean([r["rho_data"] > 0.9 for r in rs])),
-                "neff_attn": float(np.nanmean([r["neff_attn"] for r in rs])),
-                "neff_data_nw": float(np.nanmean([r["neff_data_nw"] for r in rs])),
+                "neff_attn": _nanmean([r["neff_attn"] for r in rs]),
+                "neff_data_nw": _nanmean([r["neff_data_nw"] for r in rs]),
             }
         )
     return out
@@ -299,11 +306,10 @@ def _markdown(summary: dict, scale: Scale) -> str:
         "points of [1e-5, 1], sigma_min 0.01. Paper: d_model 128 / H 4 / L 3, 100k steps, 256 x 256, "
         "100 tasks x 500 points.",
         "",
-        f"Wall time of the last invocation: {inv[-1]['wall_s']:.0f} s ({inv[-1]['units_run']} units run, "
-        f"{inv[-1]['workers']} worker(s)); CPU time of all units: train {summary['cpu_s_train']:.0f} s, "
-        f"eval {summary['cpu_s_eval']:.0f} s."
-        if inv
-        else "",
+        "Wall time per invocation: "
+        + "; ".join(f"{v['wall_s']:.0f} s ({v['units_run']} units, {v['workers']} worker(s))" for v in inv)
+        + f". CPU time of the finished units: train {summary['cpu_s_train']:.0f} s, "
+        f"eval {summary['cpu_s_eval']:.0f} s (wall time also depends on other load on the machine).",
         "",
         "MMD^2 is the unbiased estimate with the median-heuristic bandwidth of the pooled sample (the "
         "'fixed' columns use one task-only bandwidth shared by all methods); means over tasks (and seeds). "
@@ -387,20 +393,22 @@ def _markdown(summary: dict, scale: Scale) -> str:
             "",
             "rho = per-row Spearman between a head's attention softmax(q k^T / sqrt(d_k)) and NW weights, "
             "mean over rows, tasks, layers and heads (OFF models). 'head' = NW in the head's own q/k space "
-            "with the matched bandwidth h^2 = sqrt(d_k); 'data' = the exact posterior in data space at the "
-            "same x_t (h = b_t / t); 'null' = data-space weights permuted per row.",
+            "with the matched bandwidth h^2 = sqrt(d_k) (attention = this NW times the key prior "
+            "exp(||k||^2 / 2 sqrt(d_k)), so rho head < 1 only through unequal key norms, see key-norm CV); "
+            "'data' = the exact isotropic posterior in data space at the same x_t (h = b_t / t); "
+            "nulls = NW weights permuted per row.",
             "",
-            "| task | t | h_data | rho head | rho data | rho null "
-            "| heads rho data > 0.9 | n_eff attn | n_eff NW |",
+            "| task | t | h_data | rho head (null) | key-norm CV | rho data (null) | heads rho data > 0.9 "
+            "| n_eff attn | n_eff NW data |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for label, rows in head_sets:
             for h in rows:
                 lines.append(
-                    f"| {label} | {h['t']:.2f} | {h['h_data']:.3f} "
-                    f"| {h['rho_head']:.3f} | {h['rho_data']:.3f} | "
-                    f"{h['rho_null']:.3f} | {100 * h['frac_rho_data_gt_0_9']:.0f}% | {h['neff_attn']:.1f} | "
-                    f"{h['neff_data_nw']:.2f} |"
+                    f"| {label} | {h['t']:.2f} | {h['h_data']:.3f} | {h['rho_head']:.3f} "
+                    f"({h['rho_head_null']:.3f}) | {h['key_norm_cv']:.2f} | {h['rho_data']:.3f} "
+                    f"({h['rho_null']:.3f}) | {100 * h['frac_rho_data_gt_0_9']:.0f}% "
+                    f"| {h['neff_attn']:.1f} | {h['neff_data_nw']:.2f} |"
                 )
         lines += ["", "![heads](heads.png)", ""]
     return "\n".join(lines) + "\n"
