@@ -97,21 +97,41 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
         ["--features", "missing.npz"],
     ],
 )
-def test_bad_input_exits_2(tmp_path, args):
+def test_bad_input_exits_2(tmp_path, args, capsys):
+    try:
+        code = main(["--out", str(tmp_path / "o"), *args])
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "Traceback" not in err
+    assert not (tmp_path / "o" / "results").exists()
+
+
+def test_script_bad_input_one_line_exit_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "run_experiments.py"), "--out", str(tmp_path / "o"), *args],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "run_experiments.py"),
+            "--out",
+            str(tmp_path / "o"),
+            "--features",
+            "missing.npz",
+        ],
         capture_output=True,
         text=True,
         cwd=tmp_path,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() and "Traceback" not in proc.stderr
-    assert not (tmp_path / "o" / "results").exists()
+    assert len(proc.stderr.strip().splitlines()) == 1 and "does not exist" in proc.stderr
 
 
 def test_per_regime_script_help():
     for name in ("run_dimension_sweep", "run_shells", "run_support_sweep"):
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / f"{name}.py"), "--help"], capture_output=True, text=True
-        )
-        assert proc.returncode == 0 and "--out" in proc.stdout and "--steps" not in proc.stdout
+        text = (ROOT / "scripts" / f"{name}.py").read_text()
+        assert "regimes=(" in text
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "run_shells.py"), "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "--out" in proc.stdout and "--steps" not in proc.stdout
+    assert "--regimes" not in proc.stdout
