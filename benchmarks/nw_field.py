@@ -6,7 +6,9 @@ i.e. ``a = b = 0.5``):
 
 - ``naive``: ``torch.cdist`` -> square -> softmax -> matmul, materialising ``[n, m]`` several times;
 - ``nw_mean``: :func:`nw_adapter.kernels.nw_mean` (SDPA ``"bias"`` form, default chunking);
-- ``nw_mean_augmented``: the same with ``form="augmented"``;
+- ``nw_mean_chunk2048``: the same with ``chunk_size=2048`` query rows per SDPA call (the
+  default chunk is ``2**24 / m`` rows), to show that the peak follows the chunk size;
+- ``nw_mean_augmented``: ``nw_mean`` with ``form="augmented"``;
 - ``field_direct``: :class:`nw_adapter.paths.NWVelocityField` with its default ``form="direct"``;
 - ``field_bias``: :class:`~nw_adapter.paths.NWVelocityField` with ``form="bias"``.
 
@@ -40,7 +42,14 @@ from nw_adapter.paths import NWVelocityField, OTPath
 
 from .timing import add_ratios, time_interleaved
 
-IMPLEMENTATIONS: tuple[str, ...] = ("naive", "nw_mean", "nw_mean_augmented", "field_direct", "field_bias")
+IMPLEMENTATIONS: tuple[str, ...] = (
+    "naive",
+    "nw_mean",
+    "nw_mean_chunk2048",
+    "nw_mean_augmented",
+    "field_direct",
+    "field_bias",
+)
 #: OT path at t = 0.5: x_t = t x_1 + (1 - t) x_0, so a = t and b = 1 - t.
 T = 0.5
 
@@ -64,6 +73,8 @@ def implementation(name: str, x: torch.Tensor, support: torch.Tensor) -> Callabl
         return lambda: naive_nw_mean(x, support, a, b)
     if name == "nw_mean":
         return lambda: nw_mean(x, a * support, b, values=support)
+    if name == "nw_mean_chunk2048":
+        return lambda: nw_mean(x, a * support, b, values=support, chunk_size=2048)
     if name == "nw_mean_augmented":
         return lambda: nw_mean(x, a * support, b, values=support, form="augmented")
     if name in ("field_direct", "field_bias"):

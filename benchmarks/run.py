@@ -10,14 +10,15 @@ Sections: ``attention`` (one SD 1.5 attn2 layer: stock vs observe vs swap), ``un
 SD 1.5 UNet step, random weights, reduced resolution), ``field`` (exact NW field vs a naive
 reference: time and peak memory), ``recorder`` (recorder memory, streaming vs stored maps).
 Times are medians of interleaved repeats with their interquartile range [q1-q3]; ratios are
-against the stock processor (attention, unet) or the naive reference (field).
+against the stock processor (attention, unet) or the naive reference (field), for the wall clock
+and for the process CPU time. One torch thread by default: on a machine shared with other jobs,
+two OpenMP threads spend much of their time waiting for each other at every small op.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -45,18 +46,18 @@ PLANS: dict[str, dict[str, Any]] = {
             ((1280, 256), 16),
         ],
         "attention_repeats": 5,
-        "unet_latent": 16,
+        "unet_latents": (16, 32),
         "unet_repeats": 3,
         "unet_variants": ("observe", "observe_no_nulls", "swap"),
         "field": [(4096, 256, 16), (16384, 1024, 64), (65536, 256, 16), (65536, 1024, 64)],
         "field_repeats": 3,
-        "field_direct_max": 2**28,  # NWVelocityField(form="direct") is skipped above n*m*d
+        "field_direct_max": 2**32,  # NWVelocityField(form="direct") is skipped above n*m*d
         "recorder_queries": [64, 256, 1024, 4096],
     },
     "quick": {
         "attention": [((640, 1024), 4), ((1280, 64), 16)],
         "attention_repeats": 2,
-        "unet_latent": 8,
+        "unet_latents": (8,),
         "unet_repeats": 1,
         "unet_variants": ("observe", "swap"),
         "field": [(4096, 256, 16), (16384, 256, 64)],
@@ -102,38 +103,36 @@ def run_attention(plan: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     return out, table(header, rows)
 
 
-def run_unet(plan: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """Whole-UNet section: results and their table."""
+def run_unet(plan: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """Whole-UNet section (one entry per latent size): results and their table."""
     from benchmarks.attention import bench_unet_step
     from benchmarks.models import build_unet
 
     start = time.perf_counter()
     unet = build_unet()
     print(f"  SD 1.5 UNet built in {time.perf_counter() - start:.1f} s", flush=True)
-    res = bench_unet_step(
-        latent_size=plan["unet_latent"],
-        repeats=plan["unet_repeats"],
-        unet=unet,
-        variants=plan["unet_variants"],
-    )
-    res["build_s"] = time.perf_counter() - start
-    latent = plan["unet_latent"]
-    rows = []
-    for v in ("stock", *plan["unet_variants"]):
-        r = res["results"][v]
-        rows.append(
-            [
-                v,
-                cell(r, ratio=False),
-                f"{r['ratio']:.3f}",
-                fmt_ms(r["cpu"]["median"]),
-                f"{r['cpu']['ratio']:.3f}",
-            ]
+    out, rows = [], []
+    for latent in plan["unet_latents"]:
+        print(f"  UNet step at latents {latent}x{latent}", flush=True)
+        res = bench_unet_step(
+            latent_size=latent, repeats=plan["unet_repeats"], unet=unet, variants=plan["unet_variants"]
         )
-    title = f"SD 1.5 UNet step, latents {latent}x{latent} ({8 * latent}x{8 * latent} px), CFG batch 2"
-    return res, title + "\n" + table(
-        ["variant", "wall ms [q1-q3]", "wall ratio", "cpu ms", "cpu ratio"], rows
-    )
+        out.append(res)
+        for v in ("stock", *plan["unet_variants"]):
+            r = res["results"][v]
+            rows.append(
+                [
+                    f"{latent}x{latent} ({8 * latent} px)",
+                    v,
+                    cell(r, ratio=False),
+                    f"{r['ratio']:.3f}",
+                    fmt_ms(r["cpu"]["median"]),
+                    f"{r['cpu']['ratio']:.3f}",
+                ]
+            )
+    title = "SD 1.5 UNet step (random weights, base IP-Adapter), CFG batch 2"
+    header = ["latents", "variant", "wall ms [q1-q3]", "wall ratio", "cpu ms", "cpu ratio"]
+    return out, title + "\n" + table(header, rows)
 
 
 def run_field(plan: dict[str, Any], threads: int) -> tuple[list[dict[str, Any]], str]:
@@ -194,7 +193,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="reduced sizes and repeats (~2 min)")
     parser.add_argument("--out", default="benchmark_results.json", help="JSON output path")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared machine it measures work, not scheduling)",
+    )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     args = parser.parse_args(argv)
     if args.threads < 1:
