@@ -432,6 +432,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     written = []
     if summary.get("dims", {}).get("rows"):
@@ -440,8 +441,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
         ax[0].plot(ds, [r["neff"] for r in rows], "o-", label="ours")
         ax[0].plot(list(PAPER["dims"]["neff"]), list(PAPER["dims"]["neff"].values()), "s--", label="paper")
-        ax[0].set(xscale="log", xlabel="d", ylabel="n_eff at t = 0.56", title="nearest-neighbour collapse")
-        ax[0].set_xticks(ds, [str(d) for d in ds])
+        ax[0].set(xlabel="d", ylabel="n_eff at t = 0.56", title="nearest-neighbour collapse")
         ax[1].plot(ds, [100 * r["benefit"] for r in rows], "o-", label="ours (median sigma)")
         ax[1].plot(ds, [100 * r["benefit_fixed"] for r in rows], "^:", label="ours (fixed sigma)")
         ax[1].plot(
@@ -451,9 +451,11 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
             label="paper",
         )
         ax[1].axhline(0, color="grey", lw=0.8)
-        ax[1].set(xscale="log", xlabel="d", ylabel="benefit of exact head (%)")
-        ax[1].set_xticks(ds, [str(d) for d in ds])
+        ax[1].set(xlabel="d", ylabel="benefit of exact head (%)")
         for a in ax:
+            a.set_xscale("log", base=2)
+            a.set_xticks(ds, [str(d) for d in ds])
+            a.xaxis.set_minor_formatter(NullFormatter())
             a.legend(fontsize=8)
         _save_fig(fig, out_dir / "dims.png")
         plt.close(fig)
@@ -477,6 +479,8 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         ax.plot(ms, [r["mmd2_learned"] for r in rows], "o-", label="learned")
         ax.plot(ms, [r["mmd2_plugin"] for r in rows], "s-", label="plug-in NW")
         ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD^2", title="support scarcity")
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
         _save_fig(fig, out_dir / "digits.png")
         plt.close(fig)
