@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nw_adapter.experiments.fields import exact_nw_velocity
+
 __all__ = ["ICFMConfig", "ICFMModel", "AttentionRecord", "sinusoidal_embedding", "broadcast_time"]
 
 
@@ -237,8 +239,6 @@ class ICFMModel(nn.Module):
                 records.append(record)
         feats = self.norm_out(h)
         if self.nw_in is not None:
-            from nw_adapter.experiments.fields import exact_nw_velocity
-
             with torch.no_grad():
                 u = exact_nw_velocity(x, t, support, support_mask, sigma_min=self.config.sigma_min)
             feats = torch.cat([feats, self.nw_in(u)], dim=-1)

@@ -25,9 +25,10 @@ from pathlib import Path
 from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
 from nw_adapter.experiments.fields import model_field, plugin_field
 from nw_adapter.experiments.heads import analyse_heads
-from nw_adapter.experiments.model import ICFMConfig
+from nw_adapter.experiments.model import ICFMConfig, ICFMModel
 from nw_adapter.experiments.scale import Scale
 from nw_adapter.experiments.tasks import (
+    FeatureSplits,
     GaussianMixtureFamily,
     ShellFamily,
     TaskBatch,
@@ -92,11 +93,12 @@ def plan_units(scale: Scale, regimes: tuple[str, ...]) -> list[dict]:
 
 
 def _family(unit: dict) -> TaskFamily:
+    """Task family of a synthetic unit: mixtures for the dimension sweep, shells otherwise."""
     return GaussianMixtureFamily(unit["d"]) if unit["regime"] == "dims" else ShellFamily(unit["d"])
 
 
 @functools.lru_cache(maxsize=2)
-def _feature_splits(features: str | None, labels: str | None):
+def _feature_splits(features: str | None, labels: str | None) -> FeatureSplits:
     """Feature families (PCA on training classes), cached per process: units of one run share them."""
     x, y = load_feature_file(features, labels) if features else load_digits_features()
     return make_feature_splits(x, y, num_components=min(16, x.shape[1]), rotate_train=ROTATE_TRAIN)
@@ -134,10 +136,20 @@ def _eval_config(scale: Scale) -> EvalConfig:
 
 
 def _lists(res: dict, name: str) -> dict:
+    """One method's per-task MMD^2 arrays as JSON lists."""
     return {k: v.tolist() for k, v in res[name].items()}
 
 
-def _train_unit(unit, scale, family, steps, num_support, ckpt_dir, progress):
+def _train_unit(
+    unit: dict,
+    scale: Scale,
+    family: TaskFamily,
+    steps: int,
+    num_support: int | tuple[int, int],
+    ckpt_dir: Path,
+    progress: bool,
+) -> tuple[ICFMModel, dict]:
+    """Train (or resume) the unit's model; returns it with loss and CPU-time information."""
     t0 = time.process_time()
     result = train(
         family,
