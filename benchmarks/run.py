@@ -195,12 +195,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="torch.set_num_threads (default 1: on a shared machine it measures work, not scheduling)",
     )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument(
+        "--unet-latents",
+        type=int,
+        nargs="+",
+        help="override the UNet latent sizes (e.g. 64 for 512 px; observe and swap only)",
+    )
+    parser.add_argument("--unet-repeats", type=int, default=2, help="repeats with --unet-latents")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
     torch.set_num_threads(args.threads)
     plan_name = "quick" if args.quick else "full"
-    plan = PLANS[plan_name]
+    plan = dict(PLANS[plan_name])
+    if args.unet_latents:
+        plan["unet"] = [(latent, args.unet_repeats, ("observe", "swap")) for latent in args.unet_latents]
     info = machine_info()
     print(f"nw-adapter benchmarks ({plan_name}); torch.set_num_threads({torch.get_num_threads()})")
     print(json.dumps(info))
