@@ -17,12 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.attention import VARIANTS, bench_attention_layer, bench_unet_step
-from benchmarks.models import TOY_UNET_CONFIG, build_unet, unet_inputs
-from benchmarks.nw_field import IMPLEMENTATIONS, bench_nw_field, measure_peak_here
-from benchmarks.recorder_memory import bench_recorder_memory, tensor_bytes
-from benchmarks.run import main, table
-from benchmarks.timing import add_ratios, quantiles, time_interleaved
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:  # `benchmarks/` is not installed: make it importable under plain `pytest` too
+    sys.path.insert(0, ROOT)
+
+from benchmarks.attention import VARIANTS, bench_attention_layer, bench_unet_step  # noqa: E402
+from benchmarks.models import TOY_UNET_CONFIG, build_unet, unet_inputs  # noqa: E402
+from benchmarks.nw_field import IMPLEMENTATIONS, bench_nw_field, measure_peak_here  # noqa: E402
+from benchmarks.recorder_memory import bench_recorder_memory, tensor_bytes  # noqa: E402
+from benchmarks.run import main, table  # noqa: E402
+from benchmarks.timing import add_ratios, quantiles, time_interleaved  # noqa: E402
 
 NW_ADAPTER_DIR = str(Path(__import__("nw_adapter").__file__).resolve().parent)
 
