@@ -1,7 +1,8 @@
 """Command line of the failure-regime experiments (shared by the scripts in ``scripts/``).
 
 ``python scripts/run_experiments.py --out DIR [--quick]`` runs all three regimes; the per-regime
-scripts run one. Exit codes: 0 done, 2 bad input (one-line message), 1 unexpected failure.
+scripts run one. Exit codes: 0 done, 2 bad input (one-line message), 130 interrupted (rerun to resume),
+1 unexpected failure.
 """
 
 from __future__ import annotations
@@ -154,5 +155,8 @@ def main(
     except ValueError as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted; rerun the same command to resume from {args.out}", file=sys.stderr)
+        return 130
     print(f"report: {report} ({time.time() - t0:.0f} s)")
     return 0

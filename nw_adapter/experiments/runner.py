@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -38,6 +37,10 @@ def _worker(unit: dict, scale_dict: dict, out_dir: str, threads: int) -> str:
     torch.set_flush_denormal(True)
     run_unit(unit, Scale(**scale_dict), Path(out_dir))
     return unit["id"]
+
+
+def _worker_args(args: tuple[dict, dict, str, int]) -> str:
+    return _worker(*args)
 
 
 def _check_config(out_dir: Path, scale: Scale) -> None:
@@ -108,13 +111,18 @@ def run_experiments(
     else:
         # Learned units first: they are the long ones, so the pool stays busy to the end.
         pending.sort(key=lambda u: u["method"] == "plugin")
-        ctx = get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_worker, u, scale.to_dict(), str(out_dir), threads) for u in pending]
-            for fut in as_completed(futures):
-                fut.result()
+        pool = get_context("spawn").Pool(processes=min(workers, len(pending)))
+        try:
+            jobs = [(u, scale.to_dict(), str(out_dir), threads) for u in pending]
+            for _ in pool.imap_unordered(_worker_args, jobs):
                 if bar is not None:
                     bar.update(1)
+            pool.close()
+        except BaseException:
+            pool.terminate()  # Ctrl-C or a failed unit: stop the workers now; checkpoints allow resuming
+            raise
+        finally:
+            pool.join()
     if bar is not None:
         bar.close()
     timing_path = out_dir / "timing.json"
