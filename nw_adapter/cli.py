@@ -367,9 +367,9 @@ def _image_worker(
     """``work(key) -> (image_entry, records)`` for :func:`nw_adapter.sweep.run_sweep`."""
     import torch
 
+    from .atomic import atomic_write
     from .mixin import nw_processor
     from .plotting import panels_from_maps, plot_attention_maps
-    from .report import atomic_write
     from .sweep import image_dir
 
     def work(key: str) -> tuple[dict, list[dict]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import atomic_write
+from .atomic import atomic_write
 
 BLOCKS: tuple[str, ...] = ("down", "mid", "up")
 _COLORS = {"down": "#1f77b4", "mid": "#2ca02c", "up": "#d62728", "other": "#7f7f7f"}

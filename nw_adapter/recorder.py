@@ -20,7 +20,6 @@ import csv
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .atomic import atomic_write, atomic_write_text
 from .config import NWProcessorConfig
 from .schedules import noise_level, schedule_table
 
@@ -92,21 +92,6 @@ class _MapEntry:
     attn: torch.Tensor
     nw: torch.Tensor
     meta: dict[str, str] = field(default_factory=dict)
-
-
-def _atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def _json_safe(value: Any) -> Any:
@@ -409,7 +394,7 @@ class NWRecorder:
             "records": [{k: _json_safe(v) for k, v in r.items()} for r in records],
             "summary": [{k: _json_safe(v) for k, v in r.items()} for r in self.summary(records)],
         }
-        return _atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False))
+        return atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False))
 
     def to_csv(self, path: str | os.PathLike) -> Path:
         """Write the records as a CSV table (one row per record, header = record keys), atomically."""
@@ -421,7 +406,7 @@ class NWRecorder:
         writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(records)
-        return _atomic_write_text(path, buf.getvalue())
+        return atomic_write_text(path, buf.getvalue())
 
     def maps(self) -> dict[str, torch.Tensor]:
         """Stored maps as ``{"<name>/attn": A, "<name>/nw": W}`` (device tensors)."""
@@ -447,18 +432,7 @@ class NWRecorder:
         meta = {"config": json.dumps(self.config.to_dict())}
         for m in self._maps:
             meta[m.name] = json.dumps(m.meta)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     def __len__(self) -> int:
         return sum(len(e.halves) * len(e.heads) for e in self._entries)

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import os
 import platform
-import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from .atomic import atomic_write_json, atomic_write_text
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -304,42 +304,9 @@ def build_report(
     )
 
 
-def _umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it to ``path``.
-
-    The temporary file keeps ``path``'s suffix (so writers that pick the format from the
-    name, like matplotlib and Pillow, work) and is removed if ``write`` fails.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) atomically."""
-    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def write_json(path: str | os.PathLike, document: Any) -> Path:
     """Write strict JSON (NaN -> null), indented, atomically."""
-    return atomic_write_text(path, json.dumps(json_ready(document), indent=1, allow_nan=False) + "\n")
+    return atomic_write_json(path, json_ready(document))
 
 
 def records_csv(records: Sequence[dict]) -> str:

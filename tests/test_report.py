@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from nw_adapter.atomic import atomic_write
 from nw_adapter.plotting import panels_from_maps, plot_attention_maps, plot_rho
 from nw_adapter.recorder import NWRecorder
 from nw_adapter.report import (
@@ -21,7 +22,6 @@ from nw_adapter.report import (
     STAT_FIELDS,
     aggregate,
     analysis_half,
-    atomic_write,
     build_report,
     format_report,
     format_table,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
+from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.experiments.evaluation import benefit, paired_tests
 from nw_adapter.experiments.scale import PAPER, REGIMES, Scale
 
@@ -422,9 +422,7 @@ def _markdown(summary: dict, scale: Scale) -> str:
 
 
 def _save_fig(fig, path: Path) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
 
 
 def _plots(summary: dict, out_dir: Path) -> list[str]:
@@ -516,7 +514,5 @@ def write_report(out_dir: str | Path, scale: Scale, regimes: tuple[str, ...] = R
         ("report.json", json.dumps(summary, indent=1)),
         ("report.md", _markdown(summary, scale)),
     ):
-        tmp = out_dir / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+        atomic_write_text(out_dir / name, text)
     return out_dir / "report.md"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from nw_adapter.atomic import atomic_write, atomic_write_json
 from nw_adapter.experiments.model import ICFMConfig, ICFMModel
 from nw_adapter.experiments.tasks import TaskBatch, TaskFamily, support_size_range
 
@@ -143,12 +143,6 @@ def flow_matching_batch(
     return x_t, t, x1 - (1.0 - sigma_min) * x0
 
 
-def _atomic_json(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
-
-
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], list[dict]]:
     sd = optimizer.state_dict()
     tensors = {}
@@ -177,10 +171,8 @@ def save_checkpoint(
     previous = json.loads(state_path.read_text())["step"] if state_path.exists() else None
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     for name, tensors in (("model", weights), ("optimizer", _optimizer_tensors(optimizer)[0])):
-        tmp = directory / f"{name}-{step}.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, directory / f"{name}-{step}.safetensors")
-    _atomic_json(
+        atomic_write(directory / f"{name}-{step}.safetensors", lambda tmp, t=tensors: save_file(t, str(tmp)))
+    atomic_write_json(
         state_path,
         {
             "step": step,

@@ -17,11 +17,10 @@ and all methods start from the same noise, so comparisons are paired by task and
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
 from pathlib import Path
 
+from nw_adapter.atomic import atomic_write_json
 from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
 from nw_adapter.experiments.fields import model_field, plugin_field
 from nw_adapter.experiments.heads import analyse_heads
@@ -48,11 +47,8 @@ ROTATE_TRAIN = True
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, allow_nan=True))
-    os.replace(tmp, path)
+    """Write JSON (NaN allowed) to ``path`` atomically (never half-written)."""
+    atomic_write_json(path, payload, allow_nan=True)
 
 
 def plan_units(scale: Scale, regimes: tuple[str, ...]) -> list[dict]:
