@@ -22,7 +22,10 @@ from nw_adapter.processor import nw_processor_for
 from nw_adapter.recorder import NWRecorder
 
 from .models import SD15_UNET_CONFIG, attention_inputs, attention_layer, build_unet, unet_inputs
-from .timing import add_ratios, time_interleaved
+from .timing import add_ratios, attributed_seconds, time_interleaved
+
+#: Functions of the NW processor that hold its extra work: observe statistics, swap head.
+ATTRIBUTED: tuple[str, ...] = ("_record", "_swap_branch")
 
 #: NW processor options of each non-stock variant.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -129,7 +132,11 @@ def bench_unet_step(
         unet: a prebuilt UNet from :func:`benchmarks.models.build_unet` (built when None).
 
     Returns:
-        ``{"latent_size", "results": {variant: timing stats with "ratio"}}``.
+        ``{"latent_size", "results": {variant: timing stats with "ratio"}}``; every NW variant
+        also has ``side_computation_s``, the CPU seconds spent inside the processor's
+        ``_record`` (observe statistics) and ``_swap_branch`` (swap: the gross cost of the NW
+        head, which replaces the stock image branch) during one extra step under cProfile, and
+        ``side_over_stock`` = that / the stock step's median CPU time.
     """
     config = SD15_UNET_CONFIG if config is None else config
     if unet is None:
@@ -159,6 +166,14 @@ def bench_unet_step(
         results = time_interleaved(
             {name: step for name in names}, repeats=repeats, setup={name: install(name) for name in names}
         )
+        # Load-independent view: CPU time inside the NW side computation during one step.
+        stock_cpu = results["stock"]["cpu"]["median"]
+        for name in variants:
+            install(name)()
+            seconds = attributed_seconds(step, ATTRIBUTED)
+            side = sum(v for k, v in seconds.items() if k != "total")
+            results[name]["side_computation_s"] = side
+            results[name]["side_over_stock"] = side / stock_cpu if stock_cpu > 0 else float("nan")
     finally:
         remove_nw_processor(unet)
     return {

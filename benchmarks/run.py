@@ -123,10 +123,11 @@ def run_unet(plan: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
                     f"{r['ratio']:.3f}",
                     fmt_ms(r["cpu"]["median"]),
                     f"{r['cpu']['ratio']:.3f}",
+                    f"{r['side_over_stock']:.3f}" if "side_over_stock" in r else "",
                 ]
             )
     title = "SD 1.5 UNet step (random weights, base IP-Adapter), CFG batch 2"
-    header = ["latents", "variant", "wall ms [q1-q3]", "wall ratio", "cpu ms", "cpu ratio"]
+    header = ["latents", "variant", "wall ms [q1-q3]", "wall ratio", "cpu ms", "cpu ratio", "NW side / stock"]
     return out, title + "\n" + table(header, rows)
 
 

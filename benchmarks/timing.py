@@ -17,7 +17,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,31 @@ def time_interleaved(
         name: {"times": t, **quantiles(t), "cpu": {"times": cpu[name], **quantiles(cpu[name])}}
         for name, t in times.items()
     }
+
+
+def attributed_seconds(fn: Callable[[], Any], functions: Sequence[str]) -> dict[str, float]:
+    """Cumulative CPU seconds spent inside the named Python functions during one call of ``fn``.
+
+    Runs ``fn`` once under :mod:`cProfile` (process CPU-time clock) and sums the cumulative time
+    of every profiled function whose name is in ``functions`` (e.g. the NW processor's
+    ``_record``). Immune to the machine's load, unlike differences of two noisy medians; slightly
+    pessimistic because profiling adds a little per Python call.
+
+    Returns:
+        ``{"total": seconds of the whole call, name: cumulative seconds, ...}``.
+    """
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile(time.process_time)
+    start = time.process_time()
+    profiler.runcall(fn)
+    out = {"total": time.process_time() - start}
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    for (_, _, name), (_, _, _, cumulative, _) in stats.items():
+        if name in functions:
+            out[name] = out.get(name, 0.0) + cumulative
+    return out
 
 
 def add_ratios(results: dict[str, dict[str, Any]], baseline: str) -> dict[str, dict[str, Any]]:

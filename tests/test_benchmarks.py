@@ -77,6 +77,7 @@ def test_unet_bench_toy_restores_stock_processors() -> None:
     before = dict(unet.attn_processors)
     res = bench_unet_step(latent_size=8, repeats=1, config=TOY_UNET_CONFIG, unet=unet, variants=("observe",))
     assert set(res["results"]) == {"stock", "observe"}
+    assert res["results"]["observe"]["side_computation_s"] > 0
     assert all(unet.attn_processors[k] is v for k, v in before.items())
 
 
