@@ -196,6 +196,36 @@ def _rows_per_chunk(lead: torch.Size, per_row: int, budget: int) -> int:
     return max(1, budget // max(1, math.prod(lead) * per_row))
 
 
+def _sdpa_by_rows(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, rows: int) -> Tensor:
+    """``SDPA(q, k, v, attn_mask, scale=1)`` over chunks of ``rows`` query rows.
+
+    Each chunk is written into one preallocated output (no list of chunks and ``torch.cat``), so
+    the peak extra memory is the output plus one chunk's ``[B, H, rows, m]`` intermediates.
+
+    Args:
+        q: ``[B, H, n, w]`` queries.
+        k: ``[B, H, m, w]`` keys.
+        v: ``[B, H, m, w_v]`` values.
+        attn_mask: ``None`` or a mask broadcastable to ``[B, H, n or 1, m]`` (bool or additive);
+            a mask with one row is shared by every chunk, else it is sliced with the queries.
+        rows: query rows per SDPA call (>= 1).
+
+    Returns:
+        ``[B, H, n, w_v]`` in the dtype of ``q``.
+    """
+    n = q.shape[-2]
+    if n <= rows:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
+    out = q.new_empty((*torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]), n, v.shape[-1]))
+    per_row = attn_mask is not None and attn_mask.shape[-2] != 1
+    for i in range(0, n, rows):
+        mask_i = attn_mask[..., i : i + rows, :] if per_row and attn_mask is not None else attn_mask
+        out[..., i : i + rows, :] = F.scaled_dot_product_attention(
+            q[..., i : i + rows, :], k, v, attn_mask=mask_i, scale=1.0
+        )
+    return out
+
+
 def nw_logits(
     query: Tensor,
     support: Tensor,
@@ -364,12 +394,7 @@ def gaussian_kernel_attention(
         q, k_in, v = (_as_4d(t, heads) for t in (q, k_in, v))
         attn_mask = None if attn_mask is None else _as_4d(attn_mask, heads)
         rows = chunk_size or _rows_per_chunk(lead, m, ELEMENT_BUDGET)
-        parts = [
-            F.scaled_dot_product_attention(q[..., i : i + rows, :], k_in, v, attn_mask=attn_mask, scale=1.0)
-            for i in range(0, n, rows)
-        ]
-        out = torch.cat(parts, dim=-2) if parts else v.new_zeros((*v.shape[:-2], 0, v.shape[-1]))
-        out = out[..., :d_v].reshape(*lead, n, d_v)
+        out = _sdpa_by_rows(q, k_in, v, attn_mask, rows)[..., :d_v].reshape(*lead, n, d_v)
         if mask is not None:
             any_valid = mask.any(dim=-1).expand(lead)
             out = torch.where(any_valid[..., None, None], out, torch.full((), math.nan, dtype=out.dtype))

@@ -20,7 +20,16 @@ import math
 import torch
 from torch import Tensor
 
-from nw_adapter.kernels import compute_dtype, nw_mean
+from nw_adapter.kernels import (
+    ELEMENT_BUDGET,
+    _check_finite,
+    _pad_last,
+    _rows_per_chunk,
+    _sdpa_by_rows,
+    compute_dtype,
+    no_autocast,
+    nw_mean,
+)
 
 __all__ = [
     "ConstantNoisePath",
@@ -273,6 +282,86 @@ class SigmaFlowPath(ProbabilityPath):
         return (x - mean) / _col(self.sigma(t, validate=validate))
 
 
+def _per_sample_nw_mean(
+    x: Tensor,
+    a: Tensor,
+    b: Tensor,
+    support: Tensor,
+    support_mask: Tensor | None,
+    *,
+    chunk_size: int | None = None,
+    validate: bool = True,
+) -> Tensor:
+    """NW mean with one ``(a_n, b_n)`` per query and one shared key set, by chunked SDPA.
+
+    With ``c`` the (masked) support mean, ``s~_i = s_i - c`` and ``x~_n = x_n - a_n c`` (so that
+    ``x_n - a_n s_i = x~_n - a_n s~_i``; ``x_t ~ a s + b z`` keeps ``x~`` of the size of the noise):
+
+        -||x_n - a_n s_i||^2 / (2 b_n^2)
+            = (a_n / b_n^2) x~_n.s~_i - (a_n^2 / (2 b_n^2)) ||s~_i||^2 + (const in i),
+
+    i.e. ``softmax(q_n.k_i)`` with ``q_n = [a_n x~_n / b_n^2, -a_n^2 / (2 b_n^2)]`` and
+    ``k_i = [s~_i, ||s~_i||^2]`` (zero-padded to a multiple of 8 features), and the values
+    ``s~`` (``c`` is added back). No division by ``a`` (``a = 0`` gives uniform weights); the
+    absolute logit error is ``~eps (||x~_n||^2 + a_n^2 ||s~_i||^2) / (2 b_n^2)`` as for the
+    scalar-``t`` SDPA forms. Peak extra memory ``O(chunk_size * m)`` plus ``O(n d)`` for ``q``.
+
+    Args:
+        x: ``[..., n, d]`` query points, float32 or float64.
+        a: ``[..., n]`` data coefficients ``a_t`` per query (same dtype as ``x``).
+        b: ``[..., n]`` noise coefficients ``b_t > 0`` per query.
+        support: ``[..., m, d]`` support points (same dtype as ``x``).
+        support_mask: optional bool ``[..., m]``, True = valid.
+        chunk_size: query rows per SDPA call (``None``: ``ELEMENT_BUDGET / (prod(L) * m)``).
+        validate: check the support for NaN/inf and empty mask rows (syncs with the device).
+
+    Returns:
+        ``[L..., n, d]`` NW means, ``L`` the broadcast leading dims; NaN rows where the mask has
+        no valid point (only reachable with ``validate=False``).
+    """
+    bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    if chunk_size is not None and bad_chunk:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    mask = None if support_mask is None else support_mask.to(x.device)
+    if validate:
+        _check_finite("support", support, mask)
+        if mask is not None and not bool(mask.any(-1).all()):
+            raise ValueError("support_mask has a row with no valid support point (all False)")
+    n, d = x.shape[-2], x.shape[-1]
+    m = support.shape[-2]
+    shapes = [x.shape[:-2], support.shape[:-2]] + ([] if mask is None else [mask.shape[:-1]])
+    lead = torch.broadcast_shapes(*shapes)
+    with no_autocast(x.device):
+        s = support
+        if mask is None:
+            c = s.mean(dim=-2, keepdim=True)
+        else:
+            s = torch.where(mask[..., None], s, torch.zeros((), dtype=s.dtype, device=s.device))
+            count = mask[..., None].sum(dim=-2, keepdim=True).clamp_min(1).to(s.dtype)
+            c = s.sum(dim=-2, keepdim=True) / count
+        sc = s - c  # [..., m, d]
+        coef = a / (b * b)  # [..., n]
+        width = d + 2 + (-(d + 2)) % 8
+        q = x.new_zeros((*lead, n, width))
+        q[..., :d] = (x - a[..., None] * c) * coef[..., None]
+        q[..., d] = -0.5 * a * coef
+        k = _pad_last(torch.cat([sc, sc.square().sum(-1, keepdim=True)], dim=-1), width)
+        v = _pad_last(sc, width)
+        k = k.expand(*lead, m, width).reshape(-1, lead[-1] if len(lead) else 1, m, width)
+        v = v.expand(*lead, m, width).reshape(k.shape)
+        q = q.reshape(k.shape[0], k.shape[1], n, width)
+        attn_mask = None
+        if mask is not None:
+            attn_mask = mask[..., None, :].expand(*lead, 1, m).reshape(k.shape[0], k.shape[1], 1, m)
+        rows = chunk_size or _rows_per_chunk(lead, m, ELEMENT_BUDGET)
+        out = _sdpa_by_rows(q, k, v, attn_mask, rows)[..., :d].reshape(*lead, n, d)
+        out = out + c
+        if mask is not None:
+            any_valid = mask.any(dim=-1).expand(lead)
+            out = torch.where(any_valid[..., None, None], out, torch.full((), math.nan, dtype=out.dtype))
+    return out
+
+
 class NWVelocityField:
     """The exact field of ``path`` for the empirical target on a support set (plug-in NW field).
 
@@ -284,9 +373,14 @@ class NWVelocityField:
         support: ``[..., m, d]`` support points.
         path: a :class:`ProbabilityPath`.
         support_mask: optional bool ``[..., m]`` (True = valid) for ragged support sets.
-        form: NW mean backend: ``"direct"`` (explicit weights, most accurate, default), or the
-            SDPA forms ``"bias"`` / ``"augmented"`` (faster for large batches).
-        chunk_size: passed to :func:`nw_adapter.kernels.nw_mean`.
+        form: NW mean backend. ``"bias"`` (default) / ``"augmented"``: chunked SDPA, peak extra
+            memory ``O(chunk_size * m)`` (never ``n * m``). A scalar ``t`` runs
+            :func:`nw_adapter.kernels.nw_mean` with that form on the scaled support ``a_t s``;
+            per-sample times run the shared-key augmented form of :func:`_per_sample_nw_mean`
+            for both. ``"direct"``: explicit ``[..., n, m]`` weights from direct differences
+            (``torch.cdist``), the slow reference, materialising ``n * m`` (per-sample times
+            even ``n * m * d``).
+        chunk_size: query rows per SDPA call (``None``: ``2**24 / (prod(L) * m)``).
         validate: default for value checks in ``__call__`` (range of t, NaN inputs).
 
     Example:
@@ -300,7 +394,7 @@ class NWVelocityField:
         path: ProbabilityPath,
         *,
         support_mask: Tensor | None = None,
-        form: str = "direct",
+        form: str = "bias",
         chunk_size: int | None = None,
         validate: bool = True,
     ) -> None:
@@ -346,6 +440,18 @@ class NWVelocityField:
         if isinstance(a, Tensor):
             a = a.to(device=x.device, dtype=dtype)
             b = torch.as_tensor(b).to(device=x.device, dtype=dtype)
+        if per_sample and self.form != "direct":
+            if t.shape != x.shape[:-1]:
+                try:
+                    a, b = a.expand(x.shape[:-1]), b.expand(x.shape[:-1])
+                except RuntimeError as err:
+                    raise ValueError(
+                        f"per-sample t must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, "
+                        f"got {tuple(t.shape)}"
+                    ) from err
+            return _per_sample_nw_mean(
+                x.to(dtype), a, b, s, self.support_mask, chunk_size=self.chunk_size, validate=validate
+            )
         if not per_sample:
             return nw_mean(
                 x, a * s, b, values=s, support_mask=self.support_mask,
