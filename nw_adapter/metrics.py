@@ -131,12 +131,22 @@ def pearson_raveled(a: Tensor, b: Tensor) -> Tensor:
     return pearson(a.flatten(-2), b.flatten(-2))
 
 
-def kl_divergence(p: Tensor, q: Tensor, *, log_q: Tensor | None = None) -> Tensor:
+def _kl_terms(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
+    """``sum_i p_i (log p_i - log q_i)`` over the last dim, a term being 0 where ``p_i = 0``."""
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    return torch.where(p > 0, p * (log_p - log_q), zero).sum(-1)
+
+
+def kl_divergence(
+    p: Tensor, q: Tensor, *, log_p: Tensor | None = None, log_q: Tensor | None = None
+) -> Tensor:
     """``KL(p || q) = sum_i p_i (log p_i - log q_i)`` over the last dim (natural log, 0 log 0 = 0).
 
     Args:
         p: ``[..., m]`` probability rows.
         q: ``[..., m]`` probability rows.
+        log_p: optional ``[..., m]`` log-probabilities of p (e.g. ``log_softmax`` of the logits
+            that gave ``p``), used instead of ``log p``.
         log_q: optional ``[..., m]`` log-probabilities of q (e.g. ``log_softmax`` of NW logits),
             used instead of ``log q``: finite even where ``q`` underflows to 0 at tiny bandwidths.
 
@@ -145,26 +155,39 @@ def kl_divergence(p: Tensor, q: Tensor, *, log_q: Tensor | None = None) -> Tenso
     """
     p, q = _pair(p, q, ("p", "q"))
     with no_autocast(p.device):
-        if log_q is None:
+        if log_p is None and log_q is None:
             return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
-        lq = log_q.to(device=p.device, dtype=p.dtype)
-        cross = torch.where(p > 0, p * lq, torch.zeros((), dtype=p.dtype, device=p.device))
-        return (torch.xlogy(p, p) - cross).sum(-1)
+        lp = torch.log(p) if log_p is None else log_p.to(device=p.device, dtype=p.dtype)
+        lq = torch.log(q) if log_q is None else log_q.to(device=p.device, dtype=p.dtype)
+        return _kl_terms(p, lp, lq)
 
 
-def js_divergence(p: Tensor, q: Tensor) -> Tensor:
+def js_divergence(
+    p: Tensor, q: Tensor, *, log_p: Tensor | None = None, log_q: Tensor | None = None
+) -> Tensor:
     """Jensen-Shannon divergence ``KL(p||r)/2 + KL(q||r)/2`` with ``r = (p + q)/2`` (nats, <= log 2).
+
+    With log-probabilities given, ``log r = logaddexp(log p, log q) - log 2`` and every term is
+    computed in log space (no ``log`` of an underflowed probability).
 
     Args:
         p: ``[..., m]``.
         q: ``[..., m]``.
+        log_p: optional ``[..., m]`` log-probabilities of p (replaces ``log p``).
+        log_q: optional ``[..., m]`` log-probabilities of q (replaces ``log q``).
 
     Returns:
         ``[...]``.
     """
     p, q = _pair(p, q, ("p", "q"))
-    r = 0.5 * (p + q)
-    return 0.5 * kl_divergence(p, r) + 0.5 * kl_divergence(q, r)
+    if log_p is None and log_q is None:
+        r = 0.5 * (p + q)
+        return 0.5 * kl_divergence(p, r) + 0.5 * kl_divergence(q, r)
+    with no_autocast(p.device):
+        lp = torch.log(p) if log_p is None else log_p.to(device=p.device, dtype=p.dtype)
+        lq = torch.log(q) if log_q is None else log_q.to(device=p.device, dtype=p.dtype)
+        lr = torch.logaddexp(lp, lq) - math.log(2.0)
+        return 0.5 * _kl_terms(p, lp, lr) + 0.5 * _kl_terms(q, lq, lr)
 
 
 def top1_agreement(a: Tensor, b: Tensor) -> Tensor:

@@ -289,9 +289,15 @@ class _NWProcessorMixin:
         for g in groups:
             key = g.key if g.key is not None else self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
             k = key.float() if head_idx is None else key.index_select(1, head_idx).float()
-            attn_w = torch.softmax((q @ k.transpose(-1, -2)) * s, dim=-1)  # A [B, H, N, M]
+            qk = q @ k.transpose(-1, -2)  # [B, H, N, M], shared by A and W
+            logit_a = qk * s
+            attn_w = torch.softmax(logit_a, dim=-1)  # A [B, H, N, M]
             h = self._bandwidth(q, k, attn_w, s)
-            nw_w = _nw_weights(q, k, h)  # W [B, H, N, M]
+            logit_w = _nw_logits_from_qk(qk, k, h)
+            nw_w = torch.softmax(logit_w, dim=-1)  # W [B, H, N, M]
+            # log A from its logits; log W of the float32 weights as recorded (KL(A || W) is inf
+            # where W underflowed to 0 < A, as the statistic of the stored maps); JS is finite.
+            log_a, log_w = torch.log_softmax(logit_a, dim=-1), torch.log(nw_w)
             if isinstance(h, torch.Tensor):
                 h_t = h.float().expand(q.shape[:2])
             else:
@@ -315,8 +321,8 @@ class _NWProcessorMixin:
                     perm_null.float(),
                     norm_null.float(),
                     metrics.pearson_raveled(attn_w, nw_w),
-                    metrics.kl_divergence(attn_w, nw_w).mean(-1),
-                    metrics.js_divergence(attn_w, nw_w).mean(-1),
+                    metrics.kl_divergence(attn_w, nw_w, log_p=log_a, log_q=log_w).mean(-1),
+                    metrics.js_divergence(attn_w, nw_w, log_p=log_a, log_q=log_w).mean(-1),
                     _ess(attn_w).mean(-1),
                     _ess(nw_w).mean(-1),
                     metrics.top1_agreement(attn_w, nw_w).mean(-1),
@@ -372,9 +378,24 @@ def _gka(
     return kernels.gaussian_kernel_attention(q, k, v, h, chunk_size=chunk_size, validate=False)
 
 
-def _nw_weights(q: torch.Tensor, k: torch.Tensor, h: torch.Tensor | float) -> torch.Tensor:
-    """NW weights [B, H, N, M] from direct differences (no value checks: no host sync)."""
-    return kernels.nw_weights(q, k, h, validate=False)
+def _nw_logits_from_qk(qk: torch.Tensor, k: torch.Tensor, h: torch.Tensor | float) -> torch.Tensor:
+    """NW logits [B, H, N, M] from the attention's own ``q k^T`` (no second distance pass).
+
+    ``-||q_n - k_i||^2 / 2h^2 = (q_n.k_i - ||k_i||^2 / 2) / h^2 - ||q_n||^2 / 2h^2``; the last term is
+    constant along the keys and cancels in the softmax, so the logits are
+    ``(q k^T - ||k||^2 / 2) / h^2`` with ``h`` a float or a ``[B, H]`` tensor (applied as
+    ``h[..., None, None]``).
+
+    Args:
+        qk: ``[B, H, N, M]`` float32 dot products ``q_n.k_i``.
+        k: ``[B, H, M, d]`` float32 keys.
+        h: bandwidth, float or ``[B, H]`` tensor.
+
+    Returns:
+        ``[B, H, N, M]`` logits whose softmax is the NW weights.
+    """
+    inv_h2 = h.to(qk.dtype)[..., None, None] ** -2 if isinstance(h, torch.Tensor) else float(h) ** -2
+    return (qk - 0.5 * k.square().sum(-1)[..., None, :]) * inv_h2
 
 
 def _ess(w: torch.Tensor) -> torch.Tensor:

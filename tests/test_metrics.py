@@ -89,6 +89,33 @@ def test_kl_from_log_probabilities_stays_finite_when_weights_underflow() -> None
     assert math.isclose(float(got), expected, rel_tol=1e-6)
 
 
+def test_kl_and_js_in_log_space_match_the_probability_forms() -> None:
+    g = torch.Generator().manual_seed(11)
+    la = torch.randn(3, 7, 5, generator=g, dtype=torch.float64)
+    lb = 3 * torch.randn(3, 7, 5, generator=g, dtype=torch.float64)
+    p, q = torch.softmax(la, -1), torch.softmax(lb, -1)
+    lp, lq = torch.log_softmax(la, -1), torch.log_softmax(lb, -1)
+    torch.testing.assert_close(
+        kl_divergence(p, q, log_p=lp, log_q=lq), kl_divergence(p, q), rtol=1e-12, atol=0
+    )
+    torch.testing.assert_close(
+        js_divergence(p, q, log_p=lp, log_q=lq), js_divergence(p, q), rtol=1e-11, atol=0
+    )
+    torch.testing.assert_close(js_divergence(p, q, log_q=lq), js_divergence(p, q), rtol=1e-11, atol=0)
+
+
+def test_js_from_log_probabilities_stays_finite_when_weights_underflow() -> None:
+    logits_q = torch.tensor([[0.0, -800.0, -1000.0]])  # q = [1, 0, 0] after underflow
+    logits_p = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    p, q = torch.softmax(logits_p, -1), torch.softmax(logits_q, -1)
+    lp, lq = torch.log_softmax(logits_p, -1), torch.log_softmax(logits_q, -1)
+    got = js_divergence(p, q, log_p=lp, log_q=lq)
+    # r = (p + q)/2 = [0.75, 0.125, 0.125]: JS = (KL(p||r) + KL(q||r)) / 2, q's zero entries add 0
+    expected = 0.5 * (0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.25 / 0.125)) + 0.5 * math.log(1 / 0.75)
+    assert math.isclose(float(got), expected, rel_tol=1e-6)
+    assert math.isfinite(float(kl_divergence(p, q, log_p=lp, log_q=lq)))
+
+
 def test_top1_agreement() -> None:
     a = torch.tensor([[0.1, 0.9], [0.6, 0.4], [0.5, 0.5]])
     b = torch.tensor([[0.2, 0.8], [0.3, 0.7], [0.5, 0.5]])

@@ -364,6 +364,33 @@ def test_steps_option_selects_steps():
     assert {r["step"] for r in rec.to_records()} == {1}
 
 
+def test_tiny_bandwidth_divergences_follow_the_recorded_weights():
+    """At h = 1e-3 most NW weights underflow to 0: JS stays finite, KL(A || W) is inf exactly there."""
+    attn, stock = _attention(), _stock()
+    x, text, ip = _inputs()
+    rec = _install(attn, stock, bandwidth=1e-3, store_maps=True, map_dtype="float32", cfg=False)
+    attn(x, (text, ip))
+    q, ks = _captured_qk(attn, stock, x, ip)
+    records = rec.to_records()
+    assert records
+    for j, k in enumerate(ks):
+        W = rec.maps()[f"call0/step0/down_blocks.0.attn2.processor/adapter{j}/image0/nw"].double()
+        assert bool((W == 0).any())
+        A = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM), -1)
+        r = 0.5 * (A + W)
+        js = 0.5 * (A * (A / r).log()).sum(-1) + 0.5 * torch.where(W > 0, W * (W / r).log(), 0.0).sum(-1)
+        js = js.mean(-1).mean(0)  # [H]: rows, then batch (cfg=False)
+        for rec_row in (r for r in records if r["adapter"] == j):
+            assert 0 <= rec_row["js"] <= math.log(2)
+            assert rec_row["js"] == pytest.approx(float(js[rec_row["head"]]), rel=1e-3, abs=1e-5)
+            assert rec_row["kl"] == math.inf  # some row has W = 0 < A
+    # the log-space KL of the metrics API is finite for the same weights
+    W = rec.maps()["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/nw"].double()
+    d2 = ((q[..., :, None, :] - ks[0][..., None, :, :]) ** 2).sum(-1)
+    A = torch.softmax(q @ ks[0].transpose(-1, -2) / math.sqrt(DIM), -1)
+    assert bool(torch.isfinite(metrics.kl_divergence(A, W, log_q=torch.log_softmax(-d2 / 2e-6, -1))).all())
+
+
 def test_statistics_option():
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
