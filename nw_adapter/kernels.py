@@ -314,11 +314,14 @@ def gaussian_kernel_attention(
 ) -> Tensor:
     """Gaussian-kernel attention ``out_j = sum_i softmax_i(-||q_j - k_i||^2 / 2h^2) v_i`` via SDPA.
 
-    THEORY.md section 3: with ``c`` the (masked) key mean, ``q' = (q - c)/h`` and
-    ``k'_i = (k_i - c)/h``, ``-||q - k_i||^2 / 2h^2 = q'.k'_i - ||k'_i||^2 / 2 + (const in i)``.
+    THEORY.md section 3: with ``c`` the (masked) key mean, ``q' = q - c`` and
+    ``k'_i = (k_i - c)/h^2``, ``-||q - k_i||^2 / 2h^2 = q'.k'_i + b_i + (const in i)`` with the
+    bias ``b_i = -||k_i - c||^2 / 2h^2``. The whole ``1/h^2`` is carried by the ``m`` keys and
+    the bias, so the ``n`` queries are copied once (centring, needed for float32 accuracy far
+    from the origin) and never rescaled.
 
-    * ``form="bias"``: ``SDPA(q', k', v, attn_mask = -||k'_i||^2/2 (-inf if masked), scale=1)``.
-    * ``form="augmented"``: ``q'' = [q', 1, 0...]``, ``k''_i = [k'_i, -||k'_i||^2/2, 0...]`` zero-
+    * ``form="bias"``: ``SDPA(q', k', v, attn_mask = b (-inf if masked), scale=1)``.
+    * ``form="augmented"``: ``q'' = [q', 1, 0...]``, ``k''_i = [k'_i, b_i, 0...]`` zero-
       padded to a multiple of 8 features, ``SDPA(q'', k'', v, scale=1)`` (bool mask if masked).
 
     Args:
@@ -365,10 +368,15 @@ def gaussian_kernel_attention(
         v = value.to(device=q.device, dtype=q.dtype)
         if mask is not None:
             v = torch.where(mask[..., None], v, torch.zeros((), dtype=v.dtype, device=v.device))
-        inv_h = _expand_h(h)
-        q = q / inv_h
-        k = k / inv_h
-        bias = -0.5 * k.square().sum(dim=-1)  # [.., m]
+        # 1/h^2 goes into the m keys and the bias; the n queries (the big tensor) are only centred
+        if isinstance(h, Tensor):
+            inv_h2 = h.reciprocal().square()
+            k_scale: Tensor | float = inv_h2[..., None, None]
+            b_scale: Tensor | float = inv_h2[..., None]
+        else:
+            k_scale = b_scale = 1.0 / (h * h)
+        bias = (-0.5 * k.square().sum(dim=-1)) * b_scale  # -||k_i - c||^2 / 2h^2, [.., m]
+        k = k * k_scale
         q = q.expand(*lead, n, d)
         k = k.expand(*lead, m, d)
         v = v.expand(*lead, m, v.shape[-1])
