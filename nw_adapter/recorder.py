@@ -31,23 +31,7 @@ import torch
 from .atomic import atomic_write, atomic_write_text
 from .config import NWProcessorConfig
 from .schedules import noise_level, schedule_table
-
-#: Statistics of one (layer, head, half, adapter, image), in the order of the stats tensor.
-STAT_NAMES: tuple[str, ...] = (
-    "bandwidth",
-    "rho",
-    "rho_perm_null",
-    "rho_norm_null",
-    "pearson",
-    "kl",
-    "js",
-    "neff_attn",
-    "neff_nw",
-    "top1",
-    "q_norm",
-    "key_norm_cv",
-)
-SUMMARY_STATS: tuple[str, ...] = tuple(s for s in STAT_NAMES if s != "bandwidth") + ("bandwidth",)
+from .schema import RECORD_KEYS, STAT_NAMES, SUMMARY_STATS
 
 
 def block_of(layer: str) -> str:
@@ -445,23 +429,7 @@ class NWRecorder:
 
 
 def _record_fields() -> list[str]:
-    return [
-        "call",
-        "step",
-        "timestep",
-        "alpha",
-        "sigma",
-        "h_schedule",
-        "layer",
-        "block",
-        "head",
-        "half",
-        "adapter",
-        "image",
-        "scale",
-        "num_keys",
-        *STAT_NAMES,
-    ]
+    return [*RECORD_KEYS, *STAT_NAMES]
 
 
 def _first(value: Any) -> Any:

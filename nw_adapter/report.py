@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import atomic_write_json, atomic_write_text
+from .schema import RECORD_KEYS, SUMMARY_STATS
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -36,40 +37,10 @@ SCHEMA_VERSION = 1
 PAPER_TIMESTEPS: tuple[int, ...] = (981, 761, 501, 261, 1)
 """Timesteps the paper reports (50 DDIM/PNDM steps of SD 1.5)."""
 
-STAT_FIELDS: tuple[str, ...] = (
-    "rho",
-    "rho_perm_null",
-    "rho_norm_null",
-    "pearson",
-    "kl",
-    "js",
-    "neff_attn",
-    "neff_nw",
-    "top1",
-    "q_norm",
-    "key_norm_cv",
-    "bandwidth",
-)
+STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
 """Per-record statistics averaged by :func:`aggregate`."""
 
-RECORD_FIELDS: tuple[str, ...] = (
-    "reference",
-    "call",
-    "step",
-    "timestep",
-    "alpha",
-    "sigma",
-    "h_schedule",
-    "layer",
-    "block",
-    "head",
-    "half",
-    "adapter",
-    "image",
-    "scale",
-    "num_keys",
-    *STAT_FIELDS,
-)
+RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
 """Column order of ``rho.csv`` (extra record keys follow, sorted)."""
 
 RHO_THRESHOLD = 0.9
