@@ -7,7 +7,8 @@ import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
-from PIL import Image
+from tiny_helpers import SIZE
+from tiny_helpers import generate as _run
 
 from nw_adapter.config import NWProcessorConfig
 from nw_adapter.mixin import (
@@ -20,25 +21,6 @@ from nw_adapter.mixin import (
 from nw_adapter.processor import is_nw_processor
 from nw_adapter.tiny import ip_adapter_weight_name
 from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
-
-SIZE = 32
-
-
-def _image(seed: int = 1) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(SIZE, SIZE, 3) * 255).astype("uint8"))
-
-
-def _run(pipe, **kw):
-    return pipe(
-        "a cat",
-        ip_adapter_image=_image(),
-        num_inference_steps=2,
-        height=SIZE,
-        width=SIZE,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-        **kw,
-    ).images
 
 
 @pytest.fixture(scope="module")

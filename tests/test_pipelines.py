@@ -24,6 +24,9 @@ from diffusers import (
 )
 from diffusers.image_processor import IPAdapterMaskProcessor
 from PIL import Image
+from tiny_helpers import SIZE
+from tiny_helpers import generate as _run
+from tiny_helpers import random_image as _image
 
 from nw_adapter.mixin import nw_processor
 from nw_adapter.processor import is_nw_processor
@@ -32,11 +35,6 @@ from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
 from pipelines.pipeline_stable_diffusion_xl_nw import StableDiffusionXLNWPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZE = 32
-
-
-def _image(seed: int) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(SIZE, SIZE, 3) * 255).astype("uint8"))
 
 
 def _masks() -> list[torch.Tensor]:
@@ -46,19 +44,6 @@ def _masks() -> list[torch.Tensor]:
     m0 = proc.preprocess([Image.fromarray(left)], height=SIZE, width=SIZE)
     m1 = proc.preprocess([Image.fromarray(255 - left), Image.fromarray(left)], height=SIZE, width=SIZE)
     return [m.reshape(1, m.shape[0], SIZE, SIZE) for m in (m0, m1)]
-
-
-def _run(pipe, steps: int = 2, **kw) -> np.ndarray:
-    kw.setdefault("ip_adapter_image", _image(1))
-    return pipe(
-        "a cat",
-        num_inference_steps=steps,
-        height=SIZE,
-        width=SIZE,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-        **kw,
-    ).images
 
 
 @pytest.fixture(scope="module")

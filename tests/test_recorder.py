@@ -11,21 +11,15 @@ import numpy as np
 import pytest
 import torch
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
-from PIL import Image
 from safetensors import safe_open
 from scipy.stats import rankdata
+from tiny_helpers import generate
 
 from nw_adapter.config import NWProcessorConfig
 from nw_adapter.processor import nw_processor_for
 from nw_adapter.recorder import STAT_NAMES, NWRecorder, block_of
 from nw_adapter.tiny import ip_adapter_weight_name
 from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
-
-SIZE = 32
-
-
-def _image(seed: int = 1) -> Image.Image:
-    return Image.fromarray((np.random.RandomState(seed).rand(SIZE, SIZE, 3) * 255).astype("uint8"))
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +31,7 @@ def pipe(tiny_sd15_dir, tiny_ip_adapter_dir):
 
 
 def _run(pipe, steps=2):
-    pipe(
-        "a cat",
-        ip_adapter_image=_image(),
-        num_inference_steps=steps,
-        height=SIZE,
-        width=SIZE,
-        output_type="latent",
-        generator=torch.Generator().manual_seed(0),
-    )
+    generate(pipe, steps=steps, output_type="latent")
 
 
 def _row_pearson(a, b):

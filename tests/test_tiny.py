@@ -8,6 +8,7 @@ import torch
 from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from PIL import Image
 from safetensors.torch import load_file
+from tiny_helpers import generate
 
 from nw_adapter.tiny import (
     TINY_IMAGE_SIZE,
@@ -21,20 +22,6 @@ from nw_adapter.tiny import (
 def reference_image() -> Image.Image:
     rng = np.random.default_rng(0)
     return Image.fromarray(rng.integers(0, 256, (48, 48, 3), dtype=np.uint8))
-
-
-def _generate(pipe, image, **kwargs) -> np.ndarray:
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        "a photo",
-        ip_adapter_image=image,
-        num_inference_steps=2,
-        height=TINY_IMAGE_SIZE,
-        width=TINY_IMAGE_SIZE,
-        output_type="np",
-        generator=torch.Generator().manual_seed(0),
-        **kwargs,
-    ).images
 
 
 def test_public_layout_and_original_key_names(tiny_ip_adapter_dir):
@@ -57,10 +44,10 @@ def test_sd15_loads_adapter_and_image_branch_matters(tiny_sd15_dir, tiny_ip_adap
     assert len(ip_layers) == 4
     assert all(p.num_tokens == [tokens] for p in ip_layers)
 
-    with_image = _generate(pipe, reference_image)
+    with_image = generate(pipe, ip_adapter_image=reference_image)
     assert with_image.shape == (1, TINY_IMAGE_SIZE, TINY_IMAGE_SIZE, 3)
     pipe.set_ip_adapter_scale(0.0)
-    without_image = _generate(pipe, reference_image)
+    without_image = generate(pipe, ip_adapter_image=reference_image)
     assert not np.allclose(with_image, without_image)
 
 
@@ -68,7 +55,7 @@ def test_sdxl_loads_adapter(tiny_sdxl_dir, tiny_ip_adapter_dir, reference_image)
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
     pipe.load_ip_adapter(tiny_ip_adapter_dir, subfolder="sdxl_models",
                          weight_name=ip_adapter_weight_name("base", sdxl=True))
-    images = _generate(pipe, reference_image)
+    images = generate(pipe, ip_adapter_image=reference_image)
     assert images.shape == (1, TINY_IMAGE_SIZE, TINY_IMAGE_SIZE, 3)
     assert np.isfinite(images).all()
 
