@@ -9,8 +9,10 @@ i.e. ``a = b = 0.5``):
 - ``nw_mean_chunk2048``: the same with ``chunk_size=2048`` query rows per SDPA call (the
   default chunk is ``2**24 / m`` rows), to show that the peak follows the chunk size;
 - ``nw_mean_augmented``: ``nw_mean`` with ``form="augmented"``;
-- ``field_direct``: :class:`nw_adapter.paths.NWVelocityField` with its default ``form="direct"``;
-- ``field_bias``: :class:`~nw_adapter.paths.NWVelocityField` with ``form="bias"``.
+- ``field_direct``: :class:`nw_adapter.paths.NWVelocityField` with ``form="direct"`` (the exact
+  reference form, which materialises ``[n, m]``);
+- ``field_bias``: :class:`~nw_adapter.paths.NWVelocityField` with ``form="bias"``, its default
+  (chunked SDPA).
 
 Time: medians of interleaved repeats in this process. Peak memory: for each (case,
 implementation) a fresh subprocess builds the inputs, then resets the kernel's peak-RSS counter
