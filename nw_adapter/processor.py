@@ -131,7 +131,11 @@ class _NWProcessorMixin:
     def _bandwidth(
         self, q: torch.Tensor, k: torch.Tensor, attn_weights: torch.Tensor | None, s: float
     ) -> torch.Tensor | float:
-        """h per (batch, head) [B, H] (or a float) under the configured rule."""
+        """h per (batch, head) [B, H] (or a float) under the configured rule.
+
+        Only the data-dependent rules (median, fitted) read ``q`` and ``k``; they upcast to
+        float32 themselves, so the other rules never copy a half-precision query.
+        """
         rule = self.nw_config.bandwidth
         if isinstance(rule, float):
             return rule
@@ -146,6 +150,7 @@ class _NWProcessorMixin:
                     "recorder.begin_step(alpha=..., sigma=...)), or pick another bandwidth"
                 )
             return float(bw.schedule_bandwidth(st.sigma, st.alpha, self.nw_config.schedule_c))
+        q, k = q.float(), k.float()
         if rule == "median":
             return bw.median_bandwidth(q, k)
         if attn_weights is None:
@@ -251,7 +256,7 @@ class _NWProcessorMixin:
                 continue
             g.key = self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
             g.value = self._heads(self.to_v_ip[g.adapter](g.states), attn.heads)
-            h = self._bandwidth(q.float(), g.key.float(), None, s)
+            h = self._bandwidth(q, g.key, None, s)
             out = _gka(q, g.key, g.value, h, self.nw_config.chunk_size)
             out = out.transpose(1, 2).reshape(batch, rows, inner).to(q_raw.dtype)
             if g.mask is not None:
