@@ -114,15 +114,15 @@ def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Pat
 
     Args:
         cache: Cache folder (default :func:`tiny_cache_dir`).
-        seed: Seed of the random weights (part of the folder name).
+        seed: Seed of the random weights (part of the folder name, with the builders'
+            source fingerprint, so a changed builder never reuses a stale cache).
 
     Returns:
         ``(model_dir, ip_adapter_dir)``.
     """
-    from nw_adapter import __version__
-    from nw_adapter.tiny import save_tiny_ip_adapter, save_tiny_sd15
+    from nw_adapter.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15
 
-    root = (cache or tiny_cache_dir()) / f"tiny-{__version__}-seed{seed}"
+    root = (cache or tiny_cache_dir()) / f"tiny-{builder_fingerprint()}-seed{seed}"
     try:
         model_dir = _build_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
         adapter_dir = _build_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))

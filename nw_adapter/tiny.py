@@ -29,6 +29,7 @@ layout: down, mid and up blocks each carry IP-Adapter layers) have 2 heads of ``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import string
@@ -41,6 +42,7 @@ from safetensors.torch import save_file
 
 __all__ = [
     "TINY_IMAGE_SIZE",
+    "builder_fingerprint",
     "ip_adapter_weight_name",
     "random_ip_adapter_state_dict",
     "save_tiny_ip_adapter",
@@ -76,6 +78,15 @@ _SD15_SCHEDULE = {
     "set_alpha_to_one": False,
     "steps_offset": 1,
 }
+
+
+def builder_fingerprint() -> str:
+    """A short hash of this module's source: cache folders of tiny models are keyed by it.
+
+    Any change to the builders (sizes, initialisation, layout) changes the fingerprint, so a
+    cached tiny model is never silently reused after the code that wrote it has changed.
+    """
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
 
 def ip_adapter_weight_name(variant: str = "base", *, sdxl: bool = False) -> str:
