@@ -44,6 +44,13 @@ RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
 """Column order of ``rho.csv`` (extra record keys follow, sorted)."""
 
 RHO_THRESHOLD = 0.9
+
+NULL_MARGIN = 0.05
+"""How far rho must exceed the larger of its two nulls to count as evidence in the verdict.
+
+The nulls are Monte-Carlo estimates (keys shuffled; queries of equal norm in random directions)
+on a subsample of query rows, so a rho within a few hundredths of a null is not told apart from it.
+"""
 """The paper's "% of heads with rho > 0.9" threshold."""
 
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -176,7 +183,7 @@ def verdict(rows: Sequence[dict]) -> dict:
     Returns:
         ``rho_last`` and the two nulls at the last reported step; ``monotonic``: rho never
         decreases from one reported step to the next; ``clears_nulls``: rho at the last step
-        is above both nulls; ``margin``: rho minus the larger null.
+        exceeds both nulls by at least :data:`NULL_MARGIN`; ``margin``: rho minus the larger null.
     """
     if not rows:
         raise ValueError("rows: empty; nothing to judge (did the run record any step?)")
@@ -185,7 +192,7 @@ def verdict(rows: Sequence[dict]) -> dict:
     monotonic = all(a is not None and b is not None and b >= a for a, b in zip(rhos, rhos[1:], strict=False))
     nulls = [v for v in (last.get("rho_perm_null"), last.get("rho_norm_null")) if v is not None]
     rho_last = last.get("rho")
-    clears = rho_last is not None and bool(nulls) and all(rho_last > v for v in nulls)
+    clears = rho_last is not None and bool(nulls) and all(rho_last >= v + NULL_MARGIN for v in nulls)
     return {
         "step": last.get("step"),
         "timestep": last.get("timestep"),
@@ -208,7 +215,7 @@ def format_verdict(result: dict) -> str:
     return (
         f"verdict: rho at the last step (t={_fmt(result['timestep'], '.0f')}) = {_fmt(result['rho_last'])}; "
         f"rises monotonically over the {result['reported_steps']} reported steps: "
-        f"{'yes' if result['monotonic'] else 'no'}; clears its nulls "
+        f"{'yes' if result['monotonic'] else 'no'}; clears its nulls by {NULL_MARGIN} "
         f"(perm {_fmt(result['rho_perm_null'])}, norm-equalised {_fmt(result['rho_norm_null'])}): "
         f"{'yes' if result['clears_nulls'] else 'no'} (margin {_fmt(result['margin'], '+.3f')})"
     )

@@ -151,6 +151,8 @@ def test_table_round_trips_and_shows_nan() -> None:
         ((0.2, 0.6, 0.5), (0.0, 0.4), False, True),
         ((0.2, 0.3, 0.35), (0.0, 0.4), True, False),
         ((0.5, None, 0.9), (0.0, 0.1), False, True),
+        ((0.2, 0.3, 0.42), (0.0, 0.4), True, False),  # above the null, but within NULL_MARGIN
+        ((0.2, 0.3, 0.46), (0.0, 0.4), True, True),
     ],
 )
 def test_verdict(rhos, nulls, monotonic, clears) -> None:
