@@ -172,10 +172,9 @@ def plot_attention_maps(generated, panels: Sequence[MapPanel], path: str | os.Pa
     tokens = sorted({p.token for p in panels}, key=int)
     per_step = {s: [p for p in panels if p.step == s] for s in steps}
     ncols = 1 + 2 * max(len(v) for v in per_step.values())
-    fig = Figure(figsize=(1.6 * ncols, 1.75 * len(steps) + 0.5))
-    fig.subplots_adjust(
-        left=0.01, right=0.99, bottom=0.02, top=1 - 0.45 / (1.75 * len(steps) + 0.5), wspace=0.06, hspace=0.22
-    )
+    height = 1.75 * len(steps) + 0.7  # inches; the top 0.65 in hold the figure title above row titles
+    fig = Figure(figsize=(1.6 * ncols, height))
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=1 - 0.65 / height, wspace=0.06, hspace=0.22)
     axes = fig.subplots(len(steps), ncols, squeeze=False)
     image = np.asarray(generated.convert("RGB"))
     extent = (0, image.shape[1], image.shape[0], 0)
@@ -205,6 +204,9 @@ def plot_attention_maps(generated, panels: Sequence[MapPanel], path: str | os.Pa
         for ax in axes[row][1 + 2 * len(row_panels) :]:
             ax.set_visible(False)
     fig.suptitle(
-        f"image-branch attention (A) vs NW weights, layer {panels[0].layer}, tokens {tokens}", fontsize=8
+        f"image-branch attention (A) vs NW weights, layer {panels[0].layer}, tokens {tokens}",
+        fontsize=8,
+        y=1 - 0.12 / height,
+        va="top",
     )
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
