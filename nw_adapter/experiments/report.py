@@ -387,13 +387,7 @@ def _markdown(summary: dict, scale: Scale) -> str:
                 f"{_fmt(r['test_tasks']['wilcoxon_p'], '.3g')} |"
             )
         lines += ["", *_verdict_lines(summary["digits"]["verdicts"]), "", "![digits](digits.png)", ""]
-    head_sets = [
-        (f"{name} d={r['d']}", r["heads"])
-        for name in ("dims", "shells")
-        if name in summary
-        for r in summary[name]["rows"]
-        if r.get("heads")
-    ]
+    head_sets = _head_sets(summary)
     if head_sets:
         lines += [
             "## The learned model's cross-attention heads as NW smoothers",
@@ -419,6 +413,17 @@ def _markdown(summary: dict, scale: Scale) -> str:
                 )
         lines += ["", "![heads](heads.png)", ""]
     return "\n".join(lines) + "\n"
+
+
+def _head_sets(summary: dict) -> list[tuple[str, list[dict]]]:
+    """``(label, per-t head rows)`` of every synthetic sub-experiment that analysed its heads."""
+    return [
+        (f"{name} d={r['d']}", r["heads"])
+        for name in ("dims", "shells")
+        if name in summary
+        for r in summary[name]["rows"]
+        if r.get("heads")
+    ]
 
 
 def _save_fig(fig, path: Path) -> None:
@@ -483,13 +488,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         _save_fig(fig, out_dir / "digits.png")
         plt.close(fig)
         written.append("digits.png")
-    head_sets = [
-        (f"{name} d={r['d']}", r["heads"])
-        for name in ("dims", "shells")
-        if name in summary
-        for r in summary[name]["rows"]
-        if r.get("heads")
-    ]
+    head_sets = _head_sets(summary)
     if head_sets:
         fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
         for label, rows in head_sets:
