@@ -257,7 +257,9 @@ class _NWProcessorMixin:
             g.key = self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
             g.value = self._heads(self.to_v_ip[g.adapter](g.states), attn.heads)
             h = self._bandwidth(q, g.key, None, s)
-            out = _gka(q, g.key, g.value, h, self.nw_config.chunk_size)
+            out = kernels.gaussian_kernel_attention(
+                q, g.key, g.value, h, chunk_size=self.nw_config.chunk_size, validate=False
+            )
             out = out.transpose(1, 2).reshape(batch, rows, inner).to(q_raw.dtype)
             if g.mask is not None:
                 out = out * self._mask_factor(g.mask, batch, rows, inner, out)
@@ -328,8 +330,8 @@ class _NWProcessorMixin:
                     metrics.pearson_raveled(attn_w, nw_w),
                     metrics.kl_divergence(attn_w, nw_w, log_p=log_a, log_q=log_w).mean(-1),
                     metrics.js_divergence(attn_w, nw_w, log_p=log_a, log_q=log_w).mean(-1),
-                    _ess(attn_w).mean(-1),
-                    _ess(nw_w).mean(-1),
+                    kernels.effective_sample_size(attn_w).mean(-1),
+                    kernels.effective_sample_size(nw_w).mean(-1),
                     metrics.top1_agreement(attn_w, nw_w).mean(-1),
                     q_norm,
                     knorm.std(dim=-1, unbiased=False) / knorm.mean(dim=-1),
@@ -376,13 +378,6 @@ class _NWProcessorMixin:
         )
 
 
-def _gka(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | float, chunk_size: int | None
-) -> torch.Tensor:
-    """Gaussian-kernel attention [B, H, N, d_v] (no value checks: no host sync)."""
-    return kernels.gaussian_kernel_attention(q, k, v, h, chunk_size=chunk_size, validate=False)
-
-
 def _nw_logits_from_qk(qk: torch.Tensor, k: torch.Tensor, h: torch.Tensor | float) -> torch.Tensor:
     """NW logits [B, H, N, M] from the attention's own ``q k^T`` (no second distance pass).
 
@@ -401,11 +396,6 @@ def _nw_logits_from_qk(qk: torch.Tensor, k: torch.Tensor, h: torch.Tensor | floa
     """
     inv_h2 = h.to(qk.dtype)[..., None, None] ** -2 if isinstance(h, torch.Tensor) else float(h) ** -2
     return (qk - 0.5 * k.square().sum(-1)[..., None, :]) * inv_h2
-
-
-def _ess(w: torch.Tensor) -> torch.Tensor:
-    """Effective sample size per row [B, H, N]."""
-    return kernels.effective_sample_size(w)
 
 
 def _pool_rows(
