@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,24 +89,6 @@ def tiny_cache_dir() -> Path:
     return Path(base) / "nw_adapter"
 
 
-def _build_once(target: Path, builder) -> Path:
-    """Run ``builder(tmp)`` in a sibling temp folder and rename it into place (race-safe)."""
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        builder(staging / "out")
-        try:
-            os.replace(staging / "out", target)
-        except OSError:
-            if not target.exists():  # a concurrent builder won the race otherwise
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
 def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Path, Path]:
     """Write the tiny SD 1.5 pipeline and IP-Adapter folders once and return them.
 
@@ -120,12 +100,12 @@ def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Pat
     Returns:
         ``(model_dir, ip_adapter_dir)``.
     """
-    from nw_adapter.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15
+    from nw_adapter.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15, write_once
 
     root = (cache or tiny_cache_dir()) / f"tiny-{builder_fingerprint()}-seed{seed}"
     try:
-        model_dir = _build_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
-        adapter_dir = _build_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))
+        model_dir = write_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
+        adapter_dir = write_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))
     except OSError as exc:
         raise ModelLoadError(
             f"--model tiny: cannot write the tiny model to '{root}' ({' '.join(str(exc).split())}); "

@@ -32,8 +32,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import string
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ __all__ = [
     "save_tiny_sd15",
     "save_tiny_sdxl",
     "tiny_sd15_pipeline",
+    "write_once",
 ]
 
 TINY_IMAGE_SIZE = 32
@@ -444,6 +447,35 @@ def save_tiny_ip_adapter(
     return path
 
 
+def write_once(target: Path, builder: Callable[[Path], Any]) -> Path:
+    """Run ``builder(tmp)`` in a sibling temporary folder and rename it to ``target`` (once).
+
+    An existing ``target`` is returned as it is. The rename makes the folder appear complete or
+    not at all, so concurrent processes (e.g. ``accelerate launch``) never load a half-written model.
+
+    Args:
+        target: Folder to create.
+        builder: Writes the whole folder at the path it is given (e.g. :func:`save_tiny_sd15`).
+
+    Returns:
+        ``target``.
+    """
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        builder(staging / "out")
+        try:
+            os.replace(staging / "out", target)
+        except OSError:
+            if not target.exists():  # a concurrent builder won the race otherwise
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def tiny_sd15_pipeline(
     folder: str | os.PathLike,
     *,
@@ -454,7 +486,8 @@ def tiny_sd15_pipeline(
     """Write (if missing) and load a tiny SD 1.5 pipeline with an IP-Adapter loaded.
 
     Args:
-        folder: Cache folder; ``folder/sd15`` and ``folder/ip-adapter`` are written once.
+        folder: Cache folder; ``folder/sd15`` and ``folder/ip-adapter-<variant>`` are written once
+            (see :func:`write_once`).
         variant: IP-Adapter variant, ``"base"`` or ``"plus"``.
         seed: Seed of the random weights.
         pipeline_class: Pipeline class to load with (default ``StableDiffusionPipeline``); a
@@ -466,12 +499,11 @@ def tiny_sd15_pipeline(
     from diffusers import StableDiffusionPipeline
 
     folder = Path(folder)
-    model_dir, adapter_dir = folder / "sd15", folder / "ip-adapter"
-    if not (model_dir / "model_index.json").exists():
-        save_tiny_sd15(model_dir, seed=seed)
+    model_dir = write_once(folder / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
+    adapter_dir = write_once(
+        folder / f"ip-adapter-{variant}", lambda p: save_tiny_ip_adapter(p, variant=variant, seed=seed)
+    )
     weight_name = ip_adapter_weight_name(variant)
-    if not (adapter_dir / "models" / weight_name).exists():
-        save_tiny_ip_adapter(adapter_dir, variant=variant, seed=seed)
     pipe = (pipeline_class or StableDiffusionPipeline).from_pretrained(model_dir)
     pipe.load_ip_adapter(adapter_dir, subfolder="models", weight_name=weight_name)
     pipe.set_progress_bar_config(disable=True)

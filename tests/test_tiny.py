@@ -89,3 +89,15 @@ def test_cli_cache_is_keyed_by_the_builder_source(tmp_path):
     assert model_dir.parent == adapter_dir.parent == tmp_path / f"tiny-{fingerprint}-seed2"
     assert (model_dir / "model_index.json").is_file()
     assert (adapter_dir / "models" / ip_adapter_weight_name("base")).is_file()
+
+
+def test_tiny_sd15_pipeline_writes_each_folder_once(tmp_path):
+    from nw_adapter.tiny import tiny_sd15_pipeline
+
+    pipe = tiny_sd15_pipeline(tmp_path, variant="plus")
+    assert [p.num_tokens for p in pipe.unet.attn_processors.values() if hasattr(p, "num_tokens")][0] == [16]
+    weights = tmp_path / "ip-adapter-plus" / "models" / ip_adapter_weight_name("plus")
+    stamp = weights.stat().st_mtime_ns
+    tiny_sd15_pipeline(tmp_path, variant="plus")
+    assert weights.stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folders left
