@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from nw_adapter.config import NWProcessorConfig
-from nw_adapter.mixin import apply_nw_processor, remove_nw_processor
-from nw_adapter.processor import nw_processor_for
-from nw_adapter.recorder import NWRecorder
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
+from nw_adapter.integration.processors import nw_processor_for
+from nw_adapter.integration.recorder import NWRecorder
 
 from .models import SD15_UNET_CONFIG, attention_inputs, attention_layer, build_unet, unet_inputs
 from .timing import add_ratios, attributed_seconds, time_interleaved
@@ -119,9 +119,9 @@ def bench_unet_step(
 ) -> dict[str, Any]:
     """Time one UNet forward (CFG batch 2) with stock processors and each NW variant.
 
-    The NW processors are installed with :func:`nw_adapter.mixin.apply_nw_processor` on the UNet
+    The NW processors are installed with :func:`nw_adapter.integration.mixin.apply_nw_processor` on the UNet
     (which also registers the recorder's step pre-hook: its cost is part of the measurement) and
-    removed with :func:`~nw_adapter.mixin.remove_nw_processor` before each stock run.
+    removed with :func:`~nw_adapter.integration.mixin.remove_nw_processor` before each stock run.
 
     Args:
         latent_size: latent height and width (image size / 8).

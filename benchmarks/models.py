@@ -1,7 +1,7 @@
 """Random-weight models at the real Stable Diffusion 1.5 shapes, with an IP-Adapter loaded.
 
 Nothing is downloaded: the UNet has the SD 1.5 architecture and random weights, and the
-IP-Adapter weights come from :func:`nw_adapter.tiny.random_ip_adapter_state_dict`, converted by
+IP-Adapter weights come from :func:`nw_adapter.models.tiny.random_ip_adapter_state_dict`, converted by
 diffusers' own loader (``unet._load_ip_adapter_weights``), so the attention processors and the
 image projection are exactly those a user of ``h94/IP-Adapter`` gets.
 """
@@ -15,7 +15,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 
-from nw_adapter.tiny import random_ip_adapter_state_dict
+from nw_adapter.models.tiny import random_ip_adapter_state_dict
 
 #: The Stable Diffusion 1.5 UNet configuration (``runwayml/stable-diffusion-v1-5/unet``).
 SD15_UNET_CONFIG: dict[str, Any] = {

@@ -5,13 +5,13 @@ query batch ``x`` ``[n, d]`` and a support set ``s`` ``[m, d]``, at the OT-path 
 i.e. ``a = b = 0.5``):
 
 - ``naive``: ``torch.cdist`` -> square -> softmax -> matmul, materialising ``[n, m]`` several times;
-- ``nw_mean``: :func:`nw_adapter.kernels.nw_mean` (SDPA ``"bias"`` form, default chunking);
+- ``nw_mean``: :func:`nw_adapter.core.kernels.nw_mean` (SDPA ``"bias"`` form, default chunking);
 - ``nw_mean_chunk2048``: the same with ``chunk_size=2048`` query rows per SDPA call (the
   default chunk is ``2**24 / m`` rows), to show that the peak follows the chunk size;
 - ``nw_mean_augmented``: ``nw_mean`` with ``form="augmented"``;
-- ``field_direct``: :class:`nw_adapter.paths.NWVelocityField` with ``form="direct"`` (the exact
+- ``field_direct``: :class:`nw_adapter.core.paths.NWVelocityField` with ``form="direct"`` (the exact
   reference form, which materialises ``[n, m]``);
-- ``field_bias``: :class:`~nw_adapter.paths.NWVelocityField` with ``form="bias"``, its default
+- ``field_bias``: :class:`~nw_adapter.core.paths.NWVelocityField` with ``form="bias"``, its default
   (chunked SDPA).
 
 Time: medians of interleaved repeats in this process. Peak memory: for each (case,
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from nw_adapter.kernels import nw_mean
-from nw_adapter.paths import NWVelocityField, OTPath
+from nw_adapter.core.kernels import nw_mean
+from nw_adapter.core.paths import NWVelocityField, OTPath
 
 from .timing import add_ratios, time_interleaved
 

@@ -2,7 +2,7 @@
 
 One SD 1.5 attn2 layer (hidden 320, 8 heads, CFG batch 2, 4 image tokens) runs in observe mode
 for a few steps at several query counts. Afterwards every tensor reachable from the
-:class:`~nw_adapter.recorder.NWRecorder` (its lists, dicts and dataclass records; modules and
+:class:`~nw_adapter.integration.recorder.NWRecorder` (its lists, dicts and dataclass records; modules and
 the pipeline excluded) is collected, each storage counted once, and the bytes summed. Streaming
 mode must hold the same number of bytes whatever the number of query tokens; stored maps grow
 linearly with it (bounded by ``map_max_mb``).
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from nw_adapter.config import NWProcessorConfig
-from nw_adapter.processor import nw_processor_for
-from nw_adapter.recorder import NWRecorder
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors import nw_processor_for
+from nw_adapter.integration.recorder import NWRecorder
 
 from .models import attention_inputs, attention_layer
 

@@ -1,8 +1,16 @@
 """nw-adapter: IP-Adapter cross-attention as Nadaraya-Watson kernel smoothing.
 
-The pure math (``kernels``, ``bandwidth``, ``paths``, ``sampling``, ``metrics``) imports torch
-only. The diffusers integration (``config``, ``processor``, ``recorder``, ``mixin``) is exported
-here too but imported on first use, so ``import nw_adapter`` stays light.
+Layers, bottom to top (a layer imports only the layers below it; ``tests/test_layering.py``):
+
+- :mod:`nw_adapter.core`: the math, pure torch (kernels, bandwidth rules, paths and
+  ``NWVelocityField``, sampling, metrics);
+- :mod:`nw_adapter.integration`: the diffusers side (config, processors, recorder, noise
+  levels, mixin / apply / remove / context manager);
+- :mod:`nw_adapter.correlate`: the ``correlate`` application (the only layer that prints);
+- :mod:`nw_adapter.models`: embedded tiny models; :mod:`nw_adapter.experiments`: the failure
+  regimes; :mod:`nw_adapter.atomic`: stdlib-only atomic file writes used by every layer.
+
+The public names below are imported on first use, so ``import nw_adapter`` stays light.
 
 Example:
     >>> from nw_adapter import nw_processor
@@ -19,21 +27,22 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "NWProcessorConfig": "nw_adapter.config",
-    "NWRecorder": "nw_adapter.recorder",
-    "NWIPAdapterAttnProcessor": "nw_adapter.processor",
-    "NWIPAdapterAttnProcessor2_0": "nw_adapter.processor",
-    "NWIPAdapterMixin": "nw_adapter.mixin",
-    "apply_nw_processor": "nw_adapter.mixin",
-    "remove_nw_processor": "nw_adapter.mixin",
-    "nw_processor": "nw_adapter.mixin",
+    "NWProcessorConfig": "nw_adapter.integration.config",
+    "NWRecorder": "nw_adapter.integration.recorder",
+    "NWIPAdapterAttnProcessor": "nw_adapter.integration.processors",
+    "NWIPAdapterAttnProcessor2_0": "nw_adapter.integration.processors",
+    "NWIPAdapterMixin": "nw_adapter.integration.mixin",
+    "apply_nw_processor": "nw_adapter.integration.mixin",
+    "remove_nw_processor": "nw_adapter.integration.mixin",
+    "nw_processor": "nw_adapter.integration.mixin",
+    "NWVelocityField": "nw_adapter.core.paths",
 }
 
 __all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    """Import the diffusers-side names on first access (PEP 562)."""
+    """Import the public names on first access (PEP 562)."""
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

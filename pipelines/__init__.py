@@ -1,1 +1,2 @@
-"""Companion diffusers pipelines: stock pipelines plus :class:`nw_adapter.mixin.NWIPAdapterMixin`."""
+"""Companion diffusers pipelines: stock pipelines plus
+:class:`nw_adapter.integration.mixin.NWIPAdapterMixin`."""

@@ -14,11 +14,11 @@ from typing import Any
 
 from diffusers import StableDiffusionPipeline
 
-from nw_adapter.mixin import NWIPAdapterMixin
+from nw_adapter.integration.mixin import NWIPAdapterMixin
 
 
 class StableDiffusionNWPipeline(NWIPAdapterMixin, StableDiffusionPipeline):
-    """:class:`~diffusers.StableDiffusionPipeline` + :class:`~nw_adapter.mixin.NWIPAdapterMixin`.
+    """:class:`~diffusers.StableDiffusionPipeline` + :class:`~nw_adapter.integration.mixin.NWIPAdapterMixin`.
 
     A call that raises removes the NW processors (the original IP-Adapter processors are back)
     before the exception propagates.

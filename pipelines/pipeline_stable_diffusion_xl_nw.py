@@ -14,11 +14,11 @@ from typing import Any
 
 from diffusers import StableDiffusionXLPipeline
 
-from nw_adapter.mixin import NWIPAdapterMixin
+from nw_adapter.integration.mixin import NWIPAdapterMixin
 
 
 class StableDiffusionXLNWPipeline(NWIPAdapterMixin, StableDiffusionXLPipeline):
-    """:class:`~diffusers.StableDiffusionXLPipeline` + :class:`~nw_adapter.mixin.NWIPAdapterMixin`.
+    """:class:`~diffusers.StableDiffusionXLPipeline` + the NW mixin.
 
     A call that raises removes the NW processors (the original IP-Adapter processors are back)
     before the exception propagates.

@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_sd15_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny SD 1.5-layout pipeline folder (random weights, written once per test session)."""
-    from nw_adapter.tiny import save_tiny_sd15
+    from nw_adapter.models.tiny import save_tiny_sd15
 
     return save_tiny_sd15(tmp_path_factory.mktemp("tiny") / "sd15")
 
@@ -24,7 +24,7 @@ def tiny_sd15_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny SDXL-layout pipeline folder."""
-    from nw_adapter.tiny import save_tiny_sdxl
+    from nw_adapter.models.tiny import save_tiny_sdxl
 
     return save_tiny_sdxl(tmp_path_factory.mktemp("tiny") / "sdxl")
 
@@ -36,7 +36,7 @@ def tiny_ip_adapter_dir(tmp_path_factory: pytest.TempPathFactory):
     Holds ``models/ip-adapter_sd15.safetensors``, ``models/ip-adapter-plus_sd15.safetensors``,
     ``models/image_encoder/`` and the SDXL twins under ``sdxl_models/``.
     """
-    from nw_adapter.tiny import save_tiny_ip_adapter
+    from nw_adapter.models.tiny import save_tiny_ip_adapter
 
     path = tmp_path_factory.mktemp("tiny") / "ip-adapter"
     for sdxl in (False, True):

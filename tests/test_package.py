@@ -11,7 +11,10 @@ import nw_adapter
 
 
 def test_import_does_not_load_diffusers():
-    code = "import sys, nw_adapter, nw_adapter.kernels, nw_adapter.paths; print('diffusers' in sys.modules)"
+    code = (
+        "import sys, nw_adapter, nw_adapter.core.kernels, nw_adapter.core.paths; "
+        "print('diffusers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from nw_adapter.tiny import TINY_IMAGE_SIZE
+from nw_adapter.models.tiny import TINY_IMAGE_SIZE
 
 SIZE = TINY_IMAGE_SIZE
 

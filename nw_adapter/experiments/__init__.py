@@ -12,4 +12,7 @@ Modules:
 - ``heads``: the learned heads analysed like IP-Adapter's (rho against NW weights across t).
 - ``scale``, ``units``, ``runner``, ``report``, ``cli``: the failure-regime experiments
   (``scripts/run_experiments.py``), see docs/experiments.md.
+
+May import: the math layer (:mod:`nw_adapter.core`), :mod:`nw_adapter.atomic`, torch, numpy,
+scipy, scikit-learn, matplotlib; never diffusers or the correlate application.
 """

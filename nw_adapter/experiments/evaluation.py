@@ -26,11 +26,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from nw_adapter.core.kernels import effective_sample_size, nw_weights
+from nw_adapter.core.metrics import median_heuristic_sigma, mmd2_unbiased
+from nw_adapter.core.paths import OTPath
+from nw_adapter.core.sampling import sample_ode, time_grid
 from nw_adapter.experiments.tasks import TaskBatch
-from nw_adapter.kernels import effective_sample_size, nw_weights
-from nw_adapter.metrics import median_heuristic_sigma, mmd2_unbiased
-from nw_adapter.paths import OTPath
-from nw_adapter.sampling import sample_ode, time_grid
 
 __all__ = [
     "EvalConfig",

@@ -2,9 +2,9 @@
 
 - :func:`exact_nw_velocity`: the frozen exact NW velocity of the OT path (the "exact head" of
   variant ON), u(x, t) = (m_h(x / t) - (1 - sigma_min) x) / b_t with per-query times
-  (THEORY.md section 2), via :class:`nw_adapter.paths.NWVelocityField`.
+  (THEORY.md section 2), via :class:`nw_adapter.core.paths.NWVelocityField`.
 - :func:`plugin_field`: the plug-in NW field of a support set, a callable ``(x, t)`` for
-  :func:`nw_adapter.sampling.sample_ode`.
+  :func:`nw_adapter.core.sampling.sample_ode`.
 - :func:`model_field`: a learned :class:`~nw_adapter.experiments.model.ICFMModel` conditioned on a
   support set, as the same kind of callable (no gradients).
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from nw_adapter.paths import NWVelocityField, OTPath
+from nw_adapter.core.paths import NWVelocityField, OTPath
 
 __all__ = ["exact_nw_velocity", "plugin_field", "model_field"]
 

@@ -11,7 +11,7 @@ A = softmax(q k^T / sqrt(d_k)) over the support is compared with
   h_t = b_t / t, i.e. the weights of the plug-in field at the same point;
 - permutation nulls (NW weights shuffled per row, expected ~0).
 
-The statistic is the paper's rho (:func:`nw_adapter.metrics.spearman_rho`: per-row Spearman,
+The statistic is the paper's rho (:func:`nw_adapter.core.metrics.spearman_rho`: per-row Spearman,
 averaged over rows), averaged over tasks.
 """
 
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from nw_adapter.bandwidth import matched_bandwidth
+from nw_adapter.core.bandwidth import matched_bandwidth
+from nw_adapter.core.kernels import effective_sample_size, nw_weights
+from nw_adapter.core.metrics import permutation_null_rho, spearman_rho
+from nw_adapter.core.paths import OTPath
 from nw_adapter.experiments.model import ICFMModel
 from nw_adapter.experiments.tasks import TaskBatch
-from nw_adapter.kernels import effective_sample_size, nw_weights
-from nw_adapter.metrics import permutation_null_rho, spearman_rho
-from nw_adapter.paths import OTPath
 
 __all__ = ["DEFAULT_TIMES", "analyse_heads"]
 

@@ -1,0 +1,13 @@
+"""The math layer: Nadaraya-Watson kernel smoothing as flow matching, in pure torch.
+
+- :mod:`~nw_adapter.core.kernels`: NW weights and means, Gaussian-kernel attention through
+  ``scaled_dot_product_attention``, effective sample size;
+- :mod:`~nw_adapter.core.bandwidth`: matched / fitted / median / schedule bandwidth rules;
+- :mod:`~nw_adapter.core.paths`: probability paths (OT, rectified flow, constant noise, VP,
+  sigma flow) and :class:`~nw_adapter.core.paths.NWVelocityField`;
+- :mod:`~nw_adapter.core.sampling`: time grids and ODE samplers;
+- :mod:`~nw_adapter.core.metrics`: rank and divergence statistics, nulls, MMD^2.
+
+May import: torch (and the standard library). Never diffusers, transformers, PIL or
+matplotlib (``tests/test_layering.py`` enforces it).
+"""

@@ -1,0 +1,14 @@
+"""The ``correlate`` application: rho across timesteps for reference images.
+
+- :mod:`~nw_adapter.correlate.cli`: argument parsing and the main job (``scripts/correlate.py``,
+  ``nw-correlate``);
+- :mod:`~nw_adapter.correlate.images`: reference-image loading and checks;
+- :mod:`~nw_adapter.correlate.loading`: pipeline and IP-Adapter loading (Hub ids, local
+  folders, the embedded tiny model);
+- :mod:`~nw_adapter.correlate.report`: aggregation, table, verdict, JSON/CSV;
+- :mod:`~nw_adapter.correlate.plotting`: figures;
+- :mod:`~nw_adapter.correlate.sweep`: many images over several processes (accelerate), resume.
+
+May import every layer below it (:mod:`nw_adapter.integration`, :mod:`nw_adapter.core`,
+:mod:`nw_adapter.models`, :mod:`nw_adapter.atomic`). The only layer that prints or exits.
+"""

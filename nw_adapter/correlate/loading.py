@@ -1,0 +1,299 @@
+"""Build the pipeline the command line observes: real defaults, local folders, or ``tiny``.
+
+All three go through the same standard diffusers calls::
+
+    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    pipe.load_ip_adapter(ip_adapter, subfolder=subfolder, weight_name=weight_name)
+
+``model`` and ``ip_adapter`` are Hub repository ids (read from the Hugging Face cache, or
+downloaded), local folders, or ``"tiny"``: the embedded tiny model of :mod:`nw_adapter.models.tiny`,
+written once into a cache folder (``$NW_ADAPTER_CACHE``, else ``$XDG_CACHE_HOME/nw_adapter``,
+else ``~/.cache/nw_adapter``) and then loaded like any local folder.
+
+Every failure becomes a :class:`ModelLoadError` with one line saying what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+DEFAULT_IP_ADAPTER = "h94/IP-Adapter"
+DEFAULT_SUBFOLDER = "models"
+DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
+SDXL_SUBFOLDER = "sdxl_models"
+SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
+TINY = "tiny"
+
+SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddim": ("DDIMScheduler", {}),
+    "pndm": ("PNDMScheduler", {}),
+    "ddpm": ("DDPMScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler-a": ("EulerAncestralDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {}),
+    "lms": ("LMSDiscreteScheduler", {}),
+    "dpm++": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++"}),
+    "dpm++-karras": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "dpmsolver++", "use_karras_sigmas": True},
+    ),
+    "dpm": ("DPMSolverSinglestepScheduler", {}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+}
+"""``--scheduler`` names -> (diffusers class, config overrides). ``None`` keeps the model's own."""
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class ModelLoadError(ValueError):
+    """The model or the IP-Adapter could not be loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the pipeline and the adapter come from.
+
+    Attributes:
+        model: Hub id, local folder or ``"tiny"``.
+        ip_adapter: Hub id, local folder or ``"tiny"``.
+        subfolder: Adapter subfolder (``None``: ``models``, or ``sdxl_models`` for SDXL).
+        weight_name: Adapter weight file (``None``: the SD 1.5 or SDXL default).
+    """
+
+    model: str = DEFAULT_MODEL
+    ip_adapter: str | None = None
+    subfolder: str | None = None
+    weight_name: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        """JSON-ready form."""
+        return {
+            "model": self.model,
+            "ip_adapter": self.ip_adapter,
+            "subfolder": self.subfolder,
+            "weight_name": self.weight_name,
+        }
+
+
+def tiny_cache_dir() -> Path:
+    """Folder the tiny model is written to (see the module docstring)."""
+    if os.environ.get("NW_ADAPTER_CACHE"):
+        return Path(os.environ["NW_ADAPTER_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nw_adapter"
+
+
+def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Path, Path]:
+    """Write the tiny SD 1.5 pipeline and IP-Adapter folders once and return them.
+
+    Args:
+        cache: Cache folder (default :func:`tiny_cache_dir`).
+        seed: Seed of the random weights (part of the folder name, with the builders'
+            source fingerprint, so a changed builder never reuses a stale cache).
+
+    Returns:
+        ``(model_dir, ip_adapter_dir)``.
+    """
+    from nw_adapter.models.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15, write_once
+
+    root = (cache or tiny_cache_dir()) / f"tiny-{builder_fingerprint()}-seed{seed}"
+    try:
+        model_dir = write_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
+        adapter_dir = write_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))
+    except OSError as exc:
+        raise ModelLoadError(
+            f"--model tiny: cannot write the tiny model to '{root}' ({' '.join(str(exc).split())}); "
+            "set NW_ADAPTER_CACHE to a writable folder"
+        ) from None
+    return model_dir, adapter_dir
+
+
+def _is_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def _model_class_name(model: str) -> str | None:
+    index = Path(model).expanduser() / "model_index.json"
+    if index.is_file():
+        try:
+            return json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def resolve_spec(spec: ModelSpec) -> ModelSpec:
+    """Replace ``tiny`` by cache folders and fill the adapter defaults.
+
+    Raises:
+        ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
+            adapter folder without the weight file.
+    """
+    model, adapter = spec.model, spec.ip_adapter
+    if model == TINY or adapter == TINY:
+        tiny_model, tiny_adapter = ensure_tiny_models()
+        model = str(tiny_model) if model == TINY else model
+        adapter = str(tiny_adapter) if adapter in (TINY, None) else adapter
+    adapter = adapter or DEFAULT_IP_ADAPTER
+    if _is_local(model):
+        folder = Path(model).expanduser()
+        if not (folder / "model_index.json").is_file():
+            raise ModelLoadError(
+                f"--model '{model}': not a diffusers pipeline folder (no model_index.json); pass a folder "
+                f"saved with save_pretrained, a Hub id such as {DEFAULT_MODEL}, or --model tiny"
+            )
+    is_xl = "XL" in (_model_class_name(model) or "")
+    subfolder = spec.subfolder
+    if subfolder is None:
+        subfolder = SDXL_SUBFOLDER if is_xl else DEFAULT_SUBFOLDER
+    weight_name = spec.weight_name or (SDXL_WEIGHT_NAME if is_xl else DEFAULT_WEIGHT_NAME)
+    if _is_local(adapter):
+        weights = Path(adapter).expanduser() / subfolder / weight_name
+        if not weights.is_file():
+            raise ModelLoadError(
+                f"--ip-adapter '{adapter}': no IP-Adapter weights at '{weights}'; pass the folder that "
+                f"holds {subfolder}/{weight_name} (layout of {DEFAULT_IP_ADAPTER}), or set "
+                "--subfolder/--weight-name"
+            )
+    return ModelSpec(model=model, ip_adapter=adapter, subfolder=subfolder, weight_name=weight_name)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` if available, else ``mps``, else ``cpu``; others are checked.
+
+    Raises:
+        ModelLoadError: A device that torch does not have here.
+    """
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ModelLoadError(
+            f"--device '{device}': not a torch device; use auto, cpu, cuda or cuda:N"
+        ) from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device}: CUDA is not available here; use --device cpu (or auto)")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ModelLoadError(
+            f"--device {device}: only {torch.cuda.device_count()} CUDA device(s); use cuda:0 .. "
+            f"cuda:{torch.cuda.device_count() - 1}"
+        )
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"--device {device}: MPS is not available here; use --device cpu (or auto)")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str):
+    """``auto`` -> float16 on CUDA, float32 elsewhere; otherwise the named torch dtype."""
+    import torch
+
+    if dtype == "auto":
+        return torch.float16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"--dtype '{dtype}': unknown; use one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _offline_hint(name: str, option: str) -> str:
+    return (
+        f"{option} '{name}': not in the Hugging Face cache and the Hub cannot be reached; download it once "
+        f"with network (hf download {name}), pass a local folder with {option} PATH, or run offline with "
+        "--model tiny"
+    )
+
+
+def set_scheduler(pipe, name: str | None) -> None:
+    """Replace the pipeline's scheduler by ``SCHEDULERS[name]`` built from the current config."""
+    if name is None:
+        return
+    import diffusers
+
+    class_name, overrides = SCHEDULERS[name]
+    scheduler_class = getattr(diffusers, class_name)
+    try:
+        pipe.scheduler = scheduler_class.from_config(pipe.scheduler.config, **overrides)
+    except ImportError as exc:
+        raise ModelLoadError(f"--scheduler {name}: needs a missing package ({_one_line(exc)})") from None
+
+
+def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, scheduler: str | None = None):
+    """Load the pipeline and the IP-Adapter the standard diffusers way.
+
+    Args:
+        spec: Resolved :class:`ModelSpec` (see :func:`resolve_spec`).
+        device: Torch device string (already resolved).
+        dtype: Torch dtype (``None``: float32).
+        scheduler: Key of :data:`SCHEDULERS`, or ``None`` to keep the model's scheduler.
+
+    Returns:
+        A diffusers pipeline on ``device`` with the adapter loaded.
+
+    Raises:
+        ModelLoadError: Anything that stops loading, with the fix in the message.
+    """
+    import torch
+    from diffusers import DiffusionPipeline
+
+    dtype = dtype or torch.float32
+    local = _is_local(spec.model)
+    try:
+        with warnings.catch_warnings():
+            # diffusers >= 0.36 renamed torch_dtype to dtype; torch_dtype works in the whole range.
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            pipe = DiffusionPipeline.from_pretrained(spec.model, torch_dtype=dtype)
+    except (OSError, ValueError) as exc:
+        if not local and _looks_offline(exc):
+            raise ModelLoadError(_offline_hint(spec.model, "--model")) from None
+        raise ModelLoadError(
+            f"--model '{spec.model}': cannot load ({_one_line(exc)}); check the id or folder"
+        ) from None
+    if not hasattr(pipe, "load_ip_adapter"):
+        raise ModelLoadError(
+            f"--model '{spec.model}': {type(pipe).__name__} does not support IP-Adapters; use a "
+            "Stable Diffusion 1.5 or SDXL pipeline"
+        )
+    try:
+        pipe.load_ip_adapter(spec.ip_adapter, subfolder=spec.subfolder, weight_name=spec.weight_name)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        if not _is_local(spec.ip_adapter) and _looks_offline(exc):
+            raise ModelLoadError(_offline_hint(spec.ip_adapter, "--ip-adapter")) from None
+        raise ModelLoadError(
+            f"--ip-adapter '{spec.ip_adapter}' ({spec.subfolder}/{spec.weight_name}): cannot load "
+            f"({_one_line(exc)}); check --ip-adapter, --subfolder and --weight-name match --model"
+        ) from None
+    set_scheduler(pipe, scheduler)
+    return pipe.to(device)
+
+
+def _looks_offline(exc: BaseException) -> bool:
+    """Whether a loading error means "not cached and no network" (vs. a bad id or file)."""
+    from huggingface_hub import constants
+
+    text = str(exc).lower()
+    markers = (
+        "not fully cached",
+        "offline",
+        "cannot reach",
+        "couldn't connect",
+        "connection",
+        "local_files_only",
+    )
+    return bool(constants.HF_HUB_OFFLINE) or any(marker in text for marker in markers)

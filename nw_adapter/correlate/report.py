@@ -1,0 +1,325 @@
+"""Reports of the attention-vs-NW comparison: table, verdict, ``rho.json`` and ``rho.csv``.
+
+Input is the tidy list of record dicts of :meth:`nw_adapter.integration.recorder.NWRecorder.to_records`
+(one per call, step, layer, head, CFG half, adapter, image), each extended with a
+``reference`` key (the reference image's key, see :mod:`nw_adapter.correlate.images`) by the command
+line. Everything here is plain Python, so reports
+can be rebuilt from a saved ``rho.json`` without torch.
+
+Aggregation: for one CFG half (``cond`` when the run used classifier-free guidance, else
+``all``), every statistic is averaged over layers, heads, adapters and reference images per
+denoising step (NaN entries, e.g. the Spearman of a constant row, are left out of the mean).
+The table reports the steps whose timesteps are closest to the paper's
+:data:`PAPER_TIMESTEPS` (981, 761, 501, 261, 1 for 50 SD 1.5 steps), or every step.
+
+All files are written atomically (a temporary file in the same folder, then ``os.replace``),
+so an interrupted run never leaves a half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import platform
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from nw_adapter.atomic import atomic_write_json, atomic_write_text
+from nw_adapter.integration.schema import RECORD_KEYS, SUMMARY_STATS
+
+SCHEMA = "nw-adapter/rho"
+SCHEMA_VERSION = 1
+
+PAPER_TIMESTEPS: tuple[int, ...] = (981, 761, 501, 261, 1)
+"""Timesteps the paper reports (50 DDIM/PNDM steps of SD 1.5)."""
+
+STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
+"""Per-record statistics averaged by :func:`aggregate`."""
+
+RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
+"""Column order of ``rho.csv`` (extra record keys follow, sorted)."""
+
+RHO_THRESHOLD = 0.9
+
+NULL_MARGIN = 0.05
+"""How far rho must exceed the larger of its two nulls to count as evidence in the verdict.
+
+The nulls are Monte-Carlo estimates (keys shuffled; queries of equal norm in random directions)
+on a subsample of query rows, so a rho within a few hundredths of a null is not told apart from it.
+"""
+"""The paper's "% of heads with rho > 0.9" threshold."""
+
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("step", "step", "{:>4d}"),
+    ("timestep", "timestep", "{:>8.0f}"),
+    ("rho", "rho", "{:>6.3f}"),
+    ("rho_perm_null", "perm-null", "{:>9.3f}"),
+    ("rho_norm_null", "norm-null", "{:>9.3f}"),
+    ("pearson", "pearson", "{:>7.3f}"),
+    ("kl", "KL", "{:>7.4f}"),
+    ("neff_attn", "neff-attn", "{:>9.3f}"),
+    ("neff_nw", "neff-nw", "{:>7.3f}"),
+    ("frac_rho_gt_0_9", "rho>0.9", "{:>7.3f}"),
+)
+"""(row key, header, format) of each terminal-table column."""
+
+
+def _finite(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    kept = [v for v in (_finite(x) for x in values) if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def analysis_half(records: Sequence[dict]) -> str:
+    """The CFG half the report is about: ``cond`` if present, else ``all``, else ``uncond``."""
+    halves = {r.get("half") for r in records}
+    for half in ("cond", "all", "uncond"):
+        if half in halves:
+            return half
+    raise ValueError("records: no record has half in {'cond', 'all', 'uncond'}; nothing to report")
+
+
+def aggregate(
+    records: Sequence[dict], by: Sequence[str] = ("step",), *, half: str | None = None
+) -> list[dict]:
+    """Average :data:`STAT_FIELDS` per group, for one CFG half.
+
+    Args:
+        records: Record dicts (schema in the module docstring).
+        by: Record keys to group by; ``("step",)`` for the table, ``("block", "step")`` for
+            the plot.
+        half: CFG half to keep (default :func:`analysis_half`).
+
+    Returns:
+        One dict per group, sorted by the group keys: the group keys, ``timestep`` (the
+        step's timestep), the mean of every statistic, ``frac_rho_gt_0_9`` (share of
+        records with rho > 0.9; a NaN rho counts as not, as in ``NWRecorder.summary``) and
+        ``count`` (records averaged).
+    """
+    half = half or analysis_half(records)
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        if record.get("half") == half:
+            groups.setdefault(tuple(record[k] for k in by), []).append(record)
+    rows = []
+    for key in sorted(groups):
+        members = groups[key]
+        row: dict[str, Any] = dict(zip(by, key, strict=True))
+        row["half"] = half
+        row["timestep"] = _mean(r["timestep"] for r in members)
+        for name in STAT_FIELDS:
+            row[name] = _mean(r.get(name) for r in members)
+        rhos = [_finite(r.get("rho")) for r in members]
+        row["frac_rho_gt_0_9"] = sum(v is not None and v > RHO_THRESHOLD for v in rhos) / len(rhos)
+        row["count"] = len(members)
+        rows.append(row)
+    return rows
+
+
+def select_steps(step_rows: Sequence[dict], targets: Sequence[float] = PAPER_TIMESTEPS) -> list[dict]:
+    """Rows whose timesteps are closest to each target (each row at most once, step order).
+
+    Args:
+        step_rows: Output of :func:`aggregate` with ``by=("step",)``.
+        targets: Timesteps to match; an empty sequence keeps every row.
+    """
+    if not targets or not step_rows:
+        return list(step_rows)
+
+    def closest(target: float) -> int:
+        return min(range(len(step_rows)), key=lambda i: (abs(step_rows[i]["timestep"] - target), i))
+
+    chosen = {closest(t) for t in targets}
+    return [step_rows[i] for i in sorted(chosen)]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Terminal table of the given aggregated step rows (see :data:`TABLE_COLUMNS`).
+
+    Missing (NaN) values print as ``nan``. Every number is the JSON value rounded to the
+    shown precision, so the table can be checked against ``rho.json``'s ``table``.
+    """
+    widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in TABLE_COLUMNS]
+    widths = [max(w, len(h)) for w, (_, h, _) in zip(widths, TABLE_COLUMNS, strict=True)]
+    lines = ["  ".join(h.rjust(w) for w, (_, h, _) in zip(widths, TABLE_COLUMNS, strict=True))]
+    for row in rows:
+        cells = []
+        for w, (key, _, fmt) in zip(widths, TABLE_COLUMNS, strict=True):
+            value = row.get(key)
+            text = "nan" if value is None else fmt.format(int(value) if "d" in fmt else value).strip()
+            cells.append(text.rjust(w))
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def parse_table(text: str) -> list[dict]:
+    """Inverse of :func:`format_table` (numbers as floats, ``nan`` as None)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    rows = []
+    for line in lines[1:]:
+        values = line.split()
+        rows.append(
+            {
+                key: (None if value == "nan" else float(value))
+                for (key, _, _), value in zip(TABLE_COLUMNS, values, strict=True)
+            }
+        )
+    return rows
+
+
+def verdict(rows: Sequence[dict]) -> dict:
+    """One-line verdict on the reported rows (in denoising order).
+
+    Returns:
+        ``rho_last`` and the two nulls at the last reported step; ``monotonic``: rho never
+        decreases from one reported step to the next; ``clears_nulls``: rho at the last step
+        exceeds both nulls by at least :data:`NULL_MARGIN`; ``margin``: rho minus the larger null.
+    """
+    if not rows:
+        raise ValueError("rows: empty; nothing to judge (did the run record any step?)")
+    last = rows[-1]
+    rhos = [r.get("rho") for r in rows]
+    monotonic = all(a is not None and b is not None and b >= a for a, b in zip(rhos, rhos[1:], strict=False))
+    nulls = [v for v in (last.get("rho_perm_null"), last.get("rho_norm_null")) if v is not None]
+    rho_last = last.get("rho")
+    clears = rho_last is not None and bool(nulls) and all(rho_last >= v + NULL_MARGIN for v in nulls)
+    return {
+        "step": last.get("step"),
+        "timestep": last.get("timestep"),
+        "rho_last": rho_last,
+        "rho_perm_null": last.get("rho_perm_null"),
+        "rho_norm_null": last.get("rho_norm_null"),
+        "monotonic": monotonic,
+        "clears_nulls": clears,
+        "margin": (rho_last - max(nulls)) if rho_last is not None and nulls else None,
+        "reported_steps": len(rows),
+    }
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "nan" if value is None else format(value, spec)
+
+
+def format_verdict(result: dict) -> str:
+    """The verdict of :func:`verdict` as one line."""
+    return (
+        f"verdict: rho at the last step (t={_fmt(result['timestep'], '.0f')}) = {_fmt(result['rho_last'])}; "
+        f"rises monotonically over the {result['reported_steps']} reported steps: "
+        f"{'yes' if result['monotonic'] else 'no'}; clears its nulls by {NULL_MARGIN} "
+        f"(perm {_fmt(result['rho_perm_null'])}, norm-equalised {_fmt(result['rho_norm_null'])}): "
+        f"{'yes' if result['clears_nulls'] else 'no'} (margin {_fmt(result['margin'], '+.3f')})"
+    )
+
+
+def package_versions() -> dict[str, str | None]:
+    """Versions of Python and of the packages a result depends on."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("nw-adapter", "torch", "diffusers", "transformers", "accelerate", "numpy", "pillow"):
+        try:
+            versions[name.replace("-", "_")] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name.replace("-", "_")] = None
+    return versions
+
+
+def json_ready(value: Any) -> Any:
+    """Replace non-finite floats by None (strict JSON) and tuples by lists, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def build_report(
+    records: Sequence[dict],
+    *,
+    config: dict,
+    images: Sequence[dict],
+    targets: Sequence[float] = PAPER_TIMESTEPS,
+    versions: dict | None = None,
+) -> dict:
+    """Assemble the ``rho.json`` document (schema: docs/rho_json_schema.md).
+
+    Args:
+        records: All record dicts, each with a ``reference`` key.
+        config: The run's resolved options.
+        images: Per-image descriptions (``ReferenceImage.to_dict()`` plus output paths).
+        targets: Timesteps for the table (empty: every step).
+        versions: Package versions (default :func:`package_versions`).
+    """
+    half = analysis_half(records)
+    steps = aggregate(records, ("step",), half=half)
+    table = select_steps(steps, targets)
+    return json_ready(
+        {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "config": config,
+            "versions": versions if versions is not None else package_versions(),
+            "images": list(images),
+            "half": half,
+            "table": table,
+            "steps": steps,
+            "blocks": aggregate(records, ("block", "step"), half=half),
+            "verdict": verdict(table),
+            "records": list(records),
+        }
+    )
+
+
+def write_json(path: str | os.PathLike, document: Any) -> Path:
+    """Write strict JSON (NaN -> null), indented, atomically."""
+    return atomic_write_json(path, json_ready(document))
+
+
+def records_csv(records: Sequence[dict]) -> str:
+    """CSV text of the records, columns :data:`RECORD_FIELDS` then any extra keys (sorted)."""
+    extra = sorted({k for r in records for k in r} - set(RECORD_FIELDS))
+    columns = [c for c in RECORD_FIELDS if any(c in r for r in records)] + extra
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for record in records:
+        writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
+    return buffer.getvalue()
+
+
+def write_report_files(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write ``rho.json`` and ``rho.csv`` into ``out_dir`` (atomically)."""
+    out_dir = Path(out_dir)
+    return {
+        "json": write_json(out_dir / "rho.json", report),
+        "csv": atomic_write_text(out_dir / "rho.csv", records_csv(report["records"])),
+    }
+
+
+def format_report(report: dict) -> str:
+    """What the command line prints: a context line, the table and the verdict line."""
+    records = report["records"]
+    half = report["half"]
+    kept = [r for r in records if r.get("half") == half]
+    layers = len({r.get("layer") for r in kept})
+    heads = len({r.get("head") for r in kept})
+    references = len({r.get("reference") for r in kept})
+    config = report.get("config", {})
+    context = (
+        f"attention vs NW weights, {half} half, mean over {layers} layer(s) x {heads} head(s) x "
+        f"{references} reference image(s); bandwidth {config.get('bandwidth')}, mode {config.get('mode')}, "
+        f"{config.get('steps')} steps ({config.get('scheduler_class', 'scheduler')})"
+    )
+    return "\n".join([context, format_table(report["table"]), format_verdict(report["verdict"])])

@@ -1,0 +1,170 @@
+"""Sweeps over many reference images: sharding across processes, resuming, merging.
+
+Every reference image has its own result file ``<out>/images/<key>/result.json``, written
+atomically when the image is finished, and tagged with a fingerprint of every option that
+changes the numbers. A rerun of the same command skips images whose result file exists
+with the same fingerprint, so an interrupted sweep resumes where it stopped.
+
+Sharding uses :class:`accelerate.PartialState` when the script runs under
+``accelerate launch`` (or ``torchrun``): the images still to do are split into contiguous
+shards with ``split_between_processes``; each process writes its images' result files; after
+a barrier the main process reads every result file, in input order, and writes the one
+merged report. Because the merged report is always built from the files on disk, it is the
+same whether the images were computed by one process, by several, or across an interruption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nw_adapter.correlate.report import write_json
+
+RESULT_SCHEMA = "nw-adapter/rho-image"
+RESULT_NAME = "result.json"
+
+
+class SingleProcessState:
+    """Stand-in for :class:`accelerate.PartialState` when not launched distributed."""
+
+    process_index = 0
+    num_processes = 1
+    is_main_process = True
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: list) -> Iterator[list]:
+        """Yield all inputs (one process does everything)."""
+        yield inputs
+
+    def wait_for_everyone(self) -> None:
+        """Nothing to wait for."""
+
+
+def is_distributed_launch() -> bool:
+    """Whether ``accelerate launch`` / ``torchrun`` started more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def process_state(*, cpu: bool) -> Any:
+    """``accelerate.PartialState`` under a multi-process launch, else :class:`SingleProcessState`.
+
+    Args:
+        cpu: Run on the CPU; with ``accelerate launch --multi_gpu`` or ``torchrun`` on a
+            machine without GPUs this selects the gloo backend.
+    """
+    if not is_distributed_launch():
+        return SingleProcessState()
+    from accelerate import PartialState
+
+    return PartialState(cpu=cpu)
+
+
+def fingerprint(options: dict) -> str:
+    """SHA-256 (hex) of the options that change results, as canonical JSON."""
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def image_dir(out_dir: Path, key: str) -> Path:
+    """Folder of one reference image's outputs."""
+    return Path(out_dir) / "images" / key
+
+
+def result_path(out_dir: Path, key: str) -> Path:
+    """The result file of one reference image."""
+    return image_dir(out_dir, key) / RESULT_NAME
+
+
+def load_result(out_dir: Path, key: str, expected_fingerprint: str) -> dict | None:
+    """The finished result of ``key`` if it exists, is readable and has the same fingerprint."""
+    path = result_path(out_dir, key)
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if result.get("schema") != RESULT_SCHEMA or result.get("fingerprint") != expected_fingerprint:
+        return None
+    return result
+
+
+def save_result(out_dir: Path, key: str, expected_fingerprint: str, image: dict, records: list[dict]) -> Path:
+    """Write one image's result file atomically (the marker that the image is finished)."""
+    return write_json(
+        result_path(out_dir, key),
+        {"schema": RESULT_SCHEMA, "fingerprint": expected_fingerprint, "image": image, "records": records},
+    )
+
+
+@dataclass
+class SweepOutcome:
+    """What :func:`run_sweep` did.
+
+    Attributes:
+        results: Every image's result in input order (main process only; empty elsewhere).
+        computed: Keys this process computed.
+        reused: Keys found finished on disk (same for every process).
+    """
+
+    results: list[dict]
+    computed: list[str]
+    reused: list[str]
+
+
+def run_sweep(
+    keys: Sequence[str],
+    work: Callable[[str], tuple[dict, list[dict]]],
+    *,
+    out_dir: Path,
+    expected_fingerprint: str,
+    state: Any | None = None,
+    progress: bool = True,
+) -> SweepOutcome:
+    """Compute every unfinished image, sharded across processes, and collect all results.
+
+    Args:
+        keys: Image keys in input order (unique).
+        work: ``work(key) -> (image_info, records)`` computes one image (and writes its
+            other outputs, e.g. the generated image, itself).
+        out_dir: Output folder.
+        expected_fingerprint: Fingerprint of the options (see :func:`fingerprint`).
+        state: ``PartialState`` or :class:`SingleProcessState` (default: single process).
+        progress: Show a progress bar over this process's images.
+
+    Returns:
+        A :class:`SweepOutcome`; ``results`` is filled on the main process only.
+    """
+    state = state or SingleProcessState()
+    out_dir = Path(out_dir)
+    reused = [k for k in keys if load_result(out_dir, k, expected_fingerprint) is not None]
+    todo = [k for k in keys if k not in set(reused)]
+    # Every process must see the same "todo" list before anyone writes a result file.
+    state.wait_for_everyone()
+    computed: list[str] = []
+    with state.split_between_processes(todo) as mine:
+        bar = None
+        if progress and len(todo) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(mine), desc=f"images (process {state.process_index})", unit="image")
+        for key in mine:
+            image, records = work(key)
+            save_result(out_dir, key, expected_fingerprint, image, records)
+            computed.append(key)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+    state.wait_for_everyone()
+    results: list[dict] = []
+    if state.is_main_process:
+        for key in keys:
+            result = load_result(out_dir, key, expected_fingerprint)
+            if result is None:
+                raise RuntimeError(f"sweep: result of image {key} is missing after all processes finished")
+            results.append(result)
+    return SweepOutcome(results=results, computed=computed, reused=reused)

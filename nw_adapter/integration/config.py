@@ -1,0 +1,224 @@
+"""Configuration of the NW attention processor, validated once on construction.
+
+Every option a user can pass to :func:`nw_adapter.integration.mixin.apply_nw_processor` (or
+``set_ip_adapter_nw_processor``) lives in :class:`NWProcessorConfig`. Bad values raise a
+``ValueError`` naming the option, the problem and the fix, in the style of diffusers'
+``hooks/layer_skip.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MODES = ("observe", "swap")
+BANDWIDTH_RULES = ("matched", "fitted", "schedule", "median")
+MAP_DTYPES = ("float16", "float32")
+
+
+def _err(option: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"NWProcessorConfig: `{option}` {problem}; {fix}.")
+
+
+def _int_tuple(option: str, value: Any, *, minimum: int = 0) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise _err(option, f"must be None or a list of ints, got {value!r}", "pass e.g. [0, 1]")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _err(option, f"must contain ints, got {v!r}", "pass e.g. [0, 1]")
+        if v < minimum:
+            raise _err(option, f"must contain ints >= {minimum}, got {v}", "drop the negative entries")
+        out.append(v)
+    if not out:
+        raise _err(option, "is an empty list, which would select nothing", "pass None to select all")
+    return tuple(sorted(set(out)))
+
+
+def _str_tuple(option: str, value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) and v for v in value):
+        raise _err(
+            option,
+            f"must be None, a string or a list of non-empty strings, got {value!r}",
+            'pass layer-name prefixes such as ["down_blocks.1", "up_blocks.0.attentions.1"]',
+        )
+    if not value:
+        raise _err(option, "is an empty list, which would select nothing", "pass None to select all")
+    return tuple(value)
+
+
+@dataclass
+class NWProcessorConfig:
+    """Options of the NW attention processor (observe or swap IP-Adapter's image branch).
+
+    Args:
+        mode: ``"observe"`` keeps the layer output bit-identical to diffusers and records
+            statistics comparing A = softmax(q k^T / sqrt(d_k)) with the NW weights;
+            ``"swap"`` replaces the image branch by the exact Gaussian-kernel (NW) head
+            softmax_i(-||q - k_i||^2 / 2h^2) v_i.
+        bandwidth: rule for h per (batch row, head): ``"matched"`` (h^2 = sqrt(d_k), i.e.
+            1 / attention scale), ``"fitted"`` (beta = 1/h^2 minimising CE(A || NW)),
+            ``"schedule"`` (h = schedule_c * sigma_t / alpha_t of the current step),
+            ``"median"`` (h^2 = median ||q - k||^2 / 2) or a positive float (fixed h).
+        schedule_c: the constant c of the ``"schedule"`` rule.
+        layers: attention-processor name prefixes to act on (e.g. ``"up_blocks.1"`` or a
+            full ``"...attn2.processor"`` name); None = every IP-Adapter layer. Layers not
+            selected keep the stock processor.
+        heads: head indices to compute statistics for (and to store maps of); None = all.
+        steps: denoising step indices (0-based, per call) to record, or in swap mode to
+            swap; None = all.
+        statistics: record statistics; None means True for observe and False for swap.
+        nulls: compute the permutation null and the norm-equalised null of rho.
+        null_rows: number of random query rows (per layer and step) the two nulls are
+            estimated on; None = all rows. The nulls are controls, a mean of per-row values,
+            so a subsample keeps them cheap at a small variance cost.
+        seed: seed of the generator of the nulls (reseeded at the start of every call).
+        cfg: whether the batch is [uncond; cond]. None = ask the pipeline's
+            ``do_classifier_free_guidance`` at every UNet call (False without a pipeline).
+        store_maps: keep raw attention maps A and NW weights for :meth:`NWRecorder.save_maps`.
+        map_layers: name prefixes of layers whose maps are kept (None = all recorded layers).
+        map_steps: step indices whose maps are kept (None = all recorded steps).
+        map_heads: head indices whose maps are kept (None = all recorded heads).
+        map_head_mean: average maps over the kept heads.
+        map_downsample: integer factor of spatial average pooling of the query grid.
+        map_dtype: ``"float16"`` or ``"float32"`` storage of the maps.
+        map_max_mb: cap on stored map memory; maps beyond it are dropped with a warning.
+        chunk_size: query chunk of the Gaussian-kernel attention in swap mode (None = one).
+
+    Example:
+        >>> from nw_adapter.integration.config import NWProcessorConfig
+        >>> cfg = NWProcessorConfig(mode="observe", bandwidth="matched", layers=["up_blocks.1"])
+        >>> cfg.record_statistics
+        True
+    """
+
+    mode: str = "observe"
+    bandwidth: str | float = "matched"
+    schedule_c: float = 1.0
+    layers: Sequence[str] | str | None = None
+    heads: Sequence[int] | int | None = None
+    steps: Sequence[int] | int | None = None
+    statistics: bool | None = None
+    nulls: bool = True
+    null_rows: int | None = 256
+    seed: int = 0
+    cfg: bool | None = None
+    store_maps: bool = False
+    map_layers: Sequence[str] | str | None = None
+    map_steps: Sequence[int] | int | None = None
+    map_heads: Sequence[int] | int | None = None
+    map_head_mean: bool = False
+    map_downsample: int = 1
+    map_dtype: str = "float16"
+    map_max_mb: float = 256.0
+    chunk_size: int | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.extra:
+            raise _err(next(iter(self.extra)), "is not an option", f"use one of {sorted(self.field_names())}")
+        if self.mode not in MODES:
+            raise _err("mode", f"must be one of {MODES}, got {self.mode!r}", 'pass mode="observe" or "swap"')
+        bw = self.bandwidth
+        if isinstance(bw, bool) or not isinstance(bw, (str, int, float)):
+            raise _err(
+                "bandwidth",
+                f"must be a rule name or a positive float, got {bw!r}",
+                f"pass one of {BANDWIDTH_RULES} or e.g. 2.0",
+            )
+        if isinstance(bw, str) and bw not in BANDWIDTH_RULES:
+            raise _err("bandwidth", f"got unknown rule {bw!r}", f"pass one of {BANDWIDTH_RULES} or a float")
+        if isinstance(bw, (int, float)):
+            if not math.isfinite(bw) or bw <= 0:
+                raise _err("bandwidth", f"must be a positive finite float, got {bw!r}", "pass e.g. 2.0")
+            self.bandwidth = float(bw)
+        c = self.schedule_c
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+            raise _err("schedule_c", f"must be a positive finite float, got {c!r}", "pass e.g. 1.0")
+        self.schedule_c = float(c)
+        self.layers = _str_tuple("layers", self.layers)
+        self.map_layers = _str_tuple("map_layers", self.map_layers)
+        self.heads = _int_tuple("heads", self.heads)
+        self.steps = _int_tuple("steps", self.steps)
+        self.map_heads = _int_tuple("map_heads", self.map_heads)
+        self.map_steps = _int_tuple("map_steps", self.map_steps)
+        for name in ("statistics", "cfg"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise _err(name, f"must be None, True or False, got {v!r}", f"pass {name}=True or False")
+        for name in ("nulls", "store_maps", "map_head_mean"):
+            if not isinstance(getattr(self, name), bool):
+                raise _err(name, f"must be True or False, got {getattr(self, name)!r}", f"pass {name}=True")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _err("seed", f"must be an int, got {self.seed!r}", "pass e.g. seed=0")
+        ds = self.map_downsample
+        if isinstance(ds, bool) or not isinstance(ds, int) or ds < 1:
+            raise _err("map_downsample", f"must be an int >= 1, got {ds!r}", "pass 1 (none), 2, 4 ...")
+        if self.map_dtype not in MAP_DTYPES:
+            raise _err(
+                "map_dtype",
+                f"must be one of {MAP_DTYPES}, got {self.map_dtype!r}",
+                'pass map_dtype="float16"',
+            )
+        mb = self.map_max_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+            raise _err("map_max_mb", f"must be a positive number, got {mb!r}", "pass e.g. 256")
+        nr = self.null_rows
+        if nr is not None and (isinstance(nr, bool) or not isinstance(nr, int) or nr < 1):
+            raise _err(
+                "null_rows", f"must be None or an int >= 1, got {nr!r}", "pass e.g. 256 (None = all rows)"
+            )
+        cs = self.chunk_size
+        if cs is not None and (isinstance(cs, bool) or not isinstance(cs, int) or cs < 1):
+            raise _err("chunk_size", f"must be None or an int >= 1, got {cs!r}", "pass e.g. 1024")
+        if self.store_maps and not self.record_statistics:
+            raise _err(
+                "store_maps",
+                "needs statistics to be recorded",
+                "pass statistics=True (the default in observe mode)",
+            )
+        if not self.store_maps:
+            for name in ("map_layers", "map_steps", "map_heads"):
+                if getattr(self, name) is not None:
+                    raise _err(name, "has no effect without store_maps=True", "pass store_maps=True")
+        if self.heads is not None and self.map_heads is not None:
+            missing = sorted(set(self.map_heads) - set(self.heads))
+            if missing:
+                raise _err(
+                    "map_heads",
+                    f"selects heads {missing} that `heads` excludes",
+                    "keep map_heads a subset of heads",
+                )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """Names of the user options (excluding the internal ``extra``)."""
+        return {f for f in cls.__dataclass_fields__ if f != "extra"}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> NWProcessorConfig:
+        """Build a config, reporting an unknown keyword as a ``ValueError`` naming it."""
+        known = cls.field_names()
+        unknown = {k: v for k, v in kwargs.items() if k not in known}
+        return cls(**{k: v for k, v in kwargs.items() if k in known}, extra=unknown)
+
+    @property
+    def record_statistics(self) -> bool:
+        """Whether statistics are recorded (``statistics`` resolved against ``mode``)."""
+        return self.mode == "observe" if self.statistics is None else self.statistics
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict of the options (tuples become lists)."""
+        d = asdict(self)
+        d.pop("extra")
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}

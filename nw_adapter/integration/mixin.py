@@ -1,0 +1,243 @@
+"""Install / remove the NW processors on a diffusers pipeline (mixin, functions, context manager).
+
+Three equivalent entry points:
+
+- :class:`NWIPAdapterMixin` for pipeline classes (``pipelines/``):
+  ``pipe.set_ip_adapter_nw_processor(...)`` / ``pipe.unset_ip_adapter_nw_processor()``;
+- :func:`apply_nw_processor` / :func:`remove_nw_processor` for any stock pipeline;
+- :func:`nw_processor`, a context manager that removes the processors on exit.
+
+Restoring: at install time ``dict(unet.attn_processors)`` is snapshotted; removal puts back the
+very same processor objects in every layer that still holds an NW processor (layers replaced
+since, e.g. by ``unload_ip_adapter``, are left as they are). ``set_attn_processor`` is always
+given a copy, because it empties the dict it receives. Restore-on-exception: the mixin wraps
+the pipeline's ``__call__`` (any exception raised inside a call removes the NW processors and the
+step hook before it propagates); with a stock pipeline use the :func:`nw_processor` context
+manager for the same guarantee.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
+
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors import is_nw_processor, nw_processor_for
+from nw_adapter.integration.recorder import NWRecorder
+
+_STATE_ATTR = "_nw_adapter_state"
+
+
+@dataclass
+class _NWState:
+    originals: dict[str, Any]
+    layers: tuple[str, ...]
+    recorder: NWRecorder
+
+
+def _unet_of(pipe: Any) -> torch.nn.Module:
+    unet = getattr(pipe, "unet", None)
+    if unet is None and isinstance(pipe, torch.nn.Module) and hasattr(pipe, "attn_processors"):
+        unet = pipe
+    if unet is None or not hasattr(unet, "set_attn_processor"):
+        raise ValueError(
+            f"pipe: {type(pipe).__name__} has no `unet` with attention processors; pass a "
+            "Stable Diffusion / SDXL pipeline (or its UNet)"
+        )
+    return unet
+
+
+def _make_config(config: NWProcessorConfig | None, options: dict[str, Any]) -> NWProcessorConfig:
+    if config is not None and options:
+        raise ValueError(
+            f"pass either `config` or keyword options, not both (got config and {sorted(options)}); "
+            "put the options into the NWProcessorConfig"
+        )
+    if config is None:
+        return NWProcessorConfig.from_kwargs(**options)
+    if not isinstance(config, NWProcessorConfig):
+        raise ValueError(
+            f"config must be an NWProcessorConfig, got {type(config).__name__}; "
+            "build one with NWProcessorConfig(...) or pass keyword options"
+        )
+    return config
+
+
+def ip_adapter_layers(pipe: Any) -> list[str]:
+    """Names of the attention processors that are IP-Adapter processors (diffusers' or NW)."""
+    unet = _unet_of(pipe)
+    return [
+        n
+        for n, p in unet.attn_processors.items()
+        if isinstance(p, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0))
+    ]
+
+
+def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **options: Any) -> NWRecorder:
+    """Replace the IP-Adapter processors of ``pipe.unet`` by NW processors; return the recorder.
+
+    Calling it again first removes the previous NW processors (no double wrapping) and then
+    installs the new configuration with a fresh recorder.
+
+    Args:
+        pipe: a diffusers pipeline with ``unet`` and a loaded IP-Adapter (or a UNet itself;
+            then CFG halves are only reported with ``cfg=True``).
+        config: an :class:`~nw_adapter.integration.config.NWProcessorConfig`, or None to build one from
+            ``options``.
+        **options: the fields of :class:`~nw_adapter.integration.config.NWProcessorConfig`.
+
+    Returns:
+        The :class:`~nw_adapter.integration.recorder.NWRecorder` receiving the statistics.
+
+    Raises:
+        ValueError: before ``load_ip_adapter``, on an invalid option, or when a ``layers``
+            prefix matches no IP-Adapter layer.
+
+    Example:
+        >>> rec = apply_nw_processor(pipe, mode="observe", bandwidth="matched")
+        >>> image = pipe("a cat", ip_adapter_image=ref, num_inference_steps=30).images[0]
+        >>> remove_nw_processor(pipe)
+        >>> rec.to_csv("rho.csv")
+    """
+    config = _make_config(config, options)
+    unet = _unet_of(pipe)
+    remove_nw_processor(pipe)
+    originals = dict(unet.attn_processors)
+    ip_layers = [
+        n for n, p in originals.items() if isinstance(p, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0))
+    ]
+    if not ip_layers and any(
+        type(p).__name__ == "IPAdapterXFormersAttnProcessor" for p in originals.values()
+    ):
+        raise ValueError(
+            "set_ip_adapter_nw_processor: xFormers IP-Adapter processors are not supported; call "
+            "pipe.disable_xformers_memory_efficient_attention() and reload the IP-Adapter"
+        )
+    if not ip_layers:
+        raise ValueError(
+            "set_ip_adapter_nw_processor: the UNet has no IP-Adapter attention processors; call "
+            "pipe.load_ip_adapter(...) first"
+        )
+    if config.layers is None:
+        selected = ip_layers
+    else:
+        for prefix in config.layers:
+            if not any(n.startswith(prefix) for n in ip_layers):
+                raise ValueError(
+                    f"NWProcessorConfig: `layers` entry {prefix!r} matches no IP-Adapter layer; use "
+                    f"a prefix of one of {ip_layers[:3]}... "
+                    "(see nw_adapter.integration.mixin.ip_adapter_layers)"
+                )
+        selected = [n for n in ip_layers if any(n.startswith(p) for p in config.layers)]
+    recorder = NWRecorder(config, pipe if not isinstance(pipe, torch.nn.Module) else None)
+    new = dict(originals)
+    for name in selected:
+        new[name] = nw_processor_for(originals[name], layer_name=name, config=config, recorder=recorder)
+    unet.set_attn_processor(dict(new))
+    recorder.attach(unet)
+    setattr(unet, _STATE_ATTR, _NWState(originals=originals, layers=tuple(selected), recorder=recorder))
+    return recorder
+
+
+def remove_nw_processor(pipe: Any) -> NWRecorder | None:
+    """Put back the exact processor objects replaced by :func:`apply_nw_processor`.
+
+    Layers whose NW processor was replaced meanwhile (``unload_ip_adapter``, a new
+    ``load_ip_adapter``) keep their current processor. A no-op when nothing is installed.
+
+    Returns:
+        The recorder of the removed installation (its data stay readable), or None.
+    """
+    unet = _unet_of(pipe)
+    state: _NWState | None = getattr(unet, _STATE_ATTR, None)
+    if state is None:
+        return None
+    state.recorder.detach()
+    current = dict(unet.attn_processors)
+    restored = {
+        n: (state.originals[n] if is_nw_processor(p) and n in state.originals else p)
+        for n, p in current.items()
+    }
+    if any(restored[n] is not current[n] for n in current):
+        unet.set_attn_processor(dict(restored))
+    delattr(unet, _STATE_ATTR)
+    return state.recorder
+
+
+def active_recorder(pipe: Any) -> NWRecorder | None:
+    """The recorder of the installed NW processors, or None."""
+    state = getattr(_unet_of(pipe), _STATE_ATTR, None)
+    return None if state is None else state.recorder
+
+
+@contextlib.contextmanager
+def nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **options: Any) -> Iterator[NWRecorder]:
+    """Context manager: NW processors installed inside, originals restored on exit (also on error).
+
+    Example:
+        >>> with nw_processor(pipe, mode="swap", bandwidth="matched", layers=["up_blocks"]) as rec:
+        ...     image = pipe("a cat", ip_adapter_image=ref).images[0]
+    """
+    recorder = apply_nw_processor(pipe, config, **options)
+    try:
+        yield recorder
+    finally:
+        remove_nw_processor(pipe)
+
+
+class NWIPAdapterMixin:
+    """Pipeline mixin: ``set_ip_adapter_nw_processor`` / ``unset_ip_adapter_nw_processor``.
+
+    Put it before the diffusers pipeline class, e.g.
+    ``class StableDiffusionNWPipeline(NWIPAdapterMixin, StableDiffusionPipeline)``, and route the
+    pipeline's ``__call__`` through :meth:`_nw_call` so that an exception during a call restores
+    the original processors.
+
+    Example:
+        >>> pipe = StableDiffusionNWPipeline.from_pretrained(folder)
+        >>> pipe.load_ip_adapter(ip_folder, subfolder="models", weight_name="ip-adapter_sd15.safetensors")
+        >>> rec = pipe.set_ip_adapter_nw_processor(mode="observe", bandwidth="fitted")
+        >>> pipe("a cat", ip_adapter_image=ref, num_inference_steps=30)
+        >>> rec.summary()
+        >>> pipe.unset_ip_adapter_nw_processor()
+    """
+
+    def set_ip_adapter_nw_processor(
+        self, config: NWProcessorConfig | None = None, **options: Any
+    ) -> NWRecorder:
+        """Install NW processors on every (or the selected) IP-Adapter layer; see :func:`apply_nw_processor`.
+
+        Args:
+            config: an NWProcessorConfig, or None to build one from ``options``.
+            **options: ``mode``, ``bandwidth``, ``layers``, ``heads``, ``steps``, ``store_maps`` ... (the
+                fields of :class:`~nw_adapter.integration.config.NWProcessorConfig`).
+
+        Returns:
+            The recorder.
+        """
+        return apply_nw_processor(self, config, **options)
+
+    def unset_ip_adapter_nw_processor(self) -> NWRecorder | None:
+        """Restore the original IP-Adapter processors (exact objects); returns the old recorder."""
+        return remove_nw_processor(self)
+
+    @property
+    def nw_recorder(self) -> NWRecorder | None:
+        """The recorder of the installed NW processors (None when not installed)."""
+        return active_recorder(self)
+
+    def _nw_call(self, parent_call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``parent_call``; on any exception remove the NW processors, then re-raise."""
+        recorder = active_recorder(self)
+        if recorder is not None:
+            recorder.new_call()
+        try:
+            return parent_call(*args, **kwargs)
+        except BaseException:
+            remove_nw_processor(self)
+            raise

@@ -1,0 +1,400 @@
+"""NW attention processors: diffusers' IP-Adapter processors plus a side computation.
+
+The processors subclass :class:`~diffusers.models.attention_processor.IPAdapterAttnProcessor2_0`
+and :class:`~diffusers.models.attention_processor.IPAdapterAttnProcessor` and always produce
+the layer output by calling ``super().__call__`` (no copy of diffusers' attention code). They
+share ``to_k_ip``, ``to_v_ip``, ``scale`` and ``num_tokens`` (the same objects) with the
+processor they replace, so ``set_ip_adapter_scale``, IP masks, several adapters and
+``unload_ip_adapter`` keep working.
+
+How the side computation gets its inputs, without recomputing the query projection:
+
+- ``q`` [B, H, N, d] is the output of ``attn.to_q`` captured by a forward hook registered on
+  ``attn.to_q`` for the duration of ``super().__call__`` (removed in ``finally``); it already
+  includes ``spatial_norm``, ``group_norm`` and the flattening of 4-D inputs.
+- ``k_ip`` [B, H, M, d] is recomputed as ``to_k_ip[j](image tokens)`` (M = 4 or 16 tokens per
+  image, negligible next to the N-row query projection). Without an IP mask an adapter's
+  images form one softmax over M = num_images x num_tokens keys (as in diffusers); with a mask
+  every image is its own softmax.
+
+``observe``: the output of ``super().__call__`` is returned untouched (bit-identical); then
+A = softmax(q k^T * s) (s = 1/sqrt(d) for SDPA, ``attn.scale`` for the classic processor) and
+W = NW weights(q, k, h) are reduced over query rows to per-(batch row, head) statistics, averaged
+within each CFG half, and handed to the recorder as device tensors.
+
+``swap``: ``super().__call__`` runs with every adapter scale set to 0 (so diffusers skips its
+image branch) and a forward pre-hook on ``attn.to_out[0]`` adds the NW image branch to the
+input of the output projection:
+
+    to_out(text_attn + sum_j sum_i scale_ji * mask_ji * GKA(q, k_ji, v_ji, h)),
+
+GKA(q, k, v, h)_n = sum_i softmax_i(-||q_n - k_i||^2 / 2h^2) v_i (THEORY.md section 3). Dropout,
+the reshape of 4-D inputs, ``residual_connection`` and ``rescale_output_factor`` are then applied
+by diffusers' own code, exactly as for the stock branch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.image_processor import IPAdapterMaskProcessor
+from diffusers.models.attention_processor import (
+    Attention,
+    IPAdapterAttnProcessor,
+    IPAdapterAttnProcessor2_0,
+)
+
+from nw_adapter.core import kernels
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors import side
+from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder
+
+HALF_LABELS = {1: ("all",), 2: ("uncond", "cond")}
+
+
+def _is_zero(scale: float | Sequence[float]) -> bool:
+    if isinstance(scale, (list, tuple)):
+        return all(s == 0 for s in scale)
+    return scale == 0
+
+
+def _zero_like(scale: float | Sequence[float]) -> float | list[float]:
+    return [0.0] * len(scale) if isinstance(scale, (list, tuple)) else 0.0
+
+
+class _Group:
+    """One softmax of the image branch: adapter j, image i (or all images pooled, i = 0)."""
+
+    __slots__ = ("adapter", "image", "states", "scale", "mask", "key", "value")
+
+    def __init__(
+        self, adapter: int, image: int, states: torch.Tensor, scale: float, mask: torch.Tensor | None
+    ):
+        self.adapter, self.image, self.states, self.scale, self.mask = adapter, image, states, scale, mask
+        self.key: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+
+class _NWProcessorMixin:
+    """Shared logic of the two NW processors (see the module docstring)."""
+
+    scale: list
+    to_k_ip: torch.nn.ModuleList
+    to_v_ip: torch.nn.ModuleList
+
+    def _take_over(
+        self, original: torch.nn.Module, *, layer_name: str, config: NWProcessorConfig, recorder: NWRecorder
+    ) -> None:
+        torch.nn.Module.__init__(self)  # the parent __init__ would allocate fresh projections
+        self.hidden_size = original.hidden_size
+        self.cross_attention_dim = original.cross_attention_dim
+        self.num_tokens = original.num_tokens
+        self.scale = original.scale  # the same list: set_ip_adapter_scale edits it in place
+        self.to_k_ip = original.to_k_ip
+        self.to_v_ip = original.to_v_ip
+        self.layer_name = layer_name
+        self.nw_config = config
+        self.recorder = recorder
+
+    # ------------------------------------------------------------------ helpers
+    def attention_scale(self, attn: Attention, head_dim: int) -> float:
+        """The softmax scale s of the stock image branch (1 / sqrt(d) for SDPA)."""
+        return 1.0 / math.sqrt(head_dim)
+
+    def _groups(
+        self,
+        ip_hidden_states: Sequence[torch.Tensor],
+        masks: Sequence[Any],
+        scales: Sequence[Any],
+        batch: int,
+    ) -> list[_Group]:
+        groups = []
+        for j, (states, scale, mask) in enumerate(zip(ip_hidden_states, scales, masks, strict=False)):
+            if mask is not None:
+                per_image = scale if isinstance(scale, (list, tuple)) else [scale] * mask.shape[1]
+                for i in range(mask.shape[1]):
+                    groups.append(_Group(j, i, states[:, i], per_image[i], mask[:, i]))
+            else:
+                flat = states.reshape(batch, -1, states.shape[-1]) if states.ndim == 4 else states
+                groups.append(_Group(j, 0, flat, scale, None))
+        return groups
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """[B, L, H*d] -> [B, H, L, d]."""
+        b, length, inner = x.shape
+        return x.view(b, length, heads, inner // heads).transpose(1, 2)
+
+    def _bandwidth(
+        self, q: torch.Tensor, k: torch.Tensor, attn_weights: torch.Tensor | None, s: float
+    ) -> torch.Tensor | float:
+        """h per (batch, head) [B, H] (or a float) under the configured rule (see
+        :func:`~nw_adapter.integration.processors.side.resolve_bandwidth`)."""
+        return side.resolve_bandwidth(self.nw_config, self.recorder.state, q, k, attn_weights, s)
+
+    def _index(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A cached index tensor on ``device`` (no host-to-device copy after the first step)."""
+        cache = self.__dict__.setdefault("_index_cache", {})
+        key = (values, device)
+        if key not in cache:
+            cache[key] = torch.tensor(values, device=device)
+        return cache[key]
+
+    def _mask_factor(self, mask: torch.Tensor, batch: int, rows: int, inner: int, like: torch.Tensor):
+        down = IPAdapterMaskProcessor.downsample(mask, batch, rows, inner)
+        return down.to(dtype=like.dtype, device=like.device)
+
+    # ------------------------------------------------------------------ the call
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        scale: float = 1.0,
+        ip_adapter_masks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Stock IP-Adapter attention plus the NW side computation (see the module docstring).
+
+        Args: as diffusers' IP-Adapter processors.
+
+        Returns:
+            The layer output: identical to the stock processor's in observe mode; with the image
+            branch replaced by the Gaussian-kernel head in swap mode.
+        """
+        call_stock = super().__call__  # type: ignore[misc]
+        cfg = self.nw_config
+        step_selected = self.recorder.wants_step()
+        record = cfg.record_statistics and step_selected
+        swap = cfg.mode == "swap" and step_selected
+        if not (record or swap) or not isinstance(encoder_hidden_states, tuple):
+            return call_stock(
+                attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
+            )
+        ip_hidden_states = encoder_hidden_states[1]
+        if ip_adapter_masks is None:
+            masks: list[Any] = [None] * len(self.scale)
+        elif isinstance(ip_adapter_masks, list):
+            masks = ip_adapter_masks
+        else:
+            masks = list(ip_adapter_masks.unsqueeze(1))
+        shared_scale = self.scale
+        scales = list(shared_scale)
+        captured: dict[str, Any] = {}
+
+        def grab_query(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            captured["q"] = output
+
+        handles = [attn.to_q.register_forward_hook(grab_query)]
+        if swap:
+
+            def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
+                branch = self._swap_branch(attn, captured, ip_hidden_states, masks, scales)
+                if branch is None:
+                    return args
+                return (args[0] + branch.to(args[0].dtype), *args[1:])
+
+            handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
+            self.scale = [_zero_like(s) for s in scales]
+        try:
+            out = call_stock(
+                attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+            if swap:
+                self.scale = shared_scale
+        if record and "q" in captured:
+            with torch.no_grad():
+                self._record(attn, captured, ip_hidden_states, masks, scales)
+        return out
+
+    def _swap_branch(
+        self,
+        attn: Attention,
+        captured: dict,
+        ip_hidden_states: Sequence[torch.Tensor],
+        masks: Sequence[Any],
+        scales: Sequence[Any],
+    ) -> torch.Tensor | None:
+        q_raw = captured["q"]
+        batch, rows, inner = q_raw.shape
+        q = self._heads(q_raw, attn.heads)
+        s = self.attention_scale(attn, q.shape[-1])
+        groups = self._groups(ip_hidden_states, masks, scales, batch)
+        captured["groups"] = groups
+        total = None
+        for g in groups:
+            if _is_zero(g.scale):
+                continue
+            g.key = self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
+            g.value = self._heads(self.to_v_ip[g.adapter](g.states), attn.heads)
+            h = self._bandwidth(q, g.key, None, s)
+            out = kernels.gaussian_kernel_attention(
+                q, g.key, g.value, h, chunk_size=self.nw_config.chunk_size, validate=False
+            )
+            out = out.transpose(1, 2).reshape(batch, rows, inner).to(q_raw.dtype)
+            if g.mask is not None:
+                out = out * self._mask_factor(g.mask, batch, rows, inner, out)
+            out = g.scale * out
+            total = out if total is None else total + out
+        return total
+
+    # ------------------------------------------------------------------ statistics
+    def _record(
+        self,
+        attn: Attention,
+        captured: dict,
+        ip_hidden_states: Sequence[torch.Tensor],
+        masks: Sequence[Any],
+        scales: Sequence[Any],
+    ) -> None:
+        rec, cfg = self.recorder, self.nw_config
+        q_raw = captured["q"]
+        batch = q_raw.shape[0]
+        q_all = self._heads(q_raw, attn.heads)
+        heads = (
+            tuple(range(attn.heads)) if cfg.heads is None else tuple(h for h in cfg.heads if h < attn.heads)
+        )
+        if not heads:
+            return
+        head_idx = None if cfg.heads is None else self._index(heads, q_raw.device)
+        q = q_all.float() if head_idx is None else q_all.index_select(1, head_idx).float()
+        s = self.attention_scale(attn, q.shape[-1])
+        n_halves = 2 if rec.cfg and batch % 2 == 0 else 1
+        halves = HALF_LABELS[n_halves]
+        groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
+        q_norm = q.norm(dim=-1).mean(dim=-1)  # [B, H]
+        want_maps = rec.wants_maps(self.layer_name)
+        for g in groups:
+            key = g.key if g.key is not None else self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
+            k = key.float() if head_idx is None else key.index_select(1, head_idx).float()
+            stats, attn_w, nw_w = side.softmax_statistics(
+                q,
+                k,
+                scale=s,
+                bandwidth=lambda a, q=q, k=k: self._bandwidth(q, k, a, s),
+                q_norm=q_norm,
+                config=cfg,
+                generator=rec.generator(q.device) if cfg.nulls else None,
+            )
+            stats = stats.view(len(STAT_NAMES), n_halves, batch // n_halves, len(heads)).nanmean(dim=2)
+            scale_value = g.scale if not isinstance(g.scale, (list, tuple)) else math.nan
+            rec.add(
+                layer=self.layer_name,
+                adapter=g.adapter,
+                image=g.image,
+                halves=halves,
+                heads=heads,
+                scale=scale_value,
+                num_keys=k.shape[-2],
+                stats=stats,
+            )
+            if want_maps:
+                self._store_maps(attn_w, nw_w, heads, g)
+
+    def _store_maps(
+        self, attn_w: torch.Tensor, nw_w: torch.Tensor, heads: tuple[int, ...], g: _Group
+    ) -> None:
+        rec, cfg = self.recorder, self.nw_config
+        keep = heads if cfg.map_heads is None else tuple(h for h in heads if h in cfg.map_heads)
+        if not keep:
+            return
+        pos = self._index(tuple(heads.index(h) for h in keep), attn_w.device)
+        maps = []
+        grid = None
+        for m in (attn_w.index_select(1, pos), nw_w.index_select(1, pos)):
+            if cfg.map_head_mean:
+                m = m.mean(dim=1, keepdim=True)
+            if cfg.map_downsample > 1:
+                m, grid = side.pool_query_rows(m, cfg.map_downsample, rec.state.latent_hw)
+            maps.append(m.to(getattr(torch, cfg.map_dtype)))
+        meta = {
+            "heads": "mean" if cfg.map_head_mean else ",".join(map(str, keep)),
+            "downsample": str(cfg.map_downsample),
+            "grid": "" if grid is None else f"{grid[0]}x{grid[1]}",
+        }
+        rec.add_maps(
+            layer=self.layer_name, adapter=g.adapter, image=g.image, attn=maps[0], nw=maps[1], meta=meta
+        )
+
+
+class NWIPAdapterAttnProcessor2_0(_NWProcessorMixin, IPAdapterAttnProcessor2_0):
+    """NW processor over diffusers' SDPA IP-Adapter processor (see the module docstring).
+
+    Args:
+        original: the ``IPAdapterAttnProcessor2_0`` being replaced; its ``to_k_ip``, ``to_v_ip``,
+            ``scale`` and ``num_tokens`` are shared, not copied.
+        layer_name: the attention-processor name (a key of ``unet.attn_processors``).
+        config: the :class:`~nw_adapter.integration.config.NWProcessorConfig`.
+        recorder: the :class:`~nw_adapter.integration.recorder.NWRecorder` receiving the statistics.
+
+    Example:
+        >>> from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
+        >>> attn = Attention(32, cross_attention_dim=24, heads=2, dim_head=16)
+        >>> stock = IPAdapterAttnProcessor2_0(32, 24, num_tokens=(4,))
+        >>> rec = NWRecorder(NWProcessorConfig())
+        >>> nw = NWIPAdapterAttnProcessor2_0(stock, layer_name="l", config=rec.config, recorder=rec)
+        >>> attn.set_processor(nw)
+    """
+
+    def __init__(
+        self,
+        original: IPAdapterAttnProcessor2_0,
+        *,
+        layer_name: str,
+        config: NWProcessorConfig,
+        recorder: NWRecorder,
+    ) -> None:
+        self._take_over(original, layer_name=layer_name, config=config, recorder=recorder)
+
+
+class NWIPAdapterAttnProcessor(_NWProcessorMixin, IPAdapterAttnProcessor):
+    """NW processor over diffusers' classic (non-SDPA) IP-Adapter processor.
+
+    Same arguments as :class:`NWIPAdapterAttnProcessor2_0`; the softmax scale of A is
+    ``attn.scale`` (what ``attn.get_attention_scores`` uses).
+    """
+
+    def __init__(
+        self,
+        original: IPAdapterAttnProcessor,
+        *,
+        layer_name: str,
+        config: NWProcessorConfig,
+        recorder: NWRecorder,
+    ) -> None:
+        self._take_over(original, layer_name=layer_name, config=config, recorder=recorder)
+
+    def attention_scale(self, attn: Attention, head_dim: int) -> float:
+        """``attn.scale``, the scale of ``attn.get_attention_scores``."""
+        return float(attn.scale)
+
+
+def nw_processor_for(
+    original: torch.nn.Module, *, layer_name: str, config: NWProcessorConfig, recorder: NWRecorder
+) -> torch.nn.Module:
+    """The NW processor that replaces ``original`` (an IP-Adapter processor of diffusers).
+
+    Raises:
+        ValueError: if ``original`` is not an ``IPAdapterAttnProcessor(2_0)``.
+    """
+    if isinstance(original, _NWProcessorMixin):
+        raise ValueError(f"layer {layer_name!r} already has an NW processor; unset it first")
+    if isinstance(original, IPAdapterAttnProcessor2_0):
+        return NWIPAdapterAttnProcessor2_0(original, layer_name=layer_name, config=config, recorder=recorder)
+    if isinstance(original, IPAdapterAttnProcessor):
+        return NWIPAdapterAttnProcessor(original, layer_name=layer_name, config=config, recorder=recorder)
+    raise ValueError(
+        f"layer {layer_name!r} has {type(original).__name__}, not an IP-Adapter processor; "
+        "call pipe.load_ip_adapter(...) first"
+    )
+
+
+def is_nw_processor(processor: Any) -> bool:
+    """Whether ``processor`` is one of the NW processors of this module."""
+    return isinstance(processor, _NWProcessorMixin)

@@ -1,0 +1,254 @@
+"""correlate.py end to end on the tiny model with real photographs (scikit-learn's samples).
+
+Each test runs the real command line in-process (``nw_adapter.correlate.cli.main``) with 2-3 steps at
+32 x 32 pixels and checks the files it writes, their schema, and that the printed table is the
+JSON's table. Option tests compare against the baseline run so that an ignored option fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from sklearn.datasets import load_sample_image
+
+from nw_adapter.correlate.cli import main
+from nw_adapter.correlate.report import STAT_FIELDS, format_table, format_verdict, parse_table
+
+RECORD_KEYS = {
+    "reference", "call", "step", "timestep", "alpha", "sigma", "h_schedule", "layer", "block", "head", "half",
+    "adapter", "image", *STAT_FIELDS,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> dict[str, Path]:
+    """The two real photographs bundled with scikit-learn, saved as PNG and JPEG."""
+    folder = tmp_path_factory.mktemp("photos")
+    china = folder / "china.png"
+    Image.fromarray(load_sample_image("china.jpg")).save(china)
+    flower = folder / "flower.jpg"
+    Image.fromarray(load_sample_image("flower.jpg")).save(flower, quality=90)
+    return {"china": china, "flower": flower}
+
+
+@pytest.fixture(scope="module")
+def model_args(tiny_sd15_dir, tiny_ip_adapter_dir) -> list[str]:
+    return ["--model", str(tiny_sd15_dir), "--ip-adapter", str(tiny_ip_adapter_dir)]
+
+
+BASE = ["--steps", "2", "--scheduler", "ddim", "--seed", "0"]
+
+
+def run(argv: list, capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, photos, model_args) -> dict:
+    """Both photos, 2 DDIM steps, maps stored: the run most tests inspect."""
+    out = tmp_path_factory.mktemp("baseline") / "out"
+    argv = ["--image", photos["china"], "--image", photos["flower"], *model_args, *BASE, "--store-maps"]
+    argv += ["--out", out]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main([str(a) for a in argv])
+    assert code == 0, stderr.getvalue()
+    return {"out": out, "argv": argv, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+def printed_table(stdout: str) -> tuple[str, str]:
+    lines = stdout.strip().splitlines()
+    assert lines[0].startswith("attention vs NW weights")
+    assert lines[-1].startswith("verdict: ")
+    return "\n".join(lines[1:-1]), lines[-1]
+
+
+def key_of(report: dict, stem: str) -> str:
+    return next(i["key"] for i in report["images"] if i["key"].startswith(stem))
+
+
+def test_files_and_schema(baseline, photos) -> None:
+    out = baseline["out"]
+    report = json.loads((out / "rho.json").read_text())
+    assert report["schema"] == "nw-adapter/rho" and report["schema_version"] == 1
+    for package in ("torch", "diffusers", "transformers", "nw_adapter", "accelerate"):
+        assert report["versions"][package]
+    config = report["config"]
+    assert (
+        config["steps"] == 2
+        and config["scheduler"] == "ddim"
+        and config["scheduler_class"] == "DDIMScheduler"
+    )
+    assert config["bandwidth"] == "matched" and config["mode"] == "observe" and config["device"] == "cpu"
+    assert config["dtype"] == "float32" and config["store_maps"] is True
+    assert config["model"]["weight_name"] == "ip-adapter_sd15.safetensors"
+    assert [Path(i["path"]).name for i in report["images"]] == ["china.png", "flower.jpg"]
+    for info in report["images"]:
+        assert info["sha256"] == hashlib.sha256(Path(info["path"]).read_bytes()).hexdigest()
+        folder = out / "images" / info["key"]
+        assert info["generated"] == f"images/{info['key']}/generated.png"
+        with Image.open(out / info["generated"]) as generated:
+            assert generated.size == (32, 32) and generated.mode == "RGB"
+        for name in ("result.json", "maps.safetensors", "attention_maps.png"):
+            assert (folder / name).is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["images", "rho.csv", "rho.json", "rho.png"]
+    with Image.open(out / "rho.png") as plot:
+        assert plot.format == "PNG"
+    records = report["records"]
+    assert {r["reference"] for r in records} == {i["key"] for i in report["images"]}
+    assert {r["block"] for r in records} == {"down", "mid", "up"}
+    assert {r["half"] for r in records} == {"uncond", "cond"} and report["half"] == "cond"
+    assert sorted({(r["step"], r["timestep"]) for r in records}) == [(0, 501.0), (1, 1.0)]
+    for record in records:
+        assert RECORD_KEYS <= set(record)
+        for name in STAT_FIELDS:
+            assert record[name] is None or isinstance(record[name], float)
+    cond = [r for r in records if r["half"] == "cond"]
+    assert all(r["rho"] is not None and -1 <= r["rho"] <= 1 for r in cond)
+    assert all(r["neff_attn"] >= 1 and r["neff_nw"] >= 1 for r in cond)
+
+
+def test_progress_bars_are_shown(baseline) -> None:
+    assert "images (process 0)" in baseline["stderr"]  # over the reference images
+    assert "2/2 [" in baseline["stderr"]  # diffusers' bar over the denoising steps
+
+
+def test_printed_table_equals_the_json(baseline) -> None:
+    report = json.loads((baseline["out"] / "rho.json").read_text())
+    table, verdict_line = printed_table(baseline["stdout"])
+    assert table == format_table(report["table"])
+    assert verdict_line == format_verdict(report["verdict"])
+    parsed = parse_table(table)
+    assert [row["step"] for row in parsed] == [row["step"] for row in report["table"]] == [0, 1]
+    for shown, row in zip(parsed, report["table"], strict=True):
+        for key in ("rho", "rho_perm_null", "rho_norm_null", "pearson", "neff_attn", "neff_nw"):
+            assert shown[key] == pytest.approx(row[key], abs=5e-4)
+        assert shown["kl"] == pytest.approx(row["kl"], abs=5e-5)
+        members = [r for r in report["records"] if r["step"] == row["step"] and r["half"] == "cond"]
+        assert row["rho"] == pytest.approx(sum(r["rho"] for r in members) / len(members))
+        assert row["count"] == len(members) == 2 * 4 * 2  # references x layers x heads
+
+
+def test_csv_matches_json(baseline) -> None:
+    out = baseline["out"]
+    report = json.loads((out / "rho.json").read_text())
+    with (out / "rho.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == len(report["records"])
+    for row, record in zip(rows, report["records"], strict=True):
+        assert row["reference"] == record["reference"] and int(row["step"]) == record["step"]
+        if record["rho"] is None:
+            assert row["rho"] == ""
+        else:
+            assert math.isclose(float(row["rho"]), record["rho"], rel_tol=1e-12)
+
+
+def test_resume_recomputes_only_the_missing_image(baseline, capsys) -> None:
+    out = baseline["out"]
+    before = (out / "rho.json").read_text()
+    report = json.loads(before)
+    china, flower = key_of(report, "china"), key_of(report, "flower")
+    kept = (out / "images" / china / "result.json").stat().st_mtime_ns
+    (out / "images" / flower / "result.json").unlink()  # as if interrupted during the second image
+    code, stdout, err = run(baseline["argv"], capsys)
+    assert code == 0 and "resumed: 1 finished image(s)" in err
+    assert stdout == baseline["stdout"]
+    assert (out / "images" / china / "result.json").stat().st_mtime_ns == kept
+    assert (out / "rho.json").read_text() == before  # recomputed image gives identical numbers
+
+
+def test_store_maps_figure_and_tensors(baseline) -> None:
+    from safetensors import safe_open
+
+    out = baseline["out"]
+    report = json.loads((out / "rho.json").read_text())
+    info = report["images"][0]
+    with safe_open(out / info["maps"], "pt") as maps:
+        names = list(maps.keys())
+        assert any(n.endswith("/attn") for n in names) and any(n.endswith("/nw") for n in names)
+        steps = {int(n.split("/")[1].removeprefix("step")) for n in names}
+        assert steps == {0, 1}  # the reported steps
+        first = maps.get_tensor(names[0])
+        assert (
+            first.shape[0] == 2 and first.shape[1] == 1 and first.shape[-1] == 4
+        )  # CFG rows, head mean, keys
+    with Image.open(out / info["attention_maps"]) as figure:
+        assert figure.format == "PNG" and figure.width > figure.height
+
+
+def test_options_reach_the_run(tmp_path, photos, model_args, capsys) -> None:
+    rgba = tmp_path / "china_rgba.png"
+    Image.open(photos["china"]).convert("RGBA").save(rgba)
+    out = tmp_path / "out"
+    argv = [
+        "--image", rgba, *model_args, "--steps", "3", "--scheduler", "euler", "--mode", "swap",
+        "--bandwidth", "2.0", "--layers", "up", "--guidance-scale", "1.0", "--ip-scale", "0.5",
+        "--all-steps", "--height", "64", "--width", "32", "--out", out,
+    ]  # fmt: skip
+    code, stdout, err = run(argv, capsys)
+    assert code == 0
+    assert "note: china_rgba.png: RGBA alpha channel composited over a white background" in err
+    report = json.loads((out / "rho.json").read_text())
+    records = report["records"]
+    assert {r["block"] for r in records} == {"up"}  # --layers up
+    assert {r["bandwidth"] for r in records} == {2.0}  # --bandwidth 2.0
+    assert {r["half"] for r in records} == {"all"}  # --guidance-scale 1 (no CFG)
+    assert {r["scale"] for r in records} == {0.5}  # --ip-scale 0.5
+    assert report["config"]["scheduler_class"] == "EulerDiscreteScheduler"
+    assert sorted({r["step"] for r in records}) == [0, 1, 2]  # --steps 3
+    assert [r["step"] for r in report["table"]] == [0, 1, 2]  # --all-steps
+    assert report["config"]["mode"] == "swap"
+    generated = out / report["images"][0]["generated"]
+    with Image.open(generated) as image:
+        assert image.size == (32, 64)  # --width 32 --height 64
+    assert len(printed_table(stdout)[0].splitlines()) == 1 + 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [["--mode", "swap"], ["--seed", "1"], ["--prompt", "a red sports car"], ["--ip-scale", "0.0"]],
+    ids=["mode", "seed", "prompt", "ip-scale"],
+)
+def test_options_change_the_generated_image(change, baseline, photos, model_args, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    code, _, _ = run(
+        ["--image", photos["flower"], *model_args, *BASE, "--quiet", *change, "--out", out], capsys
+    )
+    assert code == 0
+    report = json.loads((out / "rho.json").read_text())
+    base = json.loads((baseline["out"] / "rho.json").read_text())
+    key = key_of(report, "flower")
+    changed = (out / "images" / key / "generated.png").read_bytes()
+    original = (baseline["out"] / "images" / key / "generated.png").read_bytes()
+    assert changed != original
+    assert report["records"] and report["config"] != base["config"]
+
+
+def test_model_tiny_builds_once_and_matches_the_fixture_model(
+    tmp_path, photos, baseline, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    code, stdout, err = run(
+        ["--image", photos["flower"], "--model", "tiny", *BASE, "--quiet", "--out", out], capsys
+    )
+    assert code == 0 and err == ""  # --quiet: no progress bars, no notes
+    assert (tmp_path / "cache").is_dir() and stdout.splitlines()[-1].startswith("verdict:")
+    report = json.loads((out / "rho.json").read_text())
+    assert report["config"]["model"]["model"] == "tiny" and report["config"]["model"]["ip_adapter"] == "tiny"
+    key = key_of(report, "flower")
+    same = (out / "images" / key / "generated.png").read_bytes()
+    assert same == (baseline["out"] / "images" / key / "generated.png").read_bytes()
+    base = json.loads((baseline["out"] / "rho.json").read_text())
+    base_flower = [r for r in base["records"] if r["reference"] == key]
+    assert report["records"] == base_flower  # same tiny weights through the same loading path

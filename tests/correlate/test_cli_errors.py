@@ -1,0 +1,250 @@
+"""Bad input to correlate.py: exit status 2, one line naming the problem and the fix, no files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_images import BAD_KINDS, EXPECTED_WORDS, make_bad_file, photo
+
+from nw_adapter.correlate.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "correlate.py"
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, *words: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("correlate.py: error: ")
+    assert "Traceback" not in err
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def good_image(tmp_path: Path) -> Path:
+    path = tmp_path / "china.png"
+    photo(size=48).save(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_bad_image_files(kind: str, tmp_path: Path, capsys) -> None:
+    bad = make_bad_file(kind, tmp_path / "in")
+    out = tmp_path / "out"
+    code, stdout, err = run_main(["--image", bad, "--model", "tiny", "--out", out], capsys)
+    assert_one_line_error(code, err, str(bad), EXPECTED_WORDS[kind])
+    assert stdout == "" and not out.exists()
+
+
+def test_one_bad_file_in_a_folder_stops_before_any_work(tmp_path: Path, good_image: Path, capsys) -> None:
+    folder = tmp_path / "refs"
+    folder.mkdir()
+    photo(size=48).save(folder / "a.png")
+    make_bad_file("truncated_jpeg", folder)
+    out = tmp_path / "out"
+    code, _, err = run_main(["--image-dir", folder, "--model", "tiny", "--out", out], capsys)
+    assert_one_line_error(code, err, "truncated.jpg", "truncated or corrupt")
+    assert not out.exists()
+
+
+def test_empty_image_directory(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "refs"
+    folder.mkdir()
+    (folder / "readme.txt").write_text("no pictures")
+    code, _, err = run_main(["--image-dir", folder, "--model", "tiny", "--out", tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "contains no images", "--image")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        (["--steps", "0"], "--steps must be between 1 and 1000"),
+        (["--steps", "many"], "--steps must be a whole number"),
+        (["--steps", "2.5"], "--steps must be a whole number"),
+        (["--bandwidth", "wide"], "--bandwidth must be one of matched, fitted, schedule, median"),
+        (["--bandwidth", "-1"], "--bandwidth must be a positive finite number"),
+        (["--bandwidth", "inf"], "--bandwidth must be a positive finite number"),
+        (["--guidance-scale", "nan"], "--guidance-scale must be a finite number >= 0"),
+        (["--ip-scale", "-0.5"], "--ip-scale must be a finite number >= 0"),
+        (["--seed", "-3"], "--seed must be between 0 and 2**63 - 1"),
+        (["--height", "30"], "multiple of 8"),
+        (["--mode", "replace"], "invalid choice: 'replace'"),
+        (["--scheduler", "fast"], "invalid choice: 'fast'"),
+        (["--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--layers", "up,,mid"], "--layers must be comma-separated names without empty entries"),
+        (["--prompt", "  "], "--prompt is empty"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_nonsense_option_values(
+    options: list[str], words: str, tmp_path: Path, good_image: Path, capsys
+) -> None:
+    out = tmp_path / "out"
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", out, *options], capsys)
+    line = assert_one_line_error(code, err, words)
+    assert "(see --help)" in line or "pass" in line
+    assert not out.exists()
+
+
+def test_no_image_at_all(capsys) -> None:
+    code, _, err = run_main(["--model", "tiny"], capsys)
+    assert_one_line_error(code, err, "no reference image given", "--image FILE")
+
+
+def test_output_path_is_a_file(tmp_path: Path, good_image: Path, capsys) -> None:
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file")
+    for out in (blocker, blocker / "sub"):
+        code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", out], capsys)
+        assert_one_line_error(code, err, "--out", "pass")
+    assert blocker.read_text() == "a file"
+
+
+def test_unwritable_output_folder(tmp_path: Path, good_image: Path, capsys) -> None:
+    if os.geteuid() == 0:
+        out = Path("/sys/nw-adapter-correlate-out")  # sysfs refuses new files even for root
+        if out.exists() or not Path("/sys").is_dir():
+            pytest.skip("no sysfs to stand in for a read-only folder")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        out = locked / "out"
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", out], capsys)
+    assert_one_line_error(code, err, "--out", "cannot write", "pass a writable folder")
+    assert not out.exists()
+
+
+def test_model_folder_without_ip_adapter_weights(
+    tmp_path: Path, good_image: Path, tiny_sd15_dir, capsys
+) -> None:
+    out = tmp_path / "out"
+    argv = ["--image", good_image, "--model", tiny_sd15_dir, "--ip-adapter", tiny_sd15_dir, "--out", out]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(
+        code, err, "no IP-Adapter weights", "models/ip-adapter_sd15.safetensors", "--ip-adapter"
+    )
+    assert not out.exists()
+
+
+def test_folder_that_is_not_a_pipeline(tmp_path: Path, good_image: Path, tiny_ip_adapter_dir, capsys) -> None:
+    argv = ["--image", good_image, "--model", tiny_ip_adapter_dir, "--out", tmp_path / "out"]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, "no model_index.json", "--model tiny")
+
+
+def test_wrong_adapter_subfolder(
+    tmp_path: Path, good_image: Path, tiny_sd15_dir, tiny_ip_adapter_dir, capsys
+):
+    argv = [
+        "--image",
+        good_image,
+        "--model",
+        tiny_sd15_dir,
+        "--ip-adapter",
+        tiny_ip_adapter_dir,
+        "--subfolder",
+        "sdxl_models",
+        "--out",
+        tmp_path / "out",
+    ]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, "sdxl_models/ip-adapter_sd15.safetensors", "--subfolder")
+
+
+def test_no_network_with_the_real_defaults(tmp_path: Path, good_image: Path, monkeypatch, capsys) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-home" / "hub"))
+    out = tmp_path / "out"
+    code, _, err = run_main(["--image", good_image, "--out", out], capsys)
+    line = assert_one_line_error(code, err, "stable-diffusion-v1-5/stable-diffusion-v1-5", "--model tiny")
+    assert "local folder" in line and "Hugging Face cache" in line
+    assert not out.exists()
+
+
+def test_layers_that_match_no_adapter_layer(
+    tmp_path: Path, good_image: Path, tiny_sd15_dir, tiny_ip_adapter_dir, capsys
+) -> None:
+    out = tmp_path / "out"
+    argv = [
+        "--image",
+        good_image,
+        "--model",
+        tiny_sd15_dir,
+        "--ip-adapter",
+        tiny_ip_adapter_dir,
+        "--layers",
+        "down_blocks.7",
+        "--out",
+        out,
+        "--quiet",
+    ]
+    code, _, err = run_main(argv, capsys)
+    assert_one_line_error(code, err, "down_blocks.7", "matches no IP-Adapter layer")
+    assert not out.exists()
+
+
+def test_unavailable_device(tmp_path: Path, good_image: Path, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    code, _, err = run_main(
+        ["--image", good_image, "--model", "tiny", "--device", "cuda", "--out", tmp_path / "o"], capsys
+    )
+    assert_one_line_error(code, err, "--device cuda", "CUDA is not available", "--device cpu")
+    code, _, err = run_main(
+        ["--image", good_image, "--model", "tiny", "--device", "gpu0", "--out", tmp_path / "o"], capsys
+    )
+    assert_one_line_error(code, err, "--device 'gpu0'", "not a torch device")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "words"),
+    [
+        ("truncated_png", [], "truncated or corrupt"),
+        (None, ["--steps", "abc"], "--steps must be a whole number"),
+    ],
+)
+def test_real_process_exit_status_and_stderr(kind, extra, words, tmp_path: Path, good_image: Path) -> None:
+    image = make_bad_file(kind, tmp_path / "in") if kind else good_image
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--image", str(image), "--model", "tiny", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert_one_line_error(proc.returncode, proc.stderr, words)
+    assert not out.exists()
+
+
+def test_help_exits_zero(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "--bandwidth" in capsys.readouterr().out

@@ -1,0 +1,249 @@
+"""Report logic on synthetic record lists: aggregation, step choice, table, verdict, files, plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nw_adapter.atomic import atomic_write
+from nw_adapter.correlate.plotting import panels_from_maps, plot_attention_maps, plot_rho
+from nw_adapter.correlate.report import (
+    PAPER_TIMESTEPS,
+    STAT_FIELDS,
+    aggregate,
+    analysis_half,
+    build_report,
+    format_report,
+    format_table,
+    parse_table,
+    records_csv,
+    select_steps,
+    verdict,
+    write_report_files,
+)
+from nw_adapter.integration.recorder import NWRecorder
+
+DDIM_50 = [981 - 20 * i for i in range(50)]  # SD 1.5, 50 DDIM steps, steps_offset=1
+
+
+def make_records(
+    timesteps=(981, 501, 1),
+    layers=("down_blocks.0.a", "mid_block.a", "up_blocks.1.a"),
+    heads=2,
+    seed=0,
+    references=("ref-a",),
+    halves=("uncond", "cond"),
+) -> list[dict]:
+    """Records in the recorder's schema with rho rising over the steps, plus a ``reference`` key."""
+    rng = random.Random(seed)
+    records = []
+    for reference in references:
+        for step, t in enumerate(timesteps):
+            for layer in layers:
+                for head in range(heads):
+                    for half in halves:
+                        rho = 0.3 + 0.6 * step / max(1, len(timesteps) - 1) + rng.uniform(-0.05, 0.05)
+                        record = {
+                            "reference": reference,
+                            "call": 0,
+                            "step": step,
+                            "timestep": float(t),
+                            "alpha": 0.5,
+                            "sigma": 0.5,
+                            "h_schedule": 1.0,
+                            "layer": layer,
+                            "block": layer.split("_")[0],
+                            "head": head,
+                            "half": half,
+                            "adapter": 0,
+                            "image": 0,
+                            "scale": 1.0,
+                            "num_keys": 4,
+                        }
+                        for name in STAT_FIELDS:
+                            record[name] = rng.uniform(0, 1)
+                        record["rho"] = rho if half == "cond" else math.nan
+                        records.append(record)
+    return records
+
+
+def test_aggregate_means_over_layers_heads_and_references() -> None:
+    records = make_records(references=("a", "b"))
+    rows = aggregate(records)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        members = [r for r in records if r["step"] == row["step"] and r["half"] == "cond"]
+        assert row["count"] == len(members) == 2 * 3 * 2
+        for name in STAT_FIELDS:
+            assert row[name] == pytest.approx(sum(m[name] for m in members) / len(members))
+        assert row["frac_rho_gt_0_9"] == sum(m["rho"] > 0.9 for m in members) / len(members)
+
+
+def test_aggregate_matches_the_recorders_summary() -> None:
+    records = make_records(seed=3)
+    for r in records:
+        r.pop("reference")
+    ours = aggregate(records, half="cond")
+    theirs = [s for s in NWRecorder().summary(records) if s["half"] == "cond"]
+    assert len(ours) == len(theirs)
+    for mine, other in zip(ours, theirs, strict=True):
+        for name in STAT_FIELDS:
+            assert mine[name] == pytest.approx(other[name])
+        assert mine["frac_rho_gt_0_9"] == pytest.approx(other["frac_heads_rho_gt_0_9"])
+
+
+def test_nan_values_are_left_out_of_means_and_all_nan_gives_none() -> None:
+    records = make_records(halves=("cond",))
+    records[0]["pearson"] = math.nan
+    row = aggregate(records)[0]
+    kept = [r["pearson"] for r in records if r["step"] == 0 and not math.isnan(r["pearson"])]
+    assert row["pearson"] == pytest.approx(sum(kept) / len(kept))
+    assert aggregate(make_records(), half="uncond")[0]["rho"] is None
+
+
+def test_analysis_half_prefers_cond_then_all() -> None:
+    assert analysis_half(make_records()) == "cond"
+    assert analysis_half(make_records(halves=("all",))) == "all"
+    with pytest.raises(ValueError, match="nothing to report"):
+        analysis_half([])
+
+
+def test_select_steps_picks_the_papers_timesteps_from_50_ddim_steps() -> None:
+    rows = [{"step": i, "timestep": float(t)} for i, t in enumerate(DDIM_50)]
+    chosen = select_steps(rows)
+    assert [r["timestep"] for r in chosen] == [981, 761, 501, 261, 1]
+    assert [r["step"] for r in chosen] == [0, 11, 24, 36, 49]
+    assert select_steps(rows, ()) == rows
+
+
+def test_select_steps_with_few_steps_keeps_each_step_once() -> None:
+    rows = [{"step": i, "timestep": float(t)} for i, t in enumerate((667, 334, 334, 1))]
+    assert [r["step"] for r in select_steps(rows)] == [0, 1, 3]
+
+
+def test_table_round_trips_and_shows_nan() -> None:
+    rows = aggregate(make_records())
+    rows[1]["kl"] = None
+    text = format_table(rows)
+    header = "step timestep rho perm-null norm-null pearson KL neff-attn neff-nw rho>0.9"
+    assert text.splitlines()[0].split() == header.split()
+    parsed = parse_table(text)
+    assert parsed[1]["kl"] is None
+    for row, back in zip(rows, parsed, strict=True):
+        assert back["step"] == row["step"] and back["timestep"] == round(row["timestep"])
+        assert back["rho"] == pytest.approx(row["rho"], abs=5e-4)
+        assert back["neff_nw"] == pytest.approx(row["neff_nw"], abs=5e-4)
+
+
+@pytest.mark.parametrize(
+    ("rhos", "nulls", "monotonic", "clears"),
+    [
+        ((0.2, 0.5, 0.9), (0.0, 0.4), True, True),
+        ((0.2, 0.6, 0.5), (0.0, 0.4), False, True),
+        ((0.2, 0.3, 0.35), (0.0, 0.4), True, False),
+        ((0.5, None, 0.9), (0.0, 0.1), False, True),
+        ((0.2, 0.3, 0.42), (0.0, 0.4), True, False),  # above the null, but within NULL_MARGIN
+        ((0.2, 0.3, 0.46), (0.0, 0.4), True, True),
+    ],
+)
+def test_verdict(rhos, nulls, monotonic, clears) -> None:
+    rows = [
+        {"step": i, "timestep": t, "rho": r, "rho_perm_null": nulls[0], "rho_norm_null": nulls[1]}
+        for i, (t, r) in enumerate(zip((981, 501, 1), rhos, strict=True))
+    ]
+    result = verdict(rows)
+    assert result["monotonic"] is monotonic and result["clears_nulls"] is clears
+    assert result["rho_last"] == rhos[-1] and result["timestep"] == 1
+    assert result["margin"] == pytest.approx(rhos[-1] - max(nulls))
+
+
+def test_verdict_of_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        verdict([])
+
+
+def test_build_report_schema_is_strict_json(tmp_path: Path) -> None:
+    records = make_records(timesteps=DDIM_50)
+    report = build_report(records, config={"steps": 50}, images=[{"key": "ref-a"}], versions={"torch": "x"})
+    keys = "schema schema_version config versions images half table steps blocks verdict records"
+    assert set(keys.split()) <= set(report)
+    assert [r["timestep"] for r in report["table"]] == [981, 761, 501, 261, 1]
+    assert {r["block"] for r in report["blocks"]} == {"down", "mid", "up"}
+    paths = write_report_files(report, tmp_path)
+    loaded = json.loads(paths["json"].read_text())  # strict: NaN became null
+    assert loaded["records"][0]["rho"] is None and loaded["half"] == "cond"
+    assert "NaN" not in paths["json"].read_text()
+    rows = list(csv.DictReader(io.StringIO(paths["csv"].read_text())))
+    assert len(rows) == len(records)
+    assert list(rows[0])[:3] == ["reference", "call", "step"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rho.csv", "rho.json"]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert paths["json"].stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
+    text = format_report(loaded)
+    assert format_table(loaded["table"]) in text and text.splitlines()[-1].startswith("verdict:")
+
+
+def test_records_csv_keeps_extra_keys() -> None:
+    text = records_csv([{"step": 0, "rho": 0.5, "zzz": 1}])
+    assert text.splitlines()[0] == "step,rho,zzz"
+
+
+def test_atomic_write_leaves_nothing_when_the_writer_fails(tmp_path: Path) -> None:
+    target = tmp_path / "rho.json"
+    target.write_text("old")
+
+    def fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(target, fail)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["rho.json"]
+
+
+def test_plot_rho_writes_a_png(tmp_path: Path) -> None:
+    report = build_report(make_records(), config={}, images=[], versions={})
+    path = plot_rho(report["blocks"], tmp_path / "rho.png", title="synthetic")
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.width > 300
+    assert [p.name for p in tmp_path.iterdir()] == ["rho.png"]
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_rho([], tmp_path / "empty.png")
+
+
+def test_panels_pick_the_finest_layer_cond_row_and_top_tokens(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    fine = torch.zeros(2, 2, 32, 6)  # [batch, heads, rows = 8 x 4 grid, keys]
+    fine[1, :, :, 5] = 1.0  # conditional row attends to token 5
+    fine[1, :, :, 2] = 0.5
+    fine[1, :, 3, 2] = 0.9
+    coarse = torch.full((2, 2, 8, 6), 1 / 6)
+    maps = {
+        "call0/step0/up_blocks.1.x/adapter0/image0/attn": fine,
+        "call0/step0/up_blocks.1.x/adapter0/image0/nw": fine * 2,
+        "call0/step0/mid_block.x/adapter0/image0/attn": coarse,
+        "call0/step0/mid_block.x/adapter0/image0/nw": coarse,
+    }
+    panels = panels_from_maps(maps, timesteps={0: 981.0}, image_hw=(64, 32), cfg=True, max_tokens=2)
+    assert [p.token for p in panels] == [2, 5]
+    assert all(p.layer == "up_blocks.1.x" and p.attn.shape == (8, 4) for p in panels)
+    assert panels[0].attn[0, 3] == pytest.approx(0.9) and panels[0].nw[0, 3] == pytest.approx(1.8)
+    generated = Image.fromarray(np.full((64, 32, 3), 128, dtype=np.uint8))
+    path = plot_attention_maps(generated, panels, tmp_path / "maps.png")
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+
+
+def test_report_constants_match_the_paper() -> None:
+    assert PAPER_TIMESTEPS == (981, 761, 501, 261, 1)

@@ -1,0 +1,225 @@
+"""NWRecorder: statistics against captured maps in a real pipeline run, exports, bounded maps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
+from safetensors import safe_open
+from scipy.stats import rankdata
+from tiny_helpers import generate
+
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors import nw_processor_for
+from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder, block_of
+from nw_adapter.models.tiny import ip_adapter_weight_name
+from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_sd15_dir, tiny_ip_adapter_dir):
+    p = StableDiffusionNWPipeline.from_pretrained(tiny_sd15_dir)
+    p.set_progress_bar_config(disable=True)
+    p.load_ip_adapter(tiny_ip_adapter_dir, subfolder="models", weight_name=ip_adapter_weight_name("base"))
+    return p
+
+
+def _run(pipe, steps=2):
+    generate(pipe, steps=steps, output_type="latent")
+
+
+def _row_pearson(a, b):
+    a = a - a.mean(-1, keepdims=True)
+    b = b - b.mean(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+
+
+def _brute(A, W):
+    """Per (batch, head) statistics of maps [B, H, N, M] in float64 numpy."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = (A + W) / 2
+        kl = np.where(A > 0, A * np.log(A / W), 0.0).sum(-1)
+        js = 0.5 * np.where(A > 0, A * np.log(A / r), 0).sum(-1)
+        js = js + 0.5 * np.where(W > 0, W * np.log(W / r), 0).sum(-1)
+    return {
+        "rho": np.nanmean(_row_pearson(rankdata(A, axis=-1), rankdata(W, axis=-1)), -1),
+        "pearson": _row_pearson(A.reshape(*A.shape[:2], -1), W.reshape(*W.shape[:2], -1)),
+        "kl": kl.mean(-1),
+        "js": js.mean(-1),
+        "neff_attn": (1 / (A**2).sum(-1)).mean(-1),
+        "neff_nw": (1 / (W**2).sum(-1)).mean(-1),
+        "top1": (A.argmax(-1) == W.argmax(-1)).mean(-1),
+    }
+
+
+@pytest.fixture(scope="module")
+def observed(pipe):
+    rec = pipe.set_ip_adapter_nw_processor(store_maps=True, map_dtype="float32")
+    try:
+        _run(pipe)
+        _run(pipe, steps=1)
+    finally:
+        pipe.unset_ip_adapter_nw_processor()
+    return rec
+
+
+def test_every_record_matches_brute_force_from_maps(observed, pipe):
+    maps = {k: v.double().numpy() for k, v in observed.maps().items()}
+    records = observed.to_records()
+    assert {r["call"] for r in records} == {0, 1}
+    steps = {(r["call"], r["step"]) for r in records}
+    assert len(steps) == 3 + 1  # PNDM: 2 steps -> 3 UNet calls (PLMS repeat), then 1 step
+    assert len(records) == len(steps) * 4 * 2 * 2  # steps x layers x heads x halves
+    cache = {}
+    for r in records:
+        name = f"call{r['call']}/step{r['step']}/{r['layer']}/adapter{r['adapter']}/image{r['image']}"
+        if name not in cache:
+            A, W = maps[f"{name}/attn"], maps[f"{name}/nw"]
+            assert np.allclose(A.sum(-1), 1) and np.allclose(W.sum(-1), 1)
+            with warnings.catch_warnings():  # all-NaN rows of the uncond half
+                warnings.simplefilter("ignore", RuntimeWarning)
+                stats = _brute(A, W)
+                cache[name] = {k: np.nanmean(v.reshape(2, -1, v.shape[-1]), axis=1) for k, v in stats.items()}
+        half = {"uncond": 0, "cond": 1}[r["half"]]
+        for stat, value in cache[name].items():
+            assert r[stat] == pytest.approx(value[half, r["head"]], rel=1e-4, abs=1e-5, nan_ok=True), (
+                stat,
+                r,
+            )
+        attn = pipe.unet.get_submodule(r["layer"].removesuffix(".processor"))
+        d_k = attn.to_q.out_features // attn.heads
+        assert r["bandwidth"] == pytest.approx(d_k**0.25)  # matched: h^2 = sqrt(d_k)
+        assert r["block"] == block_of(r["layer"]) and r["num_keys"] == 4 and r["scale"] == 1.0
+        if r["half"] == "cond":  # the uncond image tokens of the tiny adapter are identical: constant rows
+            assert all(math.isfinite(r[k]) for k in ("rho", "rho_perm_null", "rho_norm_null"))
+
+
+def test_exports(observed, tmp_path):
+    records = observed.to_records()
+    path = observed.to_json(tmp_path / "out" / "rho.json")
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["config"]["mode"] == "observe"
+    assert len(data["records"]) == len(records)
+    assert data["records"][0].keys() == records[0].keys()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["rho.json"]  # no temp file left
+    csv_path = observed.to_csv(tmp_path / "rho.csv")
+    with open(csv_path) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(records) and float(rows[3]["rho"]) == pytest.approx(records[3]["rho"])
+    summary = observed.summary()
+    assert len(summary) == 4 * 2  # (call, step) x half
+    s0 = next(s for s in summary if (s["call"], s["step"], s["half"]) == (0, 1, "cond"))
+    group = [r for r in records if (r["call"], r["step"], r["half"]) == (0, 1, "cond")]
+    assert s0["rho"] == pytest.approx(np.nanmean([r["rho"] for r in group]))
+    assert s0["frac_heads_rho_gt_0_9"] == pytest.approx(np.mean([r["rho"] > 0.9 for r in group]))
+    assert s0["n"] == len(group) and s0["timestep"] == group[0]["timestep"]
+    assert data["summary"][0]["n"] == summary[0]["n"]
+
+
+def test_save_maps_roundtrip(observed, tmp_path):
+    path = observed.save_maps(tmp_path / "maps.safetensors")
+    with safe_open(str(path), framework="pt") as fh:
+        keys = set(fh.keys())
+        meta = fh.metadata()
+        some = next(iter(sorted(keys)))
+        assert torch.equal(fh.get_tensor(some), observed.maps()[some].cpu())
+    assert keys == set(observed.maps())
+    assert json.loads(meta["config"])["store_maps"] is True
+
+
+def _layer():
+    torch.manual_seed(0)
+    attn = Attention(32, cross_attention_dim=24, heads=2, dim_head=16).eval()
+    stock = IPAdapterAttnProcessor2_0(32, 24, num_tokens=[4], scale=[1.0])
+    torch.nn.init.normal_(stock.to_k_ip[0].weight)
+    torch.nn.init.normal_(stock.to_v_ip[0].weight)
+    gen = torch.Generator().manual_seed(1)
+    args = (
+        torch.randn(2, 8 * 12, 32, generator=gen),
+        (torch.randn(2, 5, 24, generator=gen), [torch.randn(2, 1, 4, 24, generator=gen)]),
+    )
+    return attn, stock, args
+
+
+def _observe(steps=1, layer="up_blocks.0.attn2.processor", **options):
+    attn, stock, args = _layer()
+    cfg = NWProcessorConfig(store_maps=True, **options)
+    rec = NWRecorder(cfg)
+    attn.set_processor(nw_processor_for(stock, layer_name=layer, config=cfg, recorder=rec))
+    for step in range(steps):
+        rec.begin_step(step=step, latent_hw=(16, 24))
+        attn(*args)
+    return rec
+
+
+def test_map_options():
+    full = _observe(map_dtype="float32")
+    (name,) = {k.rsplit("/", 1)[0] for k in full.maps()}
+    A = full.maps()[f"{name}/attn"]
+    assert A.shape == (2, 2, 96, 4) and A.dtype == torch.float32
+    assert _observe().maps()[f"{name}/attn"].dtype == torch.float16
+    heads = _observe(map_heads=[1], map_dtype="float32").maps()[f"{name}/attn"]
+    assert torch.equal(heads, A[:, 1:2])
+    mean = _observe(map_head_mean=True, map_dtype="float32").maps()[f"{name}/nw"]
+    assert torch.allclose(mean, full.maps()[f"{name}/nw"].mean(1, keepdim=True))
+    down = _observe(map_downsample=2, map_dtype="float32").maps()[f"{name}/attn"]
+    grid = A.permute(0, 1, 3, 2).reshape(2, 2, 4, 8, 12)
+    pooled = grid.reshape(2, 2, 4, 4, 2, 6, 2).mean((-1, -3)).reshape(2, 2, 4, 24).permute(0, 1, 3, 2)
+    assert down.shape == (2, 2, 24, 4) and torch.allclose(down, pooled, atol=1e-6)
+    steps = _observe(steps=3, map_steps=[2])
+    assert {k.split("/")[1] for k in steps.maps()} == {"step2"}
+    assert _observe(map_layers=["down"]).maps() == {}
+    assert len(_observe(map_layers=["up_blocks.0"]).maps()) == 2
+
+
+def test_map_max_mb_bounds_memory():
+    with pytest.warns(UserWarning, match="map_max_mb"):
+        rec = _observe(steps=3, map_dtype="float32", map_max_mb=2 * 2 * 96 * 4 * 4 * 2 / 2**20 * 1.5)
+    assert {k.split("/")[1] for k in rec.maps()} == {"step0"}
+    assert len(rec.to_records()) == 3 * 2  # statistics keep streaming
+
+
+def test_clear_and_errors(tmp_path):
+    rec = _observe()
+    assert len(rec) == 2 and "records=2" in repr(rec)
+    rec.clear()
+    assert rec.to_records() == [] and rec.maps() == {}
+    assert rec.to_csv(tmp_path / "empty.csv").read_text().startswith("call,step,timestep")
+    with pytest.raises(ValueError, match="store_maps=True"):
+        NWRecorder(NWProcessorConfig()).save_maps(tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="stats must have shape"):
+        rec.add(
+            layer="l",
+            adapter=0,
+            image=0,
+            halves=("all",),
+            heads=(0,),
+            scale=1.0,
+            num_keys=4,
+            stats=torch.zeros(3),
+        )
+
+
+def test_records_have_schema_keys(observed):
+    required = {
+        "call",
+        "step",
+        "timestep",
+        "alpha",
+        "sigma",
+        "h_schedule",
+        "layer",
+        "block",
+        "head",
+        "half",
+        "adapter",
+        *STAT_NAMES,
+    }
+    assert required <= set(observed.to_records()[0])
