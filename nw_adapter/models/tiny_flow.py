@@ -18,8 +18,9 @@ loaded through the same diffusers calls as the real models, so tests and ``--mod
 Layouts written:
 
 - ``save_tiny_sd3``: the Stable Diffusion 3.5 layout (``transformer/`` with RMS qk-norm as SD 3.5,
-  ``vae/``, ``text_encoder/``, ``text_encoder_2/``, ``tokenizer/``, ``tokenizer_2/``, ``text_encoder_3/``, ``tokenizer_3/`` (a one-layer T5 with a character-level tokenizer), ``scheduler/``:
-  ``FlowMatchEulerDiscreteScheduler`` with ``shift=3.0``).
+  ``vae/``, ``text_encoder/``, ``text_encoder_2/``, ``tokenizer/``, ``tokenizer_2/``,
+  ``text_encoder_3/``, ``tokenizer_3/`` (a one-layer T5 with a character-level tokenizer),
+  ``scheduler/``: ``FlowMatchEulerDiscreteScheduler`` with ``shift=3.0``).
 - ``save_tiny_sd3_ip_adapter``: ``ip-adapter.bin`` in the key layout of
   ``InstantX/SD3.5-Large-IP-Adapter`` (``image_proj.layers.<i>.0.to_q`` ...,
   ``ip_adapter.<layer>.norm_ip.linear`` ...), which diffusers converts on load, and
@@ -228,6 +229,7 @@ def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
         The folder, ready for ``FluxPipeline.from_pretrained(path)``.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
     path = Path(path)
     torch.manual_seed(seed)
     head_dim = _FLUX["head_dim"]
@@ -305,7 +307,7 @@ def _instantx_key(key: str) -> str:
     _, idx, rest = key.split(".", 2)
     for new, old in _INSTANTX_NAMES:
         if rest.startswith(new + "."):
-            return f"layers.{idx}.{old}{rest[len(new):]}"
+            return f"layers.{idx}.{old}{rest[len(new) :]}"
     raise KeyError(f"no InstantX name for image-projection key {key!r}")
 
 
@@ -354,7 +356,9 @@ def save_tiny_sd3_ip_adapter(path: str | os.PathLike, *, seed: int = 0) -> Path:
     )
     image_proj = {_instantx_key(k): v for k, v in _randomised(proj, generator).items()}
     layer = SD3IPAdapterJointAttnProcessor2_0(
-        hidden_size=hidden, ip_hidden_states_dim=hidden, head_dim=_SD3["head_dim"],
+        hidden_size=hidden,
+        ip_hidden_states_dim=hidden,
+        head_dim=_SD3["head_dim"],
         timesteps_emb_dim=_SD3_PROJ_HIDDEN,
     )
     ip_adapter = {}
