@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors import is_nw_processor, nw_processor_for
+from nw_adapter.integration.processors import is_ip_processor, is_nw_processor, nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
 
 _STATE_ATTR = "_nw_adapter_state"
@@ -41,13 +40,17 @@ class _NWState:
 
 
 def _unet_of(pipe: Any) -> torch.nn.Module:
+    """The denoiser whose attention processors are replaced: ``pipe.unet`` (SD 1.5, SDXL ...),
+    ``pipe.transformer`` (SD3, Flux), or ``pipe`` itself when it is such a model."""
     unet = getattr(pipe, "unet", None)
+    if unet is None:
+        unet = getattr(pipe, "transformer", None)
     if unet is None and isinstance(pipe, torch.nn.Module) and hasattr(pipe, "attn_processors"):
         unet = pipe
     if unet is None or not hasattr(unet, "set_attn_processor"):
         raise ValueError(
-            f"pipe: {type(pipe).__name__} has no `unet` with attention processors; pass a "
-            "Stable Diffusion / SDXL pipeline (or its UNet)"
+            f"pipe: {type(pipe).__name__} has no `unet` or `transformer` with attention processors; "
+            "pass a Stable Diffusion / SDXL / SD3 / Flux pipeline (or its denoiser)"
         )
     return unet
 
@@ -71,22 +74,22 @@ def _make_config(config: NWProcessorConfig | None, options: dict[str, Any]) -> N
 def ip_adapter_layers(pipe: Any) -> list[str]:
     """Names of the attention processors that are IP-Adapter processors (diffusers' or NW)."""
     unet = _unet_of(pipe)
-    return [
-        n
-        for n, p in unet.attn_processors.items()
-        if isinstance(p, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0))
-    ]
+    return [n for n, p in unet.attn_processors.items() if is_ip_processor(p)]
 
 
 def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **options: Any) -> NWRecorder:
-    """Replace the IP-Adapter processors of ``pipe.unet`` by NW processors; return the recorder.
+    """Replace the IP-Adapter processors of ``pipe.unet`` (or ``pipe.transformer``) by NW processors.
+
+    Families: UNet pipelines (diffusers' ``IPAdapterAttnProcessor(2_0)``), SD 3 / 3.5
+    (``SD3IPAdapterJointAttnProcessor2_0``) and Flux (``FluxIPAdapterAttnProcessor``); the step
+    hook sits on the same denoiser.
 
     Calling it again first removes the previous NW processors (no double wrapping) and then
     installs the new configuration with a fresh recorder.
 
     Args:
-        pipe: a diffusers pipeline with ``unet`` and a loaded IP-Adapter (or a UNet itself;
-            then CFG halves are only reported with ``cfg=True``).
+        pipe: a diffusers pipeline with ``unet`` or ``transformer`` and a loaded IP-Adapter (or
+            the denoiser itself; then CFG halves are only reported with ``cfg=True``).
         config: an :class:`~nw_adapter.integration.config.NWProcessorConfig`, or None to build one from
             ``options``.
         **options: the fields of :class:`~nw_adapter.integration.config.NWProcessorConfig`.
@@ -108,9 +111,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     unet = _unet_of(pipe)
     remove_nw_processor(pipe)
     originals = dict(unet.attn_processors)
-    ip_layers = [
-        n for n, p in originals.items() if isinstance(p, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0))
-    ]
+    ip_layers = [n for n, p in originals.items() if is_ip_processor(p)]
     if not ip_layers and any(
         type(p).__name__ == "IPAdapterXFormersAttnProcessor" for p in originals.values()
     ):
@@ -120,7 +121,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
         )
     if not ip_layers:
         raise ValueError(
-            "set_ip_adapter_nw_processor: the UNet has no IP-Adapter attention processors; call "
+            "set_ip_adapter_nw_processor: the denoiser has no IP-Adapter attention processors; call "
             "pipe.load_ip_adapter(...) first"
         )
     if config.layers is None:

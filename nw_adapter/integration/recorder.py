@@ -31,7 +31,7 @@ import torch
 from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.schedules import noise_level, schedule_table
-from nw_adapter.integration.schema import RECORD_KEYS, STAT_NAMES, SUMMARY_STATS
+from nw_adapter.integration.schema import OPTIONAL_STATS, RECORD_KEYS, STAT_NAMES, SUMMARY_STATS
 
 
 def block_of(layer: str) -> str:
@@ -68,6 +68,8 @@ class _Entry:
     scale: float
     num_keys: int
     stats: torch.Tensor  # [num_stats, num_halves, num_heads], float32, on the model's device
+    key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
+    ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
 
 
 @dataclass
@@ -232,8 +234,14 @@ class NWRecorder:
         scale: float,
         num_keys: int,
         stats: torch.Tensor,
+        key_set: str = "ip",
+        ip_mass: torch.Tensor | None = None,
     ) -> None:
-        """Store one layer's statistics, ``stats`` of shape [len(STAT_NAMES), len(halves), len(heads)]."""
+        """Store one layer's statistics, ``stats`` of shape [len(STAT_NAMES), len(halves), len(heads)].
+
+        ``key_set`` names the keys of the compared softmax (:data:`~nw_adapter.integration.schema.KEY_SETS`);
+        ``ip_mass`` [len(halves), len(heads)] is the joint softmax's mass on the IP keys (SD3 only).
+        """
         if stats.shape != (len(STAT_NAMES), len(halves), len(heads)):
             raise ValueError(
                 f"stats must have shape {(len(STAT_NAMES), len(halves), len(heads))}, "
@@ -251,6 +259,8 @@ class NWRecorder:
                 float(scale),
                 num_keys,
                 stats.detach(),
+                key_set,
+                None if ip_mass is None else ip_mass.detach(),
             )
         )
 
@@ -304,22 +314,37 @@ class NWRecorder:
             "h_schedule": float(st.h),
         }
 
-    def to_records(self) -> list[dict[str, Any]]:
+    def to_records(self, key_set: str | None = "ip") -> list[dict[str, Any]]:
         """One dict per (call, step, layer, head, half, adapter, image); see the README schema.
 
         All statistic tensors are concatenated and moved to the host in one transfer.
+
+        Args:
+            key_set: keep the records of this key set only: ``"ip"`` (default: the softmax over
+                the IP-Adapter keys, every family), ``"joint"`` (SD3: its image branch's softmax
+                over the image's own keys and the IP keys), or None for all.
         """
-        if not self._entries:
+        entries = [e for e in self._entries if key_set is None or e.key_set == key_set]
+        if not entries:
             return []
-        flat = torch.cat([e.stats.reshape(-1).float().cpu() for e in self._entries]).tolist()
+        parts = []
+        for e in entries:
+            parts.append(e.stats.reshape(-1).float())
+            if e.ip_mass is not None:
+                parts.append(e.ip_mass.reshape(-1).float())
+        flat = torch.cat(parts).cpu().tolist()
         info_cache: dict[tuple[int, int], dict[str, float]] = {}
         records: list[dict[str, Any]] = []
         offset = 0
-        for e in self._entries:
+        for e in entries:
             n_h, n_k = len(e.halves), len(e.heads)
             size = len(STAT_NAMES) * n_h * n_k
             vals = flat[offset : offset + size]
             offset += size
+            mass = None
+            if e.ip_mass is not None:
+                mass = flat[offset : offset + n_h * n_k]
+                offset += n_h * n_k
             key = (e.call, e.step)
             if key not in info_cache:
                 info_cache[key] = self._step_info(*key)
@@ -337,9 +362,12 @@ class NWRecorder:
                         "image": e.image,
                         "scale": e.scale,
                         "num_keys": e.num_keys,
+                        "key_set": e.key_set,
                     }
                     for si, name in enumerate(STAT_NAMES):
                         rec[name] = vals[(si * n_h + hi) * n_k + ki]
+                    if mass is not None:
+                        rec["ip_mass"] = mass[hi * n_k + ki]
                     records.append(rec)
         return records
 
@@ -361,7 +389,7 @@ class NWRecorder:
                 "half": half,
                 **{k: rows[0][k] for k in ("timestep", "alpha", "sigma", "h_schedule")},
             }
-            for name in SUMMARY_STATS:
+            for name in (*SUMMARY_STATS, *(n for n in OPTIONAL_STATS if n in rows[0])):
                 vals = [r[name] for r in rows if isinstance(r[name], float) and math.isfinite(r[name])]
                 row[name] = sum(vals) / len(vals) if vals else math.nan
             row["frac_heads_rho_gt_0_9"] = sum(1 for r in rows if r["rho"] > 0.9) / len(rows)

@@ -22,7 +22,16 @@ RECORD_KEYS: tuple[str, ...] = (
     "image",
     "scale",
     "num_keys",
+    "key_set",
 )
+
+#: Key sets a softmax is compared over: "ip" (the IP-Adapter keys; UNet and Flux image branches
+#: are a softmax over these alone, and SD3's joint softmax restricted to them and renormalised)
+#: and "joint" (SD3: the image's own keys and the IP keys of its one image-branch softmax).
+KEY_SETS: tuple[str, ...] = ("ip", "joint")
+
+#: Statistics recorded by some families only (SD3: the joint softmax's mass on the IP keys).
+OPTIONAL_STATS: tuple[str, ...] = ("ip_mass",)
 
 #: Statistics of one (layer, head, half, adapter, image), in the order of the processor's stats tensor.
 STAT_NAMES: tuple[str, ...] = (

@@ -5,15 +5,70 @@
   imports torch and the math layer only.
 - :mod:`~nw_adapter.integration.processors.unet`: the processors of UNet pipelines (SD 1.5,
   SDXL), subclasses of diffusers' ``IPAdapterAttnProcessor`` / ``IPAdapterAttnProcessor2_0``.
+- :mod:`~nw_adapter.integration.processors.sd3`: SD 3 / 3.5 transformers
+  (``SD3IPAdapterJointAttnProcessor2_0``); :mod:`~nw_adapter.integration.processors.flux`: Flux
+  (``FluxIPAdapterAttnProcessor``); both on :mod:`~nw_adapter.integration.processors.flow_base`.
 
-One small module per further family (SD3, Flux transformers) sits beside ``unet``.
+:func:`nw_processor_for` picks the family of a stock processor; :func:`is_ip_processor` and
+:func:`is_nw_processor` recognise every family.
 """
 
-from nw_adapter.integration.processors.unet import (
-    NWIPAdapterAttnProcessor,
-    NWIPAdapterAttnProcessor2_0,
-    is_nw_processor,
-    nw_processor_for,
-)
+from __future__ import annotations
 
-__all__ = ["NWIPAdapterAttnProcessor", "NWIPAdapterAttnProcessor2_0", "is_nw_processor", "nw_processor_for"]
+from typing import Any
+
+import torch
+
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors import unet
+from nw_adapter.integration.processors.flow_base import FlowNWProcessorBase
+from nw_adapter.integration.processors.flux import NWFluxIPAdapterAttnProcessor, is_flux_ip_processor
+from nw_adapter.integration.processors.sd3 import NWSD3IPAdapterJointAttnProcessor2_0, is_sd3_ip_processor
+from nw_adapter.integration.processors.unet import NWIPAdapterAttnProcessor, NWIPAdapterAttnProcessor2_0
+from nw_adapter.integration.recorder import NWRecorder
+
+
+def is_nw_processor(processor: Any) -> bool:
+    """Whether ``processor`` is an NW processor of any family."""
+    return unet.is_nw_processor(processor) or isinstance(processor, FlowNWProcessorBase)
+
+
+def is_ip_processor(processor: Any) -> bool:
+    """Whether ``processor`` is an IP-Adapter processor of diffusers (stock or NW) of any family."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
+
+    return (
+        isinstance(processor, (IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0))
+        or is_sd3_ip_processor(processor)
+        or is_flux_ip_processor(processor)
+    )
+
+
+def nw_processor_for(
+    original: torch.nn.Module, *, layer_name: str, config: NWProcessorConfig, recorder: NWRecorder
+) -> torch.nn.Module:
+    """The NW processor that replaces ``original`` (an IP-Adapter processor of any family).
+
+    Raises:
+        ValueError: if ``original`` is already an NW processor or not an IP-Adapter processor.
+    """
+    if is_nw_processor(original):
+        raise ValueError(f"layer {layer_name!r} already has an NW processor; unset it first")
+    if is_sd3_ip_processor(original):
+        return NWSD3IPAdapterJointAttnProcessor2_0(
+            original, layer_name=layer_name, config=config, recorder=recorder
+        )
+    if is_flux_ip_processor(original):
+        return NWFluxIPAdapterAttnProcessor(original, layer_name=layer_name, config=config, recorder=recorder)
+    return unet.nw_processor_for(original, layer_name=layer_name, config=config, recorder=recorder)
+
+
+__all__ = [
+    "NWFluxIPAdapterAttnProcessor",
+    "NWIPAdapterAttnProcessor",
+    "NWIPAdapterAttnProcessor2_0",
+    "NWSD3IPAdapterJointAttnProcessor2_0",
+    "is_ip_processor",
+    "is_nw_processor",
+    "nw_processor_for",
+]

@@ -1,0 +1,162 @@
+"""NW processor for Flux IP-Adapter layers (diffusers' ``FluxIPAdapterAttnProcessor``, XLabs adapter).
+
+The stock image branch of a double-stream block, read from diffusers' code:
+
+    q        = norm_q(to_q(x))                      [B, N, H, d]  (RMSNorm per head, before RoPE)
+    k_j, v_j = to_k_ip[j](ip_j), to_v_ip[j](ip_j)   [B, M_j, H, d] (no norm on the IP keys)
+    ip_out   = sum_j scale_j * SDPA(q, k_j, v_j)     returned as the processor's third output
+
+a separate softmax per adapter over its IP tokens (M_j = images x tokens), with the
+RMS-normalised query and un-normalised IP keys; the block adds ``ip_out`` to its hidden states.
+Single-stream blocks carry no IP-Adapter.
+
+Observe: a forward hook on ``attn.norm_q`` (called once per processor call) captures q exactly
+as the stock branch uses it; ``super().__call__``'s output is returned untouched. Each adapter's
+softmax is compared with the NW weights over its keys (recomputed with the stock ``to_k_ip``).
+
+Swap: ``super().__call__`` runs with an empty list of IP states (its image-branch output is then
+zeros) and ``ip_out`` becomes sum_j scale_j GKA(q, k_j, v_j, h),
+GKA(q, k, v, h)_n = sum_i softmax_i(-||q_n - k_i||^2 / 2h^2) v_i.
+
+CFG halves: Flux has no [uncond; cond] batch. With true CFG (``true_cfg_scale > 1`` and a negative
+prompt) the pipeline runs the transformer twice per step, positive then negative; the recorder
+counts both passes as one step and exposes the pass index, and the records of the positive pass
+are labelled ``"cond"``, those of the negative pass ``"uncond"`` (a single pass is ``"cond"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+from nw_adapter.core import kernels
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors.flow_base import FlowNWProcessorBase, capture_outputs
+from nw_adapter.integration.recorder import NWRecorder
+
+PASS_HALVES = ("cond", "uncond")
+"""Half label of the transformer pass with index 0 (positive prompt) and 1 (negative, true CFG)."""
+
+
+class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcessor):
+    """NW processor over diffusers' Flux IP-Adapter processor (see the module docstring).
+
+    Args:
+        original: the ``FluxIPAdapterAttnProcessor`` being replaced; ``to_k_ip`` / ``to_v_ip``
+            are shared and its ``scale`` is the one read and set.
+        layer_name: the processor's name (a key of ``transformer.attn_processors``).
+        config: the :class:`~nw_adapter.integration.config.NWProcessorConfig`.
+        recorder: the :class:`~nw_adapter.integration.recorder.NWRecorder`.
+
+    Example:
+        >>> rec = apply_nw_processor(flux_pipe, mode="observe")  # after flux_pipe.load_ip_adapter(...)
+        >>> flux_pipe("a cat", ip_adapter_image=ref, true_cfg_scale=4.0, negative_prompt="blurry")
+        >>> {r["half"] for r in rec.to_records()}
+        {'cond', 'uncond'}
+    """
+
+    _shared_modules = ("to_k_ip", "to_v_ip")
+
+    def __init__(
+        self,
+        original: FluxIPAdapterAttnProcessor,
+        *,
+        layer_name: str,
+        config: NWProcessorConfig,
+        recorder: NWRecorder,
+    ) -> None:
+        self._adopt(original, layer_name=layer_name, config=config, recorder=recorder)
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+        ip_hidden_states: list[torch.Tensor] | None = None,
+        ip_adapter_masks: torch.Tensor | None = None,
+    ) -> Any:
+        """Stock Flux IP-Adapter attention plus the NW side computation (module docstring).
+
+        Args: as diffusers' ``FluxIPAdapterAttnProcessor``.
+
+        Returns:
+            ``(hidden_states, encoder_hidden_states, ip_attn_output)`` as the stock processor;
+            in swap mode ``ip_attn_output`` is the Gaussian-kernel head's.
+        """
+        stock = super().__call__
+        record, swap = self._selection()
+        if not (record or swap) or not ip_hidden_states or encoder_hidden_states is None:
+            return stock(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                ip_hidden_states, ip_adapter_masks,
+            )  # fmt: skip
+        captured: dict[str, torch.Tensor] = {}
+        handles = capture_outputs((("q", attn.norm_q),), captured)
+        scales = list(self.scale)
+        try:
+            out = stock(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
+                [] if swap else ip_hidden_states, ip_adapter_masks,
+            )  # fmt: skip
+        finally:
+            for handle in handles:
+                handle.remove()
+        q = captured["q"].transpose(1, 2)  # [B, H, N, d]
+        keys = [self._split(self.to_k_ip[j](states), attn.heads) for j, states in enumerate(ip_hidden_states)]
+        if swap:
+            text_out, context_out, ip_out = out
+            out = (text_out, context_out, ip_out + self._swap_branch(q, keys, ip_hidden_states, scales, attn))
+        if record:
+            with torch.no_grad():
+                self._record(q, keys, scales, attn.heads)
+        return out
+
+    @staticmethod
+    def _split(x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``[B, ..., M, H*d]`` (images x tokens flattened, as diffusers' ``view``) -> ``[B, H, M', d]``."""
+        return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)
+
+    def _swap_branch(
+        self,
+        q: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        ip_hidden_states: Sequence[torch.Tensor],
+        scales: Sequence[float],
+        attn: Any,
+    ) -> torch.Tensor:
+        """sum_j scale_j * GKA(q, k_j, v_j, h) as ``[B, N, H*d]``."""
+        s = 1.0 / math.sqrt(q.shape[-1])
+        total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
+        for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
+            value = self._split(self.to_v_ip[j](states), attn.heads)
+            h = self._bandwidth(q, key, None, s)
+            branch = kernels.gaussian_kernel_attention(
+                q, key, value, h, chunk_size=self.nw_config.chunk_size, validate=False
+            )
+            total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
+        return total
+
+    def _record(self, q_all: torch.Tensor, keys: Sequence[torch.Tensor], scales: Sequence[Any], heads_n: int):
+        heads = self._heads(heads_n)
+        if not heads:
+            return
+        pass_index = int(getattr(self.recorder.state, "pass_index", 0) or 0)
+        halves = (PASS_HALVES[min(pass_index, 1)],)
+        q = self._pick(q_all, heads, heads_n)
+        s = 1.0 / math.sqrt(q.shape[-1])
+        for j, (key, scale) in enumerate(zip(keys, scales, strict=False)):
+            k = self._pick(key, heads, heads_n)
+            self._record_softmax(
+                q, k, scale=s, halves=halves, heads=heads, adapter=j, image=0, adapter_scale=scale, maps=True
+            )
+
+
+def is_flux_ip_processor(processor: Any) -> bool:
+    """Whether ``processor`` is diffusers' Flux IP-Adapter processor (stock or NW)."""
+    return isinstance(processor, FluxIPAdapterAttnProcessor)

@@ -1,0 +1,176 @@
+"""NW processor for SD 3 / 3.5 IP-Adapter layers (diffusers' ``SD3IPAdapterJointAttnProcessor2_0``).
+
+The stock image branch of a block (InstantX SD3.5 IP-Adapter), read from diffusers' code:
+
+    q   = norm_q(to_q(x))                               [B, H, N, d]  (RMSNorm per head)
+    k   = [norm_k(to_k(x)) ; norm_ip_k(to_k_ip(ip))]    [B, H, N + M, d]
+    v   = [to_v(x) ; to_v_ip(ip)]                       ip = norm_ip(ip_hidden_states, temb)
+    out = to_out(text_joint_attention + scale * SDPA(q, k, v))
+
+so it is ONE softmax over the image's own N keys concatenated with the M IP keys, not a softmax
+over the IP tokens alone (the UNet and Flux image branches are). The NW processor records two
+comparisons per (layer, head, CFG half):
+
+- ``key_set="ip"``: the joint attention restricted to the IP keys and renormalised, which is
+  exactly softmax(q k_ip^T / sqrt(d)) over the IP keys, against the NW weights over the IP keys
+  (the comparison every family shares; the report's default);
+- ``key_set="joint"``: the joint attention over all N + M keys against the NW weights over the
+  same keys, on :attr:`NWSD3IPAdapterJointAttnProcessor2_0.joint_rows` query rows evenly spaced
+  over the image (the joint key set grows with the image: N = 4096 at 1024 px);
+
+and ``ip_mass``, the joint softmax's mass on the IP keys, sum_{i in IP} A_ni averaged over the
+same rows, beside both. q, k and k_ip are the very tensors the stock processor forms: forward
+hooks on its ``norm_q``, ``norm_k`` and ``norm_ip_k`` (called only in the image branch) capture
+them during ``super().__call__``, whose output is returned untouched (observe is bit-identical).
+
+Swap: ``super().__call__`` runs without ``ip_hidden_states`` (diffusers then skips the image
+branch) and a forward pre-hook on ``attn.to_out[0]`` adds ``scale * GKA(q, k, v, h)`` over the same
+joint keys and values, GKA(q, k, v, h)_n = sum_i softmax_i(-||q_n - k_i||^2 / 2h^2) v_i; q, k and v
+are formed with the stock modules from the outputs of ``to_q``, ``to_k``, ``to_v`` (hooked).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAttnProcessor2_0
+
+from nw_adapter.core import kernels
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.processors.flow_base import (
+    HALF_LABELS,
+    FlowNWProcessorBase,
+    capture_outputs,
+    split_heads,
+    spread_rows,
+)
+from nw_adapter.integration.recorder import NWRecorder
+
+
+class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJointAttnProcessor2_0):
+    """NW processor over diffusers' SD3 IP-Adapter processor (see the module docstring).
+
+    Args:
+        original: the ``SD3IPAdapterJointAttnProcessor2_0`` being replaced; its modules are
+            shared and its ``scale`` is the one read and set.
+        layer_name: the processor's name (a key of ``transformer.attn_processors``).
+        config: the :class:`~nw_adapter.integration.config.NWProcessorConfig`.
+        recorder: the :class:`~nw_adapter.integration.recorder.NWRecorder`.
+
+    Example:
+        >>> rec = apply_nw_processor(sd3_pipe, mode="observe")  # after sd3_pipe.load_ip_adapter(...)
+        >>> sd3_pipe("a cat", ip_adapter_image=ref).images[0]
+        >>> [r for r in rec.to_records(key_set="joint")][0]["ip_mass"]
+    """
+
+    _shared_modules = ("norm_ip", "to_k_ip", "to_v_ip", "norm_q", "norm_k", "norm_ip_k")
+
+    joint_rows: int = 256
+    """Query rows (evenly spaced) on which the joint-key-set statistics and ``ip_mass`` are taken."""
+
+    def __init__(
+        self,
+        original: SD3IPAdapterJointAttnProcessor2_0,
+        *,
+        layer_name: str,
+        config: NWProcessorConfig,
+        recorder: NWRecorder,
+    ) -> None:
+        self._adopt(original, layer_name=layer_name, config=config, recorder=recorder)
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.FloatTensor,
+        encoder_hidden_states: torch.FloatTensor = None,
+        attention_mask: torch.FloatTensor | None = None,
+        ip_hidden_states: torch.FloatTensor = None,
+        temb: torch.FloatTensor = None,
+    ) -> torch.FloatTensor:
+        """Stock SD3 IP-Adapter attention plus the NW side computation (module docstring).
+
+        Args: as diffusers' ``SD3IPAdapterJointAttnProcessor2_0``.
+
+        Returns:
+            As the stock processor: identical in observe mode; in swap mode the image branch is
+            the Gaussian-kernel head.
+        """
+        stock = super().__call__
+        record, swap = self._selection()
+        if not (record or swap) or ip_hidden_states is None or self.scale == 0:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, ip_hidden_states, temb)
+        captured: dict[str, torch.Tensor] = {}
+        if swap:
+            handles = capture_outputs((("q", attn.to_q), ("k", attn.to_k), ("v", attn.to_v)), captured)
+
+            def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
+                branch = self._swap_branch(attn, captured, ip_hidden_states, temb)
+                return (args[0] + branch * self.scale, *args[1:])
+
+            handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
+            stock_ip = None  # diffusers skips its image branch
+        else:
+            norms = (("q", self.norm_q), ("k", self.norm_k), ("k_ip", self.norm_ip_k))
+            handles = capture_outputs(norms, captured)
+            stock_ip = ip_hidden_states
+        try:
+            out = stock(attn, hidden_states, encoder_hidden_states, attention_mask, stock_ip, temb)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if record and "k_ip" in captured:
+            q, k = (captured["q_normed"], captured["k_normed"]) if swap else (captured["q"], captured["k"])
+            with torch.no_grad():
+                self._record(attn, q, k, captured["k_ip"])
+        return out
+
+    def _swap_branch(
+        self, attn: Attention, captured: dict, ip_hidden_states: torch.Tensor, temb: torch.Tensor
+    ) -> torch.Tensor:
+        """The NW image branch ``[B, N, H*d]`` before the scale (the stock branch's SDPA replaced)."""
+        heads = attn.heads
+        ip = self.norm_ip(ip_hidden_states, temb=temb)
+        q = self.norm_q(split_heads(captured["q"], heads))
+        k_img = self.norm_k(split_heads(captured["k"], heads))
+        k_ip = self.norm_ip_k(split_heads(self.to_k_ip(ip), heads))
+        key = torch.cat([k_img, k_ip], dim=2)
+        value = torch.cat([split_heads(captured["v"], heads), split_heads(self.to_v_ip(ip), heads)], dim=2)
+        captured.update(q_normed=q, k_normed=k_img, k_ip=k_ip)
+        s = 1.0 / math.sqrt(q.shape[-1])
+        h = self._bandwidth(q, key, None, s)
+        out = kernels.gaussian_kernel_attention(
+            q, key, value, h, chunk_size=self.nw_config.chunk_size, validate=False
+        )
+        batch, _, rows, head_dim = out.shape
+        return out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype)
+
+    def _record(self, attn: Attention, q_all: torch.Tensor, k_img_all: torch.Tensor, k_ip_all: Any) -> None:
+        heads = self._heads(attn.heads)
+        if not heads:
+            return
+        rec = self.recorder
+        q = self._pick(q_all, heads, attn.heads)
+        k_img = self._pick(k_img_all, heads, attn.heads)
+        k_ip = self._pick(k_ip_all, heads, attn.heads)
+        batch = q.shape[0]
+        halves = HALF_LABELS[2 if rec.cfg and batch % 2 == 0 else 1]
+        s = 1.0 / math.sqrt(q.shape[-1])
+        rows = spread_rows(q.shape[-2], self.joint_rows, q.device)
+        q_rows = q if rows is None else q.index_select(2, rows)
+        logits_img = (q_rows @ k_img.transpose(-1, -2)) * s  # [B, H, R, N]
+        logits_ip = (q_rows @ k_ip.transpose(-1, -2)) * s  # [B, H, R, M]
+        lse_ip = logits_ip.logsumexp(dim=-1)
+        lse_all = torch.logaddexp(logits_img.logsumexp(dim=-1), lse_ip)
+        ip_mass = (lse_ip - lse_all).exp().mean(dim=-1)  # [B, H]: sum_{i in IP} A_ni over the rows
+        scale = self.scale
+        common = dict(halves=halves, heads=heads, adapter=0, image=0, adapter_scale=scale, ip_mass=ip_mass)
+        self._record_softmax(q, k_ip, scale=s, key_set="ip", maps=True, **common)
+        k_joint = torch.cat([k_img, k_ip], dim=2)
+        self._record_softmax(q_rows, k_joint, scale=s, key_set="joint", **common)
+
+
+def is_sd3_ip_processor(processor: Any) -> bool:
+    """Whether ``processor`` is diffusers' SD3 IP-Adapter processor (stock or NW)."""
+    return isinstance(processor, SD3IPAdapterJointAttnProcessor2_0)
