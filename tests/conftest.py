@@ -43,3 +43,35 @@ def tiny_ip_adapter_dir(tmp_path_factory: pytest.TempPathFactory):
         for variant in ("base", "plus"):
             save_tiny_ip_adapter(path, variant=variant, sdxl=sdxl)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Stable Diffusion 3.5-layout pipeline folder (flow matching, shift 3)."""
+    from nw_adapter.models.tiny_flow import save_tiny_sd3
+
+    return save_tiny_sd3(tmp_path_factory.mktemp("tiny") / "sd3")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_ip_adapter_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny SD 3.5 IP-Adapter in the InstantX layout (``ip-adapter.bin``, SigLIP in ``siglip/``)."""
+    from nw_adapter.models.tiny_flow import save_tiny_sd3_ip_adapter
+
+    return save_tiny_sd3_ip_adapter(tmp_path_factory.mktemp("tiny") / "sd3-ip-adapter")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Flux-dev-layout pipeline folder (guidance embedding, dynamic shifting)."""
+    from nw_adapter.models.tiny_flow import save_tiny_flux
+
+    return save_tiny_flux(tmp_path_factory.mktemp("tiny") / "flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_ip_adapter_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Flux IP-Adapter in the XLabs layout (``ip_adapter.safetensors``, CLIP in its folder)."""
+    from nw_adapter.models.tiny_flow import save_tiny_flux_ip_adapter
+
+    return save_tiny_flux_ip_adapter(tmp_path_factory.mktemp("tiny") / "flux-ip-adapter")
