@@ -55,6 +55,14 @@ def _unet_of(pipe: Any) -> torch.nn.Module:
     return unet
 
 
+def _timestep_scale(denoiser: torch.nn.Module) -> float:
+    """Factor from the timestep the denoiser receives to ``scheduler.timesteps`` units: 1000 for
+    Flux transformers (Flux pipelines pass ``timestep / 1000``), 1 otherwise."""
+    from diffusers import FluxTransformer2DModel
+
+    return 1000.0 if isinstance(denoiser, FluxTransformer2DModel) else 1.0
+
+
 def _make_config(config: NWProcessorConfig | None, options: dict[str, Any]) -> NWProcessorConfig:
     if config is not None and options:
         raise ValueError(
@@ -140,7 +148,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     for name in selected:
         new[name] = nw_processor_for(originals[name], layer_name=name, config=config, recorder=recorder)
     unet.set_attn_processor(dict(new))
-    recorder.attach(unet)
+    recorder.attach(unet, timestep_scale=_timestep_scale(unet))
     setattr(unet, _STATE_ATTR, _NWState(originals=originals, layers=tuple(selected), recorder=recorder))
     return recorder
 
