@@ -129,6 +129,12 @@ def _layers(text: str) -> list[str]:
     return [BLOCK_PREFIXES.get(p, p) for p in parts]
 
 
+def _family_default(family: str, field: str) -> str:
+    from nw_adapter.correlate.families import FAMILIES
+
+    return getattr(FAMILIES[family], field)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of ``correlate.py``."""
     parser = _Parser(
@@ -158,21 +164,36 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"diffusers pipeline: Hub id, local folder, or 'tiny' (default {DEFAULT_MODEL})",
+        help=f"diffusers pipeline: Hub id, local folder, or 'tiny' (default {DEFAULT_MODEL}); SD 3.5 "
+        "(e.g. stabilityai/stable-diffusion-3.5-large) and Flux (e.g. black-forest-labs/FLUX.1-dev) "
+        "pipelines are recognised from the pipeline and get their family's adapter; 'tiny-sd3' and "
+        "'tiny-flux' are their offline tiny models",
     )
     model.add_argument(
         "--ip-adapter",
         default=None,
         help=f"IP-Adapter repository: Hub id, local folder, or 'tiny' (default {DEFAULT_IP_ADAPTER}; "
-        "the tiny adapter with --model tiny)",
+        f"{_family_default('sd3', 'ip_adapter')} for SD 3.5, {_family_default('flux', 'ip_adapter')} "
+        "for Flux; the tiny adapter with --model tiny / tiny-sd3 / tiny-flux)",
     )
     model.add_argument(
-        "--subfolder", default=None, help="adapter subfolder (default models, sdxl_models for SDXL)"
+        "--subfolder",
+        default=None,
+        help="adapter subfolder (default models, sdxl_models for SDXL, none for SD 3.5 and Flux)",
     )
     model.add_argument(
         "--weight-name",
         default=None,
-        help="weight file (default ip-adapter_sd15.safetensors; ip-adapter_sdxl.safetensors for SDXL)",
+        help="weight file (default ip-adapter_sd15.safetensors; ip-adapter_sdxl.safetensors for SDXL; "
+        f"{_family_default('sd3', 'weight_name')} for SD 3.5; {_family_default('flux', 'weight_name')} "
+        "for Flux)",
+    )
+    model.add_argument(
+        "--image-encoder",
+        default=None,
+        help=f"image encoder of SD 3.5 / Flux adapters: Hub id or local folder (default "
+        f"{_family_default('sd3', 'image_encoder')} for SD 3.5, "
+        f"{_family_default('flux', 'image_encoder')} for Flux)",
     )
     model.add_argument(
         "--scheduler", choices=sorted(SCHEDULERS), default=None, help="default: the model's own"
@@ -189,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--ip-scale", type=_nonneg_float("--ip-scale"), default=1.0, help="IP-Adapter scale (1.0)"
+    )
+    gen.add_argument(
+        "--true-cfg-scale",
+        type=_nonneg_float("--true-cfg-scale"),
+        default=1.0,
+        help="Flux only: true classifier-free guidance with --negative-prompt when > 1 (two transformer "
+        "passes per step, reported as the cond / uncond halves); default 1.0",
     )
     gen.add_argument(
         "--height", type=_size, default=None, help="pixels, multiple of 8 (default: the model's)"
@@ -331,16 +359,19 @@ def _quiet_libraries(verbose: bool) -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
-def reported_steps(pipe: Any, steps: int, *, all_steps: bool = False) -> tuple[list[int], dict[int, float]]:
+def reported_steps(
+    pipe: Any, steps: int, *, all_steps: bool = False, height: int | None = None, width: int | None = None
+) -> tuple[list[int], dict[int, float]]:
     """Step indices (UNet calls) whose timesteps are closest to the paper's, and every step's timestep.
 
-    Uses a copy of the pipeline's scheduler, so the pipeline itself is untouched.
+    Uses a copy of the pipeline's scheduler, so the pipeline itself is untouched (flow-matching
+    pipelines: the sigmas and shift they pass, see :func:`nw_adapter.correlate.families.planned_timesteps`).
     """
+    from nw_adapter.correlate.families import planned_timesteps
     from nw_adapter.correlate.report import select_steps
 
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-    scheduler.set_timesteps(steps)
-    rows = [{"step": i, "timestep": float(t)} for i, t in enumerate(scheduler.timesteps.tolist())]
+    timesteps = planned_timesteps(pipe, steps, height, width)
+    rows = [{"step": i, "timestep": t} for i, t in enumerate(timesteps)]
     chosen = select_steps(rows, () if all_steps else PAPER_TIMESTEPS)
     return [r["step"] for r in chosen], {r["step"]: r["timestep"] for r in rows}
 
@@ -362,7 +393,12 @@ def _device_and_state(requested: str) -> tuple[str, Any]:
 
 
 def _image_worker(
-    args: argparse.Namespace, pipe: Any, config: Any, infos: dict[str, ReferenceImage], out_dir: Path
+    args: argparse.Namespace,
+    pipe: Any,
+    config: Any,
+    infos: dict[str, ReferenceImage],
+    out_dir: Path,
+    extra_call: dict[str, Any] | None = None,
 ):
     """``work(key) -> (image_entry, records)`` for :func:`nw_adapter.correlate.sweep.run_sweep`."""
     import torch
@@ -387,6 +423,7 @@ def _image_worker(
                 height=args.height,
                 width=args.width,
                 generator=generator,
+                **(extra_call or {}),
             )
         generated = output.images[0]
         relative = folder.relative_to(out_dir)
@@ -412,6 +449,7 @@ def _image_worker(
 
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """Load the model, compute every (unfinished) image, and on the main process write the report."""
+    from nw_adapter.correlate import families
     from nw_adapter.correlate.loading import build_pipeline, resolve_dtype, resolve_spec
     from nw_adapter.correlate.plotting import plot_rho
     from nw_adapter.correlate.report import build_report, format_report, write_report_files
@@ -428,27 +466,37 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
     for info in infos:
         for text in info.notes:
             _note(args, state, f"{info.path.name}: {text}")
-    spec = resolve_spec(ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name))
+    spec = resolve_spec(
+        ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
+    )
     dtype = resolve_dtype(args.dtype, device)
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
     pipe.set_progress_bar_config(disable=args.quiet or not state.is_main_process, leave=False)
     pipe.set_ip_adapter_scale(args.ip_scale)
-    map_steps, _ = reported_steps(pipe, args.steps, all_steps=args.all_steps)
+    extra_call = families.call_kwargs(pipe, args.true_cfg_scale)
+    map_steps, _ = reported_steps(
+        pipe, args.steps, all_steps=args.all_steps, height=args.height, width=args.width
+    )
     config = processor_config(args, map_steps)
     apply_nw_processor(pipe, config)  # checks --layers against this model's IP-Adapter layers
     remove_nw_processor(pipe)
     shown = ModelSpec(
         model=args.model,
-        ip_adapter=args.ip_adapter or ("tiny" if args.model == "tiny" else DEFAULT_IP_ADAPTER),
+        ip_adapter=args.ip_adapter or families.shown_adapter(args.model, spec),
         subfolder=spec.subfolder,
         weight_name=spec.weight_name,
+        image_encoder=None
+        if spec.image_encoder is None
+        else args.image_encoder or ("tiny" if args.model in families.TINY_MODELS else spec.image_encoder),
     )
     options = run_options(args, shown, device, str(dtype).removeprefix("torch."))
+    if extra_call:
+        options.update(extra_call)
     options["scheduler_class"] = type(pipe.scheduler).__name__
     by_key = {info.key: info for info in infos}
     outcome = run_sweep(
         list(by_key),
-        _image_worker(args, pipe, config, by_key, out_dir),
+        _image_worker(args, pipe, config, by_key, out_dir, extra_call),
         out_dir=out_dir,
         expected_fingerprint=fingerprint(options),
         state=state,

@@ -64,21 +64,27 @@ class ModelSpec:
         ip_adapter: Hub id, local folder or ``"tiny"``.
         subfolder: Adapter subfolder (``None``: ``models``, or ``sdxl_models`` for SDXL).
         weight_name: Adapter weight file (``None``: the SD 1.5 or SDXL default).
+        image_encoder: Image encoder of SD3 / Flux adapters (``None``: the family's default, see
+            :mod:`~nw_adapter.correlate.families`); UNet adapters carry theirs.
     """
 
     model: str = DEFAULT_MODEL
     ip_adapter: str | None = None
     subfolder: str | None = None
     weight_name: str | None = None
+    image_encoder: str | None = None
 
     def to_dict(self) -> dict[str, str | None]:
-        """JSON-ready form."""
-        return {
+        """JSON-ready form (``image_encoder`` only when set)."""
+        out = {
             "model": self.model,
             "ip_adapter": self.ip_adapter,
             "subfolder": self.subfolder,
             "weight_name": self.weight_name,
         }
+        if self.image_encoder is not None:
+            out["image_encoder"] = self.image_encoder
+        return out
 
 
 def tiny_cache_dir() -> Path:
@@ -135,6 +141,11 @@ def resolve_spec(spec: ModelSpec) -> ModelSpec:
         ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
             adapter folder without the weight file.
     """
+    from nw_adapter.correlate import families
+
+    flow_spec = families.resolve_flow_spec(spec, tiny_cache_dir())  # SD3 / Flux: their defaults
+    if flow_spec is not None:
+        return flow_spec
     model, adapter = spec.model, spec.ip_adapter
     if model == TINY or adapter == TINY:
         tiny_model, tiny_adapter = ensure_tiny_models()
@@ -268,10 +279,12 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
     if not hasattr(pipe, "load_ip_adapter"):
         raise ModelLoadError(
             f"--model '{spec.model}': {type(pipe).__name__} does not support IP-Adapters; use a "
-            "Stable Diffusion 1.5 or SDXL pipeline"
+            "Stable Diffusion 1.5, SDXL, SD 3.5 or Flux pipeline"
         )
+    from nw_adapter.correlate import families
+
     try:
-        pipe.load_ip_adapter(spec.ip_adapter, subfolder=spec.subfolder, weight_name=spec.weight_name)
+        families.load_ip_adapter(pipe, spec, dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         if not _is_local(spec.ip_adapter) and _looks_offline(exc):
             raise ModelLoadError(_offline_hint(spec.ip_adapter, "--ip-adapter")) from None
@@ -279,6 +292,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
             f"--ip-adapter '{spec.ip_adapter}' ({spec.subfolder}/{spec.weight_name}): cannot load "
             f"({_one_line(exc)}); check --ip-adapter, --subfolder and --weight-name match --model"
         ) from None
+    families.check_scheduler(pipe, scheduler)
     set_scheduler(pipe, scheduler)
     return pipe.to(device)
 

@@ -1,0 +1,312 @@
+"""Model families of the command line: which adapter, image encoder and call a pipeline needs.
+
+``--model`` names a pipeline; its family is read from the pipeline itself (``model_index.json``'s
+``_class_name``: ``StableDiffusion3*`` is SD 3 / 3.5, ``Flux*`` is Flux, anything else a UNet
+pipeline), and each flow-matching family brings its public IP-Adapter as the default:
+
+============  ===============================  ==========================  ===================================
+family        ``--ip-adapter``                 ``--weight-name``           ``--image-encoder``
+============  ===============================  ==========================  ===================================
+SD 3 / 3.5    ``InstantX/SD3.5-Large-IP-Adapter``  ``ip-adapter.bin``     ``google/siglip-so400m-patch14-384``
+Flux          ``XLabs-AI/flux-ip-adapter``     ``ip_adapter.safetensors``  ``openai/clip-vit-large-patch14``
+============  ===============================  ==========================  ===================================
+
+(UNet pipelines keep :mod:`~nw_adapter.correlate.loading`'s SD 1.5 / SDXL defaults.) ``tiny-sd3`` and
+``tiny-flux`` are the embedded tiny models of :mod:`nw_adapter.models.tiny_flow`, written once
+into the tiny-model cache and loaded like any local folder.
+
+Every failure is a :class:`~nw_adapter.correlate.loading.ModelLoadError` with one line saying
+what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+UNET = "unet"
+SD3 = "sd3"
+FLUX = "flux"
+
+
+@dataclass(frozen=True)
+class FlowFamily:
+    """Defaults of one flow-matching transformer family.
+
+    Attributes:
+        name: ``"sd3"`` or ``"flux"``.
+        label: for messages.
+        ip_adapter: the public adapter repository (Hub id).
+        weight_name: its weight file.
+        image_encoder: the image encoder it was trained with (Hub id).
+        tiny: the ``--model`` name of the embedded tiny model.
+    """
+
+    name: str
+    label: str
+    ip_adapter: str
+    weight_name: str
+    image_encoder: str
+    tiny: str
+
+
+FAMILIES: dict[str, FlowFamily] = {
+    SD3: FlowFamily(
+        name=SD3,
+        label="Stable Diffusion 3 / 3.5",
+        ip_adapter="InstantX/SD3.5-Large-IP-Adapter",
+        weight_name="ip-adapter.bin",
+        image_encoder="google/siglip-so400m-patch14-384",
+        tiny="tiny-sd3",
+    ),
+    FLUX: FlowFamily(
+        name=FLUX,
+        label="Flux",
+        ip_adapter="XLabs-AI/flux-ip-adapter",
+        weight_name="ip_adapter.safetensors",
+        image_encoder="openai/clip-vit-large-patch14",
+        tiny="tiny-flux",
+    ),
+}
+TINY_MODELS = {family.tiny: family for family in FAMILIES.values()}
+
+
+def family_of_class_name(class_name: str | None) -> str:
+    """``"sd3"``, ``"flux"`` or ``"unet"`` from a pipeline class name."""
+    name = class_name or ""
+    if name.startswith("StableDiffusion3"):
+        return SD3
+    if name.startswith("Flux"):
+        return FLUX
+    return UNET
+
+
+def family_of_pipeline(pipe: Any) -> str:
+    """The family of a loaded pipeline, from its denoiser's class."""
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        return UNET
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    if isinstance(transformer, SD3Transformer2DModel):
+        return SD3
+    if isinstance(transformer, FluxTransformer2DModel):
+        return FLUX
+    return family_of_class_name(type(pipe).__name__)
+
+
+def _class_name_of(model: str) -> str | None:
+    """``_class_name`` of ``model_index.json``: a local folder's, else the Hub's (cached or fetched)."""
+    folder = Path(model).expanduser()
+    index = folder / "model_index.json"
+    if not index.is_file() and not folder.exists() and model.count("/") == 1:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            index = Path(hf_hub_download(model, "model_index.json"))
+        except Exception:  # offline or unknown id: loading the pipeline reports it properly
+            return None
+    try:
+        return json.loads(index.read_text()).get("_class_name")
+    except (OSError, ValueError):
+        return None
+
+
+def family_of_model(model: str) -> str:
+    """The family of ``--model`` (a tiny name, local folder or Hub id), before loading it."""
+    if model in TINY_MODELS:
+        return TINY_MODELS[model].name
+    return family_of_class_name(_class_name_of(model))
+
+
+def ensure_tiny_flow_models(family: FlowFamily, cache: Path, *, seed: int = 0) -> tuple[Path, Path, Path]:
+    """Write the tiny pipeline and adapter of ``family`` once; return (model, adapter, image encoder)."""
+    from nw_adapter.models import tiny_flow
+    from nw_adapter.models.tiny import write_once
+
+    root = cache / f"tiny-flow-{tiny_flow.flow_builder_fingerprint()}-seed{seed}"
+    if family.name == SD3:
+        builders = (tiny_flow.save_tiny_sd3, tiny_flow.save_tiny_sd3_ip_adapter, tiny_flow.SIGLIP_FOLDER)
+    else:
+        builders = (tiny_flow.save_tiny_flux, tiny_flow.save_tiny_flux_ip_adapter, tiny_flow.CLIP_FOLDER)
+    save_model, save_adapter, encoder_folder = builders
+    model = write_once(root / family.name, lambda p: save_model(p, seed=seed))
+    adapter = write_once(root / f"{family.name}-ip-adapter", lambda p: save_adapter(p, seed=seed))
+    return model, adapter, adapter / encoder_folder
+
+
+def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
+    """The resolved spec of an SD3 / Flux ``--model`` (None for UNet pipelines).
+
+    Fills the family's adapter, weight file and image encoder where not given, writes the tiny
+    models for ``tiny-sd3`` / ``tiny-flux``, and checks local adapter folders.
+
+    Args:
+        spec: a :class:`~nw_adapter.correlate.loading.ModelSpec`.
+        cache: the tiny-model cache folder.
+
+    Raises:
+        ModelLoadError: a local adapter folder without the weight file, or ``--ip-adapter tiny``.
+    """
+    from nw_adapter.correlate.loading import ModelLoadError, ModelSpec
+
+    name = family_of_model(spec.model)
+    if name == UNET:
+        return None
+    family = FAMILIES[name]
+    model, adapter, encoder = spec.model, spec.ip_adapter, spec.image_encoder
+    if model == family.tiny:
+        try:
+            model_dir, adapter_dir, encoder_dir = ensure_tiny_flow_models(family, cache)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"--model {family.tiny}: cannot write the tiny model to '{cache}' "
+                f"({' '.join(str(exc).split())}); set NW_ADAPTER_CACHE to a writable folder"
+            ) from None
+        model = str(model_dir)
+        if adapter is None:
+            adapter, encoder = str(adapter_dir), encoder or str(encoder_dir)
+    if adapter == "tiny":
+        raise ModelLoadError(
+            f"--ip-adapter tiny is the SD 1.5 tiny adapter; with --model {spec.model} ({family.label}) "
+            f"omit --ip-adapter (default {family.ip_adapter}) or pass an adapter for that family"
+        )
+    adapter = adapter or family.ip_adapter
+    weight_name = spec.weight_name or family.weight_name
+    subfolder = spec.subfolder or ""
+    local = Path(adapter).expanduser()
+    weights = local / subfolder / weight_name
+    if local.exists() and not weights.is_file():
+        raise ModelLoadError(
+            f"--ip-adapter '{adapter}': no IP-Adapter weights at '{weights}'; pass the folder that "
+            f"holds {weight_name} (layout of {family.ip_adapter}), or set --subfolder/--weight-name"
+        )
+    return ModelSpec(
+        model=model,
+        ip_adapter=adapter,
+        subfolder=subfolder,
+        weight_name=weight_name,
+        image_encoder=encoder or family.image_encoder,
+    )
+
+
+def load_ip_adapter(pipe: Any, spec: Any, dtype: Any) -> None:
+    """``pipe.load_ip_adapter`` with the arguments of the pipeline's family.
+
+    SD 3 / 3.5 (``SD3IPAdapterMixin``): the SigLIP encoder comes from ``image_encoder_folder``;
+    Flux (``FluxIPAdapterMixin``): the CLIP encoder from
+    ``image_encoder_pretrained_model_name_or_path``, in the pipeline's dtype; UNet pipelines: the
+    encoder inside the adapter repository, as before.
+    """
+    family = family_of_pipeline(pipe)
+    if family == SD3:
+        pipe.load_ip_adapter(
+            spec.ip_adapter,
+            subfolder=spec.subfolder or None,
+            weight_name=spec.weight_name,
+            image_encoder_folder=_as_path_like(spec.image_encoder),
+        )
+    elif family == FLUX:
+        pipe.load_ip_adapter(
+            spec.ip_adapter,
+            subfolder=spec.subfolder or "",
+            weight_name=spec.weight_name,
+            image_encoder_pretrained_model_name_or_path=spec.image_encoder,
+            image_encoder_dtype=dtype,
+        )
+    else:
+        pipe.load_ip_adapter(spec.ip_adapter, subfolder=spec.subfolder, weight_name=spec.weight_name)
+
+
+def _as_path_like(encoder: str | None) -> str | None:
+    """diffusers' SD3 loader reads an ``image_encoder_folder`` without ``/`` as a subfolder of the
+    adapter repository and one with ``/`` as a path or Hub id: keep folders and ids as they are."""
+    if encoder is None:
+        return None
+    path = Path(encoder).expanduser()
+    return str(path.resolve()) if path.exists() else encoder
+
+
+def check_scheduler(pipe: Any, name: str | None) -> None:
+    """Refuse ``--scheduler`` on flow-matching pipelines (their sigma schedule is part of the model).
+
+    Raises:
+        ModelLoadError: ``name`` given for an SD3 / Flux pipeline.
+    """
+    from nw_adapter.correlate.loading import ModelLoadError
+
+    family = family_of_pipeline(pipe)
+    if name is not None and family != UNET:
+        raise ModelLoadError(
+            f"--scheduler {name}: {FAMILIES[family].label} is a flow-matching model and keeps its "
+            f"{type(pipe.scheduler).__name__}; omit --scheduler"
+        )
+
+
+def call_kwargs(pipe: Any, true_cfg_scale: float) -> dict[str, Any]:
+    """Extra keyword arguments of the pipeline call: Flux's ``true_cfg_scale``.
+
+    Raises:
+        ModelLoadError: ``true_cfg_scale != 1`` for a pipeline that is not Flux.
+    """
+    from nw_adapter.correlate.loading import ModelLoadError
+
+    if family_of_pipeline(pipe) == FLUX:
+        return {"true_cfg_scale": true_cfg_scale}
+    if true_cfg_scale != 1.0:
+        raise ModelLoadError(
+            f"--true-cfg-scale {true_cfg_scale}: only Flux pipelines have true CFG; use --guidance-scale"
+        )
+    return {}
+
+
+def planned_timesteps(pipe: Any, steps: int, height: int | None, width: int | None) -> list[float]:
+    """The ``scheduler.timesteps`` the pipeline will denoise with, from a copy of its scheduler.
+
+    Flux pipelines pass ``sigmas = linspace(1, 1/steps, steps)`` and, with dynamic shifting, the
+    shift ``mu`` of the image's token count (diffusers' ``calculate_shift``); other pipelines call
+    ``set_timesteps(steps)`` (SD3 with dynamic shifting also gets its ``mu``).
+    """
+    import numpy as np
+
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    config = scheduler.config
+    family = family_of_pipeline(pipe)
+    kwargs: dict[str, Any] = {}
+    if family != UNET and config.get("use_dynamic_shifting", False):
+        kwargs["mu"] = _shift_mu(pipe, family, height, width)
+    if family == FLUX and not config.get("use_flow_sigmas", False):
+        kwargs["sigmas"] = np.linspace(1.0, 1 / steps, steps)
+        scheduler.set_timesteps(sigmas=kwargs.pop("sigmas"), **kwargs)
+    else:
+        scheduler.set_timesteps(steps, **kwargs)
+    return [float(t) for t in scheduler.timesteps.tolist()]
+
+
+def _shift_mu(pipe: Any, family: str, height: int | None, width: int | None) -> float:
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    factor = pipe.vae_scale_factor * 2  # latent pixels per token side: VAE x 2 x 2 packing / patch
+    default = pipe.default_sample_size * pipe.vae_scale_factor
+    seq_len = ((height or default) // factor) * ((width or default) // factor)
+    config = pipe.scheduler.config
+    return calculate_shift(
+        seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+
+
+def shown_adapter(model: str, spec: Any) -> str:
+    """The adapter named in ``rho.json`` when ``--ip-adapter`` was not given (paths of the tiny
+    models' cache folders are replaced by ``"tiny"``)."""
+    from nw_adapter.correlate.loading import DEFAULT_IP_ADAPTER, TINY
+
+    if model == TINY or model in TINY_MODELS:
+        return TINY
+    family = family_of_model(spec.model)
+    return FAMILIES[family].ip_adapter if family in FAMILIES else DEFAULT_IP_ADAPTER
