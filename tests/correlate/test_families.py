@@ -1,0 +1,134 @@
+"""correlate.py on SD 3.5 and Flux: the family comes from the pipeline, with its adapter defaults.
+
+The tiny SD3 / Flux folders of the session fixtures stand in for the Hub models (no network):
+they are recognised from their ``model_index.json``, get their family's adapter, weight file and
+image encoder, and run end to end (Flux with true CFG).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny_helpers import random_image
+
+from nw_adapter.correlate import families
+from nw_adapter.correlate.cli import build_parser, main
+from nw_adapter.correlate.loading import ModelSpec, resolve_spec
+from nw_adapter.models.tiny_flow import CLIP_FOLDER, SIGLIP_FOLDER
+
+
+def run(argv: list, capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def reference(tmp_path: Path) -> Path:
+    path = tmp_path / "ref.png"
+    random_image(3, 48).save(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("class_name", "family"),
+    [
+        ("StableDiffusion3Pipeline", "sd3"),
+        ("StableDiffusion3NWPipeline", "sd3"),
+        ("FluxPipeline", "flux"),
+        ("StableDiffusionXLPipeline", "unet"),
+        (None, "unet"),
+    ],
+)
+def test_family_of_class_name(class_name, family):
+    assert families.family_of_class_name(class_name) == family
+
+
+def test_local_sd3_and_flux_folders_get_their_family_defaults(tiny_sd3_dir, tiny_flux_dir, tiny_sd15_dir):
+    sd3 = resolve_spec(ModelSpec(str(tiny_sd3_dir)))
+    assert (sd3.ip_adapter, sd3.weight_name) == ("InstantX/SD3.5-Large-IP-Adapter", "ip-adapter.bin")
+    assert sd3.image_encoder == "google/siglip-so400m-patch14-384"
+    flux = resolve_spec(ModelSpec(str(tiny_flux_dir)))
+    assert (flux.ip_adapter, flux.weight_name) == ("XLabs-AI/flux-ip-adapter", "ip_adapter.safetensors")
+    assert flux.image_encoder == "openai/clip-vit-large-patch14"
+    unet = resolve_spec(ModelSpec(str(tiny_sd15_dir)))
+    assert (unet.ip_adapter, unet.image_encoder) == ("h94/IP-Adapter", None)  # unchanged for UNets
+
+
+def test_help_names_the_family_defaults(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "2000")  # no wrapping inside the hyphenated repository names
+    text = build_parser().format_help()
+    names = ["InstantX/SD3.5-Large-IP-Adapter", "XLabs-AI/flux-ip-adapter", "ip-adapter.bin"]
+    names += ["ip_adapter.safetensors", "google/siglip-so400m-patch14-384", "openai/clip-vit-large-patch14"]
+    for name in [*names, "tiny-sd3", "tiny-flux", "--true-cfg-scale"]:
+        assert name in " ".join(text.split()), name
+
+
+def test_flux_end_to_end_with_true_cfg(tiny_flux_dir, tiny_flux_ip_adapter_dir, reference, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "--image", reference, "--model", tiny_flux_dir, "--ip-adapter", tiny_flux_ip_adapter_dir,
+        "--image-encoder", tiny_flux_ip_adapter_dir / CLIP_FOLDER, "--steps", "3", "--height", "32",
+        "--width", "32", "--true-cfg-scale", "2", "--negative-prompt", "blurry", "--all-steps",
+        "--out", out, "--quiet",
+    ]  # fmt: skip
+    code, stdout, err = run(argv, capsys)
+    assert code == 0, err
+    report = json.loads((out / "rho.json").read_text())
+    records = report["records"]
+    assert {(r["step"], r["half"]) for r in records} == {(s, h) for s in range(3) for h in ("cond", "uncond")}
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
+    planned = families.planned_timesteps(pipe, 3, 32, 32)
+    assert sorted({(r["step"], r["timestep"]) for r in records}) == list(enumerate(planned))
+    assert report["config"]["true_cfg_scale"] == 2.0
+    assert "step  timestep" in stdout
+
+
+def test_sd3_end_to_end(tiny_sd3_dir, tiny_sd3_ip_adapter_dir, reference, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "--image", reference, "--model", tiny_sd3_dir, "--ip-adapter", tiny_sd3_ip_adapter_dir,
+        "--image-encoder", tiny_sd3_ip_adapter_dir / SIGLIP_FOLDER, "--steps", "2", "--height", "32",
+        "--width", "32", "--out", out, "--quiet",
+    ]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    records = json.loads((out / "rho.json").read_text())["records"]
+    assert {r["half"] for r in records} == {"cond", "uncond"} and {r["key_set"] for r in records} == {"ip"}
+    assert all(0 < r["ip_mass"] < 1 for r in records)
+
+
+def test_sd15_tiny_adapter_with_an_sd3_model_is_a_one_line_error(tiny_sd3_dir, reference, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--image", reference, "--model", tiny_sd3_dir, "--ip-adapter", "tiny", "--out", out, "--quiet"]
+    code, _, err = run(argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "--ip-adapter tiny" in lines[0] and "omit --ip-adapter" in lines[0]
+    assert not out.exists()
+
+
+def test_scheduler_refused_for_flow_pipelines(tiny_sd3_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    from nw_adapter.correlate.loading import ModelLoadError
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    with pytest.raises(ModelLoadError, match="flow-matching model"):
+        families.check_scheduler(pipe, "ddim")
+    families.check_scheduler(pipe, None)
+
+
+def test_true_cfg_scale_only_for_flux(tiny_sd3_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    from nw_adapter.correlate.loading import ModelLoadError
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    with pytest.raises(ModelLoadError, match="only Flux pipelines have true CFG"):
+        families.call_kwargs(pipe, 2.0)
+    assert families.call_kwargs(pipe, 1.0) == {}
