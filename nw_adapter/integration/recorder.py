@@ -72,6 +72,8 @@ class StepState:
         timestep: the step's timestep, in ``scheduler.timesteps`` units.
         alpha, sigma, h: the noise level x_t = alpha x_0 + sigma eps, h = sigma / alpha.
         cfg: whether the batch is [uncond; cond].
+        perturbed: whether the batch ends with perturbed-attention-guidance rows (PAG:
+            [uncond; cond; perturbed] with CFG, [cond; perturbed] without).
         latent_hw: spatial size of the denoiser input.
         pass_index: 0 for the first denoiser forward of the step, 1 for the second (Flux's
             true-CFG negative pass) ...
@@ -86,6 +88,7 @@ class StepState:
     cfg: bool = False
     latent_hw: tuple[int, int] | None = None
     pass_index: int = 0
+    perturbed: bool = False
 
 
 _NO_MARKER = object()
@@ -259,6 +262,7 @@ class NWRecorder:
         cfg = self.config.cfg
         if cfg is None:
             cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False)) if self.pipe else False
+        perturbed = bool(getattr(self.pipe, "do_perturbed_attention_guidance", False)) if self.pipe else False
         marker = _progress_marker(scheduler)
         index = _scheduler_index(scheduler, len(self._table))
         # Without the scheduler's own index, the timestep itself decides (one host read).
@@ -283,6 +287,7 @@ class NWRecorder:
                     cfg=cfg,
                     latent_hw=hw,
                     pass_index=st.pass_index + 1,
+                    perturbed=perturbed,
                 )
                 return
         call = self.state.call + 1 if (new_call and self._started) else self.state.call
@@ -299,7 +304,16 @@ class NWRecorder:
             alpha = sigma = math.nan
             if scheduler is not None and not _is_nan(timestep):
                 alpha, sigma, _ = noise_level(scheduler, float(timestep))
-        self.begin_step(call=call, step=step, timestep=label, alpha=alpha, sigma=sigma, cfg=cfg, latent_hw=hw)
+        self.begin_step(
+            call=call,
+            step=step,
+            timestep=label,
+            alpha=alpha,
+            sigma=sigma,
+            cfg=cfg,
+            latent_hw=hw,
+            perturbed=perturbed,
+        )
 
     def new_call(self) -> None:
         """Mark the next denoiser forward as the start of a new call (needed only without a pipeline)."""
@@ -316,6 +330,7 @@ class NWRecorder:
         cfg: bool = False,
         latent_hw: tuple[int, int] | None = None,
         pass_index: int = 0,
+        perturbed: bool = False,
     ) -> None:
         """Set the current step by hand (the denoiser pre-hook calls this for you).
 
@@ -327,6 +342,7 @@ class NWRecorder:
             cfg: whether the batch is [uncond; cond].
             latent_hw: spatial size of the denoiser input, used to downsample stored maps.
             pass_index: which denoiser forward within the step this is (0 = the first).
+            perturbed: whether the batch ends with PAG's perturbed rows.
         """
         if not self._started or call != self.state.call:
             self._generators.clear()
@@ -345,6 +361,7 @@ class NWRecorder:
             cfg=bool(cfg),
             latent_hw=latent_hw,
             pass_index=pass_index,
+            perturbed=bool(perturbed),
         )
         self._steps[(call, step)] = self.state
 
@@ -352,6 +369,17 @@ class NWRecorder:
     def cfg(self) -> bool:
         """Whether the current batch is [uncond; cond]: ``config.cfg`` if set, else the step's value."""
         return self.state.cfg if self.config.cfg is None else self.config.cfg
+
+    def halves(self, batch: int) -> tuple[str, ...]:
+        """Labels of the equal blocks of rows of a batch of ``batch`` rows, in batch order.
+
+        ``("uncond", "cond")`` under classifier-free guidance (:attr:`cfg`), with PAG
+        ``("uncond", "cond", "perturbed")`` or ``("cond", "perturbed")``; ``("all",)`` otherwise
+        or when ``batch`` does not split into that many blocks.
+        """
+        labels = ("uncond",) if self.cfg else ()
+        labels = (*labels, "cond", *(("perturbed",) if self.state.perturbed else ()))
+        return labels if len(labels) > 1 and batch % len(labels) == 0 else ("all",)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The seeded generator of the nulls on ``device`` (reseeded at every new call)."""

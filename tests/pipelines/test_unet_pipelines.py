@@ -199,7 +199,14 @@ def test_pag_keeps_its_own_processors(sd15):
     assert any("PAG" in name for name in mid.values()), mid
     assert all(is_nw_processor(p) for n, p in procs.items() if n.endswith("attn2.processor"))
     assert not any(is_nw_processor(p) for n, p in procs.items() if n.endswith("attn1.processor"))
-    assert rec.to_records()
+    # batch [uncond; cond; perturbed]: the perturbed rows are their own half, identical to the cond
+    # rows before PAG's perturbed layer (down blocks) and different after it (up blocks)
+    records = rec.to_records()
+    assert {r["half"] for r in records} == {"uncond", "cond", "perturbed"}
+    q = {(r["half"], r["step"], r["layer"], r["head"]): r["q_norm"] for r in records}
+    for (half, *key), value in q.items():
+        if half == "perturbed":
+            assert (value == q[("cond", *key)]) == key[1].startswith("down_blocks"), key
 
 
 def test_observe_returns_the_stock_image_when_the_side_computation_fails(sd15, monkeypatch, tmp_path):

@@ -284,8 +284,8 @@ class _NWProcessorMixin:
         head_idx = None if cfg.heads is None else self._index(heads, q_raw.device)
         q = q_all.float() if head_idx is None else q_all.index_select(1, head_idx).float()
         s = self.attention_scale(attn, q.shape[-1])
-        n_halves = 2 if rec.cfg and batch % 2 == 0 else 1
-        halves = HALF_LABELS[n_halves]
+        halves = rec.halves(batch)  # ("uncond", "cond"), PAG's "perturbed" rows, or ("all",)
+        n_halves = len(halves)
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
         q_norm = q.norm(dim=-1).mean(dim=-1)  # [B, H]
         want_maps = rec.wants_maps(self.layer_name)
