@@ -50,7 +50,13 @@ import torch
 from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.schedules import noise_level, schedule_table
-from nw_adapter.integration.schema import OPTIONAL_STATS, RECORD_KEYS, STAT_NAMES, SUMMARY_STATS
+from nw_adapter.integration.schema import (
+    OPTIONAL_STATS,
+    RECORD_KEYS,
+    SKIPPED_FIELD,
+    STAT_NAMES,
+    SUMMARY_STATS,
+)
 
 
 def block_of(layer: str) -> str:
@@ -72,6 +78,8 @@ class StepState:
         timestep: the step's timestep, in ``scheduler.timesteps`` units.
         alpha, sigma, h: the noise level x_t = alpha x_0 + sigma eps, h = sigma / alpha.
         cfg: whether the batch is [uncond; cond].
+        perturbed: whether the batch ends with perturbed-attention-guidance rows (PAG:
+            [uncond; cond; perturbed] with CFG, [cond; perturbed] without).
         latent_hw: spatial size of the denoiser input.
         pass_index: 0 for the first denoiser forward of the step, 1 for the second (Flux's
             true-CFG negative pass) ...
@@ -86,6 +94,7 @@ class StepState:
     cfg: bool = False
     latent_hw: tuple[int, int] | None = None
     pass_index: int = 0
+    perturbed: bool = False
 
 
 _NO_MARKER = object()
@@ -182,6 +191,8 @@ class NWRecorder:
         self._maps: list[_MapEntry] = []
         self._map_bytes = 0
         self._map_warned = False
+        self._skipped: list[tuple[int, int, str, str]] = []  # (call, step, layer, reason)
+        self._skip_warned = False
         self._steps: dict[tuple[int, int], StepState] = {}
         self._last_timesteps: Any = None
         self._table: list[dict[str, float]] = []
@@ -230,6 +241,14 @@ class NWRecorder:
         return None
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        try:
+            self._track(args, kwargs)
+        except Exception as error:  # never fail a generation: next step, unknown noise level
+            self.begin_step(call=self.state.call, step=self.state.step + 1, cfg=self.state.cfg)
+            self.skip("step tracking", error)
+
+    def _track(self, args: tuple, kwargs: dict) -> None:
+        """Set :attr:`state` for the denoiser forward called with ``args`` / ``kwargs``."""
         timestep = self._argument(("timestep",), args, kwargs)
         timestep = math.nan if timestep is None else _first(timestep)
         if self._timestep_scale != 1.0 and not _is_nan(timestep):
@@ -251,6 +270,7 @@ class NWRecorder:
         cfg = self.config.cfg
         if cfg is None:
             cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False)) if self.pipe else False
+        perturbed = bool(getattr(self.pipe, "do_perturbed_attention_guidance", False)) if self.pipe else False
         marker = _progress_marker(scheduler)
         index = _scheduler_index(scheduler, len(self._table))
         # Without the scheduler's own index, the timestep itself decides (one host read).
@@ -275,6 +295,7 @@ class NWRecorder:
                     cfg=cfg,
                     latent_hw=hw,
                     pass_index=st.pass_index + 1,
+                    perturbed=perturbed,
                 )
                 return
         call = self.state.call + 1 if (new_call and self._started) else self.state.call
@@ -291,7 +312,16 @@ class NWRecorder:
             alpha = sigma = math.nan
             if scheduler is not None and not _is_nan(timestep):
                 alpha, sigma, _ = noise_level(scheduler, float(timestep))
-        self.begin_step(call=call, step=step, timestep=label, alpha=alpha, sigma=sigma, cfg=cfg, latent_hw=hw)
+        self.begin_step(
+            call=call,
+            step=step,
+            timestep=label,
+            alpha=alpha,
+            sigma=sigma,
+            cfg=cfg,
+            latent_hw=hw,
+            perturbed=perturbed,
+        )
 
     def new_call(self) -> None:
         """Mark the next denoiser forward as the start of a new call (needed only without a pipeline)."""
@@ -308,6 +338,7 @@ class NWRecorder:
         cfg: bool = False,
         latent_hw: tuple[int, int] | None = None,
         pass_index: int = 0,
+        perturbed: bool = False,
     ) -> None:
         """Set the current step by hand (the denoiser pre-hook calls this for you).
 
@@ -319,6 +350,7 @@ class NWRecorder:
             cfg: whether the batch is [uncond; cond].
             latent_hw: spatial size of the denoiser input, used to downsample stored maps.
             pass_index: which denoiser forward within the step this is (0 = the first).
+            perturbed: whether the batch ends with PAG's perturbed rows.
         """
         if not self._started or call != self.state.call:
             self._generators.clear()
@@ -337,6 +369,7 @@ class NWRecorder:
             cfg=bool(cfg),
             latent_hw=latent_hw,
             pass_index=pass_index,
+            perturbed=bool(perturbed),
         )
         self._steps[(call, step)] = self.state
 
@@ -344,6 +377,17 @@ class NWRecorder:
     def cfg(self) -> bool:
         """Whether the current batch is [uncond; cond]: ``config.cfg`` if set, else the step's value."""
         return self.state.cfg if self.config.cfg is None else self.config.cfg
+
+    def halves(self, batch: int) -> tuple[str, ...]:
+        """Labels of the equal blocks of rows of a batch of ``batch`` rows, in batch order.
+
+        ``("uncond", "cond")`` under classifier-free guidance (:attr:`cfg`), with PAG
+        ``("uncond", "cond", "perturbed")`` or ``("cond", "perturbed")``; ``("all",)`` otherwise
+        or when ``batch`` does not split into that many blocks.
+        """
+        labels = ("uncond",) if self.cfg else ()
+        labels = (*labels, "cond", *(("perturbed",) if self.state.perturbed else ()))
+        return labels if len(labels) > 1 and batch % len(labels) == 0 else ("all",)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The seeded generator of the nulls on ``device`` (reseeded at every new call)."""
@@ -434,11 +478,60 @@ class NWRecorder:
         name = f"call{self.state.call}/step{self.state.step}/{layer}/adapter{adapter}/image{image}"
         self._maps.append(_MapEntry(name, attn.detach(), nw.detach(), meta))
 
+    # ------------------------------------------------------------------ failures (observe)
+    def mark(self) -> tuple[int, int]:
+        """A position in the stored entries and maps, for :meth:`skip` to roll back to."""
+        return len(self._entries), len(self._maps)
+
+    def skip(self, layer: str, error: BaseException, *, rollback: tuple[int, int] | None = None) -> None:
+        """Count a (step, layer) pair whose side computation failed (the layer kept the stock output).
+
+        Warns once per recorder (``warnings.warn``, RuntimeWarning); every pair is counted in
+        :meth:`skipped` and exported by :meth:`to_json`.
+
+        Args:
+            layer: the attention-processor name.
+            error: the exception raised by the side computation.
+            rollback: a :meth:`mark` taken before the layer's side computation: what the layer
+                stored after it is dropped, so a pair is either fully recorded or skipped.
+        """
+        if rollback is not None:
+            n_entries, n_maps = rollback
+            del self._entries[n_entries:]
+            for m in self._maps[n_maps:]:
+                self._map_bytes -= m.attn.numel() * m.attn.element_size() + m.nw.numel() * m.nw.element_size()
+            del self._maps[n_maps:]
+        reason = f"{type(error).__name__}: {error}"[:300]
+        self._skipped.append((self.state.call, self.state.step, layer, reason))
+        if not self._skip_warned:
+            self._skip_warned = True
+            warnings.warn(
+                f"NWRecorder: the NW side computation failed in layer {layer!r} at step "
+                f"{self.state.step} ({reason}); that layer kept diffusers' output and its statistics "
+                "were skipped. Further failures are counted silently: see recorder.skipped() and "
+                f"the {SKIPPED_FIELD!r} field of to_json().",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def skipped(self) -> dict[str, Any]:
+        """The skipped (call, step, layer) pairs: ``{"count", "by_reason", "pairs"}``.
+
+        ``by_reason`` maps each failure message to its number of pairs; ``pairs`` lists
+        ``{"call", "step", "layer", "reason"}`` in the order they happened.
+        """
+        by_reason: dict[str, int] = {}
+        for *_, reason in self._skipped:
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+        pairs = [{"call": c, "step": s, "layer": layer, "reason": r} for c, s, layer, r in self._skipped]
+        return {"count": len(self._skipped), "by_reason": by_reason, "pairs": pairs}
+
     def clear(self) -> None:
-        """Drop all recorded statistics and maps (step tracking continues)."""
+        """Drop all recorded statistics, maps and skipped pairs (step tracking continues)."""
         self._entries.clear()
         self._maps.clear()
         self._map_bytes = 0
+        self._skipped.clear()
 
     # ------------------------------------------------------------------ export
     def _step_info(self, call: int, step: int) -> dict[str, float]:
@@ -534,13 +627,14 @@ class NWRecorder:
         return out
 
     def to_json(self, path: str | os.PathLike) -> Path:
-        """Write ``{"version", "config", "records", "summary"}`` atomically (NaN -> null)."""
+        """Write ``{"version", "config", "records", "summary", "skipped"}`` atomically (NaN -> null)."""
         records = self.to_records()
         payload = {
             "version": 1,
             "config": self.config.to_dict(),
             "records": [{k: _json_safe(v) for k, v in r.items()} for r in records],
             "summary": [{k: _json_safe(v) for k, v in r.items()} for r in self.summary(records)],
+            SKIPPED_FIELD: self.skipped(),
         }
         return atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False))
 

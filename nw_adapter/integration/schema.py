@@ -51,3 +51,7 @@ STAT_NAMES: tuple[str, ...] = (
 
 #: The statistics in reporting order (rho first, the bandwidth used last).
 SUMMARY_STATS: tuple[str, ...] = tuple(s for s in STAT_NAMES if s != "bandwidth") + ("bandwidth",)
+
+#: Top-level export field of the (call, step, layer) pairs whose side computation failed in
+#: observe mode (the layer returned the stock output): ``{"count", "by_reason", "pairs"}``.
+SKIPPED_FIELD = "skipped"

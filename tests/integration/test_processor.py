@@ -446,7 +446,7 @@ def test_cfg_option_on_bare_layer():
 def test_schedule_rule_needs_noise_level():
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
-    _install(attn, stock, bandwidth="schedule")
+    _install(attn, stock, mode="swap", bandwidth="schedule")  # observe skips instead (robustness tests)
     with pytest.raises(RuntimeError, match="schedule"):
         attn(x, (text, ip))
 

@@ -9,8 +9,6 @@ Euler / DPM-Solver++ (whose h = sigma_t / alpha_t is exactly that sigma).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -25,7 +23,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 from PIL import Image
-from tiny_helpers import SIZE, random_image
+from tiny_helpers import SIZE, check_recorded_levels, random_image, record_denoiser_timesteps
 
 from nw_adapter.integration.mixin import nw_processor
 from nw_adapter.models.tiny import ip_adapter_weight_name
@@ -55,40 +53,10 @@ def sdxl_base(tiny_sdxl_dir, tiny_ip_adapter_dir):
     return _load(StableDiffusionXLPipeline, tiny_sdxl_dir, tiny_ip_adapter_dir, sdxl=True)
 
 
-def _received_timesteps(unet) -> tuple[list[float], object]:
-    """Collect the timestep of every UNet forward (the test's own hook, independent of the recorder)."""
-    seen: list[float] = []
-
-    def hook(module, args, kwargs):
-        t = kwargs["timestep"] if "timestep" in kwargs else args[1]
-        seen.append(float(torch.as_tensor(t).reshape(-1)[0]))
-
-    return seen, unet.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _check_levels(records, scheduler, received: list[float]) -> None:
-    """Every record: timestep received by the UNet, step = its index, the scheduler's own level."""
-    assert records, "nothing recorded"
-    timesteps = scheduler.timesteps.double().tolist()
-    assert {r["timestep"] for r in records} == set(received)
-    assert len({r["step"] for r in records}) == len(received)  # one step per UNet forward
-    sigma_schedule = not isinstance(scheduler, (DDIMScheduler, PNDMScheduler))
-    for r in records:
-        i, t = r["step"], r["timestep"]
-        assert timesteps[i] == t
-        if sigma_schedule:
-            s = float(scheduler.sigmas[i])
-            expected = (1 / math.sqrt(1 + s * s), s / math.sqrt(1 + s * s), s)
-        else:
-            abar = float(scheduler.alphas_cumprod[int(t)])
-            expected = (math.sqrt(abar), math.sqrt(1 - abar), math.sqrt((1 - abar) / abar))
-        assert (r["alpha"], r["sigma"], r["h_schedule"]) == pytest.approx(expected, rel=1e-5)
-
-
 def _run_and_check(pipe, scheduler_cls, **call):
     original = pipe.scheduler
     pipe.scheduler = scheduler_cls.from_config(original.config)
-    seen, handle = _received_timesteps(pipe.unet)
+    seen, handle = record_denoiser_timesteps(pipe.unet)
     try:
         with nw_processor(pipe, layers=["mid_block"], nulls=False) as rec:
             pipe(
@@ -99,7 +67,7 @@ def _run_and_check(pipe, scheduler_cls, **call):
                 generator=torch.Generator().manual_seed(0),
                 **call,
             )
-        _check_levels(rec.to_records(), pipe.scheduler, seen)
+        check_recorded_levels(rec.to_records(), pipe.scheduler, seen)
     finally:
         handle.remove()
         pipe.scheduler = original

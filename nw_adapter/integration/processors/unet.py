@@ -111,15 +111,24 @@ class _NWProcessorMixin:
         scales: Sequence[Any],
         batch: int,
     ) -> list[_Group]:
+        """One :class:`_Group` per softmax of the image branch, with states ``[batch, M, D]``.
+
+        ``states`` is folded to the latent batch exactly as diffusers' ``ip_key.view(batch_size,
+        -1, heads, head_dim)`` does: when the image-embeds batch differs from the latent batch
+        (e.g. 2 rows of CFG-layout embeds for a batch of 1 without CFG, as in diffusers'
+        ``IPAdapterTesterMixin.test_ip_adapter_masks`` on LCM), the extra rows become extra keys.
+        Without a mask an adapter's images are pooled into one softmax; with a mask every image
+        is its own softmax (``states[:, i]``).
+        """
         groups = []
         for j, (states, scale, mask) in enumerate(zip(ip_hidden_states, scales, masks, strict=False)):
             if mask is not None:
                 per_image = scale if isinstance(scale, (list, tuple)) else [scale] * mask.shape[1]
                 for i in range(mask.shape[1]):
-                    groups.append(_Group(j, i, states[:, i], per_image[i], mask[:, i]))
+                    image_states = states[:, i].reshape(batch, -1, states.shape[-1])
+                    groups.append(_Group(j, i, image_states, per_image[i], mask[:, i]))
             else:
-                flat = states.reshape(batch, -1, states.shape[-1]) if states.ndim == 4 else states
-                groups.append(_Group(j, 0, flat, scale, None))
+                groups.append(_Group(j, 0, states.reshape(batch, -1, states.shape[-1]), scale, None))
         return groups
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -192,7 +201,13 @@ class _NWProcessorMixin:
         if swap:
 
             def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
-                branch = self._swap_branch(attn, captured, ip_hidden_states, masks, scales)
+                try:
+                    branch = self._swap_branch(attn, captured, ip_hidden_states, masks, scales)
+                except Exception as error:  # swap changes the output: fail, naming the layer
+                    raise RuntimeError(
+                        f"NW swap failed in layer {self.layer_name!r} at step {self.recorder.state.step}: "
+                        f"{type(error).__name__}: {error}"
+                    ) from error
                 if branch is None:
                     return args
                 return (args[0] + branch.to(args[0].dtype), *args[1:])
@@ -209,8 +224,12 @@ class _NWProcessorMixin:
             if swap:
                 self.scale = shared_scale
         if record and "q" in captured:
-            with torch.no_grad():
-                self._record(attn, captured, ip_hidden_states, masks, scales)
+            mark = self.recorder.mark()
+            try:
+                with torch.no_grad():
+                    self._record(attn, captured, ip_hidden_states, masks, scales)
+            except Exception as error:  # observe never fails a generation that stock completes
+                self.recorder.skip(self.layer_name, error, rollback=mark)
         return out
 
     def _swap_branch(
@@ -265,8 +284,8 @@ class _NWProcessorMixin:
         head_idx = None if cfg.heads is None else self._index(heads, q_raw.device)
         q = q_all.float() if head_idx is None else q_all.index_select(1, head_idx).float()
         s = self.attention_scale(attn, q.shape[-1])
-        n_halves = 2 if rec.cfg and batch % 2 == 0 else 1
-        halves = HALF_LABELS[n_halves]
+        halves = rec.halves(batch)  # ("uncond", "cond"), PAG's "perturbed" rows, or ("all",)
+        n_halves = len(halves)
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
         q_norm = q.norm(dim=-1).mean(dim=-1)  # [B, H]
         want_maps = rec.wants_maps(self.layer_name)
@@ -326,6 +345,11 @@ class _NWProcessorMixin:
 class NWIPAdapterAttnProcessor2_0(_NWProcessorMixin, IPAdapterAttnProcessor2_0):
     """NW processor over diffusers' SDPA IP-Adapter processor (see the module docstring).
 
+    A subclass: ``isinstance(p, IPAdapterAttnProcessor2_0)`` holds, so diffusers' loaders
+    (``set_ip_adapter_scale``, ``unload_ip_adapter``) treat it as the stock processor, but code
+    that compares the class name (``type(p).__name__ == "IPAdapterAttnProcessor2_0"``, as some
+    of diffusers' own model tests do) does not recognise it: test with ``isinstance``.
+
     Args:
         original: the ``IPAdapterAttnProcessor2_0`` being replaced; its ``to_k_ip``, ``to_v_ip``,
             ``scale`` and ``num_tokens`` are shared, not copied.
@@ -357,7 +381,8 @@ class NWIPAdapterAttnProcessor(_NWProcessorMixin, IPAdapterAttnProcessor):
     """NW processor over diffusers' classic (non-SDPA) IP-Adapter processor.
 
     Same arguments as :class:`NWIPAdapterAttnProcessor2_0`; the softmax scale of A is
-    ``attn.scale`` (what ``attn.get_attention_scores`` uses).
+    ``attn.scale`` (what ``attn.get_attention_scores`` uses). A subclass of
+    ``IPAdapterAttnProcessor``: ``isinstance`` holds, a class-name comparison does not.
     """
 
     def __init__(
