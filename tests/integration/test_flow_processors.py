@@ -317,3 +317,36 @@ def test_state_dict_unchanged_by_installing(sd3):
     keys = set(sd3.transformer.state_dict())
     with nw_processor(sd3):
         assert set(sd3.transformer.state_dict()) == keys
+
+
+# ---------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_observe_never_fails_and_swap_names_the_layer(request, family, monkeypatch):
+    from nw_adapter.integration.processors import side
+
+    pipe = request.getfixturevalue(family)
+    kwargs = {"ip_adapter_image": [_image(1), _image(2)]} if family == "flux" else {}
+    stock = generate(pipe, **kwargs)
+
+    def broken(*args, **kw):
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr(side, "softmax_statistics", broken)
+    with pytest.warns(RuntimeWarning, match="injected"):
+        with nw_processor(pipe, mode="observe") as rec:
+            observed = generate(pipe, **kwargs)
+    assert torch.equal(stock, observed)
+    skipped = rec.skipped()
+    layers = [n for n, p in pipe.transformer.attn_processors.items() if hasattr(p, "to_k_ip")]
+    assert skipped["count"] == 2 * len(layers) and rec.to_records(key_set=None) == []
+    monkeypatch.setattr(
+        "nw_adapter.core.kernels.gaussian_kernel_attention", broken
+    )  # the swap branch's kernel
+    with pytest.raises(
+        RuntimeError, match=r"NW swap failed in layer 'transformer_blocks\.0\.attn\.processor'"
+    ):
+        with nw_processor(pipe, mode="swap"):
+            generate(pipe, **kwargs)
+    assert not any(is_nw_processor(p) for p in pipe.transformer.attn_processors.values())

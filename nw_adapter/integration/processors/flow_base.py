@@ -18,7 +18,7 @@ recorder.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +94,24 @@ class FlowNWProcessorBase:
         self, q: torch.Tensor, k: torch.Tensor, attn_weights: torch.Tensor | None, s: float
     ) -> torch.Tensor | float:
         return side.resolve_bandwidth(self.nw_config, self.recorder.state, q, k, attn_weights, s)
+
+    # ------------------------------------------------------------------ failures
+    def _record_safely(self, record: Callable[[], None]) -> None:
+        """Run ``record()``; if it raises, roll back what it stored and count the skipped pair
+        (observe never fails a generation that stock completes; see ``NWRecorder.skip``)."""
+        mark = self.recorder.mark()
+        try:
+            with torch.no_grad():
+                record()
+        except Exception as error:
+            self.recorder.skip(self.layer_name, error, rollback=mark)
+
+    def _swap_error(self, error: Exception) -> RuntimeError:
+        """The error swap raises (it changes the output, so it may fail), naming layer and step."""
+        return RuntimeError(
+            f"NW swap failed in layer {self.layer_name!r} at step {self.recorder.state.step}: "
+            f"{type(error).__name__}: {error}"
+        )
 
     # ------------------------------------------------------------------ recording
     def _record_softmax(

@@ -107,15 +107,27 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
         finally:
             for handle in handles:
                 handle.remove()
-        q = captured["q"].transpose(1, 2)  # [B, H, N, d]
-        keys = [self._split(self.to_k_ip[j](states), attn.heads) for j, states in enumerate(ip_hidden_states)]
         if swap:
             text_out, context_out, ip_out = out
-            out = (text_out, context_out, ip_out + self._swap_branch(q, keys, ip_hidden_states, scales, attn))
+            try:
+                branch = self._swap_branch(self._query(captured), ip_hidden_states, scales, attn)
+            except Exception as error:
+                raise self._swap_error(error) from error
+            out = (text_out, context_out, ip_out + branch)
         if record:
-            with torch.no_grad():
-                self._record(q, keys, scales, attn.heads)
+            self._record_safely(
+                lambda: self._record(self._query(captured), ip_hidden_states, scales, attn.heads)
+            )
         return out
+
+    @staticmethod
+    def _query(captured: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The image branch's query ``[B, H, N, d]`` (``attn.norm_q``'s output is ``[B, N, H, d]``)."""
+        return captured["q"].transpose(1, 2)
+
+    def _keys(self, ip_hidden_states: Sequence[torch.Tensor], heads: int) -> list[torch.Tensor]:
+        """Each adapter's IP keys ``[B, H, M_j, d]``, as the stock branch forms them."""
+        return [self._split(self.to_k_ip[j](states), heads) for j, states in enumerate(ip_hidden_states)]
 
     @staticmethod
     def _split(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -123,14 +135,10 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
         return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)
 
     def _swap_branch(
-        self,
-        q: torch.Tensor,
-        keys: Sequence[torch.Tensor],
-        ip_hidden_states: Sequence[torch.Tensor],
-        scales: Sequence[float],
-        attn: Any,
+        self, q: torch.Tensor, ip_hidden_states: Sequence[torch.Tensor], scales: Sequence[float], attn: Any
     ) -> torch.Tensor:
         """sum_j scale_j * GKA(q, k_j, v_j, h) as ``[B, N, H*d]``."""
+        keys = self._keys(ip_hidden_states, attn.heads)
         s = 1.0 / math.sqrt(q.shape[-1])
         total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
         for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
@@ -142,10 +150,17 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
             total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
         return total
 
-    def _record(self, q_all: torch.Tensor, keys: Sequence[torch.Tensor], scales: Sequence[Any], heads_n: int):
+    def _record(
+        self,
+        q_all: torch.Tensor,
+        ip_hidden_states: Sequence[torch.Tensor],
+        scales: Sequence[Any],
+        heads_n: int,
+    ) -> None:
         heads = self._heads(heads_n)
         if not heads:
             return
+        keys = self._keys(ip_hidden_states, heads_n)
         pass_index = int(getattr(self.recorder.state, "pass_index", 0) or 0)
         halves = (PASS_HALVES[min(pass_index, 1)],)
         q = self._pick(q_all, heads, heads_n)

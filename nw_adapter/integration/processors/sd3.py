@@ -106,7 +106,10 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
             handles = capture_outputs((("q", attn.to_q), ("k", attn.to_k), ("v", attn.to_v)), captured)
 
             def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
-                branch = self._swap_branch(attn, captured, ip_hidden_states, temb)
+                try:
+                    branch = self._swap_branch(attn, captured, ip_hidden_states, temb)
+                except Exception as error:
+                    raise self._swap_error(error) from error
                 return (args[0] + branch * self.scale, *args[1:])
 
             handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
@@ -120,10 +123,9 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
         finally:
             for handle in handles:
                 handle.remove()
-        if record and "k_ip" in captured:
-            q, k = (captured["q_normed"], captured["k_normed"]) if swap else (captured["q"], captured["k"])
-            with torch.no_grad():
-                self._record(attn, q, k, captured["k_ip"])
+        if record:
+            names = ("q_normed", "k_normed", "k_ip") if swap else ("q", "k", "k_ip")
+            self._record_safely(lambda: self._record(attn, *(captured[n] for n in names)))
         return out
 
     def _swap_branch(
