@@ -350,3 +350,45 @@ def test_observe_never_fails_and_swap_names_the_layer(request, family, monkeypat
         with nw_processor(pipe, mode="swap"):
             generate(pipe, **kwargs)
     assert not any(is_nw_processor(p) for p in pipe.transformer.attn_processors.values())
+
+
+def test_schedule_bandwidth_follows_s_over_1_minus_s_and_its_pure_noise_limit(sd3):
+    """h = c s / (1 - s) at every step; at s = 1 (step 0) swap uses the exact h -> inf limit (the
+    mean of the values) and observe skips the step, saying why (uniform NW weights)."""
+    with pytest.warns(RuntimeWarning, match="infinite at s = 1"):
+        with nw_processor(sd3, mode="observe", bandwidth="schedule", schedule_c=0.5, nulls=False) as rec:
+            generate(sd3, steps=3)
+    sigmas = sd3.scheduler.sigmas.double()
+    assert float(sigmas[0]) == 1.0
+    records = rec.to_records()
+    assert {r["step"] for r in records} == {1, 2}
+    for r in records:
+        s = float(sigmas[r["step"]])
+        assert r["bandwidth"] == pytest.approx(0.5 * s / (1 - s), rel=1e-5)
+    assert {p["step"] for p in rec.skipped()["pairs"]} == {0}
+    # swap at s = 1, on one layer: the branch is the mean of the joint values
+    attn = sd3.transformer.transformer_blocks[0].attn
+    stock = attn.processor
+    gen = torch.Generator().manual_seed(3)
+    x, ctx = torch.randn(2, 64, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    ip, temb = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 64, generator=gen)
+    config = NWProcessorConfig(mode="swap", bandwidth="schedule")
+    recorder = NWRecorder(config)
+    recorder.begin_step(alpha=0.0, sigma=1.0)
+    nw = NWSD3IPAdapterJointAttnProcessor2_0(stock, layer_name="l", config=config, recorder=recorder)
+    captured = {}
+    hook = attn.to_out[0].register_forward_pre_hook(lambda m, a: captured.update(t=a[0]))
+    with torch.no_grad():
+        stock(attn, x, ctx, None, None, temb)  # no image branch: the text part at to_out's input
+        text = captured["t"]
+        out, _ = nw(attn, x, ctx, None, ip, temb)
+        hook.remove()
+
+        def split(t):
+            return t.view(2, -1, attn.heads, 8).transpose(1, 2)
+
+        ipn = stock.norm_ip(ip, temb=temb)
+        v = torch.cat([split(attn.to_v(x)), split(stock.to_v_ip(ipn))], 2)
+        branch = v.mean(-2, keepdim=True).expand(2, attn.heads, 64, 8).transpose(1, 2).reshape(2, 64, 16)
+        expected = attn.to_out[0](text + branch * stock.scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

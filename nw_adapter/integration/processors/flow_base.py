@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import side
 from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder
@@ -90,10 +91,28 @@ class FlowNWProcessorBase:
             return x.float()
         return x.index_select(1, self._index(heads, x.device)).float()
 
+    def _pure_noise_schedule(self) -> bool:
+        """Whether ``bandwidth="schedule"`` meets flow matching's first step, s = 1 (alpha = 0):
+        h = s / (1 - s) is infinite there and the NW weights are uniform."""
+        state = self.recorder.state
+        return self.nw_config.bandwidth == "schedule" and state.alpha == 0 and state.sigma > 0
+
     def _bandwidth(
         self, q: torch.Tensor, k: torch.Tensor, attn_weights: torch.Tensor | None, s: float
     ) -> torch.Tensor | float:
+        if self._pure_noise_schedule():
+            return math.inf
         return side.resolve_bandwidth(self.nw_config, self.recorder.state, q, k, attn_weights, s)
+
+    def _gaussian_head(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | float
+    ) -> torch.Tensor:
+        """GKA(q, k, v, h) ``[B, H, N, d_v]``; at h = inf its exact limit, the mean of the values."""
+        if isinstance(h, float) and math.isinf(h):
+            return v.mean(dim=-2, keepdim=True).expand(*q.shape[:-1], v.shape[-1])
+        return kernels.gaussian_kernel_attention(
+            q, k, v, h, chunk_size=self.nw_config.chunk_size, validate=False
+        )
 
     # ------------------------------------------------------------------ failures
     def _record_safely(self, record: Callable[[], None]) -> None:
@@ -135,6 +154,11 @@ class FlowNWProcessorBase:
         each half; ``ip_mass`` [B, H] (SD3) is averaged the same way.
         """
         rec, cfg = self.recorder, self.nw_config
+        if self._pure_noise_schedule():
+            raise ValueError(
+                "bandwidth='schedule' is infinite at s = 1 (pure noise): the NW weights are uniform and "
+                "their rank statistics undefined; this step is not recorded (pick another bandwidth for it)"
+            )
         batch = q.shape[0]
         stats, attn_w, nw_w = side.softmax_statistics(
             q,

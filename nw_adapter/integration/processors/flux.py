@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.flow_base import FlowNWProcessorBase, capture_outputs
 from nw_adapter.integration.recorder import NWRecorder
@@ -144,9 +143,7 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
         for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
             value = self._split(self.to_v_ip[j](states), attn.heads)
             h = self._bandwidth(q, key, None, s)
-            branch = kernels.gaussian_kernel_attention(
-                q, key, value, h, chunk_size=self.nw_config.chunk_size, validate=False
-            )
+            branch = self._gaussian_head(q, key, value, h)
             total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
         return total
 

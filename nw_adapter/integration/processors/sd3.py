@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAttnProcessor2_0
 
-from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.flow_base import (
     HALF_LABELS,
@@ -142,9 +141,7 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
         captured.update(q_normed=q, k_normed=k_img, k_ip=k_ip)
         s = 1.0 / math.sqrt(q.shape[-1])
         h = self._bandwidth(q, key, None, s)
-        out = kernels.gaussian_kernel_attention(
-            q, key, value, h, chunk_size=self.nw_config.chunk_size, validate=False
-        )
+        out = self._gaussian_head(q, key, value, h)
         batch, _, rows, head_dim = out.shape
         return out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype)
 
