@@ -392,3 +392,14 @@ def test_schedule_bandwidth_follows_s_over_1_minus_s_and_its_pure_noise_limit(sd
         branch = v.mean(-2, keepdim=True).expand(2, attn.heads, 64, 8).transpose(1, 2).reshape(2, 64, 16)
         expected = attn.to_out[0](text + branch * stock.scale)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sd3_skip_layer_guidance_pass_is_not_recorded(sd3):
+    kwargs = {"skip_guidance_layers": [1], "skip_layer_guidance_start": 0.0, "steps": 3}
+    stock = generate(sd3, **kwargs)
+    with nw_processor(sd3, mode="observe", nulls=False) as rec:
+        observed = generate(sd3, **kwargs)
+    assert torch.equal(stock, observed)
+    records = rec.to_records()
+    assert {(r["step"], r["half"]) for r in records} == {(s, h) for s in range(3) for h in ("uncond", "cond")}
+    assert len(records) == 3 * 2 * 2 * 2  # steps x halves x layers x heads: one record each

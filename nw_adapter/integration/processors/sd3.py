@@ -23,6 +23,9 @@ same rows, beside both. q, k and k_ip are the very tensors the stock processor f
 hooks on its ``norm_q``, ``norm_k`` and ``norm_ip_k`` (called only in the image branch) capture
 them during ``super().__call__``, whose output is returned untouched (observe is bit-identical).
 
+A further transformer pass of the same step (skip-layer guidance, ``skip_guidance_layers``, runs
+the conditional half again with some blocks skipped) is not recorded; swap applies to it too.
+
 Swap: ``super().__call__`` runs without ``ip_hidden_states`` (diffusers then skips the image
 branch) and a forward pre-hook on ``attn.to_out[0]`` adds ``scale * GKA(q, k, v, h)`` over the same
 joint keys and values, GKA(q, k, v, h)_n = sum_i softmax_i(-||q_n - k_i||^2 / 2h^2) v_i; q, k and v
@@ -98,6 +101,7 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
         """
         stock = super().__call__
         record, swap = self._selection()
+        record = record and self.recorder.state.pass_index == 0  # not skip-layer guidance's extra pass
         if not (record or swap) or ip_hidden_states is None or self.scale == 0:
             return stock(attn, hidden_states, encoder_hidden_states, attention_mask, ip_hidden_states, temb)
         captured: dict[str, torch.Tensor] = {}
