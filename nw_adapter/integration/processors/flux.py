@@ -154,12 +154,12 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
         scales: Sequence[Any],
         heads_n: int,
     ) -> None:
+        """Record each adapter's softmax (q [B, H, N, d] against its keys), labelled by the pass."""
         heads = self._heads(heads_n)
         if not heads:
             return
         keys = self._keys(ip_hidden_states, heads_n)
-        pass_index = int(getattr(self.recorder.state, "pass_index", 0) or 0)
-        halves = (PASS_HALVES[min(pass_index, 1)],)
+        halves = (PASS_HALVES[min(self.recorder.state.pass_index, 1)],)
         q = self._pick(q_all, heads, heads_n)
         s = 1.0 / math.sqrt(q.shape[-1])
         for j, (key, scale) in enumerate(zip(keys, scales, strict=False)):

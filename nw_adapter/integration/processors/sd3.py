@@ -149,7 +149,11 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
         batch, _, rows, head_dim = out.shape
         return out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype)
 
-    def _record(self, attn: Attention, q_all: torch.Tensor, k_img_all: torch.Tensor, k_ip_all: Any) -> None:
+    def _record(
+        self, attn: Attention, q_all: torch.Tensor, k_img_all: torch.Tensor, k_ip_all: torch.Tensor
+    ) -> None:
+        """Record the "ip" and "joint" comparisons of the captured q [B, H, N, d], k_img [B, H, N, d],
+        k_ip [B, H, M, d] (all as the stock branch forms them), with ``ip_mass``."""
         heads = self._heads(attn.heads)
         if not heads:
             return
