@@ -17,6 +17,7 @@ recorder.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,10 @@ from nw_adapter.integration.processors import side
 from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder
 
 HALF_LABELS = {1: ("all",), 2: ("uncond", "cond")}
+
+# Whether side.softmax_statistics averages the CFG halves itself (its `halves` argument, added by
+# the statistics rewrite); without it the statistics come per batch row and are averaged here.
+_POOLS_HALVES = "halves" in inspect.signature(side.softmax_statistics).parameters
 
 
 class FlowNWProcessorBase:
@@ -159,7 +164,7 @@ class FlowNWProcessorBase:
                 "bandwidth='schedule' is infinite at s = 1 (pure noise): the NW weights are uniform and "
                 "their rank statistics undefined; this step is not recorded (pick another bandwidth for it)"
             )
-        batch = q.shape[0]
+        batch, n = q.shape[0], len(halves)
         stats, attn_w, nw_w = side.softmax_statistics(
             q,
             k,
@@ -168,9 +173,10 @@ class FlowNWProcessorBase:
             q_norm=q.norm(dim=-1).mean(dim=-1),
             config=cfg,
             generator=rec.generator(q.device) if cfg.nulls else None,
+            **({"halves": n} if _POOLS_HALVES else {}),
         )
-        n = len(halves)
-        stats = stats.view(len(STAT_NAMES), n, batch // n, len(heads)).nanmean(dim=2)
+        if stats.shape[1] != n:  # per batch row [S, B, H]: average within each half
+            stats = stats.view(len(STAT_NAMES), n, batch // n, len(heads)).nanmean(dim=2)
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         rec.add(
             layer=self.layer_name,
