@@ -265,8 +265,13 @@ class NWRecorder:
         perturbed = bool(getattr(self.pipe, "do_perturbed_attention_guidance", False)) if self.pipe else False
         marker = _progress_marker(scheduler)
         index = _scheduler_index(scheduler, len(self._table))
-        # Without the scheduler's own index, the timestep itself decides (one host read).
-        reads_t = (marker is _NO_MARKER or marker is None or index is None) and not _is_nan(timestep)
+        # Without the scheduler's own index, the timestep itself decides (one host read); without
+        # a scheduler nothing is looked up, so nothing is read (no host sync: bare UNets, benchmarks).
+        reads_t = (
+            scheduler is not None
+            and (marker is _NO_MARKER or marker is None or index is None)
+            and not _is_nan(timestep)
+        )
         host_t = float(timestep) if reads_t else None
         st = self.state
         if not new_call and scheduler is not None and self._is_same_step(marker, host_t):
