@@ -273,47 +273,43 @@ class NWRecorder:
         perturbed = bool(getattr(self.pipe, "do_perturbed_attention_guidance", False)) if self.pipe else False
         marker = _progress_marker(scheduler)
         index = _scheduler_index(scheduler, len(self._table))
-        # Without the scheduler's own index, the timestep itself decides (one host read).
-        reads_t = (marker is _NO_MARKER or marker is None or index is None) and not _is_nan(timestep)
+        # Without the scheduler's own index, the timestep itself decides (one host read); without
+        # a scheduler nothing is looked up, so nothing is read (no host sync: bare UNets, benchmarks).
+        reads_t = (
+            scheduler is not None
+            and (marker is _NO_MARKER or marker is None or index is None)
+            and not _is_nan(timestep)
+        )
         host_t = float(timestep) if reads_t else None
-        if not new_call and scheduler is not None:  # without a scheduler every forward is a step
-            if marker is _NO_MARKER:  # same timestep, and no later table entry equal to it
-                later = self._table_timesteps[self.state.step + 1 :] if self._on_table else []
-                same_step = host_t is not None and host_t == self._host_t and host_t not in later
-            elif marker is None:  # before the scheduler's first step: the timestep decides
-                same_step = host_t is not None and host_t == self._host_t
-            else:
-                same_step = marker == self._marker
-            if same_step:
-                st = self.state
-                self.begin_step(
-                    call=st.call,
-                    step=st.step,
-                    timestep=st.timestep,
-                    alpha=st.alpha,
-                    sigma=st.sigma,
-                    cfg=cfg,
-                    latent_hw=hw,
-                    pass_index=st.pass_index + 1,
-                    perturbed=perturbed,
-                )
-                return
-        call = self.state.call + 1 if (new_call and self._started) else self.state.call
+        st = self.state
+        if not new_call and scheduler is not None and self._is_same_step(marker, host_t):
+            self.begin_step(
+                call=st.call,
+                step=st.step,
+                timestep=st.timestep,
+                alpha=st.alpha,
+                sigma=st.sigma,
+                cfg=cfg,
+                latent_hw=hw,
+                pass_index=st.pass_index + 1,
+                perturbed=perturbed,
+            )
+            return
         if index is None and self._table and host_t is not None:
-            start = 0 if new_call or not self._on_table else self.state.step + 1
+            start = 0 if new_call or not self._on_table else st.step + 1
             index = _nearest_index(self._table_timesteps, host_t, start)
         self._marker, self._host_t, self._on_table = marker, host_t, index is not None
         if index is not None:
             row = self._table[index]
             step, label, alpha, sigma = index, row["timestep"], row["alpha"], row["sigma"]
         else:  # no scheduler, or a timestep off its table: count forwards, level from t
-            step = 0 if new_call else self.state.step + 1
+            step = 0 if new_call else st.step + 1
             label = timestep
             alpha = sigma = math.nan
-            if scheduler is not None and not _is_nan(timestep):
-                alpha, sigma, _ = noise_level(scheduler, float(timestep))
+            if scheduler is not None and host_t is not None:
+                alpha, sigma, _ = noise_level(scheduler, host_t)
         self.begin_step(
-            call=call,
+            call=st.call + 1 if (new_call and self._started) else st.call,
             step=step,
             timestep=label,
             alpha=alpha,
@@ -322,6 +318,19 @@ class NWRecorder:
             latent_hw=hw,
             perturbed=perturbed,
         )
+
+    def _is_same_step(self, marker: Any, host_t: float | None) -> bool:
+        """Whether this forward is a further pass of the current step (the scheduler did not move).
+
+        ``marker`` is the scheduler's progress (``step_index`` / PNDM ``counter``), ``host_t`` the
+        received timestep when it was read.
+        """
+        if marker is _NO_MARKER:  # the same timestep, and no later table entry equal to it
+            later = self._table_timesteps[self.state.step + 1 :] if self._on_table else []
+            return host_t is not None and host_t == self._host_t and host_t not in later
+        if marker is None:  # before the scheduler's first step: the timestep decides
+            return host_t is not None and host_t == self._host_t
+        return marker == self._marker
 
     def new_call(self) -> None:
         """Mark the next denoiser forward as the start of a new call (needed only without a pipeline)."""

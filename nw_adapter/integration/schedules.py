@@ -8,8 +8,12 @@ All numbers are in variance-preserving (VP) terms, x_t = alpha_t x_0 + sigma_t e
   Euler-ancestral, LMS, Heun, DPM-Solver++ ...): their sigma s is the variance-exploding
   noise level s = sigma_t / alpha_t, so alpha_t = 1 / sqrt(1 + s^2), sigma_t = s alpha_t
   and h_t = s exactly (also with Karras sigmas);
-- flow-matching schedulers (``sigmas`` but no ``alphas_cumprod``): x_s = (1 - s) x_0 + s eps,
-  alpha = 1 - s, sigma = s.
+- flow-matching schedulers (``FlowMatch*``, whose config has a ``shift``; or any scheduler with
+  ``use_flow_sigmas`` / ``prediction_type="flow_prediction"``, e.g. UniPC for Wan, which also
+  carries an unused ``alphas_cumprod``): x_s = (1 - s) x_0 + s eps, alpha = 1 - s, sigma = s,
+  h = s / (1 - s), with s = ``sigmas[i]`` as the scheduler set it (shift, dynamic shifting);
+- other schedulers with ``sigmas`` and no ``alphas_cumprod`` (EDM): the variance-exploding
+  convention above, h = s.
 """
 
 from __future__ import annotations
@@ -28,6 +32,21 @@ def _sigma_table(scheduler: Any) -> torch.Tensor | None:
     if sigmas.ndim != 1 or sigmas.numel() != timesteps.numel() + 1:
         return None
     return sigmas.detach().to("cpu", torch.float64)
+
+
+def is_flow_matching(scheduler: Any) -> bool:
+    """Whether ``scheduler`` uses the rectified-flow convention x_s = (1 - s) x_0 + s eps.
+
+    Example:
+        >>> from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+        >>> is_flow_matching(FlowMatchEulerDiscreteScheduler()), is_flow_matching(EulerDiscreteScheduler())
+        (True, False)
+    """
+    config = getattr(scheduler, "config", None)
+    get = config.get if hasattr(config, "get") else (lambda key, default=None: default)
+    if get("use_flow_sigmas", False) or get("prediction_type") == "flow_prediction":
+        return True
+    return getattr(scheduler, "alphas_cumprod", None) is None and get("shift") is not None
 
 
 def _vp_from_abar(abar: float) -> tuple[float, float, float]:
@@ -62,7 +81,7 @@ def noise_level(scheduler: Any, timestep: float, step_index: int | None = None) 
             matches = (scheduler.timesteps.detach().cpu().double() - float(timestep)).abs().argmin()
             step_index = int(matches)
         s = float(sigmas[step_index])
-        if abar_table is None:  # flow matching: x = (1 - s) x0 + s eps
+        if is_flow_matching(scheduler):  # x = (1 - s) x0 + s eps
             return 1.0 - s, s, (s / (1.0 - s) if s < 1 else math.inf)
         alpha = 1.0 / math.sqrt(1.0 + s * s)
         return alpha, s * alpha, s
@@ -84,7 +103,7 @@ def schedule_table(scheduler: Any) -> list[dict[str, float]]:
         >>> from diffusers import DDIMScheduler
         >>> s = DDIMScheduler(); s.set_timesteps(3)
         >>> [row["timestep"] for row in schedule_table(s)]
-        [667.0, 334.0, 1.0]
+        [666.0, 333.0, 0.0]
     """
     timesteps = scheduler.timesteps.detach().cpu().double().tolist()
     rows = []

@@ -9,9 +9,11 @@ import torch
 from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
+    EDMEulerScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
     PNDMScheduler,
+    UniPCMultistepScheduler,
 )
 
 from nw_adapter.integration.schedules import noise_level, schedule_table
@@ -78,6 +80,34 @@ def test_flow_matching_convention():
     sig = float(s.sigmas[1])
     assert (alpha, sigma) == pytest.approx((1 - sig, sig))
     assert h == pytest.approx(sig / (1 - sig))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FlowMatchEulerDiscreteScheduler(shift=3.0),
+        lambda: UniPCMultistepScheduler(
+            use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0
+        ),
+        lambda: DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction"),
+    ],
+    ids=["flow_match_shifted", "unipc_flow_sigmas", "dpm_flow_sigmas"],
+)
+def test_flow_sigmas_are_flow_matching_even_with_alphas_cumprod(make):
+    s = make()
+    s.set_timesteps(4)
+    for row in schedule_table(s)[1:]:
+        sig = float(s.sigmas[row["step"]])
+        assert (row["alpha"], row["sigma"], row["h"]) == pytest.approx((1 - sig, sig, sig / (1 - sig)))
+
+
+def test_edm_sigmas_are_variance_exploding():
+    s = EDMEulerScheduler()
+    s.set_timesteps(4)
+    for row in schedule_table(s):
+        sig = float(s.sigmas[row["step"]])
+        assert row["h"] == pytest.approx(sig)
+        assert row["alpha"] == pytest.approx(1 / math.sqrt(1 + sig**2))
 
 
 def test_unknown_scheduler_gives_nan():

@@ -203,3 +203,40 @@ def test_bare_denoiser_without_scheduler_counts_forwards():
 def test_attach_rejects_bad_timestep_scale():
     with pytest.raises(ValueError, match="timestep_scale"):
         NWRecorder().attach(PositionalDenoiser(), timestep_scale=0)
+
+
+def _host_reads_from_recorder(monkeypatch) -> list[str]:
+    """Count Tensor -> host conversions whose caller is the recorder module."""
+    import sys
+
+    from nw_adapter.integration import recorder as recorder_module
+
+    reads: list[str] = []
+    for name in ("__float__", "__int__", "__bool__", "item", "tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, __name=name, __original=original, **kwargs):
+            if sys._getframe(1).f_code.co_filename == recorder_module.__file__:
+                reads.append(__name)
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return reads
+
+
+@pytest.mark.parametrize("cls", [EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler])
+def test_no_host_read_per_step_with_a_scheduler_step_index(cls, monkeypatch):
+    """With the scheduler's own step index the pre-hook reads no timestep (no GPU sync per step)."""
+    scheduler = cls(**SD15) if cls is EulerDiscreteScheduler else cls(shift=3.0)
+    scheduler.set_timesteps(4)
+    denoiser = KeywordDenoiser()
+    rec, seen = _attach(scheduler, denoiser)
+    latents = torch.randn(1, 4, 2, 2)
+    reads = _host_reads_from_recorder(monkeypatch)
+    for i, t in enumerate(scheduler.timesteps):
+        x = scheduler.scale_model_input(latents, t) if cls is EulerDiscreteScheduler else latents
+        if i == 1:
+            reads.clear()  # the first forward may read (new call: the table, the first index)
+        latents = scheduler.step(denoiser(hidden_states=x, timestep=t.expand(1)), t, latents).prev_sample
+    assert [s.step for s in seen] == [0, 1, 2, 3]
+    assert reads == []

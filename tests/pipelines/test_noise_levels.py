@@ -84,10 +84,8 @@ def test_img2img_records_the_scheduler_level_at_each_step(img2img, scheduler_cls
 
 
 @pytest.mark.parametrize("scheduler_cls", [DDIMScheduler, EulerDiscreteScheduler])
-def test_inpainting_records_the_scheduler_level_at_each_step(
-    tiny_sd15_dir, tiny_ip_adapter_dir, scheduler_cls
-):
-    pipe = _load(StableDiffusionInpaintPipeline, tiny_sd15_dir, tiny_ip_adapter_dir)
+def test_inpainting_records_the_scheduler_level_at_each_step(img2img, scheduler_cls):
+    pipe = StableDiffusionInpaintPipeline.from_pipe(img2img)
     mask = np.zeros((SIZE, SIZE), dtype="uint8")
     mask[:, SIZE // 2 :] = 255
     rec, _ = _run_and_check(

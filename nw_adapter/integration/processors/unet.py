@@ -31,6 +31,11 @@ input of the output projection:
 GKA(q, k, v, h)_n = sum_i softmax_i(-||q_n - k_i||^2 / 2h^2) v_i (THEORY.md section 3). Dropout,
 the reshape of 4-D inputs, ``residual_connection`` and ``rescale_output_factor`` are then applied
 by diffusers' own code, exactly as for the stock branch.
+
+Failures: in observe a side computation that raises never fails the layer: the stock output is
+returned, the recorder drops what the layer stored at that step, counts the (step, layer) pair
+with its reason and warns once (:meth:`~nw_adapter.integration.recorder.NWRecorder.skip`). In
+swap the output depends on the NW branch, so its failure raises a RuntimeError naming the layer.
 """
 
 from __future__ import annotations
