@@ -404,6 +404,7 @@ def _image_worker(
     import torch
 
     from nw_adapter.atomic import atomic_write
+    from nw_adapter.correlate import families
     from nw_adapter.correlate.plotting import panels_from_maps, plot_attention_maps
     from nw_adapter.correlate.sweep import image_dir
     from nw_adapter.integration.mixin import nw_processor
@@ -429,6 +430,8 @@ def _image_worker(
         relative = folder.relative_to(out_dir)
         atomic_write(folder / "generated.png", lambda tmp: generated.save(tmp))
         entry = {**info.to_dict(), "generated": str(relative / "generated.png")}
+        if families.write_joint_records(recorder, folder) is not None:  # SD 3.5's joint key set
+            entry["joint_records"] = str(relative / "rho_joint.csv")
         records = [{"reference": key, **record} for record in recorder.to_records()]
         if args.store_maps:
             recorder.save_maps(folder / "maps.safetensors")

@@ -310,3 +310,25 @@ def shown_adapter(model: str, spec: Any) -> str:
         return TINY
     family = family_of_model(spec.model)
     return FAMILIES[family].ip_adapter if family in FAMILIES else DEFAULT_IP_ADAPTER
+
+
+def write_joint_records(recorder: Any, folder: Path) -> Path | None:
+    """SD 3.5: write the joint-key-set records (image + IP keys) as ``rho_joint.csv`` in ``folder``.
+
+    ``rho.json`` reports the comparison over the IP keys (every family's); this file keeps SD 3.5's
+    second comparison, over its one image-branch softmax's whole key set. Written atomically;
+    None (nothing written) for the other families.
+    """
+    import csv
+    import io
+
+    from nw_adapter.atomic import atomic_write_text
+
+    records = recorder.to_records(key_set="joint")
+    if not records:
+        return None
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(records[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    return atomic_write_text(folder / "rho_joint.csv", buffer.getvalue())

@@ -7,6 +7,7 @@ image encoder, and run end to end (Flux with true CFG).
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -97,9 +98,16 @@ def test_sd3_end_to_end(tiny_sd3_dir, tiny_sd3_ip_adapter_dir, reference, tmp_pa
     ]  # fmt: skip
     code, _, err = run(argv, capsys)
     assert code == 0, err
-    records = json.loads((out / "rho.json").read_text())["records"]
+    report = json.loads((out / "rho.json").read_text())
+    records = report["records"]
     assert {r["half"] for r in records} == {"cond", "uncond"} and {r["key_set"] for r in records} == {"ip"}
     assert all(0 < r["ip_mass"] < 1 for r in records)
+    (image,) = report["images"]
+    with open(out / image["joint_records"]) as handle:
+        joint = list(csv.DictReader(handle))
+    assert len(joint) == len(records) and {r["key_set"] for r in joint} == {"joint"}
+    tokens = (32 // 2 // 2) ** 2  # 2 x 2 patches of the 16 x 16 latent
+    assert {int(r["num_keys"]) for r in joint} == {tokens + 4}
 
 
 def test_sd15_tiny_adapter_with_an_sd3_model_is_a_one_line_error(tiny_sd3_dir, reference, tmp_path, capsys):
