@@ -83,23 +83,33 @@ def gemm_flop(size: int) -> int:
     return 2 * size**3
 
 
-def add_roofline(entry: dict[str, Any], n: int, m: int, d: int) -> dict[str, Any]:
+def add_roofline(entry: dict[str, Any], n: int, m: int, d: int, *, cpu: bool = True) -> dict[str, Any]:
     """Add the roofline to one case's results (in place) from its ``"gemm"`` timing.
 
     Args:
         entry: ``{"results": {impl: {"median", ...}}, "gemm": {"median", "size"}}`` (seconds).
         n, m, d: the case (values = support, so ``d_v = d``).
+        cpu: also the roofline from process CPU times (off for GPU timings, where the host's CPU
+            time measures nothing of the device's work).
 
     Returns:
         ``entry`` with ``gemm["gflops"]``, ``flop``, ``floor_s`` and, for every implementation,
-        ``x_floor = median / floor_s``.
+        ``x_floor = median / floor_s``; where the timings carry process CPU times (``"cpu":
+        {"median"}``) the same from CPU times: ``gemm["cpu_gflops"]``, ``cpu_floor_s`` and
+        ``x_floor_cpu`` (steadier than the wall clock on a machine shared with other jobs).
     """
     gemm = entry["gemm"]
-    gemm["gflops"] = gemm_flop(gemm["size"]) / gemm["median"] / 1e9
     entry["flop"] = nw_flop(n, m, d)
-    entry["floor_s"] = entry["flop"] / (gemm["gflops"] * 1e9)
-    for result in entry["results"].values():
-        result["x_floor"] = result["median"] / entry["floor_s"]
+    for suffix, get in (("", lambda e: e.get("median")), ("_cpu", lambda e: e.get("cpu", {}).get("median"))):
+        if not get(gemm) or (suffix and not cpu):
+            continue
+        gflops = gemm_flop(gemm["size"]) / get(gemm) / 1e9
+        floor = entry["flop"] / (gflops * 1e9)
+        gemm["cpu_gflops" if suffix else "gflops"] = gflops
+        entry["cpu_floor_s" if suffix else "floor_s"] = floor
+        for result in entry["results"].values():
+            if get(result) is not None:
+                result["x_floor" + suffix] = get(result) / floor
     return entry
 
 
@@ -243,7 +253,7 @@ def bench_nw_field(
             if memory:
                 results[name].update(measure_peak(name, n, m, d, threads))
         entry = {"n": n, "m": m, "d": d, "nm_mib": n * m * 4 / 2**20, "results": results, "gemm": gemm}
-        rows.append(add_roofline(entry, n, m, d))
+        rows.append(add_roofline(entry, n, m, d, cpu=torch.device(device).type == "cpu"))
     return rows
 
 

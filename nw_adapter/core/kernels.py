@@ -17,6 +17,9 @@ Numerics: inputs are upcast to float32 (float64 stays float64) and never run und
 :func:`gaussian_kernel_attention` centres query and key on the (masked) key mean before the
 expanded form is used, so data far from the origin loses nothing beyond the rounding of the
 inputs themselves; the direct differences of :func:`nw_logits` need no centring.
+:func:`gaussian_kernel_head` (the swap processor's hot path) centres only the keys, on their
+first row, and passes the queries to SDPA untouched: one SDPA call plus five small operations on
+the keys (see its docstring for the error bound).
 :func:`nw_logits` / :func:`nw_weights` use direct differences ``x - s_i`` (fused, ``torch.cdist``);
 :func:`gaussian_kernel_attention` uses the expanded dot-product form required by SDPA, whose
 absolute logit error is of order ``eps * (||x - c||^2 + ||s_i - c||^2) / (2 h^2)`` with ``c`` the
