@@ -253,17 +253,16 @@ def run_field(plan: dict[str, Any], threads: int, device: torch.device) -> tuple
         out.append(res)
         gemm = res["gemm"]
         case = [str(n), str(m), str(d), f"{res['flop'] / 1e9:.3g}", fmt_ms(res["floor_s"])]
-        rows.append([*case, f"GEMM {gemm['size']}: {gemm['gflops']:.0f} GF/s", cell(gemm), "", "", "", ""])
+        rows.append([*case, f"GEMM {gemm['size']}: {gemm['gflops']:.0f} GF/s", cell(gemm), "", "", ""])
         blank = [""] * len(case)
         for impl in IMPLEMENTATIONS:
             if impl not in res["results"]:
-                rows.append([*blank, impl, "skipped (too slow)", "", "", "", ""])
+                rows.append([*blank, impl, "skipped (too slow)", "", "", ""])
                 continue
             r = res["results"][impl]
             peak = f"{r['peak_mib']:.1f}" if "peak_mib" in r else "n/a"
-            nm = f"{res['nm_mib']:.0f}" if impl == "naive" else ""
             x_floor = f"{r['x_floor']:.2f}" + (f" ({r['x_floor_cpu']:.2f})" if "x_floor_cpu" in r else "")
-            rows.append([*blank, impl, cell(r), f"{r['ratio']:.2f}", x_floor, peak, nm])
+            rows.append([*blank, impl, cell(r), f"{r['ratio']:.2f}", x_floor, peak])
     header = [
         "n",
         "m",
@@ -275,7 +274,6 @@ def run_field(plan: dict[str, Any], threads: int, device: torch.device) -> tuple
         "x naive",
         "x floor (cpu)",
         "peak MiB",
-        "n*m MiB",
     ]
     return out, table(header, rows) + "\n" + floor_verdict(out, FLOOR_TARGET)
 
