@@ -152,7 +152,9 @@ def build_unet(
     state = {k: v for k, v in state.items() if not k.startswith("ip_adapter.")}
     state |= _ip_layer_weights(unet, seed)
     unet._load_ip_adapter_weights([_split_original(state)], low_cpu_mem_usage=False)
-    return unet.to(dtype=dtype).eval().requires_grad_(False)
+    if unet.dtype != dtype:
+        unet = unet.to(dtype=dtype)
+    return unet.eval().requires_grad_(False)
 
 
 def unet_inputs(

@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -74,10 +74,11 @@ PLANS: dict[str, dict[str, Any]] = {
         "recorder_queries": [64, 256],
     },
     # One H200: estimated 2-5 min in all (model building and compilation included; not measured
-    # yet), see gpu_run.sh. The UNet steps come first; compiled observe runs only there (each
-    # layer shape compiles once), so that compilation cannot push the run past its time cap.
+    # yet), see gpu_run.sh. The quick sections come first, then the UNet steps, saved after each
+    # model; compiled observe runs only there (each layer shape compiles once), so that a slow
+    # compilation cannot cost the other sections.
     "gpu": {
-        "sections": ("unet", "attention", "field"),
+        "sections": ("attention", "field", "unet"),
         "attention": [
             ((320, 4096), 4),
             ((640, 1024), 4),
@@ -96,7 +97,7 @@ PLANS: dict[str, dict[str, Any]] = {
         "recorder_queries": [64, 4096],
     },
     "gpu_quick": {
-        "sections": ("unet", "attention", "field"),
+        "sections": ("attention", "field", "unet"),
         "attention": [((320, 4096), 4), ((1280, 64), 16)],
         "attention_repeats": 10,
         "attention_variants": ("observe", "swap"),
@@ -157,18 +158,25 @@ def variant_rows(
 ) -> list[list[str]]:
     """One row per variant (stock first): ``prefix + [variant, ms, ratio, cpu ratio, ...]``.
 
-    A skipped variant gets its note in place of the numbers; rows are padded to ``width``.
+    A skipped variant gets ``skipped (below)`` in place of the numbers (its note goes under the
+    table, see :func:`skip_notes`); rows are padded to ``width``.
     """
     rows = []
     for v in ("stock", *variants):
         if v in res.get("skipped", {}):
-            row = [*prefix, v, res["skipped"][v]]
+            row = [*prefix, v, "skipped (below)"]
         else:
             r = res["results"][v]
             row = [*prefix, v, cell(r), *ratio_cells(r)]
         rows.append(row + [""] * (width - len(row)))
         prefix = [""] * len(prefix)
     return rows
+
+
+def skip_notes(entries: Sequence[dict[str, Any]]) -> str:
+    """The distinct ``variant: note`` lines of every skipped variant (empty string if none)."""
+    notes = {f"{v}: {note}" for entry in entries for v, note in entry.get("skipped", {}).items()}
+    return "".join(f"\n{line}" for line in sorted(notes))
 
 
 def run_attention(plan: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[list, str]:
@@ -193,11 +201,20 @@ def run_attention(plan: dict[str, Any], device: torch.device, dtype: torch.dtype
         rows += variant_rows([str(hidden), str(queries), str(tokens)], res, variants, 7)
     title = f"One SD 1.5 attn2 layer, CFG batch 2 ({device.type}, {str(dtype).removeprefix('torch.')})"
     header = ["hidden", "queries", "img", "variant", "ms [q1-q3]", "ratio", "cpu ratio"]
-    return out, title + "\n" + table(header, rows)
+    return out, title + "\n" + table(header, rows) + skip_notes(out)
 
 
-def run_unet(plan: dict[str, Any], device: torch.device, dtype: torch.dtype) -> tuple[list, str]:
-    """Whole-UNet section (one entry per model and latent size): results and their table."""
+def run_unet(
+    plan: dict[str, Any],
+    device: torch.device,
+    dtype: torch.dtype,
+    checkpoint: Callable[[list, str], None] | None = None,
+) -> tuple[list, str]:
+    """Whole-UNet section (one entry per model and latent size): results and their table.
+
+    ``checkpoint(results so far, table so far)`` is called after every entry, so that a run cut
+    short (time cap) keeps the models it finished.
+    """
     from benchmarks.attention import UNET_MODELS, bench_unet_step
     from benchmarks.models import build_unet
 
@@ -230,13 +247,21 @@ def run_unet(plan: dict[str, Any], device: torch.device, dtype: torch.dtype) -> 
                 row[6] = f"{r['side_over_stock']:.3f}" if "side_over_stock" in r else ""
                 row[7] = f"{r['first_call_s']:.1f}" if "first_call_s" in r else ""
             rows.append(row)
+        if checkpoint is not None:
+            checkpoint(
+                out, _unet_table(rows, out, device, dtype) + "\n(partial: the section is still running)"
+            )
+    return out, _unet_table(rows, out, device, dtype)
+
+
+def _unet_table(rows: list[list[str]], out: list, device: torch.device, dtype: torch.dtype) -> str:
     timer = "CUDA events" if device.type == "cuda" else "wall clock"
     title = (
         f"UNet step (random weights, base IP-Adapter), CFG batch 2 ({device.type}, "
         f"{str(dtype).removeprefix('torch.')}, {timer})"
     )
     header = ["model", "latents", "variant", "ms [q1-q3]", "ratio", "cpu ratio", "side/stock", "1st call s"]
-    return out, title + "\n" + table(header, rows)
+    return title + "\n" + table(header, rows) + skip_notes(out)
 
 
 def run_field(plan: dict[str, Any], threads: int, device: torch.device) -> tuple[list, str]:
@@ -320,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         help="torch.set_num_threads (default 1: on a shared machine it measures work, not scheduling)",
     )
     parser.add_argument(
-        "--sections", nargs="+", choices=SECTIONS, help="default: all (GPU: unet attention field)"
+        "--sections", nargs="+", choices=SECTIONS, help="default: all (GPU: attention field unet)"
     )
     parser.add_argument(
         "--device", default="cpu", help="cpu (default), cuda or cuda:N; cuda selects the GPU plan"
@@ -367,7 +392,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if section == "attention":
             data, text = run_attention(plan, device, dtype)
         elif section == "unet":
-            data, text = run_unet(plan, device, dtype)
+
+            def checkpoint(data: list, text: str) -> None:
+                results["sections"]["unet"], tables["unet"] = data, text
+                _write(args, results, tables)
+
+            data, text = run_unet(plan, device, dtype, checkpoint)
         elif section == "field":
             data, text = run_field(plan, args.threads, device)
         else:

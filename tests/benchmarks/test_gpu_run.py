@@ -227,3 +227,19 @@ def test_printed_tables_stay_under_120_characters(tmp_path: Path, monkeypatch: p
     text = tables.read_text()
     assert "x floor" in text and "GF/s" in text and "roofline floor" in text
     assert max(len(line) for t in res["tables"].values() for line in t.splitlines()) <= 120
+
+
+def test_unet_section_checkpoints_after_every_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.attention as attention
+
+    torch.set_num_threads(1)
+    monkeypatch.setitem(attention.UNET_MODELS, "toy", (TOY_UNET_CONFIG, 1024))
+    plan = {"unet": [("toy", 8, 1, ("swap",)), ("toy", 4, 1, ("observe_compiled", "swap"))], "warmup": 1}
+    saved: list[tuple[int, str]] = []
+    out, text = run.run_unet(plan, torch.device("cpu"), torch.float32, lambda d, t: saved.append((len(d), t)))
+    assert [n for n, _ in saved] == [1, 2] and all("partial" in t for _, t in saved)
+    assert [entry["model"] for entry in out] == ["toy", "toy"]
+    assert "partial" not in text and "8x8 (64 px)" in text and "4x4 (32 px)" in text
+    if missing_option("observe_compiled") is not None:
+        assert "observe_compiled: skipped: NWProcessorConfig has no compile option" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
