@@ -14,6 +14,13 @@ i.e. ``a = b = 0.5``):
 - ``field_bias``: :class:`~nw_adapter.core.paths.NWVelocityField` with ``form="bias"``, its default
   (chunked SDPA).
 
+Roofline: a square ``GEMM_SIZE x GEMM_SIZE`` float32 matrix product is timed in the same
+interleaved rounds as the implementations (same process, same threads, same machine load); its
+rate ``2 GEMM_SIZE^3 / time`` is the machine's attainable FLOP rate for dense math. Each size's
+NW mean needs ``nw_flop(n, m, d) = 2 n m d + 2 n m d_v`` FLOP (the two matrix products ``x s^T``
+and ``W v``; the ``n m`` exponentials are not counted), so ``floor = nw_flop / GEMM rate`` is the
+time the mean cannot beat, and ``time / floor`` says how far each implementation is from it.
+
 Time: medians of interleaved repeats in this process. Peak memory: for each (case,
 implementation) a fresh subprocess builds the inputs, then resets the kernel's peak-RSS counter
 (``echo 5 > /proc/self/clear_refs`` resets ``VmHWM``), runs the implementation once and reports
@@ -42,7 +49,7 @@ import torch
 from nw_adapter.core.kernels import nw_mean
 from nw_adapter.core.paths import NWVelocityField, OTPath
 
-from .timing import add_ratios, time_interleaved
+from .timing import add_ratios, time_interleaved, timer_for
 
 IMPLEMENTATIONS: tuple[str, ...] = (
     "naive",
@@ -54,12 +61,64 @@ IMPLEMENTATIONS: tuple[str, ...] = (
 )
 #: OT path at t = 0.5: x_t = t x_1 + (1 - t) x_0, so a = t and b = 1 - t.
 T = 0.5
+#: Side of the square GEMM whose rate sets the roofline.
+GEMM_SIZE = 2048
+#: Target: ``nw_mean`` within this factor of the roofline floor at every size.
+FLOOR_TARGET = 1.25
 
 
-def make_inputs(n: int, m: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries ``[n, d]`` and support ``[m, d]``, standard normal, float32."""
+def nw_flop(n: int, m: int, d: int, d_v: int | None = None) -> int:
+    """FLOP of one NW mean: ``2 n m d`` for the logits ``x s^T`` plus ``2 n m d_v`` for ``W v``.
+
+    Example:
+        >>> nw_flop(65536, 1024, 64) / 1e9  # the issue's 17.2 GFLOP
+        17.179869184
+    """
+    d_v = d if d_v is None else d_v
+    return 2 * n * m * d + 2 * n * m * d_v
+
+
+def gemm_flop(size: int) -> int:
+    """FLOP of one ``size x size`` by ``size x size`` matrix product: ``2 size^3``."""
+    return 2 * size**3
+
+
+def add_roofline(entry: dict[str, Any], n: int, m: int, d: int, *, cpu: bool = True) -> dict[str, Any]:
+    """Add the roofline to one case's results (in place) from its ``"gemm"`` timing.
+
+    Args:
+        entry: ``{"results": {impl: {"median", ...}}, "gemm": {"median", "size"}}`` (seconds).
+        n, m, d: the case (values = support, so ``d_v = d``).
+        cpu: also the roofline from process CPU times (off for GPU timings, where the host's CPU
+            time measures nothing of the device's work).
+
+    Returns:
+        ``entry`` with ``gemm["gflops"]``, ``flop``, ``floor_s`` and, for every implementation,
+        ``x_floor = median / floor_s``; where the timings carry process CPU times (``"cpu":
+        {"median"}``) the same from CPU times: ``gemm["cpu_gflops"]``, ``cpu_floor_s`` and
+        ``x_floor_cpu`` (steadier than the wall clock on a machine shared with other jobs).
+    """
+    gemm = entry["gemm"]
+    entry["flop"] = nw_flop(n, m, d)
+    for suffix, get in (("", lambda e: e.get("median")), ("_cpu", lambda e: e.get("cpu", {}).get("median"))):
+        if not get(gemm) or (suffix and not cpu):
+            continue
+        gflops = gemm_flop(gemm["size"]) / get(gemm) / 1e9
+        floor = entry["flop"] / (gflops * 1e9)
+        gemm["cpu_gflops" if suffix else "gflops"] = gflops
+        entry["cpu_floor_s" if suffix else "floor_s"] = floor
+        for result in entry["results"].values():
+            if get(result) is not None:
+                result["x_floor" + suffix] = get(result) / floor
+    return entry
+
+
+def make_inputs(
+    n: int, m: int, d: int, seed: int = 0, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[n, d]`` and support ``[m, d]``, standard normal, float32 (drawn on the CPU)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d, generator=g), torch.randn(m, d, generator=g)
+    return torch.randn(n, d, generator=g).to(device), torch.randn(m, d, generator=g).to(device)
 
 
 def naive_nw_mean(x: torch.Tensor, support: torch.Tensor, a: float, b: float) -> torch.Tensor:
@@ -152,28 +211,39 @@ def bench_nw_field(
     implementations: Sequence[str] = IMPLEMENTATIONS,
     memory: bool = True,
     log: Callable[[str], None] = print,
+    device: torch.device | str = "cpu",
+    gemm_size: int = GEMM_SIZE,
 ) -> list[dict[str, Any]]:
-    """Time (interleaved) and measure peak memory (subprocesses) of each implementation per case.
+    """Time (interleaved, with the roofline GEMM) and measure peak memory of each implementation.
 
     Args:
         cases: ``(n, m, d)`` triples.
         repeats: timed repeats per implementation.
         threads: torch threads of the memory subprocesses (the timing uses the current setting).
         implementations: names from :data:`IMPLEMENTATIONS` (the first is the ratio baseline).
-        memory: also measure peak memory.
+        memory: also measure peak memory (CPU only: fresh subprocesses reading ``/proc``).
         log: progress printer.
+        device: device of the inputs; CUDA times are CUDA-event times.
+        gemm_size: side of the roofline's square GEMM.
 
     Returns:
-        One dict per case: ``{"n", "m", "d", "nm_mib", "results": {impl: {... "peak_mib"}}}``,
-        ``nm_mib`` being the size of one float32 ``[n, m]`` matrix, and ``max_abs_diff`` of every
+        One dict per case: ``{"n", "m", "d", "nm_mib", "flop", "floor_s", "gemm": {"size",
+        "median", "gflops", ...}, "results": {impl: {... "x_floor", "peak_mib"}}}``, ``nm_mib``
+        being the size of one float32 ``[n, m]`` matrix, and ``max_abs_diff`` of every
         implementation's NW mean against ``naive`` (the fields are converted back to means).
     """
     rows = []
+    memory = memory and torch.device(device).type == "cpu"
+    g = torch.Generator().manual_seed(7)
+    gemm_a, gemm_b = (torch.randn(gemm_size, gemm_size, generator=g).to(device) for _ in range(2))
     for n, m, d in cases:
         log(f"  nw field n={n} m={m} d={d}")
-        x, support = make_inputs(n, m, d)
+        x, support = make_inputs(n, m, d, device=device)
         fns = {name: implementation(name, x, support) for name in implementations}
-        results = add_ratios(time_interleaved(fns, repeats=repeats), implementations[0])
+        fns["gemm"] = lambda: gemm_a @ gemm_b
+        timed = time_interleaved(fns, repeats=repeats, timer=timer_for(device))
+        gemm = {"size": gemm_size, **timed.pop("gemm")}
+        results = add_ratios(timed, implementations[0])
         reference = naive_nw_mean(x, support, T, 1.0 - T)
         for name in implementations:
             out = fns[name]()
@@ -182,7 +252,8 @@ def bench_nw_field(
             results[name]["max_abs_diff_vs_naive"] = float((out - reference).abs().max())
             if memory:
                 results[name].update(measure_peak(name, n, m, d, threads))
-        rows.append({"n": n, "m": m, "d": d, "nm_mib": n * m * 4 / 2**20, "results": results})
+        entry = {"n": n, "m": m, "d": d, "nm_mib": n * m * 4 / 2**20, "results": results, "gemm": gemm}
+        rows.append(add_roofline(entry, n, m, d, cpu=torch.device(device).type == "cpu"))
     return rows
 
 

@@ -8,6 +8,11 @@ min/max of the repeats; ratios are ``median(variant) / median(baseline)``.
 Both wall-clock time (``time.perf_counter``) and the process's CPU time (``time.process_time``,
 all threads) are recorded. On a machine shared with other jobs the wall clock includes time
 spent waiting for a core; the CPU time does not, so its ratio is the steadier of the two there.
+
+On a CUDA device the main time is the device's own: a :class:`CudaEventTimer` records a CUDA
+event before and after each call and reads the elapsed time between them; the host
+synchronises with the device only outside the timed region (before the start event, so the
+queue is empty and kernel-launch gaps are counted, and after the end event, to read it).
 """
 
 from __future__ import annotations
@@ -39,12 +44,62 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
+class WallTimer:
+    """Host wall-clock timer (``time.perf_counter``) for CPU work."""
+
+    name = "wall clock (time.perf_counter)"
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        """Seconds one call of ``fn`` takes."""
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+
+class CudaEventTimer:
+    """Device timer: CUDA events around each call, synchronisation only outside the timed region.
+
+    Args:
+        event_factory: zero-argument callable returning an event with ``record()`` and
+            ``elapsed_time(end)`` in milliseconds (default ``torch.cuda.Event(enable_timing=True)``).
+        synchronize: zero-argument callable that waits for the device (default
+            ``torch.cuda.synchronize``). Both are injectable so that the call order can be tested
+            without a GPU.
+    """
+
+    name = "CUDA events (device time)"
+
+    def __init__(
+        self,
+        event_factory: Callable[[], Any] | None = None,
+        synchronize: Callable[[], Any] | None = None,
+    ) -> None:
+        self.event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+        self.synchronize = synchronize or torch.cuda.synchronize
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        """Seconds of device time between an event before and an event after ``fn()``."""
+        start, end = self.event_factory(), self.event_factory()
+        self.synchronize()  # empty queue: launch gaps inside fn count, earlier work does not
+        start.record()
+        fn()
+        end.record()
+        self.synchronize()  # outside the timed region: only to read the events
+        return start.elapsed_time(end) / 1e3
+
+
+def timer_for(device: torch.device | str) -> WallTimer | CudaEventTimer:
+    """The timer of ``device``: CUDA events on a CUDA device, the host wall clock elsewhere."""
+    return CudaEventTimer() if torch.device(device).type == "cuda" else WallTimer()
+
+
 def time_interleaved(
     variants: Mapping[str, Callable[[], Any]],
     *,
     repeats: int,
     warmup: int = 1,
     setup: Mapping[str, Callable[[], Any]] | None = None,
+    timer: WallTimer | CudaEventTimer | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time every variant ``repeats`` times, interleaved with a rotating order.
 
@@ -54,20 +109,28 @@ def time_interleaved(
         warmup: untimed runs per variant before timing.
         setup: optional name -> callable run (untimed) right before each run of that variant,
             e.g. to install the variant's attention processors.
+        timer: :class:`WallTimer` (default) or :class:`CudaEventTimer`.
 
     Returns:
         name -> ``{"times": [...], "median", "q1", "q3", "min", "max", "cpu": {"times", "median",
-        ...}}`` (seconds; top level = wall clock, ``"cpu"`` = process CPU time).
+        ...}, "first_call_s"}`` (seconds; top level = the timer's time (wall clock, or device time
+        with CUDA events), ``"cpu"`` = process CPU time of the host, ``first_call_s`` = host wall
+        time of the first warm-up call, which holds one-time costs such as compilation; absent
+        when ``warmup=0``).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     names = list(variants)
     setup = setup or {}
+    timer = timer or WallTimer()
+    first_call: dict[str, float] = {}
     for _ in range(warmup):
         for name in names:
             if name in setup:
                 setup[name]()
-            variants[name]()
+            start = time.perf_counter()
+            timer.time(variants[name])
+            first_call.setdefault(name, time.perf_counter() - start)
     times: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()
@@ -79,17 +142,19 @@ def time_interleaved(
             for name in order:
                 if name in setup:
                     setup[name]()
-                start, start_cpu = time.perf_counter(), time.process_time()
-                variants[name]()
-                times[name].append(time.perf_counter() - start)
+                start_cpu = time.process_time()
+                times[name].append(timer.time(variants[name]))
                 cpu[name].append(time.process_time() - start_cpu)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {
+    out = {
         name: {"times": t, **quantiles(t), "cpu": {"times": cpu[name], **quantiles(cpu[name])}}
         for name, t in times.items()
     }
+    for name, seconds in first_call.items():
+        out[name]["first_call_s"] = seconds
+    return out
 
 
 def attributed_seconds(fn: Callable[[], Any], functions: Sequence[str]) -> dict[str, float]:
@@ -132,8 +197,8 @@ def add_ratios(results: dict[str, dict[str, Any]], baseline: str) -> dict[str, d
     return results
 
 
-def machine_info() -> dict[str, Any]:
-    """The machine and software versions the numbers were measured with."""
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The machine and software versions the numbers were measured with (and the GPU, on CUDA)."""
     import diffusers
 
     cpu = platform.processor() or platform.machine()
@@ -158,6 +223,19 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "load_average_at_start": list(load),
+        **(_cuda_info(torch.device(device)) if torch.device(device).type == "cuda" else {}),
+    }
+
+
+def _cuda_info(device: torch.device) -> dict[str, Any]:
+    """Name, memory and software of the CUDA device (called only when CUDA is available)."""
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "gpu": props.name,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
     }
 
 

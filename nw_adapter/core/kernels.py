@@ -17,6 +17,9 @@ Numerics: inputs are upcast to float32 (float64 stays float64) and never run und
 :func:`gaussian_kernel_attention` centres query and key on the (masked) key mean before the
 expanded form is used, so data far from the origin loses nothing beyond the rounding of the
 inputs themselves; the direct differences of :func:`nw_logits` need no centring.
+:func:`gaussian_kernel_head` (the swap processor's hot path) centres only the keys, on their
+first row, and passes the queries to SDPA untouched: one SDPA call plus five small operations on
+the keys (see its docstring for the error bound).
 :func:`nw_logits` / :func:`nw_weights` use direct differences ``x - s_i`` (fused, ``torch.cdist``);
 :func:`gaussian_kernel_attention` uses the expanded dot-product form required by SDPA, whose
 absolute logit error is of order ``eps * (||x - c||^2 + ||s_i - c||^2) / (2 h^2)`` with ``c`` the
@@ -46,6 +49,7 @@ __all__ = [
     "compute_dtype",
     "effective_sample_size",
     "gaussian_kernel_attention",
+    "gaussian_kernel_head",
     "no_autocast",
     "nw_logits",
     "nw_mean",
@@ -196,8 +200,10 @@ def _rows_per_chunk(lead: torch.Size, per_row: int, budget: int) -> int:
     return max(1, budget // max(1, math.prod(lead) * per_row))
 
 
-def _sdpa_by_rows(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, rows: int) -> Tensor:
-    """``SDPA(q, k, v, attn_mask, scale=1)`` over chunks of ``rows`` query rows.
+def _sdpa_by_rows(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, rows: int, scale: float = 1.0
+) -> Tensor:
+    """``SDPA(q, k, v, attn_mask, scale)`` over chunks of ``rows`` query rows.
 
     Each chunk is written into one preallocated output (no list of chunks and ``torch.cat``), so
     the peak extra memory is the output plus one chunk's ``[B, H, rows, m]`` intermediates.
@@ -209,19 +215,20 @@ def _sdpa_by_rows(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, row
         attn_mask: ``None`` or a mask broadcastable to ``[B, H, n or 1, m]`` (bool or additive);
             a mask with one row is shared by every chunk, else it is sliced with the queries.
         rows: query rows per SDPA call (>= 1).
+        scale: SDPA's factor on ``q k^T`` (any real number; 1 by default).
 
     Returns:
         ``[B, H, n, w_v]`` in the dtype of ``q``.
     """
     n = q.shape[-2]
     if n <= rows:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     out = q.new_empty((*torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]), n, v.shape[-1]))
     per_row = attn_mask is not None and attn_mask.shape[-2] != 1
     for i in range(0, n, rows):
         mask_i = attn_mask[..., i : i + rows, :] if per_row and attn_mask is not None else attn_mask
         out[..., i : i + rows, :] = F.scaled_dot_product_attention(
-            q[..., i : i + rows, :], k, v, attn_mask=mask_i, scale=1.0
+            q[..., i : i + rows, :], k, v, attn_mask=mask_i, scale=scale
         )
     return out
 
@@ -407,6 +414,95 @@ def gaussian_kernel_attention(
             any_valid = mask.any(dim=-1).expand(lead)
             out = torch.where(any_valid[..., None, None], out, torch.full((), math.nan, dtype=out.dtype))
     return out.to(out_dtype)
+
+
+def gaussian_kernel_head(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bandwidth: BandwidthLike,
+    *,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """The exact NW head as one SDPA call with the queries passed through untouched (swap's hot path).
+
+    Computes ``out_j = sum_i softmax_i(-||q_j - k_i||^2 / 2h^2) v_i`` (THEORY.md section 3) as
+
+        SDPA(q, k - k_0, v, attn_mask = b, scale = 1/h^2),   b_i = -(k_i - k_0).(k_i + k_0) / 2h^2,
+
+    because ``-||q - k_i||^2 / 2h^2 = q.(k_i - k_0)/h^2 - (||k_i||^2 - ||k_0||^2)/2h^2 + (terms
+    constant in i)`` and ``||k_i||^2 - ||k_0||^2 = (k_i - k_0).(k_i + k_0)``. The keys are centred on
+    their first row ``k_0`` (a view: no reduction), so keys far from the origin keep their
+    precision; ``1/h^2`` is SDPA's own ``scale``. For a float bandwidth the head dispatches five
+    small operations on the ``[..., m, d]`` keys (sub, add, mul, sum, mul) and one SDPA call; the
+    ``n`` queries are neither copied nor rescaled (float32/float64 queries). This is what lets
+    swap cost what the stock image branch costs (``nw_adapter.integration.processors.unet``).
+
+    Accuracy: the float32 logit error is of order ``eps (||q_j|| + ||k_i + k_0||) ||k_i - k_0|| / h^2``
+    per product term. The queries are not centred, so queries that share a large offset with the
+    keys (``||q|| >> ||q - k||``) lose precision here: use :func:`gaussian_kernel_attention` for
+    those (it centres the queries too, at the cost of one copy of them). Attention queries and
+    image keys of a diffusion model live in different projections and share no such offset.
+
+    No value checks are made (nothing synchronises with the device); shapes are checked.
+
+    Args:
+        query: ``[..., n, d]`` (float16/bfloat16 queries are upcast: one copy).
+        key: ``[..., m, d]``; every key is valid (no mask).
+        value: ``[..., m, d_v]``.
+        bandwidth: ``h > 0``, float or tensor broadcastable as ``bandwidth[..., None, None]``.
+        chunk_size: queries per SDPA call; ``None`` chooses ``ELEMENT_BUDGET // (prod(L) * m)``.
+
+    Returns:
+        ``[L..., n, d_v]`` in float32 (float64 if any input is float64), ``L`` the broadcast of
+        the leading dimensions of query, key, value and bandwidth.
+
+    Example:
+        >>> q, k, v = torch.randn(2, 8, 4096, 40), torch.randn(2, 8, 4, 40), torch.randn(2, 8, 4, 40)
+        >>> gaussian_kernel_head(q, k, v, 40**0.25).shape
+        torch.Size([2, 8, 4096, 40])
+    """
+    bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    if chunk_size is not None and bad_chunk:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_points("query", query, "[..., n, d]")
+    _check_points("key", key, "[..., m, d]")
+    _check_points("value", value, "[..., m, d_v]")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query and key must have the same feature dim d, got {query.shape[-1]} and {key.shape[-1]}"
+        )
+    m = key.shape[-2]
+    if m == 0 or value.shape[-2] != m:
+        raise ValueError(
+            f"key and value must have the same number m >= 1 of rows, got key {tuple(key.shape)}, "
+            f"value {tuple(value.shape)}"
+        )
+    dtype = compute_dtype(query, key, value)
+    q = query.to(dtype)
+    k = key.to(device=q.device, dtype=dtype)
+    v = value.to(device=q.device, dtype=dtype)
+    h = _bandwidth(bandwidth, dtype, q.device, validate=False)
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], *([h.shape] if isinstance(h, Tensor) else [])]
+    lead = _broadcast(("query", "key", "value", "bandwidth")[: len(shapes)], tuple(shapes))
+    n, d_v = q.shape[-2], v.shape[-1]
+    with no_autocast(q.device):
+        k_0 = k[..., :1, :]
+        centred = k - k_0
+        if isinstance(h, Tensor):
+            inv_h2 = h.reciprocal().square()[..., None]  # [L..., 1]
+            bias = (centred * (k + k_0)).sum(dim=-1) * (-0.5 * inv_h2)  # [L..., m]
+            centred = centred * inv_h2[..., None]
+            scale = 1.0
+        else:
+            scale = 1.0 / (h * h)
+            bias = (centred * (k + k_0)).sum(dim=-1) * (-0.5 * scale)  # [..., m]
+        heads = lead[-1] if len(lead) else 1
+        q4, k4, v4 = (_as_4d(t.expand(*lead, *t.shape[-2:]), heads) for t in (q, centred, v))
+        mask4 = _as_4d(bias.expand(*lead, m)[..., None, :], heads)
+        rows = chunk_size or _rows_per_chunk(lead, m, ELEMENT_BUDGET)
+        out = _sdpa_by_rows(q4, k4, v4, mask4, rows, scale)
+    return out.reshape(*lead, n, d_v)
 
 
 def nw_mean(

@@ -21,7 +21,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # `benchmarks/` is not installed: make it importable under plain `pytest` too
     sys.path.insert(0, ROOT)
 
-from benchmarks.attention import VARIANTS, bench_attention_layer, bench_unet_step  # noqa: E402
+from benchmarks.attention import DEFAULT_VARIANTS, bench_attention_layer, bench_unet_step  # noqa: E402
 from benchmarks.models import TOY_UNET_CONFIG, build_unet, unet_inputs  # noqa: E402
 from benchmarks.nw_field import IMPLEMENTATIONS, bench_nw_field, measure_peak_here  # noqa: E402
 from benchmarks.recorder_memory import bench_recorder_memory, tensor_bytes  # noqa: E402
@@ -67,7 +67,7 @@ def test_time_interleaved_rotates_order_and_runs_setup() -> None:
 
 def test_attention_layer_bench_toy() -> None:
     res = bench_attention_layer(32, 16, image_tokens=4, repeats=1, heads=2, cross=24, text_tokens=5)
-    assert set(res["results"]) == {"stock", *VARIANTS}
+    assert set(res["results"]) == {"stock", *DEFAULT_VARIANTS}
     assert res["results"]["stock"]["ratio"] == 1.0
     assert all(r["median"] > 0 and math.isfinite(r["ratio"]) for r in res["results"].values())
 
@@ -82,11 +82,13 @@ def test_unet_bench_toy_restores_stock_processors() -> None:
 
 
 def test_nw_field_implementations_agree_and_memory_is_measured() -> None:
-    rows = bench_nw_field([(64, 8, 4)], repeats=1, threads=1, memory=False, log=lambda _: None)
+    rows = bench_nw_field([(64, 8, 4)], repeats=1, threads=1, memory=False, log=lambda _: None, gemm_size=32)
     results = rows[0]["results"]
     assert set(results) == set(IMPLEMENTATIONS)
     for name, r in results.items():
         assert r["max_abs_diff_vs_naive"] < 1e-4, name
+        assert r["x_floor"] == pytest.approx(r["median"] / rows[0]["floor_s"])
+    assert rows[0]["gemm"]["size"] == 32 and rows[0]["gemm"]["gflops"] > 0
     peak = measure_peak_here("nw_mean", 256, 16, 4)
     assert peak["peak_mib"] >= 0 and peak["method"]
 

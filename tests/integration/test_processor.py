@@ -219,13 +219,13 @@ def test_swap_chunk_size_is_passed(monkeypatch):
     import nw_adapter.core.kernels as kernels
 
     seen = []
-    real = kernels.gaussian_kernel_attention
+    real = kernels.gaussian_kernel_head
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("chunk_size"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "gaussian_kernel_attention", spy)
+    monkeypatch.setattr(kernels, "gaussian_kernel_head", spy)
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
     _install(attn, stock, mode="swap", chunk_size=5)
