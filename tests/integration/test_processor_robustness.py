@@ -154,7 +154,7 @@ def test_swap_failure_names_the_layer(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("kernel exploded")
 
-    monkeypatch.setattr(kernels, "gaussian_kernel_attention", broken)
+    monkeypatch.setattr(kernels, "gaussian_kernel_head", broken)
     with pytest.raises(RuntimeError, match=f"NW swap failed in layer '{LAYER}'.*kernel exploded"):
         _run(attn, attn.processor, x, text, ip, None)
     assert stock.scale == [0.8]  # the temporarily zeroed scales are back
