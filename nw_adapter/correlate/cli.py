@@ -44,6 +44,7 @@ from nw_adapter.correlate.loading import (
     ModelSpec,
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
+from nw_adapter.integration.config import BANDWIDTH_RANGE
 
 PROG = "correlate.py"
 BLOCK_PREFIXES = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
@@ -114,8 +115,12 @@ def _bandwidth(text: str) -> str | float:
         raise argparse.ArgumentTypeError(
             f"--bandwidth must be one of {', '.join(BANDWIDTH_RULES)} or a positive number, got '{text}'"
         ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--bandwidth must be a positive finite number, got '{text}'")
+    low, high = BANDWIDTH_RANGE
+    if not math.isfinite(value) or not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"--bandwidth must be a number h in the usable range [{low:g}, {high:g}] "
+            f"(or a rule name), got '{text}'"
+        )
     return value
 
 
@@ -180,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")
     model.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float16 on CUDA, float32 else")
     gen = parser.add_argument_group("generation")
-    gen.add_argument("--prompt", default="a photograph", help="text prompt (default 'a photograph')")
+    gen.add_argument(
+        "--prompt", default="a photograph", help="text prompt (default 'a photograph'; '' for none)"
+    )
     gen.add_argument("--negative-prompt", default=None, help="negative prompt")
     gen.add_argument("--steps", type=_positive_int("--steps", maximum=1000), default=50, help="default 50")
     gen.add_argument("--seed", type=_seed, default=0, help="seed of the generation and the nulls (default 0)")
@@ -214,9 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated blocks (down, mid, up) or attention-processor name prefixes",
     )
     out = parser.add_argument_group("output")
-    out.add_argument(
-        "--out", type=Path, default=Path("correlate_out"), help="output folder (default ./correlate_out)"
-    )
+    out.add_argument("--out", default="correlate_out", help="output folder (default ./correlate_out)")
     out.add_argument(
         "--store-maps",
         action="store_true",
@@ -236,11 +241,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         CLIError: Unknown options, bad values, nothing to do.
     """
     args = build_parser().parse_args(argv)
+    args.out_given_empty = not args.out.strip()
+    args.out = Path(args.out)
     if not args.image and not args.image_dir:
         raise CLIError("no reference image given; pass --image FILE or --image-dir FOLDER")
-    for name in ("prompt", "model"):
-        if not getattr(args, name).strip():
-            raise CLIError(f"--{name} is empty; pass a non-empty value")
+    if not args.model.strip():
+        raise CLIError("--model is empty; pass a Hub id, a local folder or tiny")
+    if not str(args.out).strip() or args.out_given_empty:
+        raise CLIError("--out is empty; pass a folder path (e.g. --out correlate_out)")
+    for option, values in (("--image", args.image), ("--image-dir", args.image_dir)):
+        if any(not str(v).strip() for v in values):
+            raise CLIError(f"{option} is empty; pass a path (use . for the current folder)")
     return args
 
 

@@ -76,8 +76,11 @@ def test_empty_image_directory(tmp_path: Path, capsys) -> None:
         (["--steps", "many"], "--steps must be a whole number"),
         (["--steps", "2.5"], "--steps must be a whole number"),
         (["--bandwidth", "wide"], "--bandwidth must be one of matched, fitted, schedule, median"),
-        (["--bandwidth", "-1"], "--bandwidth must be a positive finite number"),
-        (["--bandwidth", "inf"], "--bandwidth must be a positive finite number"),
+        (["--bandwidth", "-1"], "--bandwidth must be a number h in the usable range [0.0001, 10000]"),
+        (["--bandwidth", "inf"], "--bandwidth must be a number h in the usable range"),
+        (["--bandwidth", "1e-30", "--mode", "swap"], "usable range [0.0001, 10000]"),
+        (["--bandwidth", "1e-200"], "usable range [0.0001, 10000]"),
+        (["--bandwidth", "1e300"], "usable range [0.0001, 10000]"),
         (["--guidance-scale", "nan"], "--guidance-scale must be a finite number >= 0"),
         (["--ip-scale", "-0.5"], "--ip-scale must be a finite number >= 0"),
         (["--seed", "-3"], "--seed must be between 0 and 2**63 - 1"),
@@ -86,7 +89,10 @@ def test_empty_image_directory(tmp_path: Path, capsys) -> None:
         (["--scheduler", "fast"], "invalid choice: 'fast'"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--layers", "up,,mid"], "--layers must be comma-separated names without empty entries"),
-        (["--prompt", "  "], "--prompt is empty"),
+        (["--model", " "], "--model is empty"),
+        (["--out", ""], "--out is empty"),
+        (["--image-dir", ""], "--image-dir is empty"),
+        (["--image", ""], "--image is empty"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
 )
@@ -98,6 +104,12 @@ def test_nonsense_option_values(
     line = assert_one_line_error(code, err, words)
     assert "(see --help)" in line or "pass" in line
     assert not out.exists()
+
+
+def test_empty_prompt_is_accepted() -> None:
+    from nw_adapter.correlate.cli import parse_args
+
+    assert parse_args(["--image", "ref.png", "--prompt", ""]).prompt == ""
 
 
 def test_no_image_at_all(capsys) -> None:
