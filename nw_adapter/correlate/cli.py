@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from nw_adapter.atomic import WriteError
 from nw_adapter.correlate.images import (
     ImageInputError,
     ReferenceImage,
@@ -230,7 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--all-steps", action="store_true", help="table of every step, not only the paper's five"
     )
-    out.add_argument("--quiet", action="store_true", help="no progress bars or notes")
+    out.add_argument(
+        "-q",
+        "--quiet",
+        action="count",
+        default=0,
+        help="-q: no progress bars; -qq: no notes either (errors, the table and the verdict remain). "
+        "Progress bars are drawn only when stderr is a terminal",
+    )
+    out.add_argument(
+        "-v", "--verbose", action="store_true", help="also show the libraries' own warnings and notes"
+    )
     return parser
 
 
@@ -255,13 +267,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_output_dir(out: Path) -> Path:
-    """Check, without leaving anything behind, that ``out`` can be created and written.
+def _probe_write(folder: Path, out: Path) -> None:
+    """Create and remove a temporary file in ``folder``; CLIError naming it if that fails."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=".nw-adapter-write-check-", dir=folder)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CLIError(
+            f"--out '{out}': cannot write in '{folder}' ({reason}); pass a writable folder"
+        ) from None
+
+
+def check_output_dir(out: Path, keys: Sequence[str] = ()) -> Path:
+    """Check, without leaving anything behind, that ``out`` and what goes in it can be written.
+
+    Probes ``out`` (or its first existing parent) and, where they already exist, ``out/images``
+    and the folders ``out/images/<key>`` of the given image keys.
 
     Raises:
-        CLIError: ``out`` is a file, sits under a file, or is not writable.
+        CLIError: ``out`` is a file, a dangling symbolic link, sits under a file, or a folder
+            that will be written is not writable.
     """
     out = out.expanduser()
+    if out.is_symlink() and not out.exists():
+        raise CLIError(
+            f"--out '{out}': dangling symbolic link (its target '{os.readlink(out)}' does not exist); "
+            "create the target folder or pass another path"
+        )
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out '{out}': exists and is not a folder; pass a folder path")
     probe = out
@@ -273,16 +307,52 @@ def check_output_dir(out: Path) -> Path:
         raise CLIError(
             f"--out '{out}': '{probe}' is a file, so the folder cannot be created; pass another path"
         )
-    try:
-        handle, name = tempfile.mkstemp(prefix=".nw-adapter-write-check-", dir=probe)
-        os.close(handle)
-        os.unlink(name)
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise CLIError(
-            f"--out '{out}': cannot write in '{probe}' ({reason}); pass a writable folder"
-        ) from None
+    _probe_write(probe, out)
+    images = out / "images"
+    for folder in (images, *(images / key for key in keys)):
+        if folder.exists() and not folder.is_dir():
+            raise CLIError(f"--out '{out}': '{folder}' is not a folder; remove it or pass another --out")
+        if folder.is_dir():
+            _probe_write(folder, out)
     return out
+
+
+LOCK_NAME = ".nw-adapter.lock"
+
+
+class OutputLock:
+    """An exclusive lock on ``--out`` (``<out>/.nw-adapter.lock``), so two runs never interleave.
+
+    Uses ``fcntl.flock`` (released by the system when the process ends, also on SIGKILL); the
+    lock file itself is left in place. Where ``fcntl`` does not exist (Windows) it does nothing.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = Path(out) / LOCK_NAME
+        self._handle: Any = None
+
+    def __enter__(self) -> OutputLock:
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # noqa: SIM115 - held for the run
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise CLIError(
+                f"--out '{self.path.parent}': another correlate.py run is writing there (lock {self.path}); "
+                "wait for it to finish or pass another --out"
+            ) from None
+        self._handle = handle
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
 
 
 def processor_config(args: argparse.Namespace, map_steps: Sequence[int] | None = None):
@@ -329,17 +399,58 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
 
 
 def _note(args: argparse.Namespace, state: Any, text: str) -> None:
-    if not args.quiet and state.is_main_process:
+    if args.quiet < 2 and state.is_main_process:
         print(f"note: {text}", file=sys.stderr)
 
 
-def _quiet_libraries(verbose: bool) -> None:
-    """Keep library warnings off stderr, so errors stay one line (before importing them)."""
+def show_progress_bars(args: argparse.Namespace) -> bool:
+    """Progress bars only without ``-q`` and when stderr is a terminal.
+
+    Captured or piped output (a log file, ``2>&1`` into a file) gets no bars, so their carriage
+    returns never share a line with the table printed on stdout.
+    """
+    isatty = getattr(sys.stderr, "isatty", None)
+    return args.quiet == 0 and bool(isatty and isatty())
+
+
+def _quiet_libraries(verbose: bool, bars: bool) -> None:
+    """Keep library warnings (and, without ``bars``, their progress bars) off stderr, before importing them.
+
+    Set only where the user has not chosen: an environment variable already set is kept.
+    """
     if not verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if not bars:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@contextlib.contextmanager
+def _library_output(*, verbose: bool, bars: bool):
+    """Within the block: libraries' loggers at error level (unless verbose), their bars off (unless bars).
+
+    Restores the previous levels and bar settings afterwards (the CLI also runs in-process in tests
+    and notebooks).
+    """
+    import diffusers
+    import transformers
+
+    loggers = (diffusers.utils.logging, transformers.utils.logging)
+    levels = [log.get_verbosity() for log in loggers]
+    enabled = [log.is_progress_bar_enabled() for log in loggers]
+    try:
+        for log in loggers:
+            if not verbose:
+                log.set_verbosity_error()
+            if not bars:
+                log.disable_progress_bar()
+        yield
+    finally:
+        for log, level, was_enabled in zip(loggers, levels, enabled, strict=True):
+            log.set_verbosity(level)
+            (log.enable_progress_bar if was_enabled else log.disable_progress_bar)()
 
 
 def reported_steps(pipe: Any, steps: int, *, all_steps: bool = False) -> tuple[list[int], dict[int, float]]:
@@ -423,18 +534,17 @@ def _image_worker(
 
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """Load the model, compute every (unfinished) image, and on the main process write the report."""
+    with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
+        return _run(args, infos, out_dir)
+
+
+def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     from nw_adapter.correlate.loading import build_pipeline, resolve_dtype, resolve_spec
-    from nw_adapter.correlate.plotting import plot_rho
-    from nw_adapter.correlate.report import build_report, format_report, write_report_files
+    from nw_adapter.correlate.report import build_report
     from nw_adapter.correlate.sweep import fingerprint, run_sweep
     from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
 
-    if args.quiet:
-        import diffusers
-        import transformers
-
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
+    bars = show_progress_bars(args)
     device, state = _device_and_state(args.device)
     for info in infos:
         for text in info.notes:
@@ -442,7 +552,7 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
     spec = resolve_spec(ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name))
     dtype = resolve_dtype(args.dtype, device)
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
-    pipe.set_progress_bar_config(disable=args.quiet or not state.is_main_process, leave=False)
+    pipe.set_progress_bar_config(disable=not (bars and state.is_main_process), leave=False)
     pipe.set_ip_adapter_scale(args.ip_scale)
     map_steps, _ = reported_steps(pipe, args.steps, all_steps=args.all_steps)
     config = processor_config(args, map_steps)
@@ -457,49 +567,66 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
     options = run_options(args, shown, device, str(dtype).removeprefix("torch."))
     options["scheduler_class"] = type(pipe.scheduler).__name__
     by_key = {info.key: info for info in infos}
-    outcome = run_sweep(
-        list(by_key),
-        _image_worker(args, pipe, config, by_key, out_dir),
-        out_dir=out_dir,
-        expected_fingerprint=fingerprint(options),
-        state=state,
-        progress=not args.quiet and state.is_main_process,
-    )
-    if state.num_processes > 1 and not args.quiet:
-        print(
-            f"note: process {state.process_index}/{state.num_processes} computed "
-            f"{len(outcome.computed)} image(s)",
-            file=sys.stderr,
+    # The resolved model (for tiny: the cache folder named by the builder's source hash) is part of
+    # the fingerprint, so a result is only reused with the model that produced it.
+    identity = {**options, "resolved_model": spec.to_dict()}
+    lock = OutputLock(out_dir) if state.num_processes == 1 else contextlib.nullcontext()
+    with lock:
+        outcome = run_sweep(
+            list(by_key),
+            _image_worker(args, pipe, config, by_key, out_dir),
+            out_dir=out_dir,
+            expected_fingerprint=fingerprint(identity),
+            state=state,
+            progress=bars and state.is_main_process,
+            image_hashes={key: info.sha256 for key, info in by_key.items()},
         )
-    if outcome.reused:
-        _note(args, state, f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}")
-    if not state.is_main_process:
-        return 0
-    records = [record for result in outcome.results for record in result["records"]]
-    report = build_report(
-        records,
-        config=options,
-        images=[result["image"] for result in outcome.results],
-        targets=() if args.all_steps else PAPER_TIMESTEPS,
-    )
+        if state.num_processes > 1 and args.quiet < 2:
+            print(
+                f"note: process {state.process_index}/{state.num_processes} computed "
+                f"{len(outcome.computed)} image(s)",
+                file=sys.stderr,
+            )
+        if outcome.reused:
+            _note(args, state, f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}")
+        if not state.is_main_process:
+            return 0
+        records = [record for result in outcome.results for record in result["records"]]
+        report = build_report(
+            records,
+            config=options,
+            images=[result["image"] for result in outcome.results],
+            targets=() if args.all_steps else PAPER_TIMESTEPS,
+        )
+        print(write_outputs(report, out_dir))
+    return 0
+
+
+def write_outputs(report: dict, out_dir: Path) -> str:
+    """Write ``rho.json``, ``rho.csv`` and ``rho.png`` of a report; return the text to print."""
+    from nw_adapter.correlate.plotting import plot_rho
+    from nw_adapter.correlate.report import format_report, repeated_timestep_note, write_report_files
+
+    config = report.get("config", {})
+    model = (config.get("model") or {}).get("model")
     write_report_files(report, out_dir)
     plot_rho(
         report["blocks"],
         out_dir / "rho.png",
-        title=f"{args.model}, {args.steps} steps, bandwidth {args.bandwidth}, {len(infos)} reference(s)",
+        title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
+        f"{len(report.get('images', []))} reference(s)",
+        note=repeated_timestep_note(report),
     )
-    print(format_report(report))
-    return 0
-
+    return format_report(report)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted)."""
     try:
         args = parse_args(argv)
         infos = validate_images(collect_image_paths(args.image, args.image_dir))
-        out_dir = check_output_dir(args.out)
+        out_dir = check_output_dir(args.out, [info.key for info in infos])
         processor_config(args)  # option errors now, before any model is loaded
-        _quiet_libraries(verbose=False)
+        _quiet_libraries(verbose=args.verbose, bars=show_progress_bars(args))
         return run(args, infos, out_dir)
     except (CLIError, ImageInputError, ModelLoadError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -509,6 +636,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         raise
+    except WriteError as exc:
+        print(
+            f"{PROG}: error: {' '.join(str(exc).split())}; free space or fix the permissions of --out and "
+            "rerun the same command (finished images are kept)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(
             f"{PROG}: interrupted; finished images are kept, rerun the same command to resume",

@@ -100,16 +100,19 @@ def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Pat
     Returns:
         ``(model_dir, ip_adapter_dir)``.
     """
+    from safetensors import SafetensorError
+
     from nw_adapter.models.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15, write_once
 
     root = (cache or tiny_cache_dir()) / f"tiny-{builder_fingerprint()}-seed{seed}"
     try:
         model_dir = write_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
         adapter_dir = write_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # a full disk in safetensors is not an OSError
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
         raise ModelLoadError(
-            f"--model tiny: cannot write the tiny model to '{root}' ({' '.join(str(exc).split())}); "
-            "set NW_ADAPTER_CACHE to a writable folder"
+            f"--model tiny: cannot write the tiny model to '{root}' ({reason[:200]}); "
+            "free space or set NW_ADAPTER_CACHE to a writable folder"
         ) from None
     return model_dir, adapter_dir
 

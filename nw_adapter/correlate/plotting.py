@@ -25,7 +25,9 @@ def _series(rows: Sequence[dict], key: str) -> np.ndarray:
     return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
 
 
-def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None) -> Path:
+def plot_rho(
+    block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None, note: str | None = None
+) -> Path:
     """Draw rho against timestep, one panel per UNet block, with the band of the two nulls.
 
     Args:
@@ -33,6 +35,8 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
             ``rho_perm_null``, ``rho_norm_null``), see :func:`nw_adapter.correlate.report.aggregate`.
         path: Output PNG (written atomically).
         title: Figure title.
+        note: A line under the title (e.g. the explanation of a repeated timestep); the points
+            of steps that share a timestep are drawn at that timestep side by side.
 
     Returns:
         ``path``. The band spans, per step, from the lower to the higher of the permutation
@@ -64,8 +68,8 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=7)
     axes[0].set_ylabel("Spearman rho (attention vs NW)")
-    if title:
-        fig.suptitle(title, fontsize=9)
+    if title or note:
+        fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=8 if note else 9)
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
 
 

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,18 @@ def baseline(tmp_path_factory, photos, model_args) -> dict:
     out = tmp_path_factory.mktemp("baseline") / "out"
     argv = ["--image", photos["china"], "--image", photos["flower"], *model_args, *BASE, "--store-maps"]
     argv += ["--out", out]
-    stdout, stderr = io.StringIO(), io.StringIO()
+    stdout, stderr = io.StringIO(), TerminalStringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main([str(a) for a in argv])
     assert code == 0, stderr.getvalue()
     return {"out": out, "argv": argv, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+class TerminalStringIO(io.StringIO):
+    """A captured stderr that says it is a terminal (progress bars are drawn only on terminals)."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def printed_table(stdout: str) -> tuple[str, str]:
@@ -101,7 +109,13 @@ def test_files_and_schema(baseline, photos) -> None:
             assert generated.size == (32, 32) and generated.mode == "RGB"
         for name in ("result.json", "maps.safetensors", "attention_maps.png"):
             assert (folder / name).is_file()
-    assert sorted(p.name for p in out.iterdir()) == ["images", "rho.csv", "rho.json", "rho.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".nw-adapter.lock",
+        "images",
+        "rho.csv",
+        "rho.json",
+        "rho.png",
+    ]
     with Image.open(out / "rho.png") as plot:
         assert plot.format == "PNG"
     records = report["records"]
@@ -118,9 +132,42 @@ def test_files_and_schema(baseline, photos) -> None:
     assert all(r["neff_attn"] >= 1 and r["neff_nw"] >= 1 for r in cond)
 
 
-def test_progress_bars_are_shown(baseline) -> None:
+def test_progress_bars_are_shown_on_a_terminal(baseline) -> None:
     assert "images (process 0)" in baseline["stderr"]  # over the reference images
     assert "2/2 [" in baseline["stderr"]  # diffusers' bar over the denoising steps
+
+
+def test_captured_output_has_clean_lines_notes_and_no_library_noise(tmp_path, photos, model_args) -> None:
+    """stdout and stderr into one pipe (as in a log file): no bars, no library warnings, notes kept."""
+    import subprocess
+    import sys
+
+    rgba = tmp_path / "rgba.png"
+    Image.open(photos["china"]).convert("RGBA").resize((48, 32)).save(rgba)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "correlate.py"
+    argv = [
+        sys.executable,
+        str(script),
+        "--image",
+        str(rgba),
+        *map(str, model_args),
+        *BASE,
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
+    env["PYTHONPATH"] = str(script.parents[1])
+    proc = subprocess.run(argv + ["-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    assert "\r" not in proc.stdout and "%|" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("note: rgba.png: RGBA alpha channel composited")  # -q keeps the notes
+    assert lines[1].startswith("attention vs NW weights") and lines[-1].startswith("verdict: ")
+    for noise in ("torchvision", "kept in float32", "Loading", "Writing model shards", "Warning"):
+        assert noise not in proc.stdout
+    quieter = subprocess.run(argv + ["-qq"], capture_output=True, text=True, env=env, timeout=300)
+    assert quieter.returncode == 0 and quieter.stderr == ""
 
 
 def test_printed_table_equals_the_json(baseline) -> None:

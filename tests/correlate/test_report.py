@@ -247,3 +247,24 @@ def test_panels_pick_the_finest_layer_cond_row_and_top_tokens(tmp_path: Path) ->
 
 def test_report_constants_match_the_paper() -> None:
     assert PAPER_TIMESTEPS == (981, 761, 501, 261, 1)
+
+
+def test_pndm_repeated_timestep_is_explained_in_the_header() -> None:
+    records = make_records(timesteps=(667, 334, 334, 1))
+    config = {"steps": 3, "scheduler_class": "PNDMScheduler"}
+    report = build_report(records, config=config, images=[], versions={}, targets=())
+    header = format_report(report).splitlines()[0]
+    assert "note: PNDMScheduler calls the denoiser twice at one timestep" in header
+    assert "steps 1 and 2 share t=334" in header and "4 denoiser calls for 3 steps" in header
+    plain = build_report(make_records(timesteps=(667, 334, 1)), config=config, images=[], versions={})
+    assert "note:" not in format_report(plain).splitlines()[0]
+
+
+def test_verdict_of_one_reported_step_does_not_claim_a_rise() -> None:
+    from nw_adapter.correlate.report import format_verdict
+
+    line = format_verdict(verdict(aggregate(make_records(timesteps=(1,)))))
+    assert "rise over steps: n/a (1 reported step" in line
+    assert "monotonically" not in line and "1 steps" not in line
+    line = format_verdict(verdict(aggregate(make_records(timesteps=(981, 1)))))
+    assert "rises monotonically over the 2 reported steps: yes" in line
