@@ -260,3 +260,121 @@ def test_help_exits_zero(capsys) -> None:
         main(["--help"])
     assert info.value.code == 0
     assert "--bandwidth" in capsys.readouterr().out
+
+
+def test_dangling_symlink_as_out(tmp_path: Path, good_image: Path, capsys) -> None:
+    out = tmp_path / "link"
+    out.symlink_to(tmp_path / "missing-target")
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", out], capsys)
+    assert_one_line_error(code, err, "dangling symbolic link", "missing-target")
+    assert not (tmp_path / "missing-target").exists()
+
+
+def test_read_only_images_subfolder_is_found_before_any_work(
+    tmp_path: Path, good_image: Path, monkeypatch, capsys
+) -> None:
+    """A read-only ``images/`` (simulated: root may write anywhere) is refused before the model loads."""
+    import errno
+    import tempfile
+
+    import nw_adapter.correlate.loading as loading
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not be loaded before the output folder is checked")
+
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).name == "images":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(loading, "build_pipeline", no_model)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    (tmp_path / "out" / "images").mkdir(parents=True)
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "cannot write in", "images", "Permission denied", "writable folder")
+
+
+def test_tiny_cache_write_failure_from_safetensors_is_one_line(
+    tmp_path: Path, good_image: Path, monkeypatch, capsys
+) -> None:
+    from safetensors import SafetensorError
+
+    import nw_adapter.models.tiny as tiny
+
+    def full_disk(path, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(tiny, "save_tiny_sd15", full_disk)
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "cannot write the tiny model", "StorageFull", "NW_ADAPTER_CACHE")
+
+
+def test_write_failure_mid_run_exits_2_and_keeps_finished_images(
+    tmp_path: Path, tiny_sd15_dir, tiny_ip_adapter_dir, monkeypatch, capsys
+) -> None:
+    import errno
+
+    from PIL import Image
+
+    from nw_adapter.correlate.sweep import result_path
+
+    refs = []
+    for i, size in enumerate((40, 48)):
+        refs += ["--image", tmp_path / f"ref{i}.png"]
+        photo(size=size).save(refs[-1])
+    out = tmp_path / "out"
+    argv = [
+        *refs,
+        "--model",
+        tiny_sd15_dir,
+        "--ip-adapter",
+        tiny_ip_adapter_dir,
+        "--steps",
+        "1",
+        "--out",
+        out,
+    ]
+    real_save = Image.Image.save
+    saved: list[str] = []
+
+    def save(self, fp, *args, **kwargs):
+        if "generated" in str(fp):
+            saved.append(str(fp))
+            if len(saved) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    code, stdout, err = run_main(argv, capsys)
+    line = assert_one_line_error(code, err, "cannot write", "generated", "No space left on device")
+    assert "finished images are kept" in line and stdout == ""
+    finished = [p for p in (out / "images").glob("*/result.json")]
+    assert len(finished) == 1
+    monkeypatch.setattr(Image.Image, "save", real_save)
+    code, _, err = run_main(argv, capsys)
+    assert code == 0 and "resumed: 1 finished image(s) reused" in err
+    assert all(result_path(out, p.parent.name).is_file() for p in finished)
+
+
+def test_two_runs_on_one_out_are_refused(tmp_path: Path, good_image: Path, tiny_sd15_dir, tiny_ip_adapter_dir,
+                                          capsys) -> None:  # fmt: skip
+    from nw_adapter.correlate.cli import OutputLock
+
+    out = tmp_path / "out"
+    argv = [
+        "--image",
+        good_image,
+        "--model",
+        tiny_sd15_dir,
+        "--ip-adapter",
+        tiny_ip_adapter_dir,
+        "--out",
+        out,
+    ]
+    with OutputLock(out):
+        code, _, err = run_main([*argv, "--steps", "1"], capsys)
+    assert_one_line_error(code, err, "another correlate.py run is writing there", "pass another --out")
+    assert not (out / "images").exists()
