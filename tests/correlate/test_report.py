@@ -98,7 +98,8 @@ def test_aggregate_matches_the_recorders_summary() -> None:
     for mine, other in zip(ours, theirs, strict=True):
         for name in STAT_FIELDS:
             assert mine[name] == pytest.approx(other[name])
-        assert mine["frac_rho_gt_0_9"] == pytest.approx(other["frac_heads_rho_gt_0_9"])
+        assert mine["frac_rho_gt_0_9"] == pytest.approx(other["frac_rho_gt_0_9"])
+        assert mine["count"] == other["count"]
 
 
 def test_nan_values_are_left_out_of_means_and_all_nan_gives_none() -> None:
