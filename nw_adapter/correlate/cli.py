@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--all-steps", action="store_true", help="table of every step, not only the paper's five"
     )
     out.add_argument(
+        "--replot",
+        metavar="OUT",
+        default=None,
+        help="redraw the table, verdict and figures of a finished run in OUT from its saved files "
+        "(rho.json, maps.safetensors, generated.png), without loading a model; no --image needed",
+    )
+    out.add_argument(
         "-q",
         "--quiet",
         action="count",
@@ -255,6 +262,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     args.out_given_empty = not args.out.strip()
     args.out = Path(args.out)
+    if args.replot is not None:
+        if not args.replot.strip():
+            raise CLIError("--replot is empty; pass the --out folder of a finished run")
+        if args.image or args.image_dir:
+            raise CLIError("--replot redraws a finished run and takes no --image/--image-dir; drop them")
+        return args
     if not args.image and not args.image_dir:
         raise CLIError("no reference image given; pass --image FILE or --image-dir FOLDER")
     if not args.model.strip():
@@ -490,7 +503,7 @@ def _image_worker(
     import torch
 
     from nw_adapter.atomic import atomic_write
-    from nw_adapter.correlate.plotting import panels_from_maps, plot_attention_maps
+    from nw_adapter.correlate.previews import X0Previews
     from nw_adapter.correlate.sweep import image_dir
     from nw_adapter.integration.mixin import nw_processor
 
@@ -499,7 +512,11 @@ def _image_worker(
         reference, _ = load_reference_image(info.path)
         folder = image_dir(out_dir, key)
         generator = torch.Generator(device="cpu").manual_seed(args.seed)
-        with nw_processor(pipe, config) as recorder:
+        with contextlib.ExitStack() as stack:
+            recorder = stack.enter_context(nw_processor(pipe, config))
+            previews = None
+            if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
+                previews = stack.enter_context(X0Previews(pipe, recorder, config.map_steps))
             output = pipe(
                 prompt=args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -517,19 +534,41 @@ def _image_worker(
         records = [{"reference": key, **record} for record in recorder.to_records()]
         if args.store_maps:
             recorder.save_maps(folder / "maps.safetensors")
-            panels = panels_from_maps(
-                recorder.maps(),
-                timesteps={r["step"]: r["timestep"] for r in records},
-                image_hw=(generated.height, generated.width),
-                cfg=bool(getattr(pipe, "do_classifier_free_guidance", False)),
-            )
-            plot_attention_maps(generated, panels, folder / "attention_maps.png")
+            for step, image in previews.images().items():
+                atomic_write(folder / f"x0_step{step}.png", lambda tmp, image=image: image.save(tmp))
+            draw_image_maps(folder, records)
             entry.update(
                 maps=str(relative / "maps.safetensors"), attention_maps=str(relative / "attention_maps.png")
             )
         return entry, records
 
     return work
+
+
+def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
+    """Draw ``attention_maps.png`` of one image folder from its saved files (no recomputation).
+
+    Reads ``maps.safetensors``, ``generated.png`` and the ``x0_step<s>.png`` previews; the
+    timesteps and whether the batch was ``[uncond; cond]`` come from the image's records.
+    """
+    from PIL import Image
+
+    from nw_adapter.correlate.maps import load_maps
+    from nw_adapter.correlate.plotting import panels_from_maps, plot_attention_maps
+
+    with Image.open(folder / "generated.png") as handle:
+        generated = handle.convert("RGB")
+    previews = {}
+    for path in folder.glob("x0_step*.png"):
+        with Image.open(path) as handle:
+            previews[int(path.stem.removeprefix("x0_step"))] = handle.convert("RGB")
+    panels = panels_from_maps(
+        load_maps(folder / "maps.safetensors"),
+        timesteps={r["step"]: r["timestep"] for r in records},
+        image_hw=(generated.height, generated.width),
+        cfg=any(r.get("half") in ("cond", "uncond") for r in records),
+    )
+    return plot_attention_maps(generated, panels, folder / "attention_maps.png", previews=previews)
 
 
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
@@ -619,10 +658,62 @@ def write_outputs(report: dict, out_dir: Path) -> str:
     )
     return format_report(report)
 
+
+def replot(out: Path, *, all_steps: bool = False) -> str:
+    """Redraw ``rho.json``/``rho.csv``/``rho.png`` and every ``attention_maps.png`` of a finished run.
+
+    Nothing is recomputed: the report is rebuilt from the saved records (table rows chosen
+    again, so ``--all-steps`` may differ from the original run), the figures from the saved
+    maps, images and x0 previews.
+
+    Returns:
+        The text the run printed (context line, table, verdict).
+
+    Raises:
+        CLIError: No readable ``rho.json`` of this tool in ``out``.
+    """
+    import json
+
+    from nw_adapter.correlate.report import SCHEMA, build_report
+
+    out = out.expanduser()
+    path = out / "rho.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CLIError(
+            f"--replot '{out}': no rho.json there; pass the --out folder of a finished run"
+        ) from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+        raise CLIError(
+            f"--replot '{out}': cannot read rho.json ({reason}); rerun the original command"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("schema") != SCHEMA or not saved.get("records"):
+        raise CLIError(f"--replot '{out}': rho.json is not a correlate.py report; rerun the original command")
+    report = build_report(
+        saved["records"],
+        config=saved.get("config", {}),
+        images=saved.get("images", []),
+        targets=() if all_steps else PAPER_TIMESTEPS,
+        versions=saved.get("versions"),
+    )
+    with OutputLock(out):
+        text = write_outputs(report, out)
+        for image in report["images"]:
+            if image.get("maps"):
+                records = [r for r in report["records"] if r.get("reference") == image["key"]]
+                draw_image_maps(out / Path(image["maps"]).parent, records)
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted)."""
     try:
         args = parse_args(argv)
+        if args.replot is not None:
+            print(replot(Path(args.replot), all_steps=args.all_steps))
+            return 0
         infos = validate_images(collect_image_paths(args.image, args.image_dir))
         out_dir = check_output_dir(args.out, [info.key for info in infos])
         processor_config(args)  # option errors now, before any model is loaded

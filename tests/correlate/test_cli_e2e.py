@@ -233,6 +233,46 @@ def test_store_maps_figure_and_tensors(baseline) -> None:
         assert figure.format == "PNG" and figure.width > figure.height
 
 
+def test_maps_rows_show_the_x0_estimate_of_their_step(baseline) -> None:
+    """x0 at the last DDIM step (t=1) is nearly the final image; at t=501 it is not yet."""
+    import numpy as np
+
+    out = baseline["out"]
+    folder = out / json.loads((out / "rho.json").read_text())["images"][0]["generated"]
+    folder = folder.parent
+    final = np.asarray(Image.open(folder / "generated.png"), dtype=float)
+    gaps = {}
+    for step in (0, 1):
+        with Image.open(folder / f"x0_step{step}.png") as preview:
+            assert preview.size == (32, 32)
+            gaps[step] = np.abs(np.asarray(preview, dtype=float) - final).mean()
+    assert gaps[1] < 2.0 < gaps[0], gaps  # pixel values 0..255
+
+
+def test_replot_redraws_everything_from_the_saved_files(baseline, monkeypatch, capsys) -> None:
+    import nw_adapter.correlate.loading as loading
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("--replot must not load a model")
+
+    monkeypatch.setattr(loading, "build_pipeline", no_model)
+    out = baseline["out"]
+    saved = (out / "rho.json").read_text()
+    drawn = [out / "rho.png", *(out / "images").glob("*/attention_maps.png")]
+    assert len(drawn) == 3
+    for path in drawn:
+        path.unlink()
+    code, stdout, err = run(["--replot", out], capsys)
+    assert code == 0, err
+    assert stdout == baseline["stdout"]  # same table and verdict, nothing recomputed
+    assert (out / "rho.json").read_text() == saved
+    for path in drawn:
+        with Image.open(path) as img:
+            assert img.format == "PNG"
+    code, _, err = run(["--replot", out.parent / "nothing-here"], capsys)
+    assert code == 2 and "no rho.json there" in err
+
+
 def test_options_reach_the_run(tmp_path, photos, model_args, capsys) -> None:
     rgba = tmp_path / "china_rgba.png"
     Image.open(photos["china"]).convert("RGBA").save(rgba)
