@@ -211,7 +211,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def _monotonic_clause(result: dict) -> str:
-    """"rises monotonically over the N reported steps: yes/no", or n/a with a single step."""
+    """The rise clause of the verdict line, or n/a when a single step is reported."""
     count = result["reported_steps"]
     if count < 2:
         return "rise over steps: n/a (1 reported step; pass --all-steps or more --steps)"
