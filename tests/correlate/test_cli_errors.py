@@ -378,3 +378,43 @@ def test_two_runs_on_one_out_are_refused(tmp_path: Path, good_image: Path, tiny_
         code, _, err = run_main([*argv, "--steps", "1"], capsys)
     assert_one_line_error(code, err, "another correlate.py run is writing there", "pass another --out")
     assert not (out / "images").exists()
+
+
+def test_offline_default_adapter_with_a_local_model_is_named_offline(
+    tmp_path: Path, good_image: Path, tiny_sd15_dir, monkeypatch, capsys
+) -> None:
+    """No network, HF_HUB_OFFLINE unset: diffusers says "no file named ..."; the cause is the network."""
+    import diffusers.loaders.ip_adapter as ip_adapter
+    import huggingface_hub.constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable_hub(*args, **kwargs):
+        try:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
+        except LocalEntryNotFoundError:
+            raise OSError("h94/IP-Adapter does not appear to have a file named ip-adapter_sd15.safetensors.")  # noqa: B904 - as diffusers raises it (context, not cause)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(ip_adapter, "_get_model_file", unreachable_hub)
+    out = tmp_path / "out"
+    code, _, err = run_main(["--image", good_image, "--model", tiny_sd15_dir, "--out", out], capsys)
+    line = assert_one_line_error(
+        code, err, "--ip-adapter 'h94/IP-Adapter'", "Hub cannot be reached (offline)"
+    )
+    assert "--weight-name" not in line
+    expected = (
+        "hf download h94/IP-Adapter models/ip-adapter_sd15.safetensors models/image_encoder/config.json "
+        "models/image_encoder/model.safetensors"
+    )
+    assert expected in line
+    assert not out.exists()
+
+
+def test_download_hint_for_the_default_model_names_its_files_only() -> None:
+    from nw_adapter.correlate.loading import DEFAULT_MODEL, SD15_FILES, download_command
+
+    command = download_command(DEFAULT_MODEL, "--model")
+    assert command.split()[3:] == list(SD15_FILES)
+    assert "unet/diffusion_pytorch_model.safetensors" in command and "*" not in command
+    assert "--exclude '*fp16*'" in download_command("someone/other-model", "--model")
