@@ -595,7 +595,22 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     pipe.set_ip_adapter_scale(args.ip_scale)
     map_steps, _ = reported_steps(pipe, args.steps, all_steps=args.all_steps)
     config = processor_config(args, map_steps)
-    apply_nw_processor(pipe, config)  # checks --layers against this model's IP-Adapter layers
+    try:
+        apply_nw_processor(pipe, config)  # checks --layers against this model's IP-Adapter layers
+    except ValueError as exc:
+        if args.layers is None or "`layers`" not in str(exc):
+            raise
+        from nw_adapter.integration.mixin import ip_adapter_layers
+
+        names = ip_adapter_layers(pipe)
+        blocks = [
+            short for short, prefix in BLOCK_PREFIXES.items() if any(n.startswith(prefix) for n in names)
+        ]
+        bad = next((p for p in args.layers if not any(n.startswith(p) for n in names)), args.layers[0])
+        raise CLIError(
+            f"--layers: '{bad}' matches no IP-Adapter layer of this model; use the blocks "
+            f"{', '.join(blocks)} (down, mid, up) or a processor-name prefix such as '{names[0]}'"
+        ) from None
     remove_nw_processor(pipe)
     shown = ModelSpec(
         model=args.model,

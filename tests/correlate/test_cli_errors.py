@@ -210,7 +210,8 @@ def test_layers_that_match_no_adapter_layer(
         "--quiet",
     ]
     code, _, err = run_main(argv, capsys)
-    assert_one_line_error(code, err, "down_blocks.7", "matches no IP-Adapter layer")
+    line = assert_one_line_error(code, err, "--layers", "down_blocks.7", "matches no IP-Adapter layer")
+    assert "(down, mid, up)" in line and "processor-name prefix such as 'down_blocks." in line
     assert not out.exists()
 
 
