@@ -3,18 +3,25 @@
 A reference image (or many) in; out come a terminal table per reported timestep, a one-line
 verdict, and in ``--out``: ``rho.json`` (schema in docs/rho_json_schema.md), ``rho.csv``,
 ``rho.png`` and per image ``images/<key>/generated.png`` (plus, with ``--store-maps``,
-``maps.safetensors`` and ``attention_maps.png``).
+``maps.safetensors``, the x0 estimates ``x0_step<s>.png`` and ``attention_maps.png``).
+``--replot OUT`` redraws all of it from a finished run's files without loading a model.
 
 Order of work, so that bad input costs nothing and leaves nothing behind: parse and check
-the options, validate every reference image, check that ``--out`` is writable, build and
-check the processor configuration (all before torch/diffusers are imported), load the
-model, then generate. Bad input exits with status 2 and one line on stderr naming the
-problem and the fix; nothing is written before generation starts.
+the options, validate every reference image, check that ``--out`` and the folders that will be
+written there are writable, build and check the processor configuration (all before
+torch/diffusers are imported), load the model, take the lock on ``--out``, then generate.
+Bad input exits with status 2 and one line on stderr naming the problem and the fix; nothing
+is written before generation starts. A write failure during the run (full disk, size limit)
+exits 2 with one line too; the images finished before it are kept and a rerun resumes.
+
+Verbosity: progress bars only when stderr is a terminal and without ``-q``; notes unless
+``-qq``; the libraries' own warnings only with ``-v``.
 
 Example:
     $ python scripts/correlate.py --image ref.png --model tiny --steps 3
     $ python scripts/correlate.py --image ref.png            # SD 1.5 + h94/IP-Adapter
     $ accelerate launch --multi_gpu --num_processes 2 scripts/correlate.py --image-dir refs/
+    $ python scripts/correlate.py --replot correlate_out
 """
 
 from __future__ import annotations
@@ -718,7 +725,15 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         for image in report["images"]:
             if image.get("maps"):
                 records = [r for r in report["records"] if r.get("reference") == image["key"]]
-                draw_image_maps(out / Path(image["maps"]).parent, records)
+                folder = out / Path(image["maps"]).parent
+                try:
+                    draw_image_maps(folder, records)
+                except (OSError, ValueError) as exc:
+                    reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+                    raise CLIError(
+                        f"--replot '{out}': cannot redraw {folder / 'attention_maps.png'} ({reason}); "
+                        "rerun the original command to recompute that image"
+                    ) from None
     return text
 
 

@@ -44,6 +44,7 @@ class X0Previews:
         self.recorder = recorder
         self.steps = None if steps is None else set(steps)
         self.latents: dict[int, torch.Tensor] = {}
+        self.failed = False  # a capture raised; that step's preview is missing
         self._handle: Any = None
 
     def __enter__(self) -> X0Previews:
@@ -56,6 +57,12 @@ class X0Previews:
             self._handle = None
 
     def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        try:
+            self._capture(args, kwargs, output)
+        except Exception:  # noqa: BLE001 - a preview must never fail a generation; it is just missing
+            self.failed = True
+
+    def _capture(self, args: tuple, kwargs: dict, output: Any) -> None:
         state = self.recorder.state
         if self.steps is not None and state.step not in self.steps:
             return
