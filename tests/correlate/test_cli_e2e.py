@@ -166,8 +166,10 @@ def test_captured_output_has_clean_lines_notes_and_no_library_noise(tmp_path, ph
     assert lines[1].startswith("attention vs NW weights") and lines[-1].startswith("verdict: ")
     for noise in ("torchvision", "kept in float32", "Loading", "Writing model shards", "Warning"):
         assert noise not in proc.stdout
-    quieter = subprocess.run(argv + ["-qq"], capture_output=True, text=True, env=env, timeout=300)
-    assert quieter.returncode == 0 and quieter.stderr == ""
+    stdout, stderr = io.StringIO(), TerminalStringIO()  # -qq: not even a note, not even on a terminal
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        assert main(argv[2:] + ["-qq"]) == 0
+    assert stderr.getvalue() == "" and stdout.getvalue().splitlines()[-1].startswith("verdict: ")
 
 
 def test_printed_table_equals_the_json(baseline) -> None:
