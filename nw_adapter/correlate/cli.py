@@ -356,8 +356,14 @@ class OutputLock:
             import fcntl
         except ImportError:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")  # noqa: SIM115 - held for the run
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+")  # noqa: SIM115 - held for the run
+        except OSError as exc:
+            raise CLIError(
+                f"--out '{self.path.parent}': cannot create the lock file ({exc.strerror or exc}); "
+                "pass a writable folder"
+            ) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -366,6 +372,9 @@ class OutputLock:
                 f"--out '{self.path.parent}': another correlate.py run is writing there (lock {self.path}); "
                 "wait for it to finish or pass another --out"
             ) from None
+        except OSError:  # a file system without locks (e.g. some network mounts): run unlocked
+            handle.close()
+            return self
         self._handle = handle
         return self
 

@@ -325,6 +325,12 @@ def load_reference_image(path: str | Path, *, label: str = "--image") -> tuple[I
 
 
 def _scan_dir(folder: Path) -> list[Path]:
+    if folder.is_symlink() and not folder.exists():
+        try:
+            os.stat(folder)
+        except OSError as exc:
+            kind = "symbolic link loop" if exc.errno == errno.ELOOP else "dangling symbolic link"
+            raise ImageInputError(f"--image-dir '{folder}': {kind}; fix the link") from None
     if not folder.exists():
         raise ImageInputError(f"--image-dir '{folder}': folder not found; check the path")
     if not folder.is_dir():

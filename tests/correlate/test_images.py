@@ -311,3 +311,10 @@ def test_validate_keeps_identical_files_once(tmp_path: Path) -> None:
     photo().save(first)
     infos = validate_images([(first, "--image"), (first, "--image")])
     assert len(infos) == 1
+
+
+def test_image_dir_symlink_loop_is_named(tmp_path: Path) -> None:
+    loop = tmp_path / "refs"
+    loop.symlink_to(loop)
+    with pytest.raises(ImageInputError, match="--image-dir .*symbolic link loop"):
+        collect_image_paths(image_dirs=[loop])
