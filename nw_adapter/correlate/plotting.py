@@ -24,22 +24,20 @@ def _series(rows: Sequence[dict], key: str) -> np.ndarray:
     return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
 
 
-def plot_rho(
-    block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None, note: str | None = None
-) -> Path:
+def rho_figure(block_rows: Sequence[dict], *, title: str | None = None, note: str | None = None):
     """Draw rho against timestep, one panel per UNet block, with the band of the two nulls.
 
     Args:
         block_rows: ``rho.json``'s ``blocks`` rows (keys ``block``, ``timestep``, ``rho``,
             ``rho_perm_null``, ``rho_norm_null``), see :func:`nw_adapter.correlate.report.aggregate`.
-        path: Output PNG (written atomically).
         title: Figure title.
-        note: A line under the title (e.g. the explanation of a repeated timestep); the points
-            of steps that share a timestep are drawn at that timestep side by side.
+        note: A line under the title (e.g. the explanation of a repeated timestep: steps that
+            share a timestep are drawn at the same x).
 
     Returns:
-        ``path``. The band spans, per step, from the lower to the higher of the permutation
-        null and the norm-equalised null: a rho inside or below it is not evidence.
+        The :class:`matplotlib.figure.Figure`. The band spans, per step, from the lower to the
+        higher of the permutation null and the norm-equalised null: a rho inside or below it is
+        not evidence.
     """
     from matplotlib.figure import Figure
 
@@ -69,6 +67,14 @@ def plot_rho(
     axes[0].set_ylabel("Spearman rho (attention vs NW)")
     if title or note:
         fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=8 if note else 9)
+    return fig
+
+
+def plot_rho(
+    block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None, note: str | None = None
+) -> Path:
+    """Write :func:`rho_figure` to ``path`` (PNG, atomically) and return ``path``."""
+    fig = rho_figure(block_rows, title=title, note=note)
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
 
 

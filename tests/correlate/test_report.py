@@ -312,3 +312,14 @@ def test_verdict_of_one_reported_step_does_not_claim_a_rise() -> None:
     assert "monotonically" not in line and "1 steps" not in line
     line = format_verdict(verdict(aggregate(make_records(timesteps=(981, 1)))))
     assert "rises monotonically over the 2 reported steps: yes" in line
+
+
+def test_rho_plot_carries_the_repeated_timestep_note() -> None:
+    from nw_adapter.correlate.plotting import rho_figure
+    from nw_adapter.correlate.report import repeated_timestep_note
+
+    config = {"steps": 3, "scheduler_class": "PNDMScheduler"}
+    report = build_report(make_records(timesteps=(667, 334, 334, 1)), config=config, images=[], versions={})
+    note = repeated_timestep_note(report)
+    fig = rho_figure(report["blocks"], title="run", note=note)
+    assert fig._suptitle.get_text() == f"run\n{note}"
