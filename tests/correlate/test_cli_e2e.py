@@ -323,6 +323,17 @@ def test_options_change_the_generated_image(change, baseline, photos, model_args
     assert report["records"] and report["config"] != base["config"]
 
 
+def test_maps_and_x0_previews_do_not_change_the_generation(baseline, photos, model_args, tmp_path, capsys):
+    """The baseline stored maps and captured x0 estimates; without them the image is the same, bit for bit."""
+    out = tmp_path / "out"
+    code, _, _ = run(["--image", photos["flower"], *model_args, *BASE, "--quiet", "--out", out], capsys)
+    assert code == 0
+    key = key_of(json.loads((out / "rho.json").read_text()), "flower")
+    plain = (out / "images" / key / "generated.png").read_bytes()
+    assert plain == (baseline["out"] / "images" / key / "generated.png").read_bytes()
+    assert not list((out / "images" / key).glob("x0_step*.png"))
+
+
 def test_model_tiny_builds_once_and_matches_the_fixture_model(
     tmp_path, photos, baseline, monkeypatch, capsys
 ) -> None:
