@@ -478,6 +478,7 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
 
 
 def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
+    """The body of :func:`run`: load, check ``--layers``, sweep under the lock, report."""
     from nw_adapter.correlate.loading import build_pipeline, resolve_dtype, resolve_spec
     from nw_adapter.correlate.report import build_report
     from nw_adapter.correlate.sweep import fingerprint, run_sweep
