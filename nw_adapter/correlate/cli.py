@@ -56,6 +56,7 @@ from nw_adapter.correlate.outputs import (
     OutputLock,
     check_output_dir,
     draw_image_maps,
+    remove_report,
     replot,
     write_outputs,
 )
@@ -535,6 +536,7 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
             state=state,
             progress=bars and state.is_main_process,
             image_hashes={key: info.sha256 for key, info in by_key.items()},
+            before_changes=lambda: remove_report(out_dir),
         )
         if state.num_processes > 1 and args.quiet < 2:
             print(

@@ -148,6 +148,16 @@ def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
     return plot_attention_maps(generated, panels, folder / "attention_maps.png", previews=previews)
 
 
+REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png")
+"""The merged report's files in ``--out``."""
+
+
+def remove_report(out_dir: Path) -> None:
+    """Remove the merged report of a previous run (before any of its images changes)."""
+    for name in REPORT_FILES:
+        (Path(out_dir) / name).unlink(missing_ok=True)
+
+
 def write_outputs(report: dict, out_dir: Path) -> str:
     """Write ``rho.json``, ``rho.csv`` and ``rho.png`` of a report; return the text to print."""
     from nw_adapter.correlate.plotting import plot_rho

@@ -7,9 +7,10 @@ folder. A rerun of the same command skips an image only when its result file is 
 with the same fingerprint, the same reference-image hash, and files whose hashes match the
 record, so an interrupted sweep resumes where it stopped and never mixes two runs.
 
-A changed option set on an existing ``--out`` recomputes every image cleanly: before an image
-is computed, its old result file is removed first (so it no longer counts as finished) and
-then every other file in its folder (e.g. maps of an earlier ``--store-maps`` run).
+A changed option set on an existing ``--out`` recomputes every image cleanly: before the first
+image changes, the merged report of the previous run is removed (``before_changes``); before an
+image is computed, its old result file is removed first (so it no longer counts as finished)
+and then every other file in its folder (e.g. maps of an earlier ``--store-maps`` run).
 
 Sharding uses :class:`accelerate.PartialState` when the script runs under
 ``accelerate launch`` (or ``torchrun``): the images still to do are split into contiguous
@@ -196,6 +197,7 @@ def run_sweep(
     state: Any | None = None,
     progress: bool = True,
     image_hashes: dict[str, str] | None = None,
+    before_changes: Callable[[], None] | None = None,
 ) -> SweepOutcome:
     """Compute every unfinished image, sharded across processes, and collect all results.
 
@@ -209,6 +211,9 @@ def run_sweep(
         progress: Show a progress bar over this process's images.
         image_hashes: ``{key: sha256}`` of the reference images; a result of another file
             under the same key is not reused.
+        before_changes: Called once on the main process before any image is (re)computed
+            (not at all when every image is reused): the command line removes the merged
+            report of the previous run there, so it never describes files of another run.
 
     Returns:
         A :class:`SweepOutcome`; ``results`` is filled on the main process only.
@@ -218,6 +223,8 @@ def run_sweep(
     hashes = image_hashes or {}
     reused = [k for k in keys if load_result(out_dir, k, expected_fingerprint, hashes.get(k)) is not None]
     todo = [k for k in keys if k not in set(reused)]
+    if todo and before_changes is not None and state.is_main_process:
+        before_changes()
     # Every process must see the same "todo" list before anyone writes a result file.
     state.wait_for_everyone()
     computed: list[str] = []

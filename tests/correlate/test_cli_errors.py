@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -348,16 +349,20 @@ def test_write_failure_mid_run_exits_2_and_keeps_finished_images(
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(self, fp, *args, **kwargs)
 
+    assert run_main([*argv, "--seed", "7"], capsys)[0] == 0  # a finished run of other options first
+    assert (out / "rho.json").is_file()
     monkeypatch.setattr(Image.Image, "save", save)
     code, stdout, err = run_main(argv, capsys)
     line = assert_one_line_error(code, err, "cannot write", "generated", "No space left on device")
     assert "finished images are kept" in line and stdout == ""
     finished = [p for p in (out / "images").glob("*/result.json")]
     assert len(finished) == 1
+    assert not (out / "rho.json").exists()  # the seed-7 report no longer describes these folders
     monkeypatch.setattr(Image.Image, "save", real_save)
     code, _, err = run_main(argv, capsys)
     assert code == 0 and "resumed: 1 finished image(s) reused" in err
     assert all(result_path(out, p.parent.name).is_file() for p in finished)
+    assert json.loads((out / "rho.json").read_text())["config"]["seed"] == 0
 
 
 def test_two_runs_on_one_out_are_refused(tmp_path: Path, good_image: Path, tiny_sd15_dir, tiny_ip_adapter_dir,

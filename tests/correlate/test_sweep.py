@@ -181,3 +181,28 @@ def test_result_file_that_is_json_but_not_an_object_counts_as_unfinished(
     work = Worker()
     run_sweep(KEYS, work, out_dir=tmp_path, expected_fingerprint="f1", progress=False)
     assert work.calls == ["bb-2"]
+
+
+def test_the_previous_report_is_removed_before_any_image_changes(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def before() -> None:
+        calls.append("removed")
+
+    run_sweep(
+        KEYS, Worker(), out_dir=tmp_path, expected_fingerprint="f1", progress=False, before_changes=before
+    )
+    assert calls == ["removed"]
+    run_sweep(
+        KEYS, Worker(), out_dir=tmp_path, expected_fingerprint="f1", progress=False, before_changes=before
+    )
+    assert calls == ["removed"]  # everything reused: the report stays
+
+    class Recorded(Worker):
+        def __call__(self, key: str):
+            assert calls == ["removed", "removed"], "an image changed before the report was removed"
+            return super().__call__(key)
+
+    run_sweep(
+        KEYS, Recorded(), out_dir=tmp_path, expected_fingerprint="f2", progress=False, before_changes=before
+    )
