@@ -424,3 +424,21 @@ def test_download_hint_for_the_default_model_names_its_files_only() -> None:
     assert command.split()[3:] == list(SD15_FILES)
     assert "unet/diffusion_pytorch_model.safetensors" in command and "*" not in command
     assert "--exclude '*fp16*'" in download_command("someone/other-model", "--model")
+
+
+def test_file_size_limit_while_writing_the_tiny_model_is_one_line(tmp_path: Path, good_image: Path) -> None:
+    """A real write failure (RLIMIT_FSIZE, SIGXFSZ ignored), not a monkeypatch: EFBIG in safetensors."""
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+        "from nw_adapter.correlate.cli import main\n"
+        f"sys.exit(main(['--image', {str(good_image)!r}, '--model', 'tiny', '--steps', '1', "
+        f"'--out', {str(tmp_path / 'out')!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NW_ADAPTER_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.stdout == ""
+    assert_one_line_error(proc.returncode, proc.stderr, "cannot write the tiny model", "File too large")
+    leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert leftovers == []  # nothing half-written is left to be loaded later
