@@ -295,6 +295,7 @@ class NWRecorder:
         """Drop all recorded statistics and maps (step tracking continues)."""
         self._entries.clear()
         self._maps.clear()
+        self._loaded.clear()
         self._map_bytes = 0
 
     # ------------------------------------------------------------------ export
@@ -418,8 +419,9 @@ class NWRecorder:
                 "pass a file written by NWRecorder.to_json or correlate.py's rho.json"
             )
         config = NWProcessorConfig()
-        if schema == RECORDS_SCHEMA:
-            config = NWProcessorConfig(**document["config"])
+        if schema == RECORDS_SCHEMA and isinstance(document.get("config"), dict):
+            known = NWProcessorConfig.field_names()  # options of another version are left out
+            config = NWProcessorConfig(**{k: v for k, v in document["config"].items() if k in known})
         recorder = cls(config)
         recorder._loaded = [
             {k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()}
