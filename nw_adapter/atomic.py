@@ -3,6 +3,11 @@
 A writer fills a temporary file in the destination folder (same file system, so the final
 ``os.replace`` is atomic); on any exception the temporary file is removed and the destination
 is left as it was. Files get the usual ``0666 & ~umask`` mode (``mkstemp`` alone gives 0600).
+
+Durability: the temporary file is flushed to disk (``fsync``) before the rename and the folder
+after it, so a power loss leaves the old file or the new one, never an empty one. A failure to
+write (full disk, file-size limit, read-only folder, also a safetensors ``SafetensorError``,
+which is not an ``OSError``) is raised as :class:`WriteError` naming the file.
 """
 
 from __future__ import annotations
@@ -14,7 +19,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write", "atomic_write_json", "atomic_write_text"]
+__all__ = ["WriteError", "atomic_write", "atomic_write_json", "atomic_write_text", "fsync_folder"]
+
+
+class WriteError(OSError):
+    """A file could not be written (disk full, size limit, permissions...); the message names it."""
+
+
+def _is_io_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of the file system rather than of the writer's logic."""
+    return isinstance(exc, OSError) or type(exc).__module__.startswith("safetensors")
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A short reason for a failed write: ``strerror`` of an ``OSError``, else the exception text."""
+    reason = getattr(exc, "strerror", None) or " ".join(str(exc).split()) or type(exc).__name__
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename in it) to disk; a no-op where folders cannot be opened."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # some file systems do not support fsync on folders
+    finally:
+        os.close(handle)
+
+
+def _fsync_file(path: Path) -> None:
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def _umask() -> int:
@@ -37,20 +79,31 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
+    Raises:
+        WriteError: The file system refused (an ``OSError`` or a safetensors error from
+            ``write``, the rename, or creating the folder); ``path`` is left as it was.
+
     Example:
         >>> atomic_write("plot.png", lambda tmp: fig.savefig(tmp))  # doctest: +SKIP
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(handle)
-    tmp = Path(name)
+    tmp: Path | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+        os.close(handle)
+        tmp = Path(name)
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
+        _fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        tmp = None
+        fsync_folder(path.parent)
+    except BaseException as exc:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, Exception) and not isinstance(exc, WriteError) and _is_io_failure(exc):
+            raise WriteError(f"cannot write '{path}' ({describe_failure(exc)})") from exc
         raise
     return path
 

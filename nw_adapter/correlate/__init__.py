@@ -6,7 +6,11 @@
 - :mod:`~nw_adapter.correlate.loading`: pipeline and IP-Adapter loading (Hub ids, local
   folders, the embedded tiny model);
 - :mod:`~nw_adapter.correlate.report`: aggregation, table, verdict, JSON/CSV;
-- :mod:`~nw_adapter.correlate.plotting`: figures;
+- :mod:`~nw_adapter.correlate.plotting`: figures (rho against timestep, maps over the image);
+- :mod:`~nw_adapter.correlate.maps`: stored maps as arrays, per image token, averaged over
+  layers, heads and steps;
+- :mod:`~nw_adapter.correlate.previews`: the x0 estimate at a step, captured by a UNet hook;
+- :mod:`~nw_adapter.correlate.outputs`: the output folder (checks, lock, files, ``--replot``);
 - :mod:`~nw_adapter.correlate.sweep`: many images over several processes (accelerate), resume.
 
 May import every layer below it (:mod:`nw_adapter.integration`, :mod:`nw_adapter.core`,

@@ -3,31 +3,39 @@
 A reference image (or many) in; out come a terminal table per reported timestep, a one-line
 verdict, and in ``--out``: ``rho.json`` (schema in docs/rho_json_schema.md), ``rho.csv``,
 ``rho.png`` and per image ``images/<key>/generated.png`` (plus, with ``--store-maps``,
-``maps.safetensors`` and ``attention_maps.png``).
+``maps.safetensors``, the x0 estimates ``x0_step<s>.png`` and ``attention_maps.png``).
+``--replot OUT`` redraws all of it from a finished run's files without loading a model.
 
 Order of work, so that bad input costs nothing and leaves nothing behind: parse and check
-the options, validate every reference image, check that ``--out`` is writable, build and
-check the processor configuration (all before torch/diffusers are imported), load the
-model, then generate. Bad input exits with status 2 and one line on stderr naming the
-problem and the fix; nothing is written before generation starts.
+the options, validate every reference image, check that ``--out`` and the folders that will be
+written there are writable, build and check the processor configuration (all before
+torch/diffusers are imported), load the model, take the lock on ``--out``, then generate.
+Bad input exits with status 2 and one line on stderr naming the problem and the fix; nothing
+is written before generation starts. A write failure during the run (full disk, size limit)
+exits 2 with one line too; the images finished before it are kept and a rerun resumes.
+
+Verbosity: progress bars only when stderr is a terminal and without ``-q``; notes unless
+``-qq``; the libraries' own warnings only with ``-v``.
 
 Example:
     $ python scripts/correlate.py --image ref.png --model tiny --steps 3
     $ python scripts/correlate.py --image ref.png            # SD 1.5 + h94/IP-Adapter
     $ accelerate launch --multi_gpu --num_processes 2 scripts/correlate.py --image-dir refs/
+    $ python scripts/correlate.py --replot correlate_out
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from nw_adapter.atomic import WriteError
 from nw_adapter.correlate.images import (
     ImageInputError,
     ReferenceImage,
@@ -43,7 +51,17 @@ from nw_adapter.correlate.loading import (
     ModelLoadError,
     ModelSpec,
 )
+from nw_adapter.correlate.outputs import (
+    OutputError,
+    OutputLock,
+    check_output_dir,
+    draw_image_maps,
+    remove_report,
+    replot,
+    write_outputs,
+)
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
+from nw_adapter.integration.config import BANDWIDTH_RANGE
 
 PROG = "correlate.py"
 BLOCK_PREFIXES = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
@@ -114,8 +132,12 @@ def _bandwidth(text: str) -> str | float:
         raise argparse.ArgumentTypeError(
             f"--bandwidth must be one of {', '.join(BANDWIDTH_RULES)} or a positive number, got '{text}'"
         ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"--bandwidth must be a positive finite number, got '{text}'")
+    low, high = BANDWIDTH_RANGE
+    if not math.isfinite(value) or not low <= value <= high:
+        raise argparse.ArgumentTypeError(
+            f"--bandwidth must be a number h in the usable range [{low:g}, {high:g}] "
+            f"(or a rule name), got '{text}'"
+        )
     return value
 
 
@@ -201,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")
     model.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float16 on CUDA, float32 else")
     gen = parser.add_argument_group("generation")
-    gen.add_argument("--prompt", default="a photograph", help="text prompt (default 'a photograph')")
+    gen.add_argument(
+        "--prompt", default="a photograph", help="text prompt (default 'a photograph'; '' for none)"
+    )
     gen.add_argument("--negative-prompt", default=None, help="negative prompt")
     gen.add_argument("--steps", type=_positive_int("--steps", maximum=1000), default=50, help="default 50")
     gen.add_argument("--seed", type=_seed, default=0, help="seed of the generation and the nulls (default 0)")
@@ -242,9 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated blocks (down, mid, up) or attention-processor name prefixes",
     )
     out = parser.add_argument_group("output")
-    out.add_argument(
-        "--out", type=Path, default=Path("correlate_out"), help="output folder (default ./correlate_out)"
-    )
+    out.add_argument("--out", default="correlate_out", help="output folder (default ./correlate_out)")
     out.add_argument(
         "--store-maps",
         action="store_true",
@@ -253,7 +275,24 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--all-steps", action="store_true", help="table of every step, not only the paper's five"
     )
-    out.add_argument("--quiet", action="store_true", help="no progress bars or notes")
+    out.add_argument(
+        "--replot",
+        metavar="OUT",
+        default=None,
+        help="redraw the table, verdict and figures of a finished run in OUT from its saved files "
+        "(rho.json, maps.safetensors, generated.png), without loading a model; no --image needed",
+    )
+    out.add_argument(
+        "-q",
+        "--quiet",
+        action="count",
+        default=0,
+        help="-q: no progress bars; -qq: no notes either (errors, the table and the verdict remain). "
+        "Progress bars are drawn only when stderr is a terminal",
+    )
+    out.add_argument(
+        "-v", "--verbose", action="store_true", help="also show the libraries' own warnings and notes"
+    )
     return parser
 
 
@@ -264,42 +303,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         CLIError: Unknown options, bad values, nothing to do.
     """
     args = build_parser().parse_args(argv)
+    args.out_given_empty = not args.out.strip()
+    args.out = Path(args.out)
+    if args.replot is not None:
+        if not args.replot.strip():
+            raise CLIError("--replot is empty; pass the --out folder of a finished run")
+        if args.image or args.image_dir:
+            raise CLIError("--replot redraws a finished run and takes no --image/--image-dir; drop them")
+        return args
     if not args.image and not args.image_dir:
         raise CLIError("no reference image given; pass --image FILE or --image-dir FOLDER")
-    for name in ("prompt", "model"):
-        if not getattr(args, name).strip():
-            raise CLIError(f"--{name} is empty; pass a non-empty value")
+    if not args.model.strip():
+        raise CLIError("--model is empty; pass a Hub id, a local folder or tiny")
+    if not str(args.out).strip() or args.out_given_empty:
+        raise CLIError("--out is empty; pass a folder path (e.g. --out correlate_out)")
+    for option, values in (("--image", args.image), ("--image-dir", args.image_dir)):
+        if any(not str(v).strip() for v in values):
+            raise CLIError(f"{option} is empty; pass a path (use . for the current folder)")
     return args
-
-
-def check_output_dir(out: Path) -> Path:
-    """Check, without leaving anything behind, that ``out`` can be created and written.
-
-    Raises:
-        CLIError: ``out`` is a file, sits under a file, or is not writable.
-    """
-    out = out.expanduser()
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out '{out}': exists and is not a folder; pass a folder path")
-    probe = out
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise CLIError(
-            f"--out '{out}': '{probe}' is a file, so the folder cannot be created; pass another path"
-        )
-    try:
-        handle, name = tempfile.mkstemp(prefix=".nw-adapter-write-check-", dir=probe)
-        os.close(handle)
-        os.unlink(name)
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise CLIError(
-            f"--out '{out}': cannot write in '{probe}' ({reason}); pass a writable folder"
-        ) from None
-    return out
 
 
 def processor_config(args: argparse.Namespace, map_steps: Sequence[int] | None = None):
@@ -346,17 +367,58 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
 
 
 def _note(args: argparse.Namespace, state: Any, text: str) -> None:
-    if not args.quiet and state.is_main_process:
+    if args.quiet < 2 and state.is_main_process:
         print(f"note: {text}", file=sys.stderr)
 
 
-def _quiet_libraries(verbose: bool) -> None:
-    """Keep library warnings off stderr, so errors stay one line (before importing them)."""
+def show_progress_bars(args: argparse.Namespace) -> bool:
+    """Progress bars only without ``-q`` and when stderr is a terminal.
+
+    Captured or piped output (a log file, ``2>&1`` into a file) gets no bars, so their carriage
+    returns never share a line with the table printed on stdout.
+    """
+    isatty = getattr(sys.stderr, "isatty", None)
+    return args.quiet == 0 and bool(isatty and isatty())
+
+
+def _quiet_libraries(verbose: bool, bars: bool) -> None:
+    """Keep library warnings (and, without ``bars``, their progress bars) off stderr, before importing them.
+
+    Set only where the user has not chosen: an environment variable already set is kept.
+    """
     if not verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_VERBOSITY", "error")
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if not bars:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@contextlib.contextmanager
+def _library_output(*, verbose: bool, bars: bool):
+    """Within the block: libraries' loggers at error level (unless verbose), their bars off (unless bars).
+
+    Restores the previous levels and bar settings afterwards (the CLI also runs in-process in tests
+    and notebooks).
+    """
+    import diffusers
+    import transformers
+
+    loggers = (diffusers.utils.logging, transformers.utils.logging)
+    levels = [log.get_verbosity() for log in loggers]
+    enabled = [log.is_progress_bar_enabled() for log in loggers]
+    try:
+        for log in loggers:
+            if not verbose:
+                log.set_verbosity_error()
+            if not bars:
+                log.disable_progress_bar()
+        yield
+    finally:
+        for log, level, was_enabled in zip(loggers, levels, enabled, strict=True):
+            log.set_verbosity(level)
+            (log.enable_progress_bar if was_enabled else log.disable_progress_bar)()
 
 
 def reported_steps(
@@ -405,7 +467,7 @@ def _image_worker(
 
     from nw_adapter.atomic import atomic_write
     from nw_adapter.correlate import families
-    from nw_adapter.correlate.plotting import panels_from_maps, plot_attention_maps
+    from nw_adapter.correlate.previews import X0Previews
     from nw_adapter.correlate.sweep import image_dir
     from nw_adapter.integration.mixin import nw_processor
 
@@ -414,7 +476,11 @@ def _image_worker(
         reference, _ = load_reference_image(info.path)
         folder = image_dir(out_dir, key)
         generator = torch.Generator(device="cpu").manual_seed(args.seed)
-        with nw_processor(pipe, config) as recorder:
+        with contextlib.ExitStack() as stack:
+            recorder = stack.enter_context(nw_processor(pipe, config))
+            previews = None
+            if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
+                previews = stack.enter_context(X0Previews(pipe, recorder, config.map_steps))
             output = pipe(
                 prompt=args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -435,13 +501,9 @@ def _image_worker(
         records = [{"reference": key, **record} for record in recorder.to_records()]
         if args.store_maps:
             recorder.save_maps(folder / "maps.safetensors")
-            panels = panels_from_maps(
-                recorder.maps(),
-                timesteps={r["step"]: r["timestep"] for r in records},
-                image_hw=(generated.height, generated.width),
-                cfg=bool(getattr(pipe, "do_classifier_free_guidance", False)),
-            )
-            plot_attention_maps(generated, panels, folder / "attention_maps.png")
+            for step, image in previews.images().items():
+                atomic_write(folder / f"x0_step{step}.png", lambda tmp, image=image: image.save(tmp))
+            draw_image_maps(folder, records)
             entry.update(
                 maps=str(relative / "maps.safetensors"), attention_maps=str(relative / "attention_maps.png")
             )
@@ -452,19 +514,19 @@ def _image_worker(
 
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """Load the model, compute every (unfinished) image, and on the main process write the report."""
+    with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
+        return _run(args, infos, out_dir)
+
+
+def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
+    """The body of :func:`run`: load, check ``--layers``, sweep under the lock, report."""
     from nw_adapter.correlate import families
     from nw_adapter.correlate.loading import build_pipeline, resolve_dtype, resolve_spec
-    from nw_adapter.correlate.plotting import plot_rho
-    from nw_adapter.correlate.report import build_report, format_report, write_report_files
+    from nw_adapter.correlate.report import build_report
     from nw_adapter.correlate.sweep import fingerprint, run_sweep
     from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
 
-    if args.quiet:
-        import diffusers
-        import transformers
-
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
+    bars = show_progress_bars(args)
     device, state = _device_and_state(args.device)
     for info in infos:
         for text in info.notes:
@@ -474,14 +536,29 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
     )
     dtype = resolve_dtype(args.dtype, device)
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
-    pipe.set_progress_bar_config(disable=args.quiet or not state.is_main_process, leave=False)
+    pipe.set_progress_bar_config(disable=not (bars and state.is_main_process), leave=False)
     pipe.set_ip_adapter_scale(args.ip_scale)
     extra_call = families.call_kwargs(pipe, args.true_cfg_scale)
     map_steps, _ = reported_steps(
         pipe, args.steps, all_steps=args.all_steps, height=args.height, width=args.width
     )
     config = processor_config(args, map_steps)
-    apply_nw_processor(pipe, config)  # checks --layers against this model's IP-Adapter layers
+    try:
+        apply_nw_processor(pipe, config)  # checks --layers against this model's IP-Adapter layers
+    except ValueError as exc:
+        if args.layers is None or "`layers`" not in str(exc):
+            raise
+        from nw_adapter.integration.mixin import ip_adapter_layers
+
+        names = ip_adapter_layers(pipe)
+        blocks = [
+            short for short, prefix in BLOCK_PREFIXES.items() if any(n.startswith(prefix) for n in names)
+        ]
+        bad = next((p for p in args.layers if not any(n.startswith(p) for n in names)), args.layers[0])
+        raise CLIError(
+            f"--layers: '{bad}' matches no IP-Adapter layer of this model; use the blocks "
+            f"{', '.join(blocks)} (down, mid, up) or a processor-name prefix such as '{names[0]}'"
+        ) from None
     remove_nw_processor(pipe)
     shown = ModelSpec(
         model=args.model,
@@ -497,38 +574,39 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
         options.update(extra_call)
     options["scheduler_class"] = type(pipe.scheduler).__name__
     by_key = {info.key: info for info in infos}
-    outcome = run_sweep(
-        list(by_key),
-        _image_worker(args, pipe, config, by_key, out_dir, extra_call),
-        out_dir=out_dir,
-        expected_fingerprint=fingerprint(options),
-        state=state,
-        progress=not args.quiet and state.is_main_process,
-    )
-    if state.num_processes > 1 and not args.quiet:
-        print(
-            f"note: process {state.process_index}/{state.num_processes} computed "
-            f"{len(outcome.computed)} image(s)",
-            file=sys.stderr,
+    # The resolved model (for tiny: the cache folder named by the builder's source hash) is part of
+    # the fingerprint, so a result is only reused with the model that produced it.
+    identity = {**options, "resolved_model": spec.to_dict()}
+    lock = OutputLock(out_dir) if state.num_processes == 1 else contextlib.nullcontext()
+    with lock:
+        outcome = run_sweep(
+            list(by_key),
+            _image_worker(args, pipe, config, by_key, out_dir, extra_call),
+            out_dir=out_dir,
+            expected_fingerprint=fingerprint(identity),
+            state=state,
+            progress=bars and state.is_main_process,
+            image_hashes={key: info.sha256 for key, info in by_key.items()},
+            before_changes=lambda: remove_report(out_dir),
         )
-    if outcome.reused:
-        _note(args, state, f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}")
-    if not state.is_main_process:
-        return 0
-    records = [record for result in outcome.results for record in result["records"]]
-    report = build_report(
-        records,
-        config=options,
-        images=[result["image"] for result in outcome.results],
-        targets=() if args.all_steps else PAPER_TIMESTEPS,
-    )
-    write_report_files(report, out_dir)
-    plot_rho(
-        report["blocks"],
-        out_dir / "rho.png",
-        title=f"{args.model}, {args.steps} steps, bandwidth {args.bandwidth}, {len(infos)} reference(s)",
-    )
-    print(format_report(report))
+        if state.num_processes > 1 and args.quiet < 2:
+            print(
+                f"note: process {state.process_index}/{state.num_processes} computed "
+                f"{len(outcome.computed)} image(s)",
+                file=sys.stderr,
+            )
+        if outcome.reused:
+            _note(args, state, f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}")
+        if not state.is_main_process:
+            return 0
+        records = [record for result in outcome.results for record in result["records"]]
+        report = build_report(
+            records,
+            config=options,
+            images=[result["image"] for result in outcome.results],
+            targets=() if args.all_steps else PAPER_TIMESTEPS,
+        )
+        print(write_outputs(report, out_dir))
     return 0
 
 
@@ -536,12 +614,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted)."""
     try:
         args = parse_args(argv)
+        if args.replot is not None:
+            print(replot(Path(args.replot), all_steps=args.all_steps))
+            return 0
         infos = validate_images(collect_image_paths(args.image, args.image_dir))
-        out_dir = check_output_dir(args.out)
+        out_dir = check_output_dir(args.out, [info.key for info in infos])
         processor_config(args)  # option errors now, before any model is loaded
-        _quiet_libraries(verbose=False)
+        _quiet_libraries(verbose=args.verbose, bars=show_progress_bars(args))
         return run(args, infos, out_dir)
-    except (CLIError, ImageInputError, ModelLoadError) as exc:
+    except (CLIError, OutputError, ImageInputError, ModelLoadError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:
@@ -549,6 +630,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         raise
+    except WriteError as exc:
+        print(
+            f"{PROG}: error: {' '.join(str(exc).split())}; free space or fix the permissions of --out and "
+            "rerun the same command (finished images are kept)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         print(
             f"{PROG}: interrupted; finished images are kept, rerun the same command to resume",

@@ -8,27 +8,34 @@ after a well-defined conversion is converted to 8-bit RGB with a note:
 ==========================  ===========================================================
 input                       outcome
 ==========================  ===========================================================
-missing path, directory     error
+missing path, directory     error (a dangling link or a link loop is named as such)
 zero-byte file              error
 not an image / unreadable   error (Pillow cannot identify it)
 truncated PNG / JPEG        error (decoding fails; truncated images are never padded)
 animated GIF / APNG / WebP  error (more than one frame; export the frame you mean)
 decompression bomb          error (more pixels than ``PIL.Image.MAX_IMAGE_PIXELS``,
                             both Pillow's warning and its error level)
+extreme aspect ratio        error (over 64:1: the encoder's resize to a 224-pixel short
+                            side would make more than 224 * 224 * 64 pixels)
 float (mode ``F``)          error (no well-defined 8-bit scale)
+32-bit integer (mode ``I``)  values in 0..255 kept; in 0..65535 treated as 16-bit; negative
+                            or larger values: error (no well-defined 8-bit scale)
 16-bit grayscale            converted: ``round(v / 257)`` to 8 bits, then gray -> RGB
 16-bit RGB PNG              converted by Pillow on load (high byte), note
 CMYK                        converted with Pillow's CMYK -> RGB (no ICC profile), note
 palette (``P``)             converted to RGB (over white if it has transparency), note
 RGBA / LA / PA              alpha composited over a white background, note
 grayscale / bilevel         replicated to RGB, note
-EXIF orientation            applied (the image is shown upright), note
+EXIF orientation 2-8        applied (the image is shown upright), note
+EXIF orientation invalid    ignored, with a note saying so
 ==========================  ===========================================================
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
 import warnings
 from collections.abc import Iterable, Sequence
@@ -42,6 +49,15 @@ IMAGE_SUFFIXES: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".g
 """File name endings (case-insensitive) that ``--image-dir`` picks up."""
 
 _WHITE = (255, 255, 255)
+
+ENCODER_SHORTEST_EDGE = 224
+"""Shorter side, in pixels, after the CLIP image processor's resize (IP-Adapter's encoders)."""
+
+MAX_ASPECT_RATIO = 64
+"""Longest accepted side / shortest side: the encoder's resize makes 224 x (224 * ratio) pixels."""
+
+MAX_ENCODER_PIXELS = ENCODER_SHORTEST_EDGE * ENCODER_SHORTEST_EDGE * MAX_ASPECT_RATIO
+"""Pixels the encoder's resize may produce (about 3.2 million: 38 MB as float32 RGB)."""
 
 
 class ImageInputError(ValueError):
@@ -88,8 +104,19 @@ def _one_line(text: object) -> str:
 
 
 def _check_file(path: Path, label: str) -> None:
-    if not path.exists():
-        raise ImageInputError(f"{label} '{path}': file not found; check the path")
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ImageInputError(
+                f"{label} '{path}': symbolic link loop (the link points back to itself); fix the link"
+            ) from None
+        if path.is_symlink():
+            raise ImageInputError(
+                f"{label} '{path}': dangling symbolic link (its target '{os.readlink(path)}' does not "
+                "exist); fix the link or pass the file itself"
+            ) from None
+        raise ImageInputError(f"{label} '{path}': file not found; check the path") from None
     if path.is_dir():
         raise ImageInputError(
             f"{label} '{path}': is a directory, not an image; pass folders with --image-dir"
@@ -108,12 +135,19 @@ def _to_rgb(img: Image.Image) -> tuple[Image.Image, list[str]]:
         return img, notes
     if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         values = np.asarray(img, dtype=np.float64)
-        if mode == "I" and values.min() >= 0 and values.max() <= 255:
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if mode == "I" and (low < 0 or high > 65535):
+            raise ImageInputError(
+                f"32-bit integer image with values from {low:.0f} to {high:.0f} has no defined 8-bit "
+                "scale (neither 8- nor 16-bit data); save it as an 8-bit RGB PNG"
+            )
+        if mode == "I" and high <= 255:
             gray = values.astype(np.uint8)
-            notes.append("32-bit integer grayscale with 8-bit values converted to RGB")
+            notes.append("32-bit integer grayscale with 8-bit values (0-255) converted to RGB")
         else:
             gray = np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8)
-            notes.append("16-bit grayscale reduced to 8 bits (value / 257) and converted to RGB")
+            kind = "16-bit grayscale" if mode != "I" else "32-bit integer grayscale with 16-bit values"
+            notes.append(f"{kind} reduced to 8 bits (value / 257) and converted to RGB")
         return Image.fromarray(gray, mode="L").convert("RGB"), notes
     if mode == "F":
         raise ImageInputError(
@@ -182,11 +216,14 @@ def _decode(path: Path, label: str) -> tuple[Image.Image, str, tuple[int, int], 
                 mode = img.mode
                 size = img.size
                 notes: list[str] = []
-                if _orientation(img) not in (None, 1):
+                orientation = _orientation(img)
+                if orientation in range(2, 9):
                     decoded = ImageOps.exif_transpose(img)
-                    notes.append("EXIF orientation applied")
+                    notes.append(f"EXIF orientation {orientation} applied (the image is shown upright)")
                 else:
                     decoded = img.copy()
+                    if orientation not in (None, 1):
+                        notes.append(f"EXIF orientation {orientation!r} is not a valid value (1-8); ignored")
     except ImageInputError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -204,9 +241,36 @@ def _decode(path: Path, label: str) -> tuple[Image.Image, str, tuple[int, int], 
         raise ImageInputError(
             f"{label} '{path}': truncated or corrupt image ({_one_line(exc)}); re-export or re-download it"
         ) from None
+    _check_encoder_size(path, label, decoded.size)
     if mode == "RGB" and _png_bit_depth(path) == 16:
         notes.append("16-bit RGB reduced to 8 bits per channel")
     return decoded, mode, size, notes
+
+
+def encoder_resized_size(
+    size: tuple[int, int], shortest_edge: int = ENCODER_SHORTEST_EDGE
+) -> tuple[int, int]:
+    """``(width, height)`` after the image encoder's resize (shortest side to ``shortest_edge``).
+
+    CLIP's image processor (IP-Adapter's encoder) scales the shorter side to 224 pixels and keeps
+    the aspect ratio before its centre crop, so a long thin image becomes very large there.
+    """
+    width, height = size
+    short = max(1, min(width, height))
+    scale = shortest_edge / short
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _check_encoder_size(path: Path, label: str, size: tuple[int, int]) -> None:
+    """Refuse images whose encoder-resized size exceeds :data:`MAX_ENCODER_PIXELS`."""
+    width, height = encoder_resized_size(size)
+    if width * height > MAX_ENCODER_PIXELS:
+        ratio = max(size) / max(1, min(size))
+        raise ImageInputError(
+            f"{label} '{path}': aspect ratio {ratio:.0f}:1 ({size[0]} x {size[1]}) would be resized to "
+            f"{width} x {height} pixels by the image encoder (limit {MAX_ENCODER_PIXELS} pixels, i.e. "
+            f"aspect ratio <= {MAX_ASPECT_RATIO}:1); crop it closer to square"
+        )
 
 
 def _orientation(img: Image.Image) -> int | None:
@@ -261,6 +325,12 @@ def load_reference_image(path: str | Path, *, label: str = "--image") -> tuple[I
 
 
 def _scan_dir(folder: Path) -> list[Path]:
+    if folder.is_symlink() and not folder.exists():
+        try:
+            os.stat(folder)
+        except OSError as exc:
+            kind = "symbolic link loop" if exc.errno == errno.ELOOP else "dangling symbolic link"
+            raise ImageInputError(f"--image-dir '{folder}': {kind}; fix the link") from None
     if not folder.exists():
         raise ImageInputError(f"--image-dir '{folder}': folder not found; check the path")
     if not folder.is_dir():

@@ -106,16 +106,19 @@ def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Pat
     Returns:
         ``(model_dir, ip_adapter_dir)``.
     """
+    from safetensors import SafetensorError
+
     from nw_adapter.models.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15, write_once
 
     root = (cache or tiny_cache_dir()) / f"tiny-{builder_fingerprint()}-seed{seed}"
     try:
         model_dir = write_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
         adapter_dir = write_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # a full disk in safetensors is not an OSError
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
         raise ModelLoadError(
-            f"--model tiny: cannot write the tiny model to '{root}' ({' '.join(str(exc).split())}); "
-            "set NW_ADAPTER_CACHE to a writable folder"
+            f"--model tiny: cannot write the tiny model to '{root}' ({reason[:200]}); "
+            "free space or set NW_ADAPTER_CACHE to a writable folder"
         ) from None
     return model_dir, adapter_dir
 
@@ -223,11 +226,53 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _offline_hint(name: str, option: str) -> str:
+SD15_FILES: tuple[str, ...] = (
+    "model_index.json",
+    "scheduler/scheduler_config.json",
+    "text_encoder/config.json",
+    "text_encoder/model.safetensors",
+    "tokenizer/merges.txt",
+    "tokenizer/special_tokens_map.json",
+    "tokenizer/tokenizer_config.json",
+    "tokenizer/vocab.json",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.safetensors",
+    "vae/config.json",
+    "vae/diffusion_pytorch_model.safetensors",
+    "safety_checker/config.json",
+    "safety_checker/model.safetensors",
+    "feature_extractor/preprocessor_config.json",
+)
+"""The files of :data:`DEFAULT_MODEL` that ``DiffusionPipeline.from_pretrained`` reads (fp32 weights)."""
+
+
+def download_command(name: str, option: str, spec: ModelSpec | None = None) -> str:
+    """The ``hf download`` command that fetches only the files the job needs.
+
+    The adapter: its weight file and its image encoder (``<subfolder>/image_encoder``); the
+    default model: :data:`SD15_FILES`; another pipeline: its configs, tokenizers and
+    safetensors weights without fp16/non-EMA variants or checkpoints.
+    """
+    if option == "--ip-adapter" and spec is not None:
+        files = (
+            f"{spec.subfolder}/{spec.weight_name}",
+            f"{spec.subfolder}/image_encoder/config.json",
+            f"{spec.subfolder}/image_encoder/model.safetensors",
+        )
+        return f"hf download {name} {' '.join(files)}"
+    if name == DEFAULT_MODEL:
+        return f"hf download {name} {' '.join(SD15_FILES)}"
     return (
-        f"{option} '{name}': not in the Hugging Face cache and the Hub cannot be reached; download it once "
-        f"with network (hf download {name}), pass a local folder with {option} PATH, or run offline with "
-        "--model tiny"
+        f"hf download {name} --include '*.json' --include '*.txt' --include '*.safetensors' "
+        "--exclude '*fp16*' --exclude '*non_ema*' --exclude '*.ckpt'"
+    )
+
+
+def _offline_hint(name: str, option: str, spec: ModelSpec | None = None) -> str:
+    return (
+        f"{option} '{name}': not in the Hugging Face cache and the Hub cannot be reached (offline); "
+        f"download the needed files once with network ({download_command(name, option, spec)}), pass a "
+        f"local folder with {option} PATH, or run offline with --model tiny"
     )
 
 
@@ -287,7 +332,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
         families.load_ip_adapter(pipe, spec, dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         if not _is_local(spec.ip_adapter) and _looks_offline(exc):
-            raise ModelLoadError(_offline_hint(spec.ip_adapter, "--ip-adapter")) from None
+            raise ModelLoadError(_offline_hint(spec.ip_adapter, "--ip-adapter", spec)) from None
         raise ModelLoadError(
             f"--ip-adapter '{spec.ip_adapter}' ({spec.subfolder}/{spec.weight_name}): cannot load "
             f"({_one_line(exc)}); check --ip-adapter, --subfolder and --weight-name match --model"
@@ -297,17 +342,34 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
     return pipe.to(device)
 
 
-def _looks_offline(exc: BaseException) -> bool:
-    """Whether a loading error means "not cached and no network" (vs. a bad id or file)."""
-    from huggingface_hub import constants
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or during (``__cause__``/``__context__``)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
-    text = str(exc).lower()
-    markers = (
-        "not fully cached",
-        "offline",
-        "cannot reach",
-        "couldn't connect",
-        "connection",
-        "local_files_only",
-    )
-    return bool(constants.HF_HUB_OFFLINE) or any(marker in text for marker in markers)
+
+def _looks_offline(exc: BaseException) -> bool:
+    """Whether a loading error means "not cached and no network" (vs. a bad id or file).
+
+    diffusers reports a file it could not fetch as "does not appear to have a file named ...";
+    the reason sits further down the exception chain: huggingface_hub's
+    ``LocalEntryNotFoundError`` (no network and not cached) or a connection error. Offline mode
+    (``HF_HUB_OFFLINE``) counts too.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    markers = ("not fully cached", "offline", "cannot reach", "couldn't connect", "local_files_only")
+    for link in _exception_chain(exc):
+        if isinstance(link, (LocalEntryNotFoundError, ConnectionError, TimeoutError)):
+            return True
+        if "connect" in type(link).__name__.lower() or "timeout" in type(link).__name__.lower():
+            return True
+        text = str(link).lower()
+        if any(marker in text for marker in markers) or "connection" in text:
+            return True
+    return bool(constants.HF_HUB_OFFLINE)

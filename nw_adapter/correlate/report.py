@@ -210,12 +210,19 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "nan" if value is None else format(value, spec)
 
 
+def _monotonic_clause(result: dict) -> str:
+    """The rise clause of the verdict line, or n/a when a single step is reported."""
+    count = result["reported_steps"]
+    if count < 2:
+        return "rise over steps: n/a (1 reported step; pass --all-steps or more --steps)"
+    return f"rises monotonically over the {count} reported steps: {'yes' if result['monotonic'] else 'no'}"
+
+
 def format_verdict(result: dict) -> str:
     """The verdict of :func:`verdict` as one line."""
     return (
         f"verdict: rho at the last step (t={_fmt(result['timestep'], '.0f')}) = {_fmt(result['rho_last'])}; "
-        f"rises monotonically over the {result['reported_steps']} reported steps: "
-        f"{'yes' if result['monotonic'] else 'no'}; clears its nulls by {NULL_MARGIN} "
+        f"{_monotonic_clause(result)}; clears its nulls by {NULL_MARGIN} "
         f"(perm {_fmt(result['rho_perm_null'])}, norm-equalised {_fmt(result['rho_norm_null'])}): "
         f"{'yes' if result['clears_nulls'] else 'no'} (margin {_fmt(result['margin'], '+.3f')})"
     )
@@ -308,6 +315,40 @@ def write_report_files(report: dict, out_dir: str | os.PathLike) -> dict[str, Pa
     }
 
 
+def repeated_timesteps(step_rows: Sequence[dict]) -> dict[float, list[int]]:
+    """Timesteps shared by several steps (PNDM's warm-up evaluates one timestep twice).
+
+    Args:
+        step_rows: Rows with ``step`` and ``timestep`` (e.g. ``rho.json``'s ``steps``).
+
+    Returns:
+        ``{timestep: [step, ...]}`` for every timestep that more than one step has.
+    """
+    by_timestep: dict[float, list[int]] = {}
+    for row in step_rows:
+        if row.get("timestep") is not None:
+            by_timestep.setdefault(float(row["timestep"]), []).append(int(row["step"]))
+    return {t: sorted(steps) for t, steps in by_timestep.items() if len(steps) > 1}
+
+
+def repeated_timestep_note(report: dict) -> str | None:
+    """One sentence explaining repeated timesteps (documented choice: steps are denoiser calls).
+
+    A "step" in the table is one call of the denoiser (the entries of ``scheduler.timesteps``).
+    PNDM (SD 1.5's default scheduler) calls it twice at its second timestep, so ``--steps N``
+    gives N + 1 steps and two of them share a timestep; both are kept and labelled, not merged.
+    """
+    repeats = repeated_timesteps(report.get("steps", []))
+    if not repeats:
+        return None
+    calls = len(report.get("steps", []))
+    requested = (report.get("config") or {}).get("steps")
+    parts = [f"steps {' and '.join(map(str, steps))} share t={t:.0f}" for t, steps in sorted(repeats.items())]
+    scheduler = (report.get("config") or {}).get("scheduler_class") or "the scheduler"
+    count = f"{calls} denoiser calls for {requested} steps" if requested else f"{calls} denoiser calls"
+    return f"{scheduler} calls the denoiser twice at one timestep ({'; '.join(parts)}): {count}"
+
+
 def format_report(report: dict) -> str:
     """What the command line prints: a context line, the table and the verdict line."""
     records = report["records"]
@@ -322,4 +363,7 @@ def format_report(report: dict) -> str:
         f"{references} reference image(s); bandwidth {config.get('bandwidth')}, mode {config.get('mode')}, "
         f"{config.get('steps')} steps ({config.get('scheduler_class', 'scheduler')})"
     )
+    note = repeated_timestep_note(report)
+    if note:
+        context += f"; note: {note}"
     return "\n".join([context, format_table(report["table"]), format_verdict(report["verdict"])])

@@ -2,8 +2,15 @@
 
 Every reference image has its own result file ``<out>/images/<key>/result.json``, written
 atomically when the image is finished, and tagged with a fingerprint of every option that
-changes the numbers. A rerun of the same command skips images whose result file exists
-with the same fingerprint, so an interrupted sweep resumes where it stopped.
+changes the numbers (model included) and with the SHA-256 of every other file in the image's
+folder. A rerun of the same command skips an image only when its result file is a JSON object
+with the same fingerprint, the same reference-image hash, and files whose hashes match the
+record, so an interrupted sweep resumes where it stopped and never mixes two runs.
+
+A changed option set on an existing ``--out`` recomputes every image cleanly: before the first
+image changes, the merged report of the previous run is removed (``before_changes``); before an
+image is computed, its old result file is removed first (so it no longer counts as finished)
+and then every other file in its folder (e.g. maps of an earlier ``--store-maps`` run).
 
 Sharding uses :class:`accelerate.PartialState` when the script runs under
 ``accelerate launch`` (or ``torchrun``): the images still to do are split into contiguous
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.atomic import fsync_folder
 from nw_adapter.correlate.report import write_json
 
 RESULT_SCHEMA = "nw-adapter/rho-image"
@@ -80,24 +88,89 @@ def result_path(out_dir: Path, key: str) -> Path:
     return image_dir(out_dir, key) / RESULT_NAME
 
 
-def load_result(out_dir: Path, key: str, expected_fingerprint: str) -> dict | None:
-    """The finished result of ``key`` if it exists, is readable and has the same fingerprint."""
+def file_sha256(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for block in iter(lambda: handle.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def folder_hashes(folder: Path) -> dict[str, str]:
+    """``{name: sha256}`` of the regular files in ``folder`` except the result file and hidden files."""
+    if not folder.is_dir():
+        return {}
+    return {
+        p.name: file_sha256(p)
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != RESULT_NAME and not p.name.startswith(".")
+    }
+
+
+def load_result(
+    out_dir: Path, key: str, expected_fingerprint: str, image_sha256: str | None = None
+) -> dict | None:
+    """The finished result of ``key``, or None when it must be (re)computed.
+
+    None when the result file is missing, unreadable, not a JSON object, of another schema or
+    fingerprint, of another reference image (``image_sha256``), or when a file it lists is
+    missing or has changed since (its SHA-256 differs).
+    """
     path = result_path(out_dir, key)
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(result, dict):
+        return None
     if result.get("schema") != RESULT_SCHEMA or result.get("fingerprint") != expected_fingerprint:
+        return None
+    image = result.get("image")
+    if image_sha256 is not None and (not isinstance(image, dict) or image.get("sha256") != image_sha256):
+        return None
+    files = result.get("files")
+    if not isinstance(files, dict):
+        return None
+    folder = image_dir(out_dir, key)
+    try:
+        if any(file_sha256(folder / name) != digest for name, digest in files.items()):
+            return None
+    except OSError:
         return None
     return result
 
 
 def save_result(out_dir: Path, key: str, expected_fingerprint: str, image: dict, records: list[dict]) -> Path:
-    """Write one image's result file atomically (the marker that the image is finished)."""
+    """Write one image's result file atomically (the marker that the image is finished).
+
+    The SHA-256 of every other file in the image's folder is recorded under ``files``.
+    """
     return write_json(
         result_path(out_dir, key),
-        {"schema": RESULT_SCHEMA, "fingerprint": expected_fingerprint, "image": image, "records": records},
+        {
+            "schema": RESULT_SCHEMA,
+            "fingerprint": expected_fingerprint,
+            "image": image,
+            "files": folder_hashes(image_dir(out_dir, key)),
+            "records": records,
+        },
     )
+
+
+def clear_image_outputs(out_dir: Path, key: str) -> None:
+    """Invalidate an image before it is (re)computed: remove its result file, then its other files.
+
+    The result file goes first, so an interruption in between leaves an unfinished image, never
+    a finished-looking one beside files of another run. Sub-folders are left alone.
+    """
+    folder = image_dir(out_dir, key)
+    result_path(out_dir, key).unlink(missing_ok=True)
+    if folder.is_dir():
+        fsync_folder(folder)
+        for path in folder.iterdir():
+            if path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -123,6 +196,8 @@ def run_sweep(
     expected_fingerprint: str,
     state: Any | None = None,
     progress: bool = True,
+    image_hashes: dict[str, str] | None = None,
+    before_changes: Callable[[], None] | None = None,
 ) -> SweepOutcome:
     """Compute every unfinished image, sharded across processes, and collect all results.
 
@@ -134,14 +209,22 @@ def run_sweep(
         expected_fingerprint: Fingerprint of the options (see :func:`fingerprint`).
         state: ``PartialState`` or :class:`SingleProcessState` (default: single process).
         progress: Show a progress bar over this process's images.
+        image_hashes: ``{key: sha256}`` of the reference images; a result of another file
+            under the same key is not reused.
+        before_changes: Called once on the main process before any image is (re)computed
+            (not at all when every image is reused): the command line removes the merged
+            report of the previous run there, so it never describes files of another run.
 
     Returns:
         A :class:`SweepOutcome`; ``results`` is filled on the main process only.
     """
     state = state or SingleProcessState()
     out_dir = Path(out_dir)
-    reused = [k for k in keys if load_result(out_dir, k, expected_fingerprint) is not None]
+    hashes = image_hashes or {}
+    reused = [k for k in keys if load_result(out_dir, k, expected_fingerprint, hashes.get(k)) is not None]
     todo = [k for k in keys if k not in set(reused)]
+    if todo and before_changes is not None and state.is_main_process:
+        before_changes()
     # Every process must see the same "todo" list before anyone writes a result file.
     state.wait_for_everyone()
     computed: list[str] = []
@@ -150,8 +233,11 @@ def run_sweep(
         if progress and len(todo) > 1:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(mine), desc=f"images (process {state.process_index})", unit="image")
+            bar = tqdm(
+                total=len(mine), desc=f"images (process {state.process_index})", unit="image", disable=None
+            )
         for key in mine:
+            clear_image_outputs(out_dir, key)
             image, records = work(key)
             save_result(out_dir, key, expected_fingerprint, image, records)
             computed.append(key)
@@ -163,7 +249,7 @@ def run_sweep(
     results: list[dict] = []
     if state.is_main_process:
         for key in keys:
-            result = load_result(out_dir, key, expected_fingerprint)
+            result = load_result(out_dir, key, expected_fingerprint, hashes.get(key))
             if result is None:
                 raise RuntimeError(f"sweep: result of image {key} is missing after all processes finished")
             results.append(result)

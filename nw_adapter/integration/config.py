@@ -16,6 +16,10 @@ from typing import Any
 MODES = ("observe", "swap")
 BANDWIDTH_RULES = ("matched", "fitted", "schedule", "median")
 MAP_DTYPES = ("float16", "float32")
+BANDWIDTH_RANGE = (1e-4, 1e4)
+"""Usable fixed bandwidths h: 1 / 2h^2 times squared distances must stay finite in float32."""
+SEED_LIMIT = 2**63
+"""Seeds must lie in [0, 2**63), the range of ``torch.Generator.manual_seed``."""
 
 
 def _err(option: str, problem: str, fix: str) -> ValueError:
@@ -141,6 +145,12 @@ class NWProcessorConfig:
         if isinstance(bw, (int, float)):
             if not math.isfinite(bw) or bw <= 0:
                 raise _err("bandwidth", f"must be a positive finite float, got {bw!r}", "pass e.g. 2.0")
+            if not BANDWIDTH_RANGE[0] <= bw <= BANDWIDTH_RANGE[1]:
+                raise _err(
+                    "bandwidth",
+                    f"= {bw!r} is outside the usable range [{BANDWIDTH_RANGE[0]:g}, {BANDWIDTH_RANGE[1]:g}]",
+                    "pass a bandwidth inside it, e.g. 2.0",
+                )
             self.bandwidth = float(bw)
         c = self.schedule_c
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
@@ -161,6 +171,8 @@ class NWProcessorConfig:
                 raise _err(name, f"must be True or False, got {getattr(self, name)!r}", f"pass {name}=True")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _err("seed", f"must be an int, got {self.seed!r}", "pass e.g. seed=0")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise _err("seed", f"must be between 0 and 2**63 - 1, got {self.seed}", "pass e.g. seed=0")
         ds = self.map_downsample
         if isinstance(ds, bool) or not isinstance(ds, int) or ds < 1:
             raise _err("map_downsample", f"must be an int >= 1, got {ds!r}", "pass 1 (none), 2, 4 ...")

@@ -180,7 +180,8 @@ class NWRecorder:
     Example:
         >>> rec = pipe.set_ip_adapter_nw_processor(mode="observe")
         >>> pipe(prompt="a cat", ip_adapter_image=image, num_inference_steps=10)
-        >>> rec.summary()[0]["rho"]
+        >>> rec.summary()            # a table at the REPL; a list of dicts in code
+        >>> rec.to_json("records.json"); NWRecorder.from_json("records.json").plot()
     """
 
     def __init__(self, config: NWProcessorConfig | None = None, pipe: Any = None) -> None:
@@ -206,6 +207,8 @@ class NWRecorder:
         self._marker: Any = _NO_MARKER
         self._host_t: float | None = None
         self._on_table = False
+        self._loaded: list[dict[str, Any]] = []  # records read by from_json
+        self.source: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ step tracking
     def attach(self, denoiser: torch.nn.Module, *, timestep_scale: float = 1.0) -> None:
@@ -539,6 +542,7 @@ class NWRecorder:
         """Drop all recorded statistics, maps and skipped pairs (step tracking continues)."""
         self._entries.clear()
         self._maps.clear()
+        self._loaded.clear()
         self._map_bytes = 0
         self._skipped.clear()
 
@@ -562,9 +566,10 @@ class NWRecorder:
                 the IP-Adapter keys, every family), ``"joint"`` (SD3: its image branch's softmax
                 over the image's own keys and the IP keys), or None for all.
         """
+        loaded = [dict(r) for r in self._loaded if key_set is None or r.get("key_set", "ip") == key_set]
         entries = [e for e in self._entries if key_set is None or e.key_set == key_set]
         if not entries:
-            return []
+            return loaded
         parts = []
         for e in entries:
             parts.append(e.stats.reshape(-1).float())
@@ -572,7 +577,7 @@ class NWRecorder:
                 parts.append(e.ip_mass.reshape(-1).float())
         flat = torch.cat(parts).cpu().tolist()
         info_cache: dict[tuple[int, int], dict[str, float]] = {}
-        records: list[dict[str, Any]] = []
+        records: list[dict[str, Any]] = loaded
         offset = 0
         for e in entries:
             n_h, n_k = len(e.halves), len(e.heads)
@@ -609,11 +614,14 @@ class NWRecorder:
                     records.append(rec)
         return records
 
-    def summary(self, records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    def summary(self, records: list[dict[str, Any]] | None = None) -> Summary:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
 
-        Adds ``frac_heads_rho_gt_0_9`` (fraction of records with rho > 0.9, NaN rho counted as not)
-        and ``n`` (number of records averaged).
+        Adds ``frac_rho_gt_0_9`` (fraction of records with rho > 0.9, NaN rho counted as not)
+        and ``count`` (number of records averaged): the names of the command line's report rows.
+
+        Returns:
+            A :class:`Summary`: a list of dicts that prints as a table at the REPL.
         """
         records = self.to_records() if records is None else records
         groups: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
@@ -625,27 +633,124 @@ class NWRecorder:
                 "call": call,
                 "step": step,
                 "half": half,
-                **{k: rows[0][k] for k in ("timestep", "alpha", "sigma", "h_schedule")},
+                **{k: rows[0].get(k, math.nan) for k in ("timestep", "alpha", "sigma", "h_schedule")},
             }
             for name in (*SUMMARY_STATS, *(n for n in OPTIONAL_STATS if n in rows[0])):
-                vals = [r[name] for r in rows if isinstance(r[name], float) and math.isfinite(r[name])]
+                vals = [v for v in (r.get(name) for r in rows) if isinstance(v, float) and math.isfinite(v)]
                 row[name] = sum(vals) / len(vals) if vals else math.nan
-            row["frac_heads_rho_gt_0_9"] = sum(1 for r in rows if r["rho"] > 0.9) / len(rows)
-            row["n"] = len(rows)
+            rhos = [r["rho"] for r in rows]
+            row["frac_rho_gt_0_9"] = sum(1 for v in rhos if v is not None and v > 0.9) / len(rows)
+            row["count"] = len(rows)
             out.append(row)
-        return out
+        return Summary(out)
 
     def to_json(self, path: str | os.PathLike) -> Path:
-        """Write ``{"version", "config", "records", "summary", "skipped"}`` atomically (NaN -> null)."""
+        """Write the records file atomically (NaN -> null); read it back with :meth:`from_json`.
+
+        The document is ``{"schema": "nw-adapter/records", "schema_version": 1, "config",
+        "records", "summary", "skipped"}``; suggested name ``records.json`` (the command line's
+        report is ``rho.json``, schema ``nw-adapter/rho``, and holds the same ``records``).
+        """
         records = self.to_records()
         payload = {
-            "version": 1,
+            "schema": RECORDS_SCHEMA,
+            "schema_version": 1,
             "config": self.config.to_dict(),
             "records": [{k: _json_safe(v) for k, v in r.items()} for r in records],
             "summary": [{k: _json_safe(v) for k, v in r.items()} for r in self.summary(records)],
             SKIPPED_FIELD: self.skipped(),
         }
         return atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False))
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> NWRecorder:
+        """A recorder holding the records of a saved run, for summaries, tables and plots.
+
+        Reads a :meth:`to_json` file or the command line's ``rho.json`` (its ``records``; the
+        ``reference`` key of each record is kept). Nothing is recomputed; the loaded recorder has
+        no maps and records nothing new until it is attached to a pipeline.
+
+        Raises:
+            ValueError: Not a records file or a ``rho.json`` (the message names the file).
+        """
+        path = Path(path)
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"NWRecorder.from_json: cannot read '{path}' ({exc}); pass a records file"
+            ) from None
+        schema = document.get("schema") if isinstance(document, dict) else None
+        if schema not in (RECORDS_SCHEMA, "nw-adapter/rho") or not isinstance(document.get("records"), list):
+            raise ValueError(
+                f"NWRecorder.from_json: '{path}' is not an nw-adapter records file (schema {schema!r}); "
+                "pass a file written by NWRecorder.to_json or correlate.py's rho.json"
+            )
+        config = NWProcessorConfig()
+        if schema == RECORDS_SCHEMA and isinstance(document.get("config"), dict):
+            known = NWProcessorConfig.field_names()  # options of another version are left out
+            config = NWProcessorConfig(**{k: v for k, v in document["config"].items() if k in known})
+        recorder = cls(config)
+        recorder._loaded = [
+            {k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()}
+            for r in document["records"]
+        ]
+        recorder.source = {"path": str(path), "schema": schema, "config": document.get("config")}
+        return recorder
+
+    def to_dataframe(self):
+        """The records as a tidy :class:`pandas.DataFrame` (one row per record, columns = keys).
+
+        Raises:
+            ImportError: pandas is not installed (use :meth:`to_csv`, which needs nothing).
+        """
+        try:
+            import pandas
+        except ImportError:
+            raise ImportError(
+                "NWRecorder.to_dataframe needs pandas (pip install pandas); without it use rec.to_csv(path)"
+            ) from None
+        records = self.to_records()
+        return pandas.DataFrame.from_records(
+            records, columns=list(records[0]) if records else _record_fields()
+        )
+
+    def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
+        """Figure of the mean rho per step against the timestep, with the band of its two nulls.
+
+        Args:
+            half: CFG half to draw (default ``cond`` if recorded, else ``all``).
+            path: Also save the figure there (PNG, atomically).
+
+        Returns:
+            A :class:`matplotlib.figure.Figure` (shown inline in notebooks).
+        """
+        from matplotlib.figure import Figure
+
+        rows = self.summary()
+        halves = {r["half"] for r in rows}
+        half = half or next((h for h in ("cond", "all", "uncond") if h in halves), None)
+        rows = sorted((r for r in rows if r["half"] == half), key=lambda r: (r["call"], r["step"]))
+        if not rows:
+            raise ValueError("NWRecorder.plot: nothing recorded (run the pipeline first, or load a file)")
+        t = [r["timestep"] for r in rows]
+        fig = Figure(figsize=(4.8, 3.2))
+        ax = fig.subplots()
+        perm = [r["rho_perm_null"] for r in rows]
+        norm = [r["rho_norm_null"] for r in rows]
+        ax.fill_between(t, [min(a, b) for a, b in zip(perm, norm, strict=True)],
+                        [max(a, b) for a, b in zip(perm, norm, strict=True)],
+                        color="0.6", alpha=0.35, linewidth=0, label="null band")  # fmt: skip
+        ax.plot(t, [r["rho"] for r in rows], marker="o", markersize=3, label=f"rho ({half})")
+        ax.set_xlim(max(t + [1000.0]), min(t + [0.0]))
+        ax.set_xlabel("timestep (denoising ->)")
+        ax.set_ylabel("Spearman rho (attention vs NW)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=7)
+        fig.tight_layout()
+        if path is not None:
+            atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+        return fig
 
     def to_csv(self, path: str | os.PathLike) -> Path:
         """Write the records as a CSV table (one row per record, header = record keys), atomically."""
@@ -686,13 +791,58 @@ class NWRecorder:
         return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     def __len__(self) -> int:
-        return sum(len(e.halves) * len(e.heads) for e in self._entries)
+        return len(self._loaded) + sum(len(e.halves) * len(e.heads) for e in self._entries)
 
     def __repr__(self) -> str:
         return (
             f"NWRecorder(mode={self.config.mode!r}, bandwidth={self.config.bandwidth!r}, "
             f"records={len(self)}, maps={len(self._maps)})"
         )
+
+
+RECORDS_SCHEMA = "nw-adapter/records"
+"""``schema`` of :meth:`NWRecorder.to_json` files."""
+
+_SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("call", "{:d}"),
+    ("step", "{:d}"),
+    ("half", "{}"),
+    ("timestep", "{:.0f}"),
+    ("rho", "{:.3f}"),
+    ("rho_perm_null", "{:.3f}"),
+    ("rho_norm_null", "{:.3f}"),
+    ("pearson", "{:.3f}"),
+    ("kl", "{:.4f}"),
+    ("neff_attn", "{:.2f}"),
+    ("neff_nw", "{:.2f}"),
+    ("frac_rho_gt_0_9", "{:.3f}"),
+    ("count", "{:d}"),
+)
+
+
+class Summary(list):
+    """The rows of :meth:`NWRecorder.summary`: a plain list of dicts that prints as a table."""
+
+    def table(self) -> str:
+        """The rows as an aligned text table (NaN as ``nan``); the main statistics only."""
+        if not self:
+            return "(no records)"
+        columns = [(key, fmt) for key, fmt in _SUMMARY_COLUMNS if key in self[0]]
+        cells = [[key for key, _ in columns]]
+        for row in self:
+            line = []
+            for key, fmt in columns:
+                value = row.get(key)
+                is_nan = value is None or (isinstance(value, float) and not math.isfinite(value))
+                line.append("nan" if is_nan else fmt.format(value))
+            cells.append(line)
+        widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    __str__ = __repr__
 
 
 def _record_fields() -> list[str]:

@@ -486,10 +486,11 @@ def tiny_sd15_pipeline(
     """Write (if missing) and load a tiny SD 1.5 pipeline with an IP-Adapter loaded.
 
     Args:
-        folder: Cache folder; ``folder/sd15`` and ``folder/ip-adapter-<variant>`` are written once
-            (see :func:`write_once`).
+        folder: Cache folder; ``folder/sd15-seed<seed>`` and ``folder/ip-adapter-<variant>-seed<seed>``
+            are written once (see :func:`write_once`).
         variant: IP-Adapter variant, ``"base"`` or ``"plus"``.
-        seed: Seed of the random weights.
+        seed: Seed of the random weights (part of the folder names, so one cache folder holds
+            each seed's weights and never returns another seed's).
         pipeline_class: Pipeline class to load with (default ``StableDiffusionPipeline``); a
             companion class such as ``StableDiffusionNWPipeline`` works the same way.
 
@@ -499,9 +500,10 @@ def tiny_sd15_pipeline(
     from diffusers import StableDiffusionPipeline
 
     folder = Path(folder)
-    model_dir = write_once(folder / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
+    model_dir = write_once(folder / f"sd15-seed{seed}", lambda p: save_tiny_sd15(p, seed=seed))
     adapter_dir = write_once(
-        folder / f"ip-adapter-{variant}", lambda p: save_tiny_ip_adapter(p, variant=variant, seed=seed)
+        folder / f"ip-adapter-{variant}-seed{seed}",
+        lambda p: save_tiny_ip_adapter(p, variant=variant, seed=seed),
     )
     weight_name = ip_adapter_weight_name(variant)
     pipe = (pipeline_class or StableDiffusionPipeline).from_pretrained(model_dir)

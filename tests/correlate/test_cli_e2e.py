@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,18 @@ def baseline(tmp_path_factory, photos, model_args) -> dict:
     out = tmp_path_factory.mktemp("baseline") / "out"
     argv = ["--image", photos["china"], "--image", photos["flower"], *model_args, *BASE, "--store-maps"]
     argv += ["--out", out]
-    stdout, stderr = io.StringIO(), io.StringIO()
+    stdout, stderr = io.StringIO(), TerminalStringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = main([str(a) for a in argv])
     assert code == 0, stderr.getvalue()
     return {"out": out, "argv": argv, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+class TerminalStringIO(io.StringIO):
+    """A captured stderr that says it is a terminal (progress bars are drawn only on terminals)."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def printed_table(stdout: str) -> tuple[str, str]:
@@ -101,7 +109,13 @@ def test_files_and_schema(baseline, photos) -> None:
             assert generated.size == (32, 32) and generated.mode == "RGB"
         for name in ("result.json", "maps.safetensors", "attention_maps.png"):
             assert (folder / name).is_file()
-    assert sorted(p.name for p in out.iterdir()) == ["images", "rho.csv", "rho.json", "rho.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".nw-adapter.lock",
+        "images",
+        "rho.csv",
+        "rho.json",
+        "rho.png",
+    ]
     with Image.open(out / "rho.png") as plot:
         assert plot.format == "PNG"
     records = report["records"]
@@ -118,9 +132,44 @@ def test_files_and_schema(baseline, photos) -> None:
     assert all(r["neff_attn"] >= 1 and r["neff_nw"] >= 1 for r in cond)
 
 
-def test_progress_bars_are_shown(baseline) -> None:
+def test_progress_bars_are_shown_on_a_terminal(baseline) -> None:
     assert "images (process 0)" in baseline["stderr"]  # over the reference images
     assert "2/2 [" in baseline["stderr"]  # diffusers' bar over the denoising steps
+
+
+def test_captured_output_has_clean_lines_notes_and_no_library_noise(tmp_path, photos, model_args) -> None:
+    """stdout and stderr into one pipe (as in a log file): no bars, no library warnings, notes kept."""
+    import subprocess
+    import sys
+
+    rgba = tmp_path / "rgba.png"
+    Image.open(photos["china"]).convert("RGBA").resize((48, 32)).save(rgba)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "correlate.py"
+    argv = [
+        sys.executable,
+        str(script),
+        "--image",
+        str(rgba),
+        *map(str, model_args),
+        *BASE,
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
+    env["PYTHONPATH"] = str(script.parents[1])
+    proc = subprocess.run(argv + ["-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    assert "\r" not in proc.stdout and "%|" not in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("note: rgba.png: RGBA alpha channel composited")  # -q keeps the notes
+    assert lines[1].startswith("attention vs NW weights") and lines[-1].startswith("verdict: ")
+    for noise in ("torchvision", "kept in float32", "Loading", "Writing model shards", "Warning"):
+        assert noise not in proc.stdout
+    stdout, stderr = io.StringIO(), TerminalStringIO()  # -qq: not even a note, not even on a terminal
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        assert main(argv[2:] + ["-qq"]) == 0
+    assert stderr.getvalue() == "" and stdout.getvalue().splitlines()[-1].startswith("verdict: ")
 
 
 def test_printed_table_equals_the_json(baseline) -> None:
@@ -186,6 +235,46 @@ def test_store_maps_figure_and_tensors(baseline) -> None:
         assert figure.format == "PNG" and figure.width > figure.height
 
 
+def test_maps_rows_show_the_x0_estimate_of_their_step(baseline) -> None:
+    """x0 at the last DDIM step (t=1) is nearly the final image; at t=501 it is not yet."""
+    import numpy as np
+
+    out = baseline["out"]
+    folder = out / json.loads((out / "rho.json").read_text())["images"][0]["generated"]
+    folder = folder.parent
+    final = np.asarray(Image.open(folder / "generated.png"), dtype=float)
+    gaps = {}
+    for step in (0, 1):
+        with Image.open(folder / f"x0_step{step}.png") as preview:
+            assert preview.size == (32, 32)
+            gaps[step] = np.abs(np.asarray(preview, dtype=float) - final).mean()
+    assert gaps[1] < 2.0 < gaps[0], gaps  # pixel values 0..255
+
+
+def test_replot_redraws_everything_from_the_saved_files(baseline, monkeypatch, capsys) -> None:
+    import nw_adapter.correlate.loading as loading
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("--replot must not load a model")
+
+    monkeypatch.setattr(loading, "build_pipeline", no_model)
+    out = baseline["out"]
+    saved = (out / "rho.json").read_text()
+    drawn = [out / "rho.png", *(out / "images").glob("*/attention_maps.png")]
+    assert len(drawn) == 3
+    for path in drawn:
+        path.unlink()
+    code, stdout, err = run(["--replot", out], capsys)
+    assert code == 0, err
+    assert stdout == baseline["stdout"]  # same table and verdict, nothing recomputed
+    assert (out / "rho.json").read_text() == saved
+    for path in drawn:
+        with Image.open(path) as img:
+            assert img.format == "PNG"
+    code, _, err = run(["--replot", out.parent / "nothing-here"], capsys)
+    assert code == 2 and "no rho.json there" in err
+
+
 def test_options_reach_the_run(tmp_path, photos, model_args, capsys) -> None:
     rgba = tmp_path / "china_rgba.png"
     Image.open(photos["china"]).convert("RGBA").save(rgba)
@@ -232,6 +321,17 @@ def test_options_change_the_generated_image(change, baseline, photos, model_args
     original = (baseline["out"] / "images" / key / "generated.png").read_bytes()
     assert changed != original
     assert report["records"] and report["config"] != base["config"]
+
+
+def test_maps_and_x0_previews_do_not_change_the_generation(baseline, photos, model_args, tmp_path, capsys):
+    """The baseline stored maps and captured x0 estimates; without them the image is the same, bit for bit."""
+    out = tmp_path / "out"
+    code, _, _ = run(["--image", photos["flower"], *model_args, *BASE, "--quiet", "--out", out], capsys)
+    assert code == 0
+    key = key_of(json.loads((out / "rho.json").read_text()), "flower")
+    plain = (out / "images" / key / "generated.png").read_bytes()
+    assert plain == (baseline["out"] / "images" / key / "generated.png").read_bytes()
+    assert not list((out / "images" / key).glob("x0_step*.png"))
 
 
 def test_model_tiny_builds_once_and_matches_the_fixture_model(

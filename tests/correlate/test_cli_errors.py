@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,8 +77,11 @@ def test_empty_image_directory(tmp_path: Path, capsys) -> None:
         (["--steps", "many"], "--steps must be a whole number"),
         (["--steps", "2.5"], "--steps must be a whole number"),
         (["--bandwidth", "wide"], "--bandwidth must be one of matched, fitted, schedule, median"),
-        (["--bandwidth", "-1"], "--bandwidth must be a positive finite number"),
-        (["--bandwidth", "inf"], "--bandwidth must be a positive finite number"),
+        (["--bandwidth", "-1"], "--bandwidth must be a number h in the usable range [0.0001, 10000]"),
+        (["--bandwidth", "inf"], "--bandwidth must be a number h in the usable range"),
+        (["--bandwidth", "1e-30", "--mode", "swap"], "usable range [0.0001, 10000]"),
+        (["--bandwidth", "1e-200"], "usable range [0.0001, 10000]"),
+        (["--bandwidth", "1e300"], "usable range [0.0001, 10000]"),
         (["--guidance-scale", "nan"], "--guidance-scale must be a finite number >= 0"),
         (["--ip-scale", "-0.5"], "--ip-scale must be a finite number >= 0"),
         (["--seed", "-3"], "--seed must be between 0 and 2**63 - 1"),
@@ -86,7 +90,10 @@ def test_empty_image_directory(tmp_path: Path, capsys) -> None:
         (["--scheduler", "fast"], "invalid choice: 'fast'"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--layers", "up,,mid"], "--layers must be comma-separated names without empty entries"),
-        (["--prompt", "  "], "--prompt is empty"),
+        (["--model", " "], "--model is empty"),
+        (["--out", ""], "--out is empty"),
+        (["--image-dir", ""], "--image-dir is empty"),
+        (["--image", ""], "--image is empty"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
 )
@@ -98,6 +105,12 @@ def test_nonsense_option_values(
     line = assert_one_line_error(code, err, words)
     assert "(see --help)" in line or "pass" in line
     assert not out.exists()
+
+
+def test_empty_prompt_is_accepted() -> None:
+    from nw_adapter.correlate.cli import parse_args
+
+    assert parse_args(["--image", "ref.png", "--prompt", ""]).prompt == ""
 
 
 def test_no_image_at_all(capsys) -> None:
@@ -198,7 +211,8 @@ def test_layers_that_match_no_adapter_layer(
         "--quiet",
     ]
     code, _, err = run_main(argv, capsys)
-    assert_one_line_error(code, err, "down_blocks.7", "matches no IP-Adapter layer")
+    line = assert_one_line_error(code, err, "--layers", "down_blocks.7", "matches no IP-Adapter layer")
+    assert "(down, mid, up)" in line and "processor-name prefix such as 'down_blocks." in line
     assert not out.exists()
 
 
@@ -248,3 +262,183 @@ def test_help_exits_zero(capsys) -> None:
         main(["--help"])
     assert info.value.code == 0
     assert "--bandwidth" in capsys.readouterr().out
+
+
+def test_dangling_symlink_as_out(tmp_path: Path, good_image: Path, capsys) -> None:
+    out = tmp_path / "link"
+    out.symlink_to(tmp_path / "missing-target")
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", out], capsys)
+    assert_one_line_error(code, err, "dangling symbolic link", "missing-target")
+    assert not (tmp_path / "missing-target").exists()
+
+
+def test_read_only_images_subfolder_is_found_before_any_work(
+    tmp_path: Path, good_image: Path, monkeypatch, capsys
+) -> None:
+    """A read-only ``images/`` (simulated: root may write anywhere) is refused before the model loads."""
+    import errno
+    import tempfile
+
+    import nw_adapter.correlate.loading as loading
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not be loaded before the output folder is checked")
+
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).name == "images":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(loading, "build_pipeline", no_model)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    (tmp_path / "out" / "images").mkdir(parents=True)
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "cannot write in", "images", "Permission denied", "writable folder")
+
+
+def test_tiny_cache_write_failure_from_safetensors_is_one_line(
+    tmp_path: Path, good_image: Path, monkeypatch, capsys
+) -> None:
+    from safetensors import SafetensorError
+
+    import nw_adapter.models.tiny as tiny
+
+    def full_disk(path, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(tiny, "save_tiny_sd15", full_disk)
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "cannot write the tiny model", "StorageFull", "NW_ADAPTER_CACHE")
+
+
+def test_write_failure_mid_run_exits_2_and_keeps_finished_images(
+    tmp_path: Path, tiny_sd15_dir, tiny_ip_adapter_dir, monkeypatch, capsys
+) -> None:
+    import errno
+
+    from PIL import Image
+
+    from nw_adapter.correlate.sweep import result_path
+
+    refs = []
+    for i, size in enumerate((40, 48)):
+        refs += ["--image", tmp_path / f"ref{i}.png"]
+        photo(size=size).save(refs[-1])
+    out = tmp_path / "out"
+    argv = [
+        *refs,
+        "--model",
+        tiny_sd15_dir,
+        "--ip-adapter",
+        tiny_ip_adapter_dir,
+        "--steps",
+        "1",
+        "--out",
+        out,
+    ]
+    real_save = Image.Image.save
+    saved: list[str] = []
+
+    def save(self, fp, *args, **kwargs):
+        if "generated" in str(fp):
+            saved.append(str(fp))
+            if len(saved) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(self, fp, *args, **kwargs)
+
+    assert run_main([*argv, "--seed", "7"], capsys)[0] == 0  # a finished run of other options first
+    assert (out / "rho.json").is_file()
+    monkeypatch.setattr(Image.Image, "save", save)
+    code, stdout, err = run_main(argv, capsys)
+    line = assert_one_line_error(code, err, "cannot write", "generated", "No space left on device")
+    assert "finished images are kept" in line and stdout == ""
+    finished = [p for p in (out / "images").glob("*/result.json")]
+    assert len(finished) == 1
+    assert not (out / "rho.json").exists()  # the seed-7 report no longer describes these folders
+    monkeypatch.setattr(Image.Image, "save", real_save)
+    code, _, err = run_main(argv, capsys)
+    assert code == 0 and "resumed: 1 finished image(s) reused" in err
+    assert all(result_path(out, p.parent.name).is_file() for p in finished)
+    assert json.loads((out / "rho.json").read_text())["config"]["seed"] == 0
+
+
+def test_two_runs_on_one_out_are_refused(tmp_path: Path, good_image: Path, tiny_sd15_dir, tiny_ip_adapter_dir,
+                                          capsys) -> None:  # fmt: skip
+    from nw_adapter.correlate.cli import OutputLock
+
+    out = tmp_path / "out"
+    argv = [
+        "--image",
+        good_image,
+        "--model",
+        tiny_sd15_dir,
+        "--ip-adapter",
+        tiny_ip_adapter_dir,
+        "--out",
+        out,
+    ]
+    with OutputLock(out):
+        code, _, err = run_main([*argv, "--steps", "1"], capsys)
+    assert_one_line_error(code, err, "another correlate.py run is writing there", "pass another --out")
+    assert not (out / "images").exists()
+
+
+def test_offline_default_adapter_with_a_local_model_is_named_offline(
+    tmp_path: Path, good_image: Path, tiny_sd15_dir, monkeypatch, capsys
+) -> None:
+    """No network, HF_HUB_OFFLINE unset: diffusers says "no file named ..."; the cause is the network."""
+    import diffusers.loaders.ip_adapter as ip_adapter
+    import huggingface_hub.constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def unreachable_hub(*args, **kwargs):
+        try:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub")
+        except LocalEntryNotFoundError:
+            raise OSError("h94/IP-Adapter does not appear to have a file named ip-adapter_sd15.safetensors.")  # noqa: B904 - as diffusers raises it (context, not cause)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(ip_adapter, "_get_model_file", unreachable_hub)
+    out = tmp_path / "out"
+    code, _, err = run_main(["--image", good_image, "--model", tiny_sd15_dir, "--out", out], capsys)
+    line = assert_one_line_error(
+        code, err, "--ip-adapter 'h94/IP-Adapter'", "Hub cannot be reached (offline)"
+    )
+    assert "--weight-name" not in line
+    expected = (
+        "hf download h94/IP-Adapter models/ip-adapter_sd15.safetensors models/image_encoder/config.json "
+        "models/image_encoder/model.safetensors"
+    )
+    assert expected in line
+    assert not out.exists()
+
+
+def test_download_hint_for_the_default_model_names_its_files_only() -> None:
+    from nw_adapter.correlate.loading import DEFAULT_MODEL, SD15_FILES, download_command
+
+    command = download_command(DEFAULT_MODEL, "--model")
+    assert command.split()[3:] == list(SD15_FILES)
+    assert "unet/diffusion_pytorch_model.safetensors" in command and "*" not in command
+    assert "--exclude '*fp16*'" in download_command("someone/other-model", "--model")
+
+
+def test_file_size_limit_while_writing_the_tiny_model_is_one_line(tmp_path: Path, good_image: Path) -> None:
+    """A real write failure (RLIMIT_FSIZE, SIGXFSZ ignored), not a monkeypatch: EFBIG in safetensors."""
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
+        "from nw_adapter.correlate.cli import main\n"
+        f"sys.exit(main(['--image', {str(good_image)!r}, '--model', 'tiny', '--steps', '1', "
+        f"'--out', {str(tmp_path / 'out')!r}]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NW_ADAPTER_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.stdout == ""
+    assert_one_line_error(proc.returncode, proc.stderr, "cannot write the tiny model", "File too large")
+    leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert leftovers == []  # nothing half-written is left to be loaded later

@@ -210,7 +210,69 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
     source.save(path, exif=exif, quality=95)
     rgb, info = load_reference_image(path)
     assert rgb.size == source.size[::-1]
-    assert "EXIF orientation applied" in info.notes
+    assert any(note.startswith("EXIF orientation 6 applied") for note in info.notes)
+
+
+def test_invalid_exif_orientation_is_not_claimed_as_applied(tmp_path: Path) -> None:
+    source = photo()
+    exif = Image.Exif()
+    exif[0x0112] = 99
+    path = tmp_path / "odd.jpg"
+    source.save(path, exif=exif, quality=95)
+    rgb, info = load_reference_image(path)
+    assert rgb.size == source.size
+    assert not any("applied" in note for note in info.notes)
+    assert any("orientation 99 is not a valid value" in note for note in info.notes)
+
+
+@pytest.mark.parametrize("low_high", [(-5, 200), (0, 70000)])
+def test_32bit_integer_outside_16_bits_is_refused(low_high: tuple[int, int], tmp_path: Path) -> None:
+    values = np.linspace(*low_high, 16 * 16).reshape(16, 16).astype(np.int32)
+    path = tmp_path / "int32.tif"
+    Image.fromarray(values, mode="I").save(path)
+    with pytest.raises(ImageInputError, match="32-bit integer image with values from") as info:
+        load_reference_image(path)
+    assert "int32.tif" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_32bit_integer_with_16bit_values_is_scaled_with_a_true_note(tmp_path: Path) -> None:
+    values = np.linspace(0, 65535, 16 * 16).reshape(16, 16).astype(np.int32)
+    path = tmp_path / "int32.tif"
+    Image.fromarray(values, mode="I").save(path)
+    rgb, info = load_reference_image(path)
+    assert info.mode == "I"
+    np.testing.assert_array_equal(np.asarray(rgb)[..., 0], np.rint(values / 257).astype(np.uint8))
+    assert any(note.startswith("32-bit integer grayscale with 16-bit values") for note in info.notes)
+
+
+@pytest.mark.parametrize("size", [(20000, 5), (5, 20000), (60000, 2)])
+def test_extreme_aspect_ratio_is_refused_before_the_encoder(size: tuple[int, int], tmp_path: Path) -> None:
+    path = tmp_path / "strip.png"
+    Image.new("RGB", size, (120, 30, 200)).save(path)
+    with pytest.raises(ImageInputError, match="aspect ratio") as info:
+        load_reference_image(path)
+    assert "crop it closer to square" in str(info.value)
+
+
+def test_aspect_ratio_bound_is_on_the_resized_size() -> None:
+    from nw_adapter.correlate.images import MAX_ENCODER_PIXELS, encoder_resized_size
+
+    assert encoder_resized_size((20000, 5)) == (896000, 224)  # 200 M pixels: what the encoder would make
+    width, height = encoder_resized_size((64 * 10, 10))  # the largest accepted ratio
+    assert width * height <= MAX_ENCODER_PIXELS
+    width, height = encoder_resized_size((65 * 10, 10))
+    assert width * height > MAX_ENCODER_PIXELS
+
+
+def test_symlink_loop_and_dangling_link_are_named(tmp_path: Path) -> None:
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(loop)
+    with pytest.raises(ImageInputError, match="symbolic link loop"):
+        load_reference_image(loop)
+    dangling = tmp_path / "dangling.png"
+    dangling.symlink_to(tmp_path / "gone.png")
+    with pytest.raises(ImageInputError, match="dangling symbolic link"):
+        load_reference_image(dangling)
 
 
 def test_collect_scans_folders_sorted_and_skips_hidden(tmp_path: Path) -> None:
@@ -249,3 +311,10 @@ def test_validate_keeps_identical_files_once(tmp_path: Path) -> None:
     photo().save(first)
     infos = validate_images([(first, "--image"), (first, "--image")])
     assert len(infos) == 1
+
+
+def test_image_dir_symlink_loop_is_named(tmp_path: Path) -> None:
+    loop = tmp_path / "refs"
+    loop.symlink_to(loop)
+    with pytest.raises(ImageInputError, match="--image-dir .*symbolic link loop"):
+        collect_image_paths(image_dirs=[loop])

@@ -98,7 +98,8 @@ def test_aggregate_matches_the_recorders_summary() -> None:
     for mine, other in zip(ours, theirs, strict=True):
         for name in STAT_FIELDS:
             assert mine[name] == pytest.approx(other[name])
-        assert mine["frac_rho_gt_0_9"] == pytest.approx(other["frac_heads_rho_gt_0_9"])
+        assert mine["frac_rho_gt_0_9"] == pytest.approx(other["frac_rho_gt_0_9"])
+        assert mine["count"] == other["count"]
 
 
 def test_nan_values_are_left_out_of_means_and_all_nan_gives_none() -> None:
@@ -222,13 +223,14 @@ def test_plot_rho_writes_a_png(tmp_path: Path) -> None:
         plot_rho([], tmp_path / "empty.png")
 
 
-def test_panels_pick_the_finest_layer_cond_row_and_top_tokens(tmp_path: Path) -> None:
+def test_panels_average_layers_on_the_finest_grid_cond_row_and_top_tokens(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     fine = torch.zeros(2, 2, 32, 6)  # [batch, heads, rows = 8 x 4 grid, keys]
     fine[1, :, :, 5] = 1.0  # conditional row attends to token 5
     fine[1, :, :, 2] = 0.5
     fine[1, :, 3, 2] = 0.9
-    coarse = torch.full((2, 2, 8, 6), 1 / 6)
+    coarse = torch.full((2, 2, 8, 6), 1 / 6)  # a 4 x 2 grid, upsampled x2 onto the 8 x 4 one
+    coarse[1, :, 0, 2] = 0.4  # top-left cell of the coarse grid: fine rows (0,0),(0,1),(1,0),(1,1)
     maps = {
         "call0/step0/up_blocks.1.x/adapter0/image0/attn": fine,
         "call0/step0/up_blocks.1.x/adapter0/image0/nw": fine * 2,
@@ -237,13 +239,87 @@ def test_panels_pick_the_finest_layer_cond_row_and_top_tokens(tmp_path: Path) ->
     }
     panels = panels_from_maps(maps, timesteps={0: 981.0}, image_hw=(64, 32), cfg=True, max_tokens=2)
     assert [p.token for p in panels] == [2, 5]
-    assert all(p.layer == "up_blocks.1.x" and p.attn.shape == (8, 4) for p in panels)
-    assert panels[0].attn[0, 3] == pytest.approx(0.9) and panels[0].nw[0, 3] == pytest.approx(1.8)
+    assert all(p.layers == ("mid_block.x", "up_blocks.1.x") and p.attn.shape == (8, 4) for p in panels)
+    assert panels[0].attn[0, 3] == pytest.approx((0.9 + 1 / 6) / 2)  # fine row 3 = grid cell (0, 3)
+    assert panels[0].attn[1, 1] == pytest.approx((0.5 + 0.4) / 2)  # coarse cell (0, 0) covers (1, 1)
+    assert panels[0].nw[0, 3] == pytest.approx((1.8 + 1 / 6) / 2)
     generated = Image.fromarray(np.full((64, 32, 3), 128, dtype=np.uint8))
     path = plot_attention_maps(generated, panels, tmp_path / "maps.png")
     with Image.open(path) as img:
         assert img.format == "PNG"
 
 
+def test_token_maps_select_steps_layers_heads_and_rows() -> None:
+    from nw_adapter.correlate.maps import token_maps, upsample
+
+    rng = np.random.default_rng(0)
+    a0 = rng.random((2, 3, 16, 4))  # step 0, 4 x 4 grid, 3 heads
+    a1 = rng.random((2, 3, 16, 4))  # step 1
+    coarse = rng.random((2, 3, 4, 4))  # step 1, another layer, 2 x 2 grid
+    maps = {
+        "call0/step0/up_blocks.1/adapter0/image0/attn": a0,
+        "call0/step1/up_blocks.1/adapter0/image0/attn": a1,
+        "call0/step1/mid_block/adapter0/image0/attn": coarse,
+        "call0/step1/mid_block/adapter0/image0/nw": coarse * 0,
+    }
+
+    def grid(m, row=-1, heads=slice(None)):
+        return m[row][heads].mean(0).T.reshape(4, *((4, 4) if m.shape[2] == 16 else (2, 2)))
+
+    out = token_maps(maps, "attn", image_hw=(32, 32))
+    expected = (grid(a0) + grid(a1) + upsample(grid(coarse), (4, 4))) / 3
+    np.testing.assert_allclose(out, expected)
+    one = token_maps(maps, "attn", image_hw=(32, 32), steps=[0], heads=[1], batch_row=0)
+    np.testing.assert_allclose(one, grid(a0, row=0, heads=[1]))
+    up = token_maps(maps, "attn", image_hw=(32, 32), layers=["up_blocks"])
+    np.testing.assert_allclose(up, (grid(a0) + grid(a1)) / 2)
+    with pytest.raises(ValueError, match="no stored nw maps match"):
+        token_maps(maps, "nw", image_hw=(32, 32), steps=[0])
+
+
+def test_plot_token_maps_has_a_colour_bar(tmp_path: Path) -> None:
+    from nw_adapter.correlate.plotting import plot_token_maps
+
+    arrays = np.random.default_rng(1).random((3, 4, 4))
+    image = Image.fromarray(np.full((32, 32, 3), 200, dtype=np.uint8))
+    fig = plot_token_maps(image, arrays, tmp_path / "tokens.png", tokens=[0, 2], title="A")
+    assert len(fig.axes) == 3  # two panels + the colour bar
+    colorbar_axis = fig.axes[-1]
+    assert colorbar_axis.get_ylim()[1] == pytest.approx(arrays[[0, 2]].max())
+    assert (tmp_path / "tokens.png").is_file()
+
+
 def test_report_constants_match_the_paper() -> None:
     assert PAPER_TIMESTEPS == (981, 761, 501, 261, 1)
+
+
+def test_pndm_repeated_timestep_is_explained_in_the_header() -> None:
+    records = make_records(timesteps=(667, 334, 334, 1))
+    config = {"steps": 3, "scheduler_class": "PNDMScheduler"}
+    report = build_report(records, config=config, images=[], versions={}, targets=())
+    header = format_report(report).splitlines()[0]
+    assert "note: PNDMScheduler calls the denoiser twice at one timestep" in header
+    assert "steps 1 and 2 share t=334" in header and "4 denoiser calls for 3 steps" in header
+    plain = build_report(make_records(timesteps=(667, 334, 1)), config=config, images=[], versions={})
+    assert "note:" not in format_report(plain).splitlines()[0]
+
+
+def test_verdict_of_one_reported_step_does_not_claim_a_rise() -> None:
+    from nw_adapter.correlate.report import format_verdict
+
+    line = format_verdict(verdict(aggregate(make_records(timesteps=(1,)))))
+    assert "rise over steps: n/a (1 reported step" in line
+    assert "monotonically" not in line and "1 steps" not in line
+    line = format_verdict(verdict(aggregate(make_records(timesteps=(981, 1)))))
+    assert "rises monotonically over the 2 reported steps: yes" in line
+
+
+def test_rho_plot_carries_the_repeated_timestep_note() -> None:
+    from nw_adapter.correlate.plotting import rho_figure
+    from nw_adapter.correlate.report import repeated_timestep_note
+
+    config = {"steps": 3, "scheduler_class": "PNDMScheduler"}
+    report = build_report(make_records(timesteps=(667, 334, 334, 1)), config=config, images=[], versions={})
+    note = repeated_timestep_note(report)
+    fig = rho_figure(report["blocks"], title="run", note=note)
+    assert fig._suptitle.get_text() == f"run\n{note}"

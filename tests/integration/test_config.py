@@ -73,3 +73,16 @@ def test_invalid_option_names_it(kwargs, option):
 def test_unknown_keyword_is_named():
     with pytest.raises(ValueError, match="`bandwith`.*is not an option"):
         NWProcessorConfig.from_kwargs(bandwith="matched")
+
+
+@pytest.mark.parametrize("bandwidth", [1e-30, 1e-200, 1e5, 5e-5])
+def test_fixed_bandwidth_outside_the_usable_range_is_refused(bandwidth: float) -> None:
+    with pytest.raises(ValueError, match=r"outside the usable range \[0.0001, 10000\]"):
+        NWProcessorConfig(bandwidth=bandwidth)
+    assert NWProcessorConfig(bandwidth=1e-4).bandwidth == 1e-4
+
+
+@pytest.mark.parametrize("seed", [2**70, 2**63, -1])
+def test_seed_outside_the_generator_range_is_refused(seed: int) -> None:
+    with pytest.raises(ValueError, match="`seed` must be between 0 and 2\\*\\*63 - 1"):
+        NWProcessorConfig(seed=seed)

@@ -103,12 +103,13 @@ def test_every_record_matches_brute_force_from_maps(observed, pipe):
 
 def test_exports(observed, tmp_path):
     records = observed.to_records()
-    path = observed.to_json(tmp_path / "out" / "rho.json")
+    path = observed.to_json(tmp_path / "out" / "records.json")
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["config"]["mode"] == "observe"
+    assert data["schema"] == "nw-adapter/records" and data["schema_version"] == 1
+    assert data["config"]["mode"] == "observe"
     assert len(data["records"]) == len(records)
     assert data["records"][0].keys() == records[0].keys()
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["rho.json"]  # no temp file left
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["records.json"]  # no temp file left
     csv_path = observed.to_csv(tmp_path / "rho.csv")
     with open(csv_path) as fh:
         rows = list(csv.DictReader(fh))
@@ -118,9 +119,94 @@ def test_exports(observed, tmp_path):
     s0 = next(s for s in summary if (s["call"], s["step"], s["half"]) == (0, 1, "cond"))
     group = [r for r in records if (r["call"], r["step"], r["half"]) == (0, 1, "cond")]
     assert s0["rho"] == pytest.approx(np.nanmean([r["rho"] for r in group]))
-    assert s0["frac_heads_rho_gt_0_9"] == pytest.approx(np.mean([r["rho"] > 0.9 for r in group]))
-    assert s0["n"] == len(group) and s0["timestep"] == group[0]["timestep"]
-    assert data["summary"][0]["n"] == summary[0]["n"]
+    assert s0["frac_rho_gt_0_9"] == pytest.approx(np.mean([r["rho"] > 0.9 for r in group]))
+    assert s0["count"] == len(group) and s0["timestep"] == group[0]["timestep"]
+    assert data["summary"][0]["count"] == summary[0]["count"]
+
+
+def test_summary_prints_as_a_table(observed):
+    summary = observed.summary()
+    text = repr(summary)
+    lines = text.splitlines()
+    assert lines[0].split()[:5] == ["call", "step", "half", "timestep", "rho"]
+    assert "frac_rho_gt_0_9" in lines[0] and len(lines) == 1 + len(summary)
+    first = summary[0]
+    assert lines[1].split()[:4] == [
+        str(first["call"]),
+        str(first["step"]),
+        first["half"],
+        f"{first['timestep']:.0f}",
+    ]
+    assert str(summary) == text and isinstance(summary, list)
+
+
+def test_from_json_round_trips_records_summary_and_config(observed, tmp_path):
+    path = observed.to_json(tmp_path / "records.json")
+    loaded = NWRecorder.from_json(path)
+    assert loaded.config == observed.config and len(loaded) == len(observed)
+    original, again = observed.to_records(), loaded.to_records()
+    assert [r.keys() for r in again] == [r.keys() for r in original]
+    for a, b in zip(original, again, strict=True):
+        for key, value in a.items():
+            if isinstance(value, float) and math.isnan(value):
+                assert math.isnan(b[key])
+            else:
+                assert b[key] == value
+    assert repr(loaded.summary()) == repr(observed.summary())
+
+
+def test_from_json_reads_the_cli_report_and_refuses_other_files(tmp_path):
+    records = [
+        {"reference": "ref-1", "call": 0, "step": s, "timestep": t, "half": "cond", "rho": r,
+         "rho_perm_null": 0.0, "rho_norm_null": 0.1, "layer": "up_blocks.1.a", "head": 0}
+        for s, t, r in ((0, 981.0, 0.2), (1, 1.0, None))
+    ]  # fmt: skip
+    report = tmp_path / "rho.json"
+    report.write_text(json.dumps({"schema": "nw-adapter/rho", "config": {"steps": 2}, "records": records}))
+    loaded = NWRecorder.from_json(report)
+    assert [r["reference"] for r in loaded.to_records()] == ["ref-1", "ref-1"]
+    assert math.isnan(loaded.to_records()[1]["rho"])
+    assert [row["rho"] for row in loaded.summary()][0] == pytest.approx(0.2)
+    other = tmp_path / "other.json"
+    other.write_text("null")
+    with pytest.raises(ValueError, match="is not an nw-adapter records file"):
+        NWRecorder.from_json(other)
+
+
+def test_tidy_exports_dataframe_or_csv(observed, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("pandas")
+
+    class DataFrame:
+        @classmethod
+        def from_records(cls, records, columns):
+            frame = cls()
+            frame.records, frame.columns = records, columns
+            return frame
+
+    fake.DataFrame = DataFrame
+    monkeypatch.setitem(sys.modules, "pandas", fake)
+    frame = observed.to_dataframe()
+    assert frame.records == observed.to_records() and frame.columns[:3] == ["call", "step", "timestep"]
+    monkeypatch.setitem(sys.modules, "pandas", None)  # not installed
+    with pytest.raises(ImportError, match="use rec.to_csv"):
+        observed.to_dataframe()
+
+
+def test_plot_draws_rho_and_the_null_band(observed, tmp_path):
+    from PIL import Image
+
+    fig = observed.plot(path=tmp_path / "rho.png")
+    ax = fig.axes[0]
+    cond = [r for r in observed.summary() if r["half"] == "cond"]
+    line = ax.get_lines()[0]
+    assert list(line.get_ydata()) == pytest.approx([r["rho"] for r in cond])
+    with Image.open(tmp_path / "rho.png") as img:
+        assert img.format == "PNG"
+    with pytest.raises(ValueError, match="nothing recorded"):
+        NWRecorder().plot()
 
 
 def test_save_maps_roundtrip(observed, tmp_path):

@@ -96,8 +96,25 @@ def test_tiny_sd15_pipeline_writes_each_folder_once(tmp_path):
 
     pipe = tiny_sd15_pipeline(tmp_path, variant="plus")
     assert [p.num_tokens for p in pipe.unet.attn_processors.values() if hasattr(p, "num_tokens")][0] == [16]
-    weights = tmp_path / "ip-adapter-plus" / "models" / ip_adapter_weight_name("plus")
+    weights = tmp_path / "ip-adapter-plus-seed0" / "models" / ip_adapter_weight_name("plus")
     stamp = weights.stat().st_mtime_ns
     tiny_sd15_pipeline(tmp_path, variant="plus")
     assert weights.stat().st_mtime_ns == stamp  # reused, not rewritten
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folders left
+
+
+def test_tiny_sd15_pipeline_seed_is_honoured_in_an_existing_folder(tmp_path):
+    """Seed 1 asked for after seed 0 in the same folder gives seed-1 weights, not the cached seed 0."""
+    import torch
+
+    from nw_adapter.models.tiny import tiny_sd15_pipeline
+
+    def weights(pipe) -> tuple[torch.Tensor, torch.Tensor]:
+        adapter = next(p for p in pipe.unet.attn_processors.values() if hasattr(p, "to_k_ip"))
+        return pipe.unet.conv_in.weight.detach().clone(), adapter.to_k_ip[0].weight.detach().clone()
+
+    seed0 = weights(tiny_sd15_pipeline(tmp_path, seed=0))
+    seed1 = weights(tiny_sd15_pipeline(tmp_path, seed=1))
+    fresh1 = weights(tiny_sd15_pipeline(tmp_path / "fresh", seed=1))
+    assert not torch.equal(seed0[0], seed1[0]) and not torch.equal(seed0[1], seed1[1])
+    assert torch.equal(seed1[0], fresh1[0]) and torch.equal(seed1[1], fresh1[1])

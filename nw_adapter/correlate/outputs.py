@@ -1,0 +1,234 @@
+"""The output folder of ``correlate.py``: checks, lock, report files, figures, redrawing.
+
+- :func:`check_output_dir` probes, before any work, that ``--out`` and the folders that will be
+  written there can be written (a dangling link, a file in the way, a read-only ``images/``);
+- :class:`OutputLock` keeps two runs off one ``--out``;
+- :func:`write_outputs` writes ``rho.json``, ``rho.csv`` and ``rho.png`` of a report;
+- :func:`draw_image_maps` draws one image's ``attention_maps.png`` from its saved files;
+- :func:`replot` redraws everything of a finished run without loading a model.
+
+Every problem is an :class:`OutputError` whose message is one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nw_adapter.correlate.report import PAPER_TIMESTEPS
+
+
+class OutputError(ValueError):
+    """The output folder cannot be used; the message is one line with the fix (exit status 2)."""
+
+
+def _probe_write(folder: Path, out: Path) -> None:
+    """Create and remove a temporary file in ``folder``; OutputError naming it if that fails."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=".nw-adapter-write-check-", dir=folder)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise OutputError(
+            f"--out '{out}': cannot write in '{folder}' ({reason}); pass a writable folder"
+        ) from None
+
+
+def check_output_dir(out: Path, keys: Sequence[str] = ()) -> Path:
+    """Check, without leaving anything behind, that ``out`` and what goes in it can be written.
+
+    Probes ``out`` (or its first existing parent) and, where they already exist, ``out/images``
+    and the folders ``out/images/<key>`` of the given image keys.
+
+    Raises:
+        OutputError: ``out`` is a file, a dangling symbolic link, sits under a file, or a folder
+            that will be written is not writable.
+    """
+    out = out.expanduser()
+    if out.is_symlink() and not out.exists():
+        raise OutputError(
+            f"--out '{out}': dangling symbolic link (its target '{os.readlink(out)}' does not exist); "
+            "create the target folder or pass another path"
+        )
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out '{out}': exists and is not a folder; pass a folder path")
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(
+            f"--out '{out}': '{probe}' is a file, so the folder cannot be created; pass another path"
+        )
+    _probe_write(probe, out)
+    images = out / "images"
+    for folder in (images, *(images / key for key in keys)):
+        if folder.exists() and not folder.is_dir():
+            raise OutputError(f"--out '{out}': '{folder}' is not a folder; remove it or pass another --out")
+        if folder.is_dir():
+            _probe_write(folder, out)
+    return out
+
+
+LOCK_NAME = ".nw-adapter.lock"
+
+
+class OutputLock:
+    """An exclusive lock on ``--out`` (``<out>/.nw-adapter.lock``), so two runs never interleave.
+
+    Uses ``fcntl.flock`` (released by the system when the process ends, also on SIGKILL); the
+    lock file itself is left in place. Where ``fcntl`` does not exist (Windows) it does nothing.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = Path(out) / LOCK_NAME
+        self._handle: Any = None
+
+    def __enter__(self) -> OutputLock:
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+")  # noqa: SIM115 - held for the run
+        except OSError as exc:
+            raise OutputError(
+                f"--out '{self.path.parent}': cannot create the lock file ({exc.strerror or exc}); "
+                "pass a writable folder"
+            ) from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise OutputError(
+                f"--out '{self.path.parent}': another correlate.py run is writing there (lock {self.path}); "
+                "wait for it to finish or pass another --out"
+            ) from None
+        except OSError:  # a file system without locks (e.g. some network mounts): run unlocked
+            handle.close()
+            return self
+        self._handle = handle
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
+    """Draw ``attention_maps.png`` of one image folder from its saved files (no recomputation).
+
+    Reads ``maps.safetensors``, ``generated.png`` and the ``x0_step<s>.png`` previews; the
+    timesteps and whether the batch was ``[uncond; cond]`` come from the image's records.
+    """
+    from PIL import Image
+
+    from nw_adapter.correlate.maps import load_maps
+    from nw_adapter.correlate.plotting import panels_from_maps, plot_attention_maps
+
+    with Image.open(folder / "generated.png") as handle:
+        generated = handle.convert("RGB")
+    previews = {}
+    for path in folder.glob("x0_step*.png"):
+        with Image.open(path) as handle:
+            previews[int(path.stem.removeprefix("x0_step"))] = handle.convert("RGB")
+    panels = panels_from_maps(
+        load_maps(folder / "maps.safetensors"),
+        timesteps={r["step"]: r["timestep"] for r in records},
+        image_hw=(generated.height, generated.width),
+        cfg=any(r.get("half") in ("cond", "uncond") for r in records),
+    )
+    return plot_attention_maps(generated, panels, folder / "attention_maps.png", previews=previews)
+
+
+REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png")
+"""The merged report's files in ``--out``."""
+
+
+def remove_report(out_dir: Path) -> None:
+    """Remove the merged report of a previous run (before any of its images changes)."""
+    for name in REPORT_FILES:
+        (Path(out_dir) / name).unlink(missing_ok=True)
+
+
+def write_outputs(report: dict, out_dir: Path) -> str:
+    """Write ``rho.json``, ``rho.csv`` and ``rho.png`` of a report; return the text to print."""
+    from nw_adapter.correlate.plotting import plot_rho
+    from nw_adapter.correlate.report import format_report, repeated_timestep_note, write_report_files
+
+    config = report.get("config", {})
+    model = (config.get("model") or {}).get("model")
+    write_report_files(report, out_dir)
+    plot_rho(
+        report["blocks"],
+        out_dir / "rho.png",
+        title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
+        f"{len(report.get('images', []))} reference(s)",
+        note=repeated_timestep_note(report),
+    )
+    return format_report(report)
+
+
+def replot(out: Path, *, all_steps: bool = False) -> str:
+    """Redraw ``rho.json``/``rho.csv``/``rho.png`` and every ``attention_maps.png`` of a finished run.
+
+    Nothing is recomputed: the report is rebuilt from the saved records (table rows chosen
+    again, so ``--all-steps`` may differ from the original run), the figures from the saved
+    maps, images and x0 previews.
+
+    Returns:
+        The text the run printed (context line, table, verdict).
+
+    Raises:
+        OutputError: No readable ``rho.json`` of this tool in ``out``.
+    """
+    import json
+
+    from nw_adapter.correlate.report import SCHEMA, build_report
+
+    out = out.expanduser()
+    path = out / "rho.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise OutputError(
+            f"--replot '{out}': no rho.json there; pass the --out folder of a finished run"
+        ) from None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+        raise OutputError(
+            f"--replot '{out}': cannot read rho.json ({reason}); rerun the original command"
+        ) from None
+    if not isinstance(saved, dict) or saved.get("schema") != SCHEMA or not saved.get("records"):
+        raise OutputError(
+            f"--replot '{out}': rho.json is not a correlate.py report; rerun the original command"
+        )
+    report = build_report(
+        saved["records"],
+        config=saved.get("config", {}),
+        images=saved.get("images", []),
+        targets=() if all_steps else PAPER_TIMESTEPS,
+        versions=saved.get("versions"),
+    )
+    with OutputLock(out):
+        text = write_outputs(report, out)
+        for image in report["images"]:
+            if image.get("maps"):
+                records = [r for r in report["records"] if r.get("reference") == image["key"]]
+                folder = out / Path(image["maps"]).parent
+                try:
+                    draw_image_maps(folder, records)
+                except (OSError, ValueError) as exc:
+                    reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+                    raise OutputError(
+                        f"--replot '{out}': cannot redraw {folder / 'attention_maps.png'} ({reason}); "
+                        "rerun the original command to recompute that image"
+                    ) from None
+    return text

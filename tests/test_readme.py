@@ -1,0 +1,94 @@
+"""The README walks a newcomer from a fresh clone to a result: its commands agree with the code."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from nw_adapter.correlate.cli import main, parse_args
+from nw_adapter.correlate.loading import ModelSpec, resolve_spec
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def shell_commands(text: str) -> list[str]:
+    """Every command of the ```bash blocks (continuation lines joined, comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = block.replace("\\\n", " ")
+        for line in joined.splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+def setup_commands() -> list[str]:
+    section = README.split("## Set-up: two commands from a fresh clone", 1)[1]
+    return shell_commands(section.split("\n## ", 1)[0])
+
+
+def correlate_argv(command: str) -> list[str]:
+    """The arguments of the ``python scripts/correlate.py`` part of a command line."""
+    for part in command.split("&&"):
+        words = shlex.split(part)
+        if words[:2] == ["python", "scripts/correlate.py"]:
+            return words[2:]
+    raise AssertionError(f"no correlate.py call in {command!r}")
+
+
+def test_setup_is_two_commands_cpu_torch_then_main_job_then_tests() -> None:
+    install_and_run, install_and_test = setup_commands()
+    steps = [s.strip() for s in install_and_run.split("&&")]
+    assert steps[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert steps[1] == "pip install -e ."
+    argv = correlate_argv(install_and_run)
+    args = parse_args(argv)
+    assert args.model == "tiny" and all((REPO / image).is_file() for image in args.image)
+    assert install_and_test == 'pip install -e ".[test]" && python -m pytest -n 2 -q'
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    test_command = setup_commands()[1].split("&&")[-1].strip()
+    ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert test_command in ci_lines
+    assert "python -m pytest -n 2 -q" == test_command
+    assert "```bash\npython -m pytest -n 2 -q\n```" in README
+
+
+def test_the_readme_main_job_runs_on_the_embedded_model(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
+    argv = correlate_argv(setup_commands()[0])
+    out = argv.index("--out") + 1
+    argv[out] = str(tmp_path / argv[out])
+    assert main([*argv, "--steps", "2"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("attention vs NW weights") and printed[-1].startswith("verdict: ")
+    assert (Path(argv[out]) / "rho.json").is_file()
+
+
+def test_the_defaults_written_out_are_the_defaults() -> None:
+    commands = [
+        c for c in shell_commands(README) if c.startswith("python scripts/correlate.py --image ref.png")
+    ]
+    short = next(c for c in commands if c.endswith("--out out_sd15"))
+    written = next(c for c in commands if "--weight-name" in c)
+    a, b = parse_args(correlate_argv(short)), parse_args(correlate_argv(written))
+    spec = lambda args: resolve_spec(ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name))  # noqa: E731
+    assert spec(a) == spec(b)
+    skip = {"ip_adapter", "subfolder", "weight_name"}
+    differing = {k for k in vars(a) if k not in skip and getattr(a, k) != getattr(b, k)}
+    assert differing == set(), differing
+    assert b.scheduler is None and b.store_maps is False  # the model's own scheduler; maps off
+
+
+@pytest.mark.parametrize("folder", ["out_tiny", "out_sd15", "correlate_out", "sweep", "runs"])
+def test_gitignore_covers_the_readme_output_folders(folder: str) -> None:
+    assert f"--out {folder}" in README or folder == "correlate_out"
+    ignored = (REPO / ".gitignore").read_text().split()
+    assert f"/{folder}/" in ignored
