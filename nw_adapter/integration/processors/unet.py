@@ -268,7 +268,6 @@ class _NWProcessorMixin:
         n_halves = 2 if rec.cfg and batch % 2 == 0 else 1
         halves = HALF_LABELS[n_halves]
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
-        q_norm = q.norm(dim=-1).mean(dim=-1)  # [B, H]
         want_maps = rec.wants_maps(self.layer_name)
         for g in groups:
             key = g.key if g.key is not None else self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
@@ -278,7 +277,6 @@ class _NWProcessorMixin:
                 k,
                 scale=s,
                 bandwidth=lambda a, q=q, k=k: self._bandwidth(q, k, a, s),
-                q_norm=q_norm,
                 config=cfg,
                 generator=rec.generator(q.device) if cfg.nulls else None,
             )
