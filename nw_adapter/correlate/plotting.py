@@ -30,13 +30,13 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
 
     Args:
         block_rows: ``rho.json``'s ``blocks`` rows (keys ``block``, ``timestep``, ``rho``,
-            ``rho_perm_null``, ``rho_norm_null``), see :func:`nw_adapter.correlate.report.aggregate`.
+            ``rho_perm_null``, ``rho_norm_matched_null``), see :func:`nw_adapter.correlate.report.aggregate`.
         path: Output PNG (written atomically).
         title: Figure title.
 
     Returns:
         ``path``. The band spans, per step, from the lower to the higher of the permutation
-        null and the norm-equalised null: a rho inside or below it is not evidence.
+        null and the norm-matched null: a rho inside or below it is not evidence.
     """
     from matplotlib.figure import Figure
 
@@ -50,7 +50,7 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
         rows = sorted((r for r in block_rows if r.get("block") == block), key=lambda r: -float(r["timestep"]))
         t = _series(rows, "timestep")
         rho = _series(rows, "rho")
-        perm, norm = _series(rows, "rho_perm_null"), _series(rows, "rho_norm_null")
+        perm, norm = _series(rows, "rho_perm_null"), _series(rows, "rho_norm_matched_null")
         low, high = np.fmin(perm, norm), np.fmax(perm, norm)
         color = _COLORS[block]
         ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")

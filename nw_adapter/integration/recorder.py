@@ -31,7 +31,7 @@ import torch
 from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.schedules import noise_level, schedule_table
-from nw_adapter.integration.schema import RECORD_KEYS, STAT_NAMES, SUMMARY_STATS
+from nw_adapter.integration.schema import RECORD_KEYS, STAT_NAMES, SUMMARY_STATS, finite_mean
 
 
 def block_of(layer: str) -> str:
@@ -346,7 +346,9 @@ class NWRecorder:
     def summary(self, records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
 
-        Adds ``frac_heads_rho_gt_0_9`` (fraction of records with rho > 0.9, NaN rho counted as not)
+        Means are over finite values; ``nonfinite`` maps each statistic to the number of NaN/inf
+        values its mean left out (never dropped silently). Adds ``frac_heads_rho_gt_0_9``
+        (fraction of records with rho > 0.9, NaN rho counted as not)
         and ``n`` (number of records averaged).
         """
         records = self.to_records() if records is None else records
@@ -361,9 +363,12 @@ class NWRecorder:
                 "half": half,
                 **{k: rows[0][k] for k in ("timestep", "alpha", "sigma", "h_schedule")},
             }
+            nonfinite: dict[str, int] = {}
             for name in SUMMARY_STATS:
-                vals = [r[name] for r in rows if isinstance(r[name], float) and math.isfinite(r[name])]
-                row[name] = sum(vals) / len(vals) if vals else math.nan
+                row[name], dropped = finite_mean(r[name] for r in rows)
+                if dropped:
+                    nonfinite[name] = dropped
+            row["nonfinite"] = nonfinite
             row["frac_heads_rho_gt_0_9"] = sum(1 for r in rows if r["rho"] > 0.9) / len(rows)
             row["n"] = len(rows)
             out.append(row)
