@@ -137,8 +137,8 @@ def layer_statistics(
         draws: the nulls' random numbers (:func:`draw_nulls`); None = nulls recorded as NaN.
 
     Returns:
-        ``(stats [S, B, H], log_weights [2, B, H, N, M])``: the statistics in the order of
-        :data:`~nw_adapter.integration.schema.STAT_NAMES`, and log A, log W.
+        ``(stats [S, B, H], weights [2, B, H, N, M])``: the statistics in the order of
+        :data:`~nw_adapter.integration.schema.STAT_NAMES`, and A, W.
     """
     q, k = q.float(), k.float()
     n = q.shape[-2]
@@ -148,48 +148,52 @@ def layer_statistics(
     g = torch.sub(qk, sq_norm[..., None, :], alpha=0.5)  # h^2 x NW logits (up to a row constant)
     key_valid = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
     q_norm = torch.linalg.vector_norm(q, dim=-1)  # [B, H, N]
-    left, right = [qk], [g]
-    if draws is not None:
+    if draws is None:
+        pairs = torch.stack([qk, g])  # [2, B, H, N, M]
+        segments = 1
+    else:
         qk_rows, g_rows = qk.index_select(-2, draws.rows), g.index_select(-2, draws.rows)
         perm = metrics.valid_permutation(draws.noise, key_valid)
         norm_ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
         qk_matched = (draws.directions * norm_ratio[..., None]) @ k.transpose(-1, -2)
         shuffled_sq = torch.gather(sq_norm[..., None, :].expand_as(qk_rows), -1, perm)
-        left += [torch.gather(qk_rows, -1, perm), qk_matched, qk_rows]
-        right += [g_rows, torch.sub(qk_matched, sq_norm[..., None, :], alpha=0.5)]
-        right += [torch.sub(qk_rows, shuffled_sq, alpha=0.5)]
-    pairs = torch.stack([torch.cat(left, -2), torch.cat(right, -2)])  # [2, B, H, N + 3 n0, M]
-    ranks = metrics.centered_ranks(pairs, key_valid)
-    rho_rows = metrics.spearman_from_centered_ranks(ranks[0], ranks[1])  # [B, H, N + 3 n0]
-    rho = rho_rows[..., :n].nanmean(-1)
+        left = torch.cat([qk, torch.gather(qk_rows, -1, perm), qk_matched, qk_rows], -2)
+        right = [g, g_rows, torch.sub(qk_matched, sq_norm[..., None, :], alpha=0.5)]
+        right = torch.cat([*right, torch.sub(qk_rows, shuffled_sq, alpha=0.5)], -2)
+        pairs = torch.stack([left, right])  # [2, B, H, N + 3 n0, M]
+        segments = 4
+    ranks = metrics.rank_sign_sums(pairs, key_valid)  # 2 x centred ranks
+    gram = (ranks[:, None] * ranks[None, :]).sum(-1)  # [2, 2, B, H, rows]
+    den = gram[0, 0] * gram[1, 1]
+    # per-row Spearman; a constant row (den = 0, num = 0) gives 0 and is left out of the count
+    rho_rows = torch.stack([gram[0, 1] / den.sqrt().clamp_min(1e-30), den.sign()])  # [2, B, H, rows]
+    sums = rho_rows @ _segment_matrix(n, pairs.shape[-2], segments, q.device)  # [2, B, H, segments]
+    rho_and_nulls = (sums[0] / sums[1]).movedim(-1, 0)  # [segments, B, H]; NaN if every row is constant
     if draws is None:
-        nulls = torch.full((3, *rho.shape), math.nan, device=q.device)
-    else:
-        nulls = rho_rows[..., n:].unflatten(-1, (3, -1)).nanmean(-1).movedim(-1, 0)  # [3, B, H]
+        rho_and_nulls = torch.cat([rho_and_nulls, _nan_like(rho_and_nulls, 3)])
     observed = pairs[..., :n, :]  # [2, B, H, N, M]
     if key_valid is not None:
         observed = observed.masked_fill(~key_valid, _MASKED_LOGIT)
-    top1 = observed.argmax(-1)
-    inv_h2 = h.to(qk.dtype)[..., None, None] ** -2 if isinstance(h, torch.Tensor) else float(h) ** -2
-    log_w = torch.log_softmax(torch.stack([observed[0] * scale, observed[1] * inv_h2]), -1)
+    top1 = observed.argmax(-1)  # [2, B, H, N]
+    log_w = torch.log_softmax(observed * _logit_coefficients(scale, h, q.device), -1)
     w = log_w.exp()  # [2, B, H, N, M]: A, W
     log_mid = torch.logaddexp(log_w[0], log_w[1]) - math.log(2.0)
     kl = (w[0] * (log_w[0] - log_w[1])).sum(-1)
     js = 0.5 * (w * (log_w - log_mid)).sum((0, -1))
     neff = w.square().sum(-1).reciprocal()  # [2, B, H, N]
-    qk_spread = metrics.masked_std(qk, key_valid)  # [B, H, N]
-    row_means = torch.cat(
-        [kl[None], js[None], neff, (top1[0] == top1[1])[None].float(), q_norm[None], qk_spread[None]]
-    ).mean(-1)  # [7, B, H]
-    kl, js, neff_a, neff_w, top1_rate, q_norm_mean, qk_spread_mean = row_means.unbind(0)
-    sq_std, sq_mean = _masked_std_mean(sq_norm, valid)
+    qk_std = metrics.masked_std(qk, key_valid)
+    rows = [kl[None], js[None], neff, (top1[0] == top1[1])[None], q_norm[None], qk_std[None]]
+    kl, js, neff_a, neff_w, top1_rate, q_norm_mean, qk_spread = torch.cat(rows).mean(-1).unbind(0)
+    sq_std, _ = _masked_std_mean(sq_norm, valid)
     norm_std, norm_mean = _masked_std_mean(key_norm, valid)
-    h_t = h.float().expand(rho.shape) if isinstance(h, torch.Tensor) else torch.full_like(rho, float(h))
+    if isinstance(h, torch.Tensor):
+        h_t = h.float().expand(q_norm_mean.shape)
+    else:
+        h_t = torch.full_like(kl, float(h))
     stats = torch.stack(
         [
             h_t,
-            rho,
-            *nulls.unbind(0),
+            *rho_and_nulls.unbind(0),
             _raveled_pearson(w, key_valid),
             kl,
             js,
@@ -198,14 +202,54 @@ def layer_statistics(
             top1_rate,
             q_norm_mean,
             norm_std / norm_mean,
-            qk_spread_mean / (0.5 * sq_std),
+            qk_spread / (0.5 * sq_std),
         ]
     )
-    return stats, log_w
+    return stats, w
 
 
 _MASKED_LOGIT = -1e20
 """Finite logit of a padding key: weight exactly 0, log-weight differences stay finite."""
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _cached(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A constant tensor made once per key (no host-to-device copy after the first layer call)."""
+    if torch.compiler.is_compiling():
+        return make()
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) > 256:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = make()
+    return _CONSTANTS[key]
+
+
+def _segment_matrix(n: int, rows: int, segments: int, device: torch.device) -> torch.Tensor:
+    """``[rows, segments]`` indicator: row < n -> segment 0, then equal blocks of the null rows."""
+
+    def make() -> torch.Tensor:
+        index = torch.arange(rows, device=device)
+        block = max((rows - n) // max(segments - 1, 1), 1)
+        seg = torch.where(index < n, 0, 1 + torch.div(index - n, block, rounding_mode="floor"))
+        return (seg[:, None] == torch.arange(segments, device=device)).float()
+
+    return _cached(("segments", n, rows, segments, device), make)
+
+
+def _nan_like(x: torch.Tensor, count: int) -> torch.Tensor:
+    shape = (count, *x.shape[1:])
+    return _cached(("nan", *shape, x.device), lambda: torch.full(shape, math.nan, device=x.device))
+
+
+def _logit_coefficients(scale: float, h: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """``[2, ..., 1, 1]`` multipliers of the stacked (q.k, q.k - ||k||^2/2): s and 1/h^2."""
+    if isinstance(h, torch.Tensor):
+        inv_h2 = h.float().reciprocal().square()
+        return torch.stack([torch.full_like(inv_h2, scale), inv_h2])[..., None, None]
+    return _cached(
+        ("coef", scale, float(h), device), lambda: torch.tensor([scale, float(h) ** -2], device=device)
+    ).view(2, 1, 1, 1, 1)
 
 
 def _masked_std_mean(x: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,8 +269,8 @@ def _raveled_pearson(w: torch.Tensor, key_valid: torch.Tensor | None) -> torch.T
         weight = key_valid.to(w.dtype)
         count = weight.sum(-1, keepdim=True)[..., None] * w.shape[-2]
         centred = (w - (w * weight).sum((-2, -1), keepdim=True) / count) * weight
-    num = (centred[0] * centred[1]).sum((-2, -1))
-    return num / centred.square().sum((-2, -1)).prod(0).sqrt()
+    gram = (centred[:, None] * centred[None, :]).sum((-2, -1))  # [2, 2, B, H]
+    return gram[0, 1] / (gram[0, 0] * gram[1, 1]).sqrt()
 
 
 def softmax_statistics(
@@ -268,8 +312,7 @@ def softmax_statistics(
     function = compiled_statistics() if config.compile else layer_statistics
     if function is not layer_statistics and not isinstance(h, torch.Tensor):
         h = torch.full((), float(h), device=q.device)  # a tensor: one graph for every value of h
-    stats, log_w = function(q, k, h, scale, valid, draws)
-    weights = log_w.exp()
+    stats, weights = function(q, k, h, scale, valid, draws)
     return stats, weights[0], weights[1]
 
 
