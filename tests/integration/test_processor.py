@@ -292,8 +292,8 @@ def reference_stats(q, k, h, s, gen=None, null_rows=None) -> dict[str, np.ndarra
         n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
         n0 = n if null_rows is None else min(n, null_rows)
         rows = torch.randperm(n, generator=gen)[:n0]
-        perm = torch.rand((*q.shape[:2], n0, m), generator=gen).argsort(-1)
-        z = torch.randn((*q.shape[:2], n0, d), generator=gen).double()
+        gauss = torch.randn((*q.shape[:2], n0, m + d), generator=gen)
+        perm, z = gauss[..., :m].argsort(-1), gauss[..., m:].double()
         qk_r, g_r = qk[..., rows, :], g[..., rows, :]
         out["rho_perm_null"] = _rho(torch.gather(qk_r, -1, perm).numpy(), g_r.numpy())
         q_null = z * (q[..., rows, :].norm(dim=-1, keepdim=True) / z.norm(dim=-1, keepdim=True))

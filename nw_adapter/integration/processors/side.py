@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -80,7 +81,7 @@ class NullDraws:
 
     Attributes:
         rows: ``[n0]`` int64 query rows the nulls are estimated on.
-        noise: ``[B, H, n0, M]`` uniform(0, 1) values: one key permutation per row (their argsort).
+        noise: ``[B, H, n0, M]`` i.i.d. normal values: one key permutation per row (their argsort).
         directions: ``[B, H, n0, d]`` standard normal values: the norm-matched queries' directions.
     """
 
@@ -95,14 +96,15 @@ def draw_nulls(
     """Draw the nulls' random numbers for queries ``q`` ``[B, H, N, d]`` and ``num_keys`` keys.
 
     ``null_rows`` rows out of N are drawn without replacement (all N, in random order, when
-    None or >= N): 3 random-number ops per softmax, outside any compiled region.
+    None or >= N), then one normal tensor ``[B, H, n0, M + d]`` gives the permutation noise
+    (the argsort of i.i.d. continuous values is a uniform permutation) and the directions:
+    2 random-number ops per softmax, outside any compiled region.
     """
     b, nh, n, d = q.shape
     n0 = n if null_rows is None else min(n, null_rows)
     rows = torch.randperm(n, generator=generator, device=q.device)[:n0]
-    noise = torch.rand((b, nh, n0, num_keys), generator=generator, device=q.device)
-    directions = torch.randn((b, nh, n0, d), generator=generator, device=q.device)
-    return NullDraws(rows, noise, directions)
+    gauss = torch.randn((b, nh, n0, num_keys + d), generator=generator, device=q.device)
+    return NullDraws(rows, gauss[..., :num_keys], gauss[..., num_keys:])
 
 
 def layer_statistics(
@@ -112,6 +114,7 @@ def layer_statistics(
     scale: float,
     valid: torch.Tensor | None = None,
     draws: NullDraws | None = None,
+    halves: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All statistics of one softmax of the image branch, from one stacked tensor of logits.
 
@@ -135,9 +138,11 @@ def layer_statistics(
         scale: the stock softmax scale s.
         valid: optional bool ``[B, M]`` mask of the keys that take part (padding keys: False).
         draws: the nulls' random numbers (:func:`draw_nulls`); None = nulls recorded as NaN.
+        halves: 2 when the batch is [uncond; cond]: the statistics are averaged (NaN-ignoring)
+            over the batch rows of each half.
 
     Returns:
-        ``(stats [S, B, H], weights [2, B, H, N, M])``: the statistics in the order of
+        ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in the order of
         :data:`~nw_adapter.integration.schema.STAT_NAMES`, and A, W.
     """
     q, k = q.float(), k.float()
@@ -204,8 +209,8 @@ def layer_statistics(
             norm_std / norm_mean,
             qk_spread / (0.5 * sq_std),
         ]
-    )
-    return stats, w
+    )  # [S, B, H]
+    return stats.unflatten(1, (halves, -1)).nanmean(2), w
 
 
 _MASKED_LOGIT = -1e20
@@ -245,8 +250,9 @@ def _nan_like(x: torch.Tensor, count: int) -> torch.Tensor:
 def _logit_coefficients(scale: float, h: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     """``[2, ..., 1, 1]`` multipliers of the stacked (q.k, q.k - ||k||^2/2): s and 1/h^2."""
     if isinstance(h, torch.Tensor):
-        inv_h2 = h.float().reciprocal().square()
-        return torch.stack([torch.full_like(inv_h2, scale), inv_h2])[..., None, None]
+        inv_h2 = h.float().reciprocal().square()  # [] or [B, H]
+        coef = torch.stack([torch.full_like(inv_h2, scale), inv_h2])
+        return coef.view(2, *([1, 1] if inv_h2.dim() == 0 else inv_h2.shape), 1, 1)
     return _cached(
         ("coef", scale, float(h), device), lambda: torch.tensor([scale, float(h) ** -2], device=device)
     ).view(2, 1, 1, 1, 1)
@@ -283,6 +289,7 @@ def softmax_statistics(
     config: NWProcessorConfig,
     generator: torch.Generator | None,
     valid: torch.Tensor | None = None,
+    halves: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Statistics of A = softmax(q k^T * s) against the NW weights W, per (batch row, head).
 
@@ -300,10 +307,11 @@ def softmax_statistics(
         config: ``nulls``, ``null_rows`` and ``compile`` are read.
         generator: the seeded generator of the nulls (``None`` when ``config.nulls`` is off).
         valid: optional bool ``[B, M]`` mask of the keys that take part.
+        halves: 2 when the batch is [uncond; cond] (statistics averaged within each half).
 
     Returns:
-        ``(stats [S, B, H], A [B, H, N, M], W [B, H, N, M])`` with the rows of ``stats`` in the
-        order of :data:`~nw_adapter.integration.schema.STAT_NAMES`.
+        ``(stats [S, halves, H], A [B, H, N, M], W [B, H, N, M])`` with the rows of ``stats``
+        in the order of :data:`~nw_adapter.integration.schema.STAT_NAMES`.
     """
     h = bandwidth(None)
     draws = None
@@ -311,8 +319,9 @@ def softmax_statistics(
         draws = draw_nulls(q, k.shape[-2], config.null_rows, generator)
     function = compiled_statistics() if config.compile else layer_statistics
     if function is not layer_statistics and not isinstance(h, torch.Tensor):
-        h = torch.full((), float(h), device=q.device)  # a tensor: one graph for every value of h
-    stats, weights = function(q, k, h, scale, valid, draws)
+        value = float(h)  # a 0-d tensor: one graph for every value of h (made once per value)
+        h = _cached(("h", value, q.device), lambda: torch.full((), value, device=q.device))
+    stats, weights = function(q, k, h, scale, valid, draws, halves)
     return stats, weights[0], weights[1]
 
 
@@ -338,34 +347,65 @@ COMPILE_SECONDS: dict[str, float] = {}
 
 
 class _CompiledStatistics:
-    """Callable wrapper: torch.compile'd :func:`layer_statistics` with timing and an eager fallback."""
+    """Callable wrapper: torch.compile'd :func:`layer_statistics` with timing and an eager fallback.
+
+    ``launches[shape key]`` holds the kernels one call of that shape's graph launches (fused
+    kernels plus extern calls such as ``bmm`` and ``sort``), read from the generated code.
+    """
 
     def __init__(self) -> None:
         self.function: Callable[..., Any] | None = torch.compile(layer_statistics, dynamic=False)
         self.seen: set[tuple] = set()
+        self.launches: dict[tuple, int] = {}
 
-    def __call__(self, q, k, h, scale, valid, draws):  # noqa: ANN001, ANN204 - same as layer_statistics
+    def __call__(self, q, k, h, scale, valid, draws, halves):  # noqa: ANN001, ANN204 - as layer_statistics
         if self.function is None:
-            return layer_statistics(q, k, h, scale, valid, draws)
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, valid is None, draws is None)
+            return layer_statistics(q, k, h, scale, valid, draws, halves)
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, valid is None, draws is None, halves)
         first = key not in self.seen
         start = time.perf_counter()
         try:
-            out = self.function(q, k, h, scale, valid, draws)
-        except Exception as err:  # noqa: BLE001 - any backend failure falls back to eager
+            if first:
+                out, launches = _run_and_count_launches(self.function, q, k, h, scale, valid, draws, halves)
+                self.launches[key] = launches
+            else:
+                out = self.function(q, k, h, scale, valid, draws, halves)
+        except Exception as err:  # noqa: BLE001 - a backend failure falls back to eager
+            out = layer_statistics(q, k, h, scale, valid, draws, halves)  # a genuine error raises here
+            message = str(err).splitlines()[0][:120] if str(err) else ""
             warnings.warn(
                 f"NWProcessorConfig(compile=True): torch.compile is unavailable here ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:120] if str(err) else ''}); using the eager side computation",
+                f"{message}); the side computation runs eagerly (same statistics, more operations)",
                 stacklevel=3,
             )
             self.function = None
-            return layer_statistics(q, k, h, scale, valid, draws)
+            return out
         if first:
             self.seen.add(key)
             seconds = time.perf_counter() - start
             COMPILE_SECONDS[str(key[:2])] = seconds
             _LOG.info("compiled the NW side computation for q %s, k %s in %.1f s", key[0], key[1], seconds)
         return out
+
+
+_LAUNCH = re.compile(
+    r"^\s+(?:\w+ = )?(cpp_fused_\w+\(|triton_\w+\.run\(|extern_kernels\.\w+\(|aten\.|torch\.ops\.)"
+)
+"""A line of inductor's wrapper ``call`` that launches a kernel (fused, extern or aten fallback)."""
+
+
+def _run_and_count_launches(function: Callable[..., Any], *args: Any) -> tuple[Any, int]:
+    """Run a compiled function for the first time and count the kernel launches in its generated code."""
+    try:
+        from torch._inductor.utils import run_and_get_code
+    except ImportError:  # pragma: no cover - older torch: no count
+        return function(*args), -1
+    out, codes = run_and_get_code(function, *args)
+    launches = 0
+    for code in codes:
+        body = code.split("def call(", 1)[-1].split("\ndef ", 1)[0]
+        launches += sum(1 for line in body.splitlines() if _LAUNCH.match(line))
+    return out, launches
 
 
 def pool_query_rows(

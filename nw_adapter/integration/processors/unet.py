@@ -50,7 +50,7 @@ from diffusers.models.attention_processor import (
 from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import side
-from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder
+from nw_adapter.integration.recorder import NWRecorder
 
 HALF_LABELS = {1: ("all",), 2: ("uncond", "cond")}
 
@@ -279,8 +279,8 @@ class _NWProcessorMixin:
                 bandwidth=lambda a, q=q, k=k: self._bandwidth(q, k, a, s),
                 config=cfg,
                 generator=rec.generator(q.device) if cfg.nulls else None,
-            )
-            stats = stats.view(len(STAT_NAMES), n_halves, batch // n_halves, len(heads)).nanmean(dim=2)
+                halves=n_halves,
+            )  # [S, halves, heads]
             scale_value = g.scale if not isinstance(g.scale, (list, tuple)) else math.nan
             rec.add(
                 layer=self.layer_name,
