@@ -173,7 +173,8 @@ def layer_statistics(
     # per-row Spearman; a constant row (den = 0, num = 0) gives 0 and is left out of the count
     rho_rows = torch.stack([gram[0, 1] / den.sqrt().clamp_min(1e-30), den.sign()])  # [2, B, H, rows]
     sums = rho_rows @ _segment_matrix(n, pairs.shape[-2], segments, q.device)  # [2, B, H, segments]
-    rho_and_nulls = (sums[0] / sums[1]).movedim(-1, 0)  # [segments, B, H]; NaN if every row is constant
+    sums = sums.unflatten(1, (halves, -1)).sum(2)  # pooled over the batch rows of each CFG half
+    rho_and_nulls = (sums[0] / sums[1]).movedim(-1, 0)  # [segments, halves, H]; NaN: every row constant
     if draws is None:
         rho_and_nulls = torch.cat([rho_and_nulls, _nan_like(rho_and_nulls, 3)])
     observed = pairs[..., :n, :]  # [2, B, H, N, M]
@@ -182,35 +183,43 @@ def layer_statistics(
     top1 = observed.argmax(-1)  # [2, B, H, N]
     log_w = torch.log_softmax(observed * _logit_coefficients(scale, h, q.device), -1)
     w = log_w.exp()  # [2, B, H, N, M]: A, W
-    log_mid = torch.logaddexp(log_w[0], log_w[1]) - math.log(2.0)
     kl = (w[0] * (log_w[0] - log_w[1])).sum(-1)
-    js = 0.5 * (w * (log_w - log_mid)).sum((0, -1))
+    js_sum = (w * (log_w - torch.logaddexp(log_w[0], log_w[1]))).sum((0, -1))  # JS = js_sum / 2 + log 2
     neff = w.square().sum(-1).reciprocal()  # [2, B, H, N]
     qk_std = metrics.masked_std(qk, key_valid)
-    rows = [kl[None], js[None], neff, (top1[0] == top1[1])[None], q_norm[None], qk_std[None]]
-    kl, js, neff_a, neff_w, top1_rate, q_norm_mean, qk_spread = torch.cat(rows).mean(-1).unbind(0)
+    rows = [kl[None], js_sum[None], neff, (top1[0] == top1[1])[None], q_norm[None], qk_std[None]]
+    kl, js_sum, neff_a, neff_w, top1_rate, q_norm_mean, qk_spread = torch.cat(rows).mean(-1).unbind(0)
     sq_std, _ = _masked_std_mean(sq_norm, valid)
     norm_std, norm_mean = _masked_std_mean(key_norm, valid)
     if isinstance(h, torch.Tensor):
-        h_t = h.float().expand(q_norm_mean.shape)
+        h_t = h.float().expand(kl.shape)
     else:
-        h_t = torch.full_like(kl, float(h))
-    stats = torch.stack(
-        [
-            h_t,
-            *rho_and_nulls.unbind(0),
-            _raveled_pearson(w, key_valid),
-            kl,
-            js,
-            neff_a,
-            neff_w,
-            top1_rate,
-            q_norm_mean,
-            norm_std / norm_mean,
-            qk_spread / (0.5 * sq_std),
-        ]
-    )  # [S, B, H]
-    return stats.unflatten(1, (halves, -1)).nanmean(2), w
+        value = float(h)
+        shape = kl.shape
+        h_t = _cached(("h_t", value, *shape, q.device), lambda: torch.full(shape, value, device=q.device))
+    per_row = [h_t, _raveled_pearson(w, key_valid), kl, js_sum, neff_a, neff_w, top1_rate, q_norm_mean]
+    per_row += [norm_std / norm_mean, qk_spread / sq_std]
+    others = torch.stack(per_row).unflatten(1, (halves, -1)).mean(2)  # [S - 4, halves, H]
+    gain, offset = _affine_fix(q.device)
+    others = torch.addcmul(offset, others, gain)  # JS = js_sum / 2 + log 2; ratio = qk std / (sq std / 2)
+    return torch.cat([others[:1], rho_and_nulls, others[1:]]), w
+
+
+def _affine_fix(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gain, offset)`` ``[S - 4, 1, 1]`` of the statistics besides rho and its nulls (one addcmul)."""
+
+    def make() -> torch.Tensor:
+        gain = torch.ones(_OTHERS, 1, 1, device=device)
+        offset = torch.zeros(_OTHERS, 1, 1, device=device)
+        gain[3], offset[3] = 0.5, math.log(2.0)  # js
+        gain[-1] = 2.0  # qk_spread_ratio: std(q.k) / std(||k||^2 / 2)
+        return torch.stack([gain, offset])
+
+    return _cached(("affine", device), make).unbind(0)
+
+
+_OTHERS = 10
+"""Statistics besides rho and its three nulls, in STAT_NAMES order (bandwidth first)."""
 
 
 _MASKED_LOGIT = -1e20
