@@ -8,7 +8,8 @@ Usage::
 
 Sections: ``attention`` (one SD 1.5 attn2 layer: stock vs observe vs swap), ``unet`` (one whole
 SD 1.5 UNet step, random weights, reduced resolution), ``field`` (exact NW field vs a naive
-reference: time and peak memory), ``recorder`` (recorder memory, streaming vs stored maps).
+reference: time and peak memory), ``recorder`` (recorder memory, streaming vs stored maps),
+``ops`` (dispatched non-view aten ops per attn2 layer and per UNet forward, benchmarks/op_count.py).
 Times are medians of interleaved repeats with their interquartile range [q1-q3]; ratios are
 against the stock processor (attention, unet) or the naive reference (field), for the wall clock
 and for the process CPU time. One torch thread by default: on a machine shared with other jobs,
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 
 from benchmarks.timing import fmt_ms, machine_info  # noqa: E402
 
-SECTIONS = ("attention", "unet", "field", "recorder")
+SECTIONS = ("attention", "unet", "field", "recorder", "ops")
 
 #: Sizes of the full and the quick run.
 PLANS: dict[str, dict[str, Any]] = {
@@ -226,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             data, text = run_unet(plan)
         elif section == "field":
             data, text = run_field(plan, args.threads)
+        elif section == "ops":  # dispatched-op counts (benchmarks/op_count.py)
+            from benchmarks.op_count import run as run_ops
+
+            data, text = run_ops(latent_size=8, variants=("observe", "observe_no_nulls", "swap"))
         else:
             data, text = run_recorder(plan)
         results["sections"][section] = data
