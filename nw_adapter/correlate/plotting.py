@@ -26,17 +26,18 @@ def _series(rows: Sequence[dict], key: str) -> np.ndarray:
 
 
 def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None) -> Path:
-    """Draw rho against timestep, one panel per UNet block, with the band of the two nulls.
+    """Draw rho against timestep, one panel per UNet block, with the band of the three nulls.
 
     Args:
         block_rows: ``rho.json``'s ``blocks`` rows (keys ``block``, ``timestep``, ``rho``,
-            ``rho_perm_null``, ``rho_norm_matched_null``), see :func:`nw_adapter.correlate.report.aggregate`.
+            ``rho_perm_null``, ``rho_norm_matched_null``, ``rho_spread_null``), see
+            :func:`nw_adapter.correlate.report.aggregate`.
         path: Output PNG (written atomically).
         title: Figure title.
 
     Returns:
-        ``path``. The band spans, per step, from the lower to the higher of the permutation
-        null and the norm-matched null: a rho inside or below it is not evidence.
+        ``path``. The band spans, per step, from the lowest to the highest of the permutation,
+        norm-matched and q.k-spread nulls: a rho inside or below it is not evidence.
     """
     from matplotlib.figure import Figure
 
@@ -51,7 +52,8 @@ def plot_rho(block_rows: Sequence[dict], path: str | os.PathLike, *, title: str 
         t = _series(rows, "timestep")
         rho = _series(rows, "rho")
         perm, norm = _series(rows, "rho_perm_null"), _series(rows, "rho_norm_matched_null")
-        low, high = np.fmin(perm, norm), np.fmax(perm, norm)
+        spread = _series(rows, "rho_spread_null")
+        low, high = np.fmin(np.fmin(perm, norm), spread), np.fmax(np.fmax(perm, norm), spread)
         color = _COLORS[block]
         ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")
         ax.plot(t, rho, marker="o", markersize=3, color=color, label=f"rho ({block})")
