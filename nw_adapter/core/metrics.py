@@ -288,7 +288,7 @@ def valid_permutation(noise: Tensor, valid: Tensor | None = None) -> Tensor:
     ``gather(x, -1, perm)`` shuffles the valid entries among themselves.
 
     Args:
-        noise: ``[..., m]`` i.i.d. uniform(0, 1) values.
+        noise: ``[..., m]`` i.i.d. finite continuous values (uniform or normal).
         valid: optional bool ``[..., m]`` (broadcastable).
 
     Returns:
@@ -297,7 +297,7 @@ def valid_permutation(noise: Tensor, valid: Tensor | None = None) -> Tensor:
     if valid is None:
         return noise.argsort(dim=-1)
     m = noise.shape[-1]
-    order = noise.masked_fill(~valid, 2.0).argsort(dim=-1)  # random valid positions first
+    order = noise.masked_fill(~valid, math.inf).argsort(dim=-1)  # random valid positions first
     position = torch.arange(m, device=noise.device)
     slots = torch.where(valid, position, position + m).argsort(dim=-1)  # valid positions, ascending
     return torch.scatter(order, -1, slots.expand_as(order), order)

@@ -138,8 +138,9 @@ def layer_statistics(
         scale: the stock softmax scale s.
         valid: optional bool ``[B, M]`` mask of the keys that take part (padding keys: False).
         draws: the nulls' random numbers (:func:`draw_nulls`); None = nulls recorded as NaN.
-        halves: 2 when the batch is [uncond; cond]: the statistics are averaged (NaN-ignoring)
-            over the batch rows of each half.
+        halves: 2 when the batch is [uncond; cond]: rho and its nulls are pooled over the query
+            rows of each half's batch rows (constant rows left out), the other statistics
+            averaged over them.
 
     Returns:
         ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in the order of
