@@ -329,3 +329,20 @@ def test_attention_monotone_in_distance_has_rho_one_at_every_t(t: float) -> None
     attention_logits = -torch.sqrt(d2)  # any decreasing function of the distance
     nw_logits = kernels.nw_logits(x / a, support, b / a, validate=False)
     assert float(spearman_rho(attention_logits, nw_logits)) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("m", [4, 12, 16])
+def test_sorted_and_pairwise_ranks_agree_with_ties_and_masks(m: int, monkeypatch) -> None:
+    """The two rank paths (pairwise for few keys, one sort above) give identical results."""
+    from nw_adapter.core import metrics
+
+    g = torch.Generator().manual_seed(m)
+    x = torch.randint(0, 5, (3, 50, m), generator=g).float()  # many ties
+    x[0, 0] = 1.0  # a constant row
+    valid = torch.rand(3, 1, m, generator=g) > 0.3
+    got = {}
+    for threshold in (0, 1000):  # 0: always sort; 1000: always pairwise
+        monkeypatch.setattr(metrics, "SORT_RANKS_ABOVE", threshold)
+        got[threshold] = (metrics.rank_sign_sums(x), metrics.rank_sign_sums(x, valid))
+    for a, b in zip(got[0], got[1000], strict=True):
+        torch.testing.assert_close(a, b)
