@@ -30,6 +30,8 @@ SD15_STRUCTURE = {
 
 #: Extra dispatched ops per IP-Adapter layer (one softmax), measured on this code; a regression fails.
 MAX_EXTRA_PER_LAYER = {"observe": 73, "observe_no_nulls": 57, "swap": 8}
+#: The same with the Plus adapter's 16 image tokens (ranks by one sort: more, cheaper ops).
+MAX_EXTRA_PER_LAYER_PLUS = {"observe": 88, "observe_no_nulls": 72}
 
 
 def test_counter_counts_non_view_ops_only():
@@ -45,6 +47,9 @@ def test_layer_op_counts_stay_under_their_ceilings():
     for name, ceiling in MAX_EXTRA_PER_LAYER.items():
         assert counts[name] - counts["stock"] <= ceiling, (name, counts)
     assert counts["observe_no_nulls"] < counts["observe"]
+    plus = layer_counts(64, 64, heads=2, image_tokens=16, variants=("observe", "observe_no_nulls"))
+    for name, ceiling in MAX_EXTRA_PER_LAYER_PLUS.items():
+        assert plus[name] - plus["stock"] <= ceiling, (name, plus)
 
 
 def test_unet_forward_op_ratios():
@@ -52,8 +57,8 @@ def test_unet_forward_op_ratios():
     counts = unet_counts(latent_size=8, variants=("observe", "swap"), config=SD15_STRUCTURE)
     assert counts["ip_layers"] == 16
     observe, swap = counts["observe"] / counts["stock"], counts["swap"] / counts["stock"]
-    # issue 13's targets are 2.0 (observe) and 1.05 (swap); measured here 2.5 and 1.16
-    assert observe <= 2.6, counts
+    # issue 13's targets are 2.0 (observe) and 1.05 (swap); measured here 2.45 and 1.16
+    assert observe <= 2.5, counts
     assert swap <= 1.2, counts
 
 
