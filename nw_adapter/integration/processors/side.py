@@ -4,8 +4,11 @@ Given the queries and the image keys of ONE softmax of an IP-Adapter image branc
 the stock processor forms them, this module computes the attention weights
 A = softmax(q k^T * s), the Nadaraya-Watson weights W = softmax(-||q - k||^2 / 2h^2) at the
 configured bandwidth h, and reduces their comparison over query rows to one statistics tensor
-``[S, B, H]`` (S = ``len(STAT_NAMES)``, B batch rows, H heads). The family modules only find
-q and k in their layer (hooks, head split, masks, adapters) and hand the result to the recorder.
+``[S, halves, H]`` (S = ``len(STAT_NAMES)``, CFG halves, H heads). Everything is computed from
+one stacked tensor of logits with one rank pass (:func:`layer_statistics`), optionally as one
+``torch.compile``'d graph per layer shape (``compile=True``). The family modules only find q,
+k and an optional valid-key mask in their layer (hooks, head split, masks, adapters) and hand
+the result to the recorder.
 
 Imports: torch, the math layer (:mod:`nw_adapter.core`) and the integration's config/recorder
 state; nothing of diffusers, so one implementation serves every model family.
