@@ -10,7 +10,8 @@ Usage::
 Sections: ``attention`` (one SD 1.5 attn2 layer: stock vs observe vs swap), ``unet`` (one whole
 UNet step, random weights: SD 1.5 at reduced resolution on the CPU; SD 1.5 at 512 px and SDXL at
 1024 px on a GPU), ``field`` (exact NW field vs a naive reference and the GEMM roofline: time and
-peak memory), ``recorder`` (recorder memory, streaming vs stored maps).
+peak memory), ``recorder`` (recorder memory, streaming vs stored maps), ``ops`` (dispatched
+non-view aten ops per attn2 layer and per UNet forward, benchmarks/op_count.py).
 Times are medians of interleaved repeats with their interquartile range [q1-q3]; ratios are
 against the stock processor (attention, unet) or the naive reference (field), for the wall clock
 (CUDA-event device time on a GPU) and for the process CPU time. One torch thread by default: on a
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 from benchmarks.timing import fmt_ms, machine_info  # noqa: E402
 from nw_adapter.atomic import atomic_write_text  # noqa: E402
 
-SECTIONS = ("attention", "unet", "field", "recorder")
+SECTIONS = ("attention", "unet", "field", "recorder", "ops")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 #: Variants of the GPU runs (the compiled observe is skipped where the config has no ``compile``).
@@ -400,6 +401,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             data, text = run_unet(plan, device, dtype, checkpoint)
         elif section == "field":
             data, text = run_field(plan, args.threads, device)
+        elif section == "ops":  # dispatched-op counts (benchmarks/op_count.py)
+            from benchmarks.op_count import run as run_ops
+
+            data, text = run_ops(latent_size=8, variants=("observe", "observe_no_nulls", "swap"))
         else:
             data, text = run_recorder(plan)
         results["sections"][section] = data

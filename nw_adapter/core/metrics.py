@@ -1,9 +1,11 @@
 """Comparison metrics for attention weights vs NW weights, and unbiased MMD^2 (THEORY.md 4-5).
 
-Conventions: ``a`` (attention weights) and ``b`` (NW weights) are ``[..., n, m]`` probability rows
-(n query rows, m keys). Everything is torch, batched over leading dims, computed in float32
-(float64 for float64 inputs), and stays on the input device (no host synchronisation).
-Correlations of a constant row are NaN and row means ignore NaN rows.
+Conventions: ``a`` (attention) and ``b`` (NW) are ``[..., n, m]`` rows (n query rows, m keys) of
+LOGITS or any monotone transform of them for the rank statistics (rho, its nulls, top-1), and of
+logits for the divergences: never float32 probabilities, whose underflowed zeros tie. A ``valid``
+bool key mask leaves padding keys out of ranks, shuffles and divergences. Everything is torch,
+batched over leading dims, computed in float32 (float64 for float64 inputs), and stays on the
+input device (no host synchronisation). Correlations of a constant row are NaN and row means ignore NaN rows.
 """
 
 from __future__ import annotations
@@ -13,21 +15,27 @@ import math
 import torch
 from torch import Tensor
 
-from nw_adapter.core.kernels import BandwidthLike, compute_dtype, no_autocast, nw_weights
+from nw_adapter.core.kernels import compute_dtype, no_autocast
 
 __all__ = [
     "average_ranks",
-    "js_divergence",
-    "kl_divergence",
+    "centered_ranks",
+    "js_from_logits",
+    "kl_from_logits",
     "median_heuristic_sigma",
     "mmd2_unbiased",
-    "norm_equalised_null_rho",
+    "norm_matched_null_rho",
     "pearson",
     "pearson_raveled",
     "permutation_null_rho",
+    "qk_spread_null_rho",
+    "qk_spread_ratio",
+    "rank_sign_sums",
     "rowwise_spearman",
+    "spearman_from_centered_ranks",
     "spearman_rho",
     "top1_agreement",
+    "valid_permutation",
 ]
 
 
@@ -47,23 +55,113 @@ def _pair(
     return a.to(dtype), b.to(device=a.device, dtype=dtype)
 
 
-def average_ranks(x: Tensor) -> Tensor:
-    """1-based ranks along the last dim, ties receiving the average of their positions.
+def _check_valid(valid: Tensor | None, like: Tensor) -> Tensor | None:
+    """``valid`` as a bool tensor on ``like``'s device, broadcastable to ``like`` (or None)."""
+    if valid is None:
+        return None
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+        raise ValueError("valid must be a bool tensor (True = the key takes part), broadcastable to [..., m]")
+    if valid.shape[-1] != like.shape[-1]:
+        raise ValueError(f"valid must end in the key dim {like.shape[-1]}, got shape {tuple(valid.shape)}")
+    return valid.to(like.device)
 
-    ``rank(x_i) = (#{j: x_j < x_i} + #{j: x_j <= x_i} + 1) / 2`` via sort + searchsorted, O(m log m).
+
+def centered_ranks(x: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Average ranks minus their mean, along the last dim, over the valid entries only.
+
+    ``r_i - (m' + 1)/2 = 1/2 sum_{j valid} sign(x_i - x_j)`` for a valid entry i (m' valid
+    entries; ties get the average of their positions, as ``scipy.stats.rankdata``), 0 at invalid
+    entries. Pairwise comparisons on the (small) key axis: O(m^2) memory per row, no sort, exact
+    with ties, the same for any monotone transform of ``x`` (rank logits, never probabilities
+    that underflow to tied zeros).
+
+    Args:
+        x: ``[..., m]`` scores (e.g. logits); finite where valid.
+        valid: optional bool ``[..., m]`` (broadcastable), True = the entry takes part.
+
+    Returns:
+        ``[..., m]`` centred ranks, float32 (float64 for float64 input).
+    """
+    dtype = compute_dtype(x)
+    x = x.to(dtype)
+    return 0.5 * rank_sign_sums(x, _check_valid(valid, x))
+
+
+SORT_RANKS_ABOVE = 8
+"""Key counts above which :func:`rank_sign_sums` ranks by one sort instead of pairwise comparisons.
+
+Pairwise comparisons cost O(m^2) per row (3 ops; cheapest for the base adapter's 4 keys); a sort
+with tie runs costs O(m log m) (about 2.4x faster on CPU for the Plus adapter's 16 keys).
+"""
+
+
+def rank_sign_sums(x: Tensor, valid: Tensor | None = None) -> Tensor:
+    """``sum_{j valid} sign(x_i - x_j)``: twice the centred average ranks (:func:`centered_ranks`).
+
+    The factor 2 cancels in every correlation, so the processor uses this form. Up to
+    :data:`SORT_RANKS_ABOVE` keys by pairwise comparisons; above, by one sort (ties found as runs
+    of equal sorted values get the average of their positions, exactly as the comparisons).
+
+    Args:
+        x: ``[..., m]`` scores, finite where valid.
+        valid: optional bool ``[..., m]`` (broadcastable).
+
+    Returns:
+        ``[..., m]``, 0 at invalid entries.
+    """
+    if x.shape[-1] > SORT_RANKS_ABOVE:
+        return _sorted_rank_sign_sums(x, valid)
+    sign = torch.sign(x[..., :, None] - x[..., None, :])  # [..., m, m]
+    if valid is not None:
+        sign = torch.where(valid[..., :, None] & valid[..., None, :], sign, 0.0)
+    return sign.sum(-1)
+
+
+def _sorted_rank_sign_sums(x: Tensor, valid: Tensor | None) -> Tensor:
+    """:func:`rank_sign_sums` by one sort: ``2 r_i - (m' + 1)`` with r_i the average 1-based rank.
+
+    Invalid entries are sorted last (+inf) and ranked among themselves; the result is then
+    centred over the m' valid entries and zeroed at invalid ones. In the sorted row, a run of
+    equal values spans positions ``first..last``; each member's average rank is
+    ``(first + last) / 2 + 1``.
+    """
+    m = x.shape[-1]
+    if valid is not None:
+        x = x.masked_fill(~valid, math.inf)
+    values, order = x.sort(dim=-1)
+    position = torch.arange(m, device=x.device, dtype=x.dtype)
+    head = torch.ones_like(values[..., :1], dtype=torch.bool)
+    starts = torch.cat([head, values[..., 1:] != values[..., :-1]], -1)  # a run of equal values starts
+    first = torch.where(starts, position, 0.0).cummax(-1).values
+    ends = torch.cat([starts[..., 1:], head], -1)
+    last = torch.where(ends, position, float(m)).flip(-1).cummin(-1).values.flip(-1)
+    twice = torch.empty_like(first).scatter_(-1, order, first + last)  # 2 (rank - 1), original order
+    if valid is None:
+        return twice - (m - 1)
+    count = valid.expand(twice.shape).sum(-1, keepdim=True)
+    return torch.where(valid, twice - (count - 1), 0.0)
+
+
+def average_ranks(x: Tensor, valid: Tensor | None = None) -> Tensor:
+    """1-based average ranks along the last dim among the valid entries (NaN at invalid ones).
+
+    ``rank(x_i) = (#{j: x_j < x_i} + #{j: x_j <= x_i} + 1) / 2`` over valid j, as
+    ``scipy.stats.rankdata`` of the valid entries.
 
     Args:
         x: ``[..., m]`` real tensor.
+        valid: optional bool ``[..., m]`` (broadcastable).
 
     Returns:
         ``[..., m]`` ranks in float32 (float64 for float64 input).
     """
     dtype = compute_dtype(x)
-    xs = x.to(dtype).contiguous()
-    srt = torch.sort(xs, dim=-1).values
-    lo = torch.searchsorted(srt, xs, side="left")
-    hi = torch.searchsorted(srt, xs, side="right")
-    return (lo + hi + 1).to(dtype) / 2
+    valid = _check_valid(valid, x)
+    centred = centered_ranks(x, valid)
+    if valid is None:
+        return centred + (x.shape[-1] + 1) / 2
+    count = valid.expand(centred.shape).sum(-1, keepdim=True).to(dtype)
+    return torch.where(valid, centred + (count + 1) / 2, math.nan)
 
 
 def pearson(a: Tensor, b: Tensor) -> Tensor:
@@ -89,31 +187,50 @@ def pearson(a: Tensor, b: Tensor) -> Tensor:
         return torch.where(const | (den == 0), torch.full((), math.nan, dtype=r.dtype, device=r.device), r)
 
 
-def rowwise_spearman(a: Tensor, b: Tensor) -> Tensor:
-    """Per-row Spearman correlation (Pearson of average ranks) over the last dim.
+def spearman_from_centered_ranks(ra: Tensor, rb: Tensor) -> Tensor:
+    """Spearman correlation ``sum r_a r_b / sqrt(sum r_a^2 sum r_b^2)`` from centred ranks.
 
     Args:
-        a: ``[..., n, m]`` attention weights.
-        b: ``[..., n, m]`` NW weights.
+        ra: ``[..., m]`` centred ranks (:func:`centered_ranks`; invalid entries 0).
+        rb: ``[..., m]`` centred ranks.
 
     Returns:
-        ``[..., n]``; NaN for rows where either input is constant.
+        ``[...]``; NaN (0/0) where either row is constant.
+    """
+    return (ra * rb).sum(-1) / torch.sqrt(ra.square().sum(-1) * rb.square().sum(-1))
+
+
+def rowwise_spearman(a: Tensor, b: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Per-row Spearman correlation (Pearson of average ranks) over the valid keys of the last dim.
+
+    Rank-based, so any monotone scores give the same value: pass logits (log-weights), never
+    float32 probabilities (their underflowed zeros tie and make rho depend on the bandwidth).
+
+    Args:
+        a: ``[..., n, m]`` scores of the attention (e.g. ``q.k``).
+        b: ``[..., n, m]`` scores of the NW weights (e.g. ``q.k - ||k||^2 / 2``).
+        valid: optional bool ``[..., m]`` / ``[..., n, m]`` mask of the keys that take part
+            (padding keys are left out of the ranks).
+
+    Returns:
+        ``[..., n]``; NaN for rows where either input is constant over its valid keys.
     """
     a, b = _pair(a, b)
-    return pearson(average_ranks(a), average_ranks(b))
+    return spearman_from_centered_ranks(centered_ranks(a, valid), centered_ranks(b, valid))
 
 
-def spearman_rho(a: Tensor, b: Tensor) -> Tensor:
+def spearman_rho(a: Tensor, b: Tensor, valid: Tensor | None = None) -> Tensor:
     """The paper's rho: per-row Spearman averaged over the rows (NaN rows ignored).
 
     Args:
-        a: ``[..., n, m]``.
-        b: ``[..., n, m]``.
+        a: ``[..., n, m]`` scores (logits or any monotone transform of them).
+        b: ``[..., n, m]`` scores.
+        valid: optional bool key mask (see :func:`rowwise_spearman`).
 
     Returns:
         ``[...]``; NaN if every row is NaN.
     """
-    return torch.nanmean(rowwise_spearman(a, b), dim=-1)
+    return torch.nanmean(rowwise_spearman(a, b, valid), dim=-1)
 
 
 def pearson_raveled(a: Tensor, b: Tensor) -> Tensor:
@@ -131,90 +248,107 @@ def pearson_raveled(a: Tensor, b: Tensor) -> Tensor:
     return pearson(a.flatten(-2), b.flatten(-2))
 
 
-def _kl_terms(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
-    """``sum_i p_i (log p_i - log q_i)`` over the last dim, a term being 0 where ``p_i = 0``."""
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    return torch.where(p > 0, p * (log_p - log_q), zero).sum(-1)
+_MASKED_LOGIT = -1e20
+"""Finite stand-in for the logit of a masked key: weight exactly 0, differences stay finite."""
 
 
-def kl_divergence(
-    p: Tensor, q: Tensor, *, log_p: Tensor | None = None, log_q: Tensor | None = None
-) -> Tensor:
-    """``KL(p || q) = sum_i p_i (log p_i - log q_i)`` over the last dim (natural log, 0 log 0 = 0).
+def _log_softmax_pair(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
+    logit_p, logit_q = _pair(logit_p, logit_q, ("logit_p", "logit_q"))
+    valid = _check_valid(valid, logit_p)
+    if valid is not None:
+        logit_p = logit_p.masked_fill(~valid, _MASKED_LOGIT)
+        logit_q = logit_q.masked_fill(~valid, _MASKED_LOGIT)
+    return torch.log_softmax(logit_p, dim=-1), torch.log_softmax(logit_q, dim=-1)
+
+
+def kl_from_logits(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None = None) -> Tensor:
+    """``KL(p || q) = sum_i p_i (log p_i - log q_i)`` with ``log p = log_softmax(logit_p)``.
+
+    Both log-probabilities come from their logits, so the divergence is finite for finite
+    logits, even where ``q`` underflows to 0 in float32 (tiny bandwidths).
 
     Args:
-        p: ``[..., m]`` probability rows.
-        q: ``[..., m]`` probability rows.
-        log_p: optional ``[..., m]`` log-probabilities of p (e.g. ``log_softmax`` of the logits
-            that gave ``p``), used instead of ``log p``.
-        log_q: optional ``[..., m]`` log-probabilities of q (e.g. ``log_softmax`` of NW logits),
-            used instead of ``log q``: finite even where ``q`` underflows to 0 at tiny bandwidths.
+        logit_p: ``[..., m]`` logits of p (e.g. ``s q.k``).
+        logit_q: ``[..., m]`` logits of q (e.g. ``(q.k - ||k||^2 / 2) / h^2``).
+        valid: optional bool ``[..., m]`` mask; invalid keys get weight 0 in both.
 
     Returns:
-        ``[...]``; ``inf`` where ``q_i = 0 < p_i`` (with ``log_q``: where ``log_q_i = -inf``).
+        ``[...]`` in nats.
     """
-    p, q = _pair(p, q, ("p", "q"))
-    with no_autocast(p.device):
-        if log_p is None and log_q is None:
-            return (torch.xlogy(p, p) - torch.xlogy(p, q)).sum(-1)
-        lp = torch.log(p) if log_p is None else log_p.to(device=p.device, dtype=p.dtype)
-        lq = torch.log(q) if log_q is None else log_q.to(device=p.device, dtype=p.dtype)
-        return _kl_terms(p, lp, lq)
+    with no_autocast(logit_p.device):
+        lp, lq = _log_softmax_pair(logit_p, logit_q, valid)
+        return (lp.exp() * (lp - lq)).sum(-1)
 
 
-def js_divergence(
-    p: Tensor, q: Tensor, *, log_p: Tensor | None = None, log_q: Tensor | None = None
-) -> Tensor:
-    """Jensen-Shannon divergence ``KL(p||r)/2 + KL(q||r)/2`` with ``r = (p + q)/2`` (nats, <= log 2).
+def js_from_logits(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Jensen-Shannon divergence ``KL(p||r)/2 + KL(q||r)/2``, ``r = (p + q)/2``, from logits.
 
-    With log-probabilities given, ``log r = logaddexp(log p, log q) - log 2`` and every term is
-    computed in log space (no ``log`` of an underflowed probability).
+    ``log r = logaddexp(log p, log q) - log 2``; every term in log space (<= log 2 nats).
 
     Args:
-        p: ``[..., m]``.
-        q: ``[..., m]``.
-        log_p: optional ``[..., m]`` log-probabilities of p (replaces ``log p``).
-        log_q: optional ``[..., m]`` log-probabilities of q (replaces ``log q``).
+        logit_p: ``[..., m]``.
+        logit_q: ``[..., m]``.
+        valid: optional bool ``[..., m]`` key mask.
 
     Returns:
         ``[...]``.
     """
-    p, q = _pair(p, q, ("p", "q"))
-    if log_p is None and log_q is None:
-        r = 0.5 * (p + q)
-        return 0.5 * kl_divergence(p, r) + 0.5 * kl_divergence(q, r)
-    with no_autocast(p.device):
-        lp = torch.log(p) if log_p is None else log_p.to(device=p.device, dtype=p.dtype)
-        lq = torch.log(q) if log_q is None else log_q.to(device=p.device, dtype=p.dtype)
+    with no_autocast(logit_p.device):
+        lp, lq = _log_softmax_pair(logit_p, logit_q, valid)
         lr = torch.logaddexp(lp, lq) - math.log(2.0)
-        return 0.5 * _kl_terms(p, lp, lr) + 0.5 * _kl_terms(q, lq, lr)
+        return 0.5 * (lp.exp() * (lp - lr) + lq.exp() * (lq - lr)).sum(-1)
 
 
-def top1_agreement(a: Tensor, b: Tensor) -> Tensor:
+def top1_agreement(a: Tensor, b: Tensor, valid: Tensor | None = None) -> Tensor:
     """1.0 where ``argmax a == argmax b`` along the last dim (first index on ties), else 0.0.
 
     Args:
-        a: ``[..., n, m]``.
-        b: ``[..., n, m]``.
+        a: ``[..., n, m]`` scores (logits).
+        b: ``[..., n, m]`` scores.
+        valid: optional bool key mask; invalid keys never win.
 
     Returns:
         ``[..., n]`` float32.
     """
     a, b = _pair(a, b)
+    valid = _check_valid(valid, a)
+    if valid is not None:
+        a, b = a.masked_fill(~valid, -math.inf), b.masked_fill(~valid, -math.inf)
     return (a.argmax(-1) == b.argmax(-1)).to(torch.float32)
 
 
-def _row_permutation(shape: torch.Size, device: torch.device, generator: torch.Generator | None) -> Tensor:
-    noise = torch.rand(shape, device=device, generator=generator)
-    return noise.argsort(dim=-1)
+def valid_permutation(noise: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Index ``[..., m]`` of a uniformly random permutation per row that maps valid keys to valid keys.
 
-
-def permutation_null_rho(a: Tensor, b: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
-    """rho with the keys of ``b`` shuffled independently in every row (expected ~0).
+    ``perm = argsort(noise)``; with a mask, the valid positions (in ascending order) receive the
+    valid positions in the random order of ``noise`` (invalid ones receive invalid ones), so
+    ``gather(x, -1, perm)`` shuffles the valid entries among themselves.
 
     Args:
-        a: ``[..., n, m]``.
-        b: ``[..., n, m]``.
+        noise: ``[..., m]`` i.i.d. finite continuous values (uniform or normal).
+        valid: optional bool ``[..., m]`` (broadcastable).
+
+    Returns:
+        ``[..., m]`` int64 index.
+    """
+    if valid is None:
+        return noise.argsort(dim=-1)
+    m = noise.shape[-1]
+    order = noise.masked_fill(~valid, math.inf).argsort(dim=-1)  # random valid positions first
+    position = torch.arange(m, device=noise.device)
+    slots = torch.where(valid, position, position + m).argsort(dim=-1)  # valid positions, ascending
+    return torch.scatter(order, -1, slots.expand_as(order), order)
+
+
+def permutation_null_rho(
+    a: Tensor, b: Tensor, valid: Tensor | None = None, *, generator: torch.Generator | None = None
+) -> Tensor:
+    """rho with the valid keys of ``b`` shuffled independently in every row (expected ~0).
+
+    Args:
+        a: ``[..., n, m]`` scores.
+        b: ``[..., n, m]`` scores.
+        valid: optional bool key mask (shuffles stay among valid keys; invalid ones are unranked).
         generator: optional torch.Generator on ``b``'s device, for reproducibility.
 
     Returns:
@@ -222,52 +356,114 @@ def permutation_null_rho(a: Tensor, b: Tensor, *, generator: torch.Generator | N
     """
     a, b = _pair(a, b, min_dim=2)
     a, b = torch.broadcast_tensors(a, b)
-    perm = _row_permutation(b.shape, b.device, generator)
-    return spearman_rho(a, torch.gather(b, -1, perm))
+    valid = _check_valid(valid, a)
+    perm = valid_permutation(torch.rand(b.shape, device=b.device, generator=generator), valid)
+    return spearman_rho(a, torch.gather(b, -1, perm), valid)
 
 
-def norm_equalised_null_rho(
-    query: Tensor,
-    key: Tensor,
-    *,
-    scale: float,
-    bandwidth: BandwidthLike,
-    key_mask: Tensor | None = None,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """rho of attention vs NW weights for queries of the same norms in uniformly random directions.
-
-    ``q'_j = ||q_j|| z_j / ||z_j||`` with ``z_j ~ N(0, I)``; then
-    ``rho(softmax(scale q' k^T), NW(q', k, h))``. Per-row Spearman rises with ``||q||`` even for
-    random queries, so an observed rho is only evidence when it clears this null.
-
-    Args:
-        query: ``[..., n, d]``.
-        key: ``[..., m, d]``.
-        scale: softmax scale of the attention (e.g. ``1/sqrt(d)``).
-        bandwidth: NW bandwidth, float or tensor broadcastable to the leading dims.
-        key_mask: optional bool ``[..., m]``.
-        generator: optional torch.Generator on ``query``'s device.
-
-    Returns:
-        ``[...]``.
-    """
+def _query_key(query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() < 2 or key.dim() < 2:
         raise ValueError("query must be [..., n, d] and key [..., m, d] tensors")
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"query and key must share the feature dim, got {query.shape[-1]}, {key.shape[-1]}")
     dtype = compute_dtype(query, key)
-    q = query.to(dtype)
-    k = key.to(device=q.device, dtype=dtype)
+    return query.to(dtype), key.to(device=query.device, dtype=dtype)
+
+
+def norm_matched_null_rho(
+    query: Tensor, key: Tensor, valid: Tensor | None = None, *, generator: torch.Generator | None = None
+) -> Tensor:
+    """rho for queries of the same norms in uniformly random directions (the norm-matched null).
+
+    ``q'_n = ||q_n|| z_n / ||z_n||``, ``z_n ~ N(0, I)``; then rho between the attention scores
+    ``q'.k_i`` and the NW scores ``q'.k_i - ||k_i||^2 / 2`` (ranks do not depend on the softmax
+    scale or on h). It controls ``||q||`` (rho rises with it even for random queries), not the
+    spread of ``q.k`` across keys: random queries inside the span of the keys clear it.
+
+    Args:
+        query: ``[..., n, d]``.
+        key: ``[..., m, d]``.
+        valid: optional bool ``[..., m]`` key mask.
+        generator: optional torch.Generator on ``query``'s device.
+
+    Returns:
+        ``[...]``.
+    """
+    q, k = _query_key(query, key)
     with no_autocast(q.device):
-        z = torch.randn(q.shape, device=q.device, generator=generator, dtype=dtype)
+        z = torch.randn(q.shape, device=q.device, generator=generator, dtype=q.dtype)
         q_null = z * (q.norm(dim=-1, keepdim=True) / z.norm(dim=-1, keepdim=True))
-        logits = scale * (q_null @ k.transpose(-1, -2))
-        if key_mask is not None:
-            logits = logits.masked_fill(~key_mask[..., None, :].to(q.device), -math.inf)
-        attn = torch.softmax(logits, dim=-1)
-        nw = nw_weights(q_null, k, bandwidth, support_mask=key_mask, validate=False)
-        return spearman_rho(attn, nw)
+        qk = q_null @ k.transpose(-1, -2)
+        return spearman_rho(qk, qk - 0.5 * k.square().sum(-1)[..., None, :], valid)
+
+
+def qk_spread_null_rho(
+    query: Tensor, key: Tensor, valid: Tensor | None = None, *, generator: torch.Generator | None = None
+) -> Tensor:
+    """rho with each row's ``q.k`` values kept but their pairing with the key norms shuffled.
+
+    A's scores are ``q.k_i``, W's are ``q.k_i - ||k_i||^2 / 2``: rho depends only on how much
+    ``q.k`` varies across the keys against how much ``||k||^2 / 2`` does, and on how the two are
+    paired. This null keeps both spreads and breaks the pairing: rho between ``q.k_i`` and
+    ``q.k_i - ||k_pi(i)||^2 / 2`` with ``pi`` a random permutation of the valid keys per row
+    (equivalently, the ``q.k`` values permuted across keys with ``||k||`` kept).
+
+    Args:
+        query: ``[..., n, d]``.
+        key: ``[..., m, d]``.
+        valid: optional bool ``[..., m]`` key mask.
+        generator: optional torch.Generator on ``query``'s device.
+
+    Returns:
+        ``[...]``.
+    """
+    q, k = _query_key(query, key)
+    with no_autocast(q.device):
+        qk = q @ k.transpose(-1, -2)
+        valid = _check_valid(valid, qk)
+        perm = valid_permutation(torch.rand(qk.shape, device=q.device, generator=generator), valid)
+        half_sq = 0.5 * k.square().sum(-1)[..., None, :].expand_as(qk)
+        return spearman_rho(qk, qk - torch.gather(half_sq, -1, perm), valid)
+
+
+def qk_spread_ratio(query: Tensor, key: Tensor, valid: Tensor | None = None) -> Tensor:
+    """``mean_n std_i(q_n.k_i) / std_i(||k_i||^2 / 2)``: what rho is a function of.
+
+    Population standard deviations (divide by the number of valid keys) over the valid keys.
+    A large ratio means the key norms barely change the ranking and rho is near 1 for any
+    query; ``inf`` when all key norms are equal (attention and NW weights then coincide).
+
+    Args:
+        query: ``[..., n, d]``.
+        key: ``[..., m, d]``.
+        valid: optional bool ``[..., m]`` key mask.
+
+    Returns:
+        ``[...]``.
+    """
+    q, k = _query_key(query, key)
+    qk = q @ k.transpose(-1, -2)
+    half_sq = 0.5 * k.square().sum(-1)
+    valid = _check_valid(valid, qk)
+    return (masked_std(qk, valid).mean(-1) / masked_std(half_sq, valid)).to(q.dtype)
+
+
+def masked_std(x: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Population standard deviation over the last dim, over the valid entries only.
+
+    Args:
+        x: ``[..., m]``.
+        valid: optional bool ``[..., m]`` (broadcastable).
+
+    Returns:
+        ``[...]``.
+    """
+    if valid is None:
+        return x.std(dim=-1, correction=0)
+    w = valid.to(x.dtype).expand(x.shape)
+    count = w.sum(-1, keepdim=True)
+    mean = (x * w).sum(-1, keepdim=True) / count
+    return (((x - mean) * w).square().sum(-1, keepdim=True) / count).sqrt().squeeze(-1)
 
 
 def _pairwise_dist2(x: Tensor, y: Tensor) -> Tensor:

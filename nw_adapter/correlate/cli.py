@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=(
             "Generate with IP-Adapter and report, per denoising timestep, how closely the image branch's "
-            "cross-attention follows Nadaraya-Watson (Gaussian-kernel) weights: Spearman rho with its two "
+            "cross-attention follows Nadaraya-Watson (Gaussian-kernel) weights: Spearman rho with its three "
             "nulls, Pearson, KL and effective sample sizes, averaged over layers and heads."
         ),
         epilog=(

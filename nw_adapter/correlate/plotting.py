@@ -25,19 +25,20 @@ def _series(rows: Sequence[dict], key: str) -> np.ndarray:
 
 
 def rho_figure(block_rows: Sequence[dict], *, title: str | None = None, note: str | None = None):
-    """Draw rho against timestep, one panel per UNet block, with the band of the two nulls.
+    """Draw rho against timestep, one panel per UNet block, with the band of the three nulls.
 
     Args:
         block_rows: ``rho.json``'s ``blocks`` rows (keys ``block``, ``timestep``, ``rho``,
-            ``rho_perm_null``, ``rho_norm_null``), see :func:`nw_adapter.correlate.report.aggregate`.
+            ``rho_perm_null``, ``rho_norm_matched_null``, ``rho_spread_null``), see
+            :func:`nw_adapter.correlate.report.aggregate`.
         title: Figure title.
         note: A line under the title (e.g. the explanation of a repeated timestep: steps that
             share a timestep are drawn at the same x).
 
     Returns:
-        The :class:`matplotlib.figure.Figure`. The band spans, per step, from the lower to the
-        higher of the permutation null and the norm-equalised null: a rho inside or below it is
-        not evidence.
+        The :class:`matplotlib.figure.Figure`. The band spans, per step, from the lowest to the
+        highest of the permutation, norm-matched and q.k-spread nulls: a rho inside or below it
+        is not evidence.
     """
     from matplotlib.figure import Figure
 
@@ -51,8 +52,9 @@ def rho_figure(block_rows: Sequence[dict], *, title: str | None = None, note: st
         rows = sorted((r for r in block_rows if r.get("block") == block), key=lambda r: -float(r["timestep"]))
         t = _series(rows, "timestep")
         rho = _series(rows, "rho")
-        perm, norm = _series(rows, "rho_perm_null"), _series(rows, "rho_norm_null")
-        low, high = np.fmin(perm, norm), np.fmax(perm, norm)
+        perm, norm = _series(rows, "rho_perm_null"), _series(rows, "rho_norm_matched_null")
+        spread = _series(rows, "rho_spread_null")
+        low, high = np.fmin(np.fmin(perm, norm), spread), np.fmax(np.fmax(perm, norm), spread)
         color = _COLORS[block]
         ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")
         ax.plot(t, rho, marker="o", markersize=3, color=color, label=f"rho ({block})")

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
-from nw_adapter.integration.schema import RECORD_KEYS, SUMMARY_STATS
+from nw_adapter.integration.schema import LEGACY_NAMES, NULL_STATS, RECORD_KEYS, SUMMARY_STATS, finite_mean
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -44,21 +44,32 @@ RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
 """Column order of ``rho.csv`` (extra record keys follow, sorted)."""
 
 RHO_THRESHOLD = 0.9
+"""The paper's "% of heads with rho > 0.9" threshold."""
 
 NULL_MARGIN = 0.05
-"""How far rho must exceed the larger of its two nulls to count as evidence in the verdict.
+"""How far rho must exceed EACH of its nulls to count as evidence in the verdict.
 
-The nulls are Monte-Carlo estimates (keys shuffled; queries of equal norm in random directions)
-on a subsample of query rows, so a rho within a few hundredths of a null is not told apart from it.
+The nulls are Monte-Carlo estimates (NW scores shuffled across keys; queries of equal norm in
+random directions; each row's q.k kept with the key norms shuffled) on a subsample of query rows,
+so a rho within a few hundredths of a null is not told apart from it.
 """
-"""The paper's "% of heads with rho > 0.9" threshold."""
+
+NULL_LABELS: dict[str, str] = {
+    "rho_perm_null": "perm",
+    "rho_norm_matched_null": "norm-matched",
+    "rho_spread_null": "qk-spread",
+}
+"""Short names of the nulls in the verdict line."""
 
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step", "step", "{:>4d}"),
     ("timestep", "timestep", "{:>8.0f}"),
     ("rho", "rho", "{:>6.3f}"),
     ("rho_perm_null", "perm-null", "{:>9.3f}"),
-    ("rho_norm_null", "norm-null", "{:>9.3f}"),
+    ("rho_norm_matched_null", "norm-null", "{:>9.3f}"),
+    ("rho_spread_null", "spread-null", "{:>11.3f}"),
+    ("qk_spread_ratio", "qk/|k|^2", "{:>8.2f}"),
+    ("key_norm_cv", "key-cv", "{:>6.3f}"),
     ("pearson", "pearson", "{:>7.3f}"),
     ("kl", "KL", "{:>7.4f}"),
     ("neff_attn", "neff-attn", "{:>9.3f}"),
@@ -78,6 +89,13 @@ def _finite(value: Any) -> float | None:
 def _mean(values: Iterable[Any]) -> float | None:
     kept = [v for v in (_finite(x) for x in values) if v is not None]
     return sum(kept) / len(kept) if kept else None
+
+
+def _stat(record: dict, name: str, legacy: Sequence[str]) -> Any:
+    """``record[name]``, or its name in an older schema (e.g. ``rho_norm_null``)."""
+    if name in record:
+        return record[name]
+    return next((record[old] for old in legacy if old in record), None)
 
 
 def analysis_half(records: Sequence[dict]) -> str:
@@ -102,7 +120,8 @@ def aggregate(
 
     Returns:
         One dict per group, sorted by the group keys: the group keys, ``timestep`` (the
-        step's timestep), the mean of every statistic, ``frac_rho_gt_0_9`` (share of
+        step's timestep), the mean of every statistic over its finite values, ``nonfinite``
+        (statistic -> how many NaN/inf values that mean left out; never silent), ``frac_rho_gt_0_9`` (share of
         records with rho > 0.9; a NaN rho counts as not, as in ``NWRecorder.summary``) and
         ``count`` (records averaged).
     """
@@ -117,8 +136,14 @@ def aggregate(
         row: dict[str, Any] = dict(zip(by, key, strict=True))
         row["half"] = half
         row["timestep"] = _mean(r["timestep"] for r in members)
+        nonfinite: dict[str, int] = {}
         for name in STAT_FIELDS:
-            row[name] = _mean(r.get(name) for r in members)
+            legacy = [old for old, new in LEGACY_NAMES.items() if new == name]
+            mean, dropped = finite_mean(_stat(r, name, legacy) for r in members)
+            row[name] = mean if math.isfinite(mean) else None
+            if dropped:
+                nonfinite[name] = dropped
+        row["nonfinite"] = nonfinite
         rhos = [_finite(r.get("rho")) for r in members]
         row["frac_rho_gt_0_9"] = sum(v is not None and v > RHO_THRESHOLD for v in rhos) / len(rhos)
         row["count"] = len(members)
@@ -180,28 +205,39 @@ def parse_table(text: str) -> list[dict]:
 def verdict(rows: Sequence[dict]) -> dict:
     """One-line verdict on the reported rows (in denoising order).
 
+    rho is evidence of NW-like attention only when it clears ALL its nulls
+    (:data:`~nw_adapter.integration.schema.NULL_STATS`), each present: a missing null (nulls
+    off, or an old file without the q.k-spread null) means "not evidence", never "clears".
+
     Returns:
-        ``rho_last`` and the two nulls at the last reported step; ``monotonic``: rho never
+        ``rho_last`` and the nulls at the last reported step; ``monotonic``: rho never
         decreases from one reported step to the next; ``clears_nulls``: rho at the last step
-        exceeds both nulls by at least :data:`NULL_MARGIN`; ``margin``: rho minus the larger null.
+        exceeds every null by at least :data:`NULL_MARGIN`; ``missing_nulls``: the nulls absent
+        there; ``margin``: rho minus the largest null present; ``qk_spread_ratio`` and
+        ``key_norm_cv`` at the last step (what rho is a function of, THEORY section 4).
     """
     if not rows:
         raise ValueError("rows: empty; nothing to judge (did the run record any step?)")
     last = rows[-1]
     rhos = [r.get("rho") for r in rows]
     monotonic = all(a is not None and b is not None and b >= a for a, b in zip(rhos, rhos[1:], strict=False))
-    nulls = [v for v in (last.get("rho_perm_null"), last.get("rho_norm_null")) if v is not None]
-    rho_last = last.get("rho")
-    clears = rho_last is not None and bool(nulls) and all(rho_last >= v + NULL_MARGIN for v in nulls)
+    nulls = {name: _finite(last.get(name)) for name in NULL_STATS}
+    present = [v for v in nulls.values() if v is not None]
+    missing = [name for name, v in nulls.items() if v is None]
+    rho_last = _finite(last.get("rho"))
+    clears = rho_last is not None and not missing and all(rho_last >= v + NULL_MARGIN for v in present)
     return {
         "step": last.get("step"),
         "timestep": last.get("timestep"),
         "rho_last": rho_last,
-        "rho_perm_null": last.get("rho_perm_null"),
-        "rho_norm_null": last.get("rho_norm_null"),
+        **nulls,
+        "missing_nulls": missing,
         "monotonic": monotonic,
         "clears_nulls": clears,
-        "margin": (rho_last - max(nulls)) if rho_last is not None and nulls else None,
+        "margin": (rho_last - max(present)) if rho_last is not None and present else None,
+        "qk_spread_ratio": last.get("qk_spread_ratio"),
+        "key_norm_cv": last.get("key_norm_cv"),
+        "nonfinite": dict(last.get("nonfinite") or {}),
         "reported_steps": len(rows),
     }
 
@@ -220,12 +256,23 @@ def _monotonic_clause(result: dict) -> str:
 
 def format_verdict(result: dict) -> str:
     """The verdict of :func:`verdict` as one line."""
+    nulls = ", ".join(f"{NULL_LABELS[name]} {_fmt(result.get(name))}" for name in NULL_STATS)
+    missing = result.get("missing_nulls") or []
+    status = "yes" if result["clears_nulls"] else ("no: missing " + ", ".join(missing) if missing else "no")
     return (
         f"verdict: rho at the last step (t={_fmt(result['timestep'], '.0f')}) = {_fmt(result['rho_last'])}; "
-        f"{_monotonic_clause(result)}; clears its nulls by {NULL_MARGIN} "
-        f"(perm {_fmt(result['rho_perm_null'])}, norm-equalised {_fmt(result['rho_norm_null'])}): "
-        f"{'yes' if result['clears_nulls'] else 'no'} (margin {_fmt(result['margin'], '+.3f')})"
+        f"{_monotonic_clause(result)}; clears all its nulls by {NULL_MARGIN} ({nulls}): "
+        f"{status} (margin {_fmt(result['margin'], '+.3f')}; q.k / key-norm spread ratio "
+        f"{_fmt(result.get('qk_spread_ratio'), '.2f')}, key-norm CV {_fmt(result.get('key_norm_cv'))})"
+        + _dropped_note(result.get("nonfinite") or {})
     )
+
+
+def _dropped_note(nonfinite: dict[str, int]) -> str:
+    """``"; non-finite values left out of the means: kl 2, ..."`` (empty when none)."""
+    if not nonfinite:
+        return ""
+    return "; non-finite values left out of the means: " + ", ".join(f"{k} {v}" for k, v in nonfinite.items())
 
 
 def package_versions() -> dict[str, str | None]:

@@ -82,8 +82,10 @@ class NWProcessorConfig:
         steps: denoising step indices (0-based, per call) to record, or in swap mode to
             swap; None = all.
         statistics: record statistics; None means True for observe and False for swap.
-        nulls: compute the permutation null and the norm-equalised null of rho.
-        null_rows: number of random query rows (per layer and step) the two nulls are
+        nulls: compute the three nulls of rho: permutation (NW scores shuffled across keys),
+            norm-matched (queries of the same norms in random directions) and q.k-spread
+            (each row's q.k kept, its pairing with the key norms shuffled).
+        null_rows: number of random query rows (per layer and step) the nulls are
             estimated on; None = all rows. The nulls are controls, a mean of per-row values,
             so a subsample keeps them cheap at a small variance cost.
         seed: seed of the generator of the nulls (reseeded at the start of every call).
@@ -98,6 +100,11 @@ class NWProcessorConfig:
         map_dtype: ``"float16"`` or ``"float32"`` storage of the maps.
         map_max_mb: cap on stored map memory; maps beyond it are dropped with a warning.
         chunk_size: query chunk of the Gaussian-kernel attention in swap mode (None = one).
+        compile: run the statistics of each layer as one ``torch.compile``'d function per layer
+            shape (fewer dispatched operations; equal to eager within float32 tolerance). The
+            first call of each shape compiles (seconds; logged); where compilation is not
+            available a one-line warning says so and the eager code runs. Off by default (it
+            is not measured on a GPU yet).
 
     Example:
         >>> from nw_adapter.integration.config import NWProcessorConfig
@@ -126,6 +133,7 @@ class NWProcessorConfig:
     map_dtype: str = "float16"
     map_max_mb: float = 256.0
     chunk_size: int | None = None
+    compile: bool = False
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -166,7 +174,7 @@ class NWProcessorConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise _err(name, f"must be None, True or False, got {v!r}", f"pass {name}=True or False")
-        for name in ("nulls", "store_maps", "map_head_mean"):
+        for name in ("nulls", "store_maps", "map_head_mean", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, f"must be True or False, got {getattr(self, name)!r}", f"pass {name}=True")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -56,6 +56,7 @@ from nw_adapter.integration.schema import (
     SKIPPED_FIELD,
     STAT_NAMES,
     SUMMARY_STATS,
+    finite_mean,
 )
 
 
@@ -617,8 +618,10 @@ class NWRecorder:
     def summary(self, records: list[dict[str, Any]] | None = None) -> Summary:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
 
-        Adds ``frac_rho_gt_0_9`` (fraction of records with rho > 0.9, NaN rho counted as not)
-        and ``count`` (number of records averaged): the names of the command line's report rows.
+        Means are over finite values; ``nonfinite`` maps each statistic to the number of NaN/inf
+        values its mean left out (never dropped silently). Adds ``frac_rho_gt_0_9`` (fraction of
+        records with rho > 0.9, NaN rho counted as not) and ``count`` (number of records
+        averaged): the names of the command line's report rows.
 
         Returns:
             A :class:`Summary`: a list of dicts that prints as a table at the REPL.
@@ -635,9 +638,12 @@ class NWRecorder:
                 "half": half,
                 **{k: rows[0].get(k, math.nan) for k in ("timestep", "alpha", "sigma", "h_schedule")},
             }
+            nonfinite: dict[str, int] = {}
             for name in (*SUMMARY_STATS, *(n for n in OPTIONAL_STATS if n in rows[0])):
-                vals = [v for v in (r.get(name) for r in rows) if isinstance(v, float) and math.isfinite(v)]
-                row[name] = sum(vals) / len(vals) if vals else math.nan
+                row[name], dropped = finite_mean(r.get(name) for r in rows)
+                if dropped:
+                    nonfinite[name] = dropped
+            row["nonfinite"] = nonfinite
             rhos = [r["rho"] for r in rows]
             row["frac_rho_gt_0_9"] = sum(1 for v in rhos if v is not None and v > 0.9) / len(rows)
             row["count"] = len(rows)

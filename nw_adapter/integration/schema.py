@@ -6,6 +6,10 @@ One record is one (call, step, layer, head, CFG half, adapter, image): the ident
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+from typing import Any
+
 #: Keys that identify a record and its noise level, in column order.
 RECORD_KEYS: tuple[str, ...] = (
     "call",
@@ -34,11 +38,17 @@ KEY_SETS: tuple[str, ...] = ("ip", "joint")
 OPTIONAL_STATS: tuple[str, ...] = ("ip_mass",)
 
 #: Statistics of one (layer, head, half, adapter, image), in the order of the processor's stats tensor.
+#: The three nulls of rho: ``rho_perm_null`` (NW scores shuffled across keys, ~0),
+#: ``rho_norm_matched_null`` (queries of the same norms in random directions) and
+#: ``rho_spread_null`` (each row's q.k values kept, their pairing with the key norms shuffled).
+#: ``key_norm_cv`` = std/mean of ||k_i|| and ``qk_spread_ratio`` = mean over rows of
+#: std_i(q.k_i) / std_i(||k_i||^2 / 2), both with population standard deviations.
 STAT_NAMES: tuple[str, ...] = (
     "bandwidth",
     "rho",
     "rho_perm_null",
-    "rho_norm_null",
+    "rho_norm_matched_null",
+    "rho_spread_null",
     "pearson",
     "kl",
     "js",
@@ -47,6 +57,7 @@ STAT_NAMES: tuple[str, ...] = (
     "top1",
     "q_norm",
     "key_norm_cv",
+    "qk_spread_ratio",
 )
 
 #: The statistics in reporting order (rho first, the bandwidth used last).
@@ -55,3 +66,32 @@ SUMMARY_STATS: tuple[str, ...] = tuple(s for s in STAT_NAMES if s != "bandwidth"
 #: Top-level export field of the (call, step, layer) pairs whose side computation failed in
 #: observe mode (the layer returned the stock output): ``{"count", "by_reason", "pairs"}``.
 SKIPPED_FIELD = "skipped"
+
+#: The nulls rho must clear to count as evidence (all of them, each present).
+NULL_STATS: tuple[str, ...] = ("rho_perm_null", "rho_norm_matched_null", "rho_spread_null")
+
+#: Names of earlier schema versions, read as their current names (``rho.json`` / CSV of version 1).
+LEGACY_NAMES: dict[str, str] = {"rho_norm_null": "rho_norm_matched_null"}
+
+
+def finite_mean(values: Iterable[Any]) -> tuple[float, int]:
+    """Mean of the finite values and the number of values left out (NaN, +-inf or None).
+
+    A statistic's average never drops non-finite values silently: callers report the count
+    beside the mean (``nonfinite`` of the summary and report rows).
+
+    Args:
+        values: numbers (None counts as missing).
+
+    Returns:
+        ``(mean, dropped)``; the mean is NaN when no value is finite.
+    """
+    kept: list[float] = []
+    dropped = 0
+    for value in values:
+        x = math.nan if value is None else float(value)
+        if math.isfinite(x):
+            kept.append(x)
+        else:
+            dropped += 1
+    return (sum(kept) / len(kept) if kept else math.nan), dropped

@@ -180,7 +180,8 @@ def test_printed_table_equals_the_json(baseline) -> None:
     parsed = parse_table(table)
     assert [row["step"] for row in parsed] == [row["step"] for row in report["table"]] == [0, 1]
     for shown, row in zip(parsed, report["table"], strict=True):
-        for key in ("rho", "rho_perm_null", "rho_norm_null", "pearson", "neff_attn", "neff_nw"):
+        nulls = ("rho_perm_null", "rho_norm_matched_null", "rho_spread_null")
+        for key in ("rho", *nulls, "pearson", "neff_attn", "neff_nw"):
             assert shown[key] == pytest.approx(row[key], abs=5e-4)
         assert shown["kl"] == pytest.approx(row["kl"], abs=5e-5)
         members = [r for r in report["records"] if r["step"] == row["step"] and r["half"] == "cond"]

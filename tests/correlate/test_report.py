@@ -24,6 +24,7 @@ from nw_adapter.correlate.report import (
     build_report,
     format_report,
     format_table,
+    format_verdict,
     parse_table,
     records_csv,
     select_steps,
@@ -31,6 +32,7 @@ from nw_adapter.correlate.report import (
     write_report_files,
 )
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.schema import NULL_STATS
 
 DDIM_50 = [981 - 20 * i for i in range(50)]  # SD 1.5, 50 DDIM steps, steps_offset=1
 
@@ -135,7 +137,8 @@ def test_table_round_trips_and_shows_nan() -> None:
     rows = aggregate(make_records())
     rows[1]["kl"] = None
     text = format_table(rows)
-    header = "step timestep rho perm-null norm-null pearson KL neff-attn neff-nw rho>0.9"
+    header = "step timestep rho perm-null norm-null spread-null qk/|k|^2 key-cv"
+    header += " pearson KL neff-attn neff-nw rho>0.9"
     assert text.splitlines()[0].split() == header.split()
     parsed = parse_table(text)
     assert parsed[1]["kl"] is None
@@ -148,23 +151,57 @@ def test_table_round_trips_and_shows_nan() -> None:
 @pytest.mark.parametrize(
     ("rhos", "nulls", "monotonic", "clears"),
     [
-        ((0.2, 0.5, 0.9), (0.0, 0.4), True, True),
-        ((0.2, 0.6, 0.5), (0.0, 0.4), False, True),
-        ((0.2, 0.3, 0.35), (0.0, 0.4), True, False),
-        ((0.5, None, 0.9), (0.0, 0.1), False, True),
-        ((0.2, 0.3, 0.42), (0.0, 0.4), True, False),  # above the null, but within NULL_MARGIN
-        ((0.2, 0.3, 0.46), (0.0, 0.4), True, True),
+        ((0.2, 0.5, 0.9), (0.0, 0.4, 0.3), True, True),
+        ((0.2, 0.6, 0.5), (0.0, 0.4, 0.3), False, True),
+        ((0.2, 0.3, 0.35), (0.0, 0.4, 0.3), True, False),
+        ((0.5, None, 0.9), (0.0, 0.1, 0.1), False, True),
+        ((0.2, 0.3, 0.42), (0.0, 0.4, 0.3), True, False),  # above the nulls, but within NULL_MARGIN
+        ((0.2, 0.3, 0.46), (0.0, 0.4, 0.3), True, True),
+        ((0.2, 0.5, 0.9), (0.0, 0.4, 0.88), True, False),  # clears two nulls, not the q.k-spread one
+        ((0.2, 0.5, 0.9), (0.0, 0.9, 0.1), True, False),  # clears two nulls, not the norm-matched one
     ],
 )
 def test_verdict(rhos, nulls, monotonic, clears) -> None:
     rows = [
-        {"step": i, "timestep": t, "rho": r, "rho_perm_null": nulls[0], "rho_norm_null": nulls[1]}
+        {"step": i, "timestep": t, "rho": r, **dict(zip(NULL_STATS, nulls, strict=True))}
         for i, (t, r) in enumerate(zip((981, 501, 1), rhos, strict=True))
     ]
     result = verdict(rows)
     assert result["monotonic"] is monotonic and result["clears_nulls"] is clears
     assert result["rho_last"] == rhos[-1] and result["timestep"] == 1
     assert result["margin"] == pytest.approx(rhos[-1] - max(nulls))
+    assert ("yes (margin" in format_verdict(result)) is clears
+
+
+@pytest.mark.parametrize("missing", NULL_STATS)
+def test_a_missing_null_is_not_evidence(missing) -> None:
+    """Every null must be present: without one (or with nulls off) rho never 'clears'."""
+    row = {"step": 0, "timestep": 1, "rho": 0.95, **dict.fromkeys(NULL_STATS, 0.0)}
+    assert verdict([row])["clears_nulls"] is True
+    for value in (None, math.nan):
+        result = verdict([{**row, missing: value}])
+        assert result["clears_nulls"] is False and result["missing_nulls"] == [missing]
+        assert f"no: missing {missing}" in format_verdict(result)
+    off = verdict([{"step": 0, "timestep": 1, "rho": 0.95}])
+    assert off["clears_nulls"] is False and off["missing_nulls"] == list(NULL_STATS)
+
+
+def test_non_finite_values_are_counted_not_silently_dropped() -> None:
+    """[0.1, inf] does not aggregate to a bare 0.1: the row says one value was left out."""
+    base = {"half": "cond", "timestep": 1, "step": 0, "rho": 0.5}
+    rows = aggregate([{**base, "kl": 0.1}, {**base, "kl": math.inf}])
+    assert rows[0]["kl"] == pytest.approx(0.1) and rows[0]["nonfinite"]["kl"] == 1
+    assert "kl 1" in format_verdict(verdict(rows))
+    summary = NWRecorder().summary(
+        [{**base, "call": 0, "alpha": 1.0, "sigma": 0.0, "h_schedule": 0.0, **dict.fromkeys(STAT_FIELDS, 0.2),
+          "kl": k} for k in (0.1, math.inf)]
+    )
+    assert summary[0]["kl"] == pytest.approx(0.1) and summary[0]["nonfinite"] == {"kl": 1}
+
+
+def test_old_files_with_the_norm_equalised_name_are_read() -> None:
+    rows = aggregate([{"half": "cond", "timestep": 1, "step": 0, "rho": 0.5, "rho_norm_null": 0.3}])
+    assert rows[0]["rho_norm_matched_null"] == pytest.approx(0.3)
 
 
 def test_verdict_of_nothing_is_an_error() -> None:

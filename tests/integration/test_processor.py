@@ -19,7 +19,6 @@ from diffusers.models.attention_processor import Attention, IPAdapterAttnProcess
 from scipy.stats import rankdata
 
 from nw_adapter.core import bandwidth as bw
-from nw_adapter.core import metrics
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import (
     NWIPAdapterAttnProcessor,
@@ -27,6 +26,7 @@ from nw_adapter.integration.processors import (
     nw_processor_for,
 )
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.schema import NULL_STATS, STAT_NAMES
 
 B, C, CROSS, HEADS, DIM = 4, 32, 24, 2, 16
 STOCK = {"sdpa": IPAdapterAttnProcessor2_0, "classic": IPAdapterAttnProcessor}
@@ -257,25 +257,51 @@ def _row_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
 
 
-def brute_force_stats(A: np.ndarray, W: np.ndarray) -> dict[str, np.ndarray]:
-    """Statistics per (batch, head) from maps A, W of shape [B, H, N, M], in float64 numpy."""
-    rho_rows = _row_pearson(_rank_rows(A), _rank_rows(W))
-    flat = _row_pearson(A.reshape(*A.shape[:2], -1), W.reshape(*W.shape[:2], -1))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        kl = np.where(A > 0, A * (np.log(A) - np.log(W)), 0.0).sum(-1)
-        r = (A + W) / 2
-        js = 0.5 * np.where(A > 0, A * np.log(A / r), 0).sum(-1) + 0.5 * np.where(
-            W > 0, W * np.log(W / r), 0
-        ).sum(-1)
-    return {
-        "rho": np.nanmean(rho_rows, -1),
-        "pearson": flat,
-        "kl": kl.mean(-1),
-        "js": js.mean(-1),
-        "neff_attn": (1 / (A**2).sum(-1)).mean(-1),
-        "neff_nw": (1 / (W**2).sum(-1)).mean(-1),
-        "top1": (A.argmax(-1) == W.argmax(-1)).mean(-1),
+def _rho(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The paper's rho of two score arrays [..., n, m]: scipy average ranks, per-row Pearson, mean."""
+    return np.nanmean(_row_pearson(_rank_rows(a), _rank_rows(b)), -1)
+
+
+def reference_stats(q, k, h, s, gen=None, null_rows=None) -> dict[str, np.ndarray]:
+    """Every statistic per (batch, head) in float64 from q [B, H, N, d] and k [B, H, M, d].
+
+    Ranks come from the logits (scipy rankdata), divergences from the two log-softmaxes; the
+    nulls replay the processor's draws from ``gen`` (row subsample, key permutation, directions).
+    """
+    qk = q @ k.transpose(-1, -2)
+    half_sq = 0.5 * k.square().sum(-1)
+    g = qk - half_sq[..., None, :]
+    la, lw = torch.log_softmax(qk * s, -1), torch.log_softmax(g / h[..., None, None] ** 2, -1)
+    A, W = la.exp(), lw.exp()
+    lr = torch.logaddexp(la, lw) - math.log(2)
+    kn = k.norm(dim=-1)
+    out = {
+        "bandwidth": h.numpy(),
+        "rho": _rho(qk.numpy(), g.numpy()),
+        "pearson": _row_pearson(A.flatten(-2).numpy(), W.flatten(-2).numpy()),
+        "kl": (A * (la - lw)).sum(-1).mean(-1).numpy(),
+        "js": (0.5 * (A * (la - lr)).sum(-1) + 0.5 * (W * (lw - lr)).sum(-1)).mean(-1).numpy(),
+        "neff_attn": (1 / (A**2).sum(-1)).mean(-1).numpy(),
+        "neff_nw": (1 / (W**2).sum(-1)).mean(-1).numpy(),
+        "top1": (qk.argmax(-1) == g.argmax(-1)).double().mean(-1).numpy(),
+        "q_norm": q.norm(dim=-1).mean(-1).numpy(),
+        "key_norm_cv": (kn.std(-1, unbiased=False) / kn.mean(-1)).numpy(),
+        "qk_spread_ratio": (qk.std(-1, unbiased=False).mean(-1) / half_sq.std(-1, unbiased=False)).numpy(),
     }
+    if gen is not None:
+        n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
+        n0 = n if null_rows is None else min(n, null_rows)
+        rows = torch.randperm(n, generator=gen)[:n0]
+        gauss = torch.randn((*q.shape[:2], n0, m + d), generator=gen)
+        perm, z = gauss[..., :m].argsort(-1), gauss[..., m:].double()
+        qk_r, g_r = qk[..., rows, :], g[..., rows, :]
+        out["rho_perm_null"] = _rho(torch.gather(qk_r, -1, perm).numpy(), g_r.numpy())
+        q_null = z * (q[..., rows, :].norm(dim=-1, keepdim=True) / z.norm(dim=-1, keepdim=True))
+        qk_n = q_null @ k.transpose(-1, -2)
+        out["rho_norm_matched_null"] = _rho(qk_n.numpy(), (qk_n - half_sq[..., None, :]).numpy())
+        shuffled = torch.gather(half_sq[..., None, :].expand_as(qk_r), -1, perm)
+        out["rho_spread_null"] = _rho(qk_r.numpy(), (qk_r - shuffled).numpy())
+    return out
 
 
 def _half_mean(x: np.ndarray, halves: int) -> np.ndarray:
@@ -284,10 +310,12 @@ def _half_mean(x: np.ndarray, halves: int) -> np.ndarray:
 
 @pytest.mark.parametrize("rule", ["matched", "fitted", "median", "schedule", 1.7])
 def test_statistics_match_brute_force(rule):
+    """Every recorded statistic, nulls included, equals a float64 scipy recomputation."""
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
     rec = _install(
-        attn, stock, bandwidth=rule, cfg=True, store_maps=True, map_dtype="float32", seed=3, schedule_c=0.5
+        attn, stock, bandwidth=rule, cfg=True, store_maps=True, map_dtype="float32", seed=3, schedule_c=0.5,
+        null_rows=10,
     )
     rec.begin_step(call=0, step=0, timestep=torch.tensor(500), alpha=0.6, sigma=0.8)
     attn(x, (text, ip))
@@ -303,7 +331,8 @@ def test_statistics_match_brute_force(rule):
         if rule == "matched":
             h = torch.full((B, HEADS), DIM**0.25, dtype=torch.float64)
         elif rule == "fitted":
-            h = bw.fitted_bandwidth(A_ref.float(), q.float(), k.float())[0].double()
+            A32 = torch.softmax((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(DIM), -1)
+            h = bw.fitted_bandwidth(A32, q.float(), k.float())[0].double()
         elif rule == "median":
             h = bw.median_bandwidth(q.float(), k.float()).double()
         elif rule == "schedule":
@@ -313,21 +342,11 @@ def test_statistics_match_brute_force(rule):
         d2 = ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1)
         W_ref = torch.softmax(-d2 / (2 * h[..., None, None] ** 2), -1)
         torch.testing.assert_close(W, W_ref, rtol=1e-4, atol=1e-5)
-        expected = brute_force_stats(A.numpy(), W.numpy())
-        expected["bandwidth"] = h.numpy()
-        expected["q_norm"] = q.norm(dim=-1).mean(-1).numpy()
-        kn = k.norm(dim=-1)
-        expected["key_norm_cv"] = (kn.std(-1, unbiased=False) / kn.mean(-1)).numpy()
-        s = 1 / math.sqrt(DIM)
-        h32 = h.float() if rule in ("fitted", "median") else float(h[0, 0])
-        expected["rho_perm_null"] = (
-            metrics.permutation_null_rho(A.float(), W.float(), generator=gen).double().numpy()
-        )
-        expected["rho_norm_null"] = (
-            metrics.norm_equalised_null_rho(q.float(), k.float(), scale=s, bandwidth=h32, generator=gen)
-            .double()
-            .numpy()
-        )
+        expected = reference_stats(q, k, h, 1 / math.sqrt(DIM), gen, null_rows=10)
+        assert set(expected) == set(STAT_NAMES)
+        # Pearson of the recorded float32 weights (W is nearly uniform where "fitted" hits h = 2000,
+        # so its float64 recomputation differs by the weights' rounding)
+        expected["pearson"] = _row_pearson(A.flatten(-2).numpy(), W.flatten(-2).numpy())
         for name, value in expected.items():
             per_half = _half_mean(value, 2)
             for hi, half in enumerate(("uncond", "cond")):
@@ -368,31 +387,36 @@ def test_steps_option_selects_steps():
     assert {r["step"] for r in rec.to_records()} == {1}
 
 
-def test_tiny_bandwidth_divergences_follow_the_recorded_weights():
-    """At h = 1e-3 most NW weights underflow to 0: JS stays finite, KL(A || W) is inf exactly there."""
+def test_rank_statistics_do_not_depend_on_the_bandwidth():
+    """rho, its nulls and top-1 rank logits: identical from h = 1e-3 (weights underflow) to 1e3."""
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
-    rec = _install(attn, stock, bandwidth=1e-3, store_maps=True, map_dtype="float32", cfg=False)
+    ranked = ("rho", "rho_perm_null", "rho_norm_matched_null", "rho_spread_null", "top1")
+    results = []
+    for h in (1e-3, 1e-1, 1.0, 1e3):
+        rec = _install(attn, stock, bandwidth=h, store_maps=True, map_dtype="float32", cfg=False, seed=5)
+        attn(x, (text, ip))
+        if h == 1e-3:
+            W = rec.maps()["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/nw"]
+            assert bool((W == 0).any())  # the float32 weights underflow: ranking them would tie
+        results.append([[r[name] for name in ranked] for r in rec.to_records()])
+        assert all(math.isfinite(r["kl"]) and 0 <= r["js"] <= math.log(2) + 1e-6 for r in rec.to_records())
+    assert all(res == results[0] for res in results[1:])
+
+
+def test_tiny_bandwidth_divergences_come_from_the_logits():
+    """At h = 1e-3 KL(A || W) is finite: both log-weights are log-softmaxes of the logits."""
+    attn, stock = _attention(), _stock()
+    x, text, ip = _inputs()
+    rec = _install(attn, stock, bandwidth=1e-3, cfg=False, nulls=False)
     attn(x, (text, ip))
     q, ks = _captured_qk(attn, stock, x, ip)
-    records = rec.to_records()
-    assert records
     for j, k in enumerate(ks):
-        W = rec.maps()[f"call0/step0/down_blocks.0.attn2.processor/adapter{j}/image0/nw"].double()
-        assert bool((W == 0).any())
-        A = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM), -1)
-        r = 0.5 * (A + W)
-        js = 0.5 * (A * (A / r).log()).sum(-1) + 0.5 * torch.where(W > 0, W * (W / r).log(), 0.0).sum(-1)
-        js = js.mean(-1).mean(0)  # [H]: rows, then batch (cfg=False)
-        for rec_row in (r for r in records if r["adapter"] == j):
-            assert 0 <= rec_row["js"] <= math.log(2)
-            assert rec_row["js"] == pytest.approx(float(js[rec_row["head"]]), rel=1e-3, abs=1e-5)
-            assert rec_row["kl"] == math.inf  # some row has W = 0 < A
-    # the log-space KL of the metrics API is finite for the same weights
-    W = rec.maps()["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/nw"].double()
-    d2 = ((q[..., :, None, :] - ks[0][..., None, :, :]) ** 2).sum(-1)
-    A = torch.softmax(q @ ks[0].transpose(-1, -2) / math.sqrt(DIM), -1)
-    assert bool(torch.isfinite(metrics.kl_divergence(A, W, log_q=torch.log_softmax(-d2 / 2e-6, -1))).all())
+        ref = reference_stats(q, k, torch.full((B, HEADS), 1e-3, dtype=torch.float64), 1 / math.sqrt(DIM))
+        for r in (r for r in rec.to_records() if r["adapter"] == j):
+            for name in ("kl", "js"):
+                assert math.isfinite(r[name])
+                assert r[name] == pytest.approx(float(ref[name].mean(0)[r["head"]]), rel=1e-3, abs=1e-5)
 
 
 def test_statistics_option():
@@ -413,11 +437,11 @@ def test_nulls_and_seed_options():
     for key, opts in {"a": {"seed": 0}, "b": {"seed": 0}, "c": {"seed": 1}, "off": {"nulls": False}}.items():
         rec = _install(attn, stock, **opts)
         attn(x, (text, ip))
-        runs[key] = [(r["rho_perm_null"], r["rho_norm_null"]) for r in rec.to_records()]
+        runs[key] = [tuple(r[n] for n in NULL_STATS) for r in rec.to_records()]
     assert runs["a"] == runs["b"]
     assert runs["a"] != runs["c"]
-    assert all(math.isnan(p) and math.isnan(n) for p, n in runs["off"])
-    assert all(not math.isnan(p) for p, _ in runs["a"])
+    assert all(math.isnan(v) for nulls in runs["off"] for v in nulls)
+    assert all(not math.isnan(v) for nulls in runs["a"] for v in nulls)
 
 
 def test_nulls_reseeded_each_call():
@@ -477,24 +501,19 @@ def test_legacy_tensor_encoder_states_fall_back_to_stock():
 def test_null_rows_subsample_is_reproduced():
     attn, stock = _attention(), _stock(tokens=(4,), scale=(1.0,))
     x, text, ip = _inputs(images=(1,), tokens=(4,))
-    rec = _install(attn, stock, null_rows=5, seed=7, store_maps=True, map_dtype="float32", cfg=False)
+    rec = _install(attn, stock, null_rows=5, seed=7, cfg=False)
     attn(x, (text, ip))
     q, (k,) = _captured_qk(attn, stock, x, ip)
-    maps = rec.maps()
-    A = maps["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/attn"]
-    W = maps["call0/step0/down_blocks.0.attn2.processor/adapter0/image0/nw"]
-    gen = torch.Generator().manual_seed(7)
-    rows = torch.randperm(q.shape[-2], generator=gen)[:5]
-    perm = metrics.permutation_null_rho(A[..., rows, :], W[..., rows, :], generator=gen).mean(0)
-    norm = metrics.norm_equalised_null_rho(
-        q[..., rows, :].float(), k.float(), scale=1 / math.sqrt(DIM), bandwidth=DIM**0.25, generator=gen
-    ).mean(0)
+    h = torch.full((B, HEADS), DIM**0.25, dtype=torch.float64)
+    ref = reference_stats(q, k, h, 1 / math.sqrt(DIM), torch.Generator().manual_seed(7), null_rows=5)
     records = rec.to_records()
-    assert [r["rho_perm_null"] for r in records] == pytest.approx(perm.tolist(), abs=1e-6)
-    assert [r["rho_norm_null"] for r in records] == pytest.approx(norm.tolist(), abs=1e-5)
+    for name in NULL_STATS:
+        assert [r[name] for r in records] == pytest.approx(ref[name].mean(0).tolist(), abs=1e-6)
     rec_all = _install(attn, stock, null_rows=None, seed=7, cfg=False)
     attn(x, (text, ip))
-    assert [r["rho_norm_null"] for r in rec_all.to_records()] != [r["rho_norm_null"] for r in records]
+    assert [r["rho_norm_matched_null"] for r in rec_all.to_records()] != [
+        r["rho_norm_matched_null"] for r in records
+    ]
 
 
 @pytest.mark.parametrize(

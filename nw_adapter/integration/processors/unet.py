@@ -55,7 +55,7 @@ from diffusers.models.attention_processor import (
 from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import side
-from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder
+from nw_adapter.integration.recorder import NWRecorder
 
 HALF_LABELS = {1: ("all",), 2: ("uncond", "cond")}
 
@@ -299,7 +299,6 @@ class _NWProcessorMixin:
         halves = rec.halves(batch)  # ("uncond", "cond"), PAG's "perturbed" rows, or ("all",)
         n_halves = len(halves)
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
-        q_norm = q.norm(dim=-1).mean(dim=-1)  # [B, H]
         want_maps = rec.wants_maps(self.layer_name)
         for g in groups:
             key = g.key if g.key is not None else self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
@@ -309,11 +308,10 @@ class _NWProcessorMixin:
                 k,
                 scale=s,
                 bandwidth=lambda a, q=q, k=k: self._bandwidth(q, k, a, s),
-                q_norm=q_norm,
                 config=cfg,
                 generator=rec.generator(q.device) if cfg.nulls else None,
-            )
-            stats = stats.view(len(STAT_NAMES), n_halves, batch // n_halves, len(heads)).nanmean(dim=2)
+                halves=n_halves,
+            )  # [S, halves, heads]
             scale_value = g.scale if not isinstance(g.scale, (list, tuple)) else math.nan
             rec.add(
                 layer=self.layer_name,

@@ -1,0 +1,219 @@
+"""Dispatched operations of the NW processor: per attn2 layer and per SD 1.5 UNet forward.
+
+On a GPU every dispatched operation is at least one kernel launch (~5-10 us), so the number of
+operations, not the CPU time, is what observe costs there. This module counts every aten
+operation that is not a view (``torch.utils._python_dispatch.TorchDispatchMode``), for the stock
+IP-Adapter processor and the NW variants, on random-weight models of the real shapes
+(:mod:`benchmarks.models`). Counts are deterministic (unlike times), so a test can hold them
+under their targets (tests/benchmarks/test_op_count.py).
+
+Variants: ``stock``, ``observe`` (defaults: matched bandwidth, three nulls), ``observe_no_nulls``,
+``observe_compiled`` (``compile=True``: the statistics run as one compiled graph; its fused
+kernels are not aten dispatches, see ``fused_kernels``) and ``swap``.
+
+Usage::
+
+    python benchmarks/op_count.py              # SD 1.5 UNet at 64 x 64 latents, base and plus
+    python benchmarks/op_count.py --latent 16  # smaller latents: same counts per layer, faster
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+from nw_adapter.integration.config import NWProcessorConfig  # noqa: E402
+from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor  # noqa: E402
+from nw_adapter.integration.processors import nw_processor_for, side  # noqa: E402
+from nw_adapter.integration.recorder import NWRecorder  # noqa: E402
+
+#: NW processor options of each non-stock variant.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "observe": {"mode": "observe", "cfg": True},
+    "observe_no_nulls": {"mode": "observe", "cfg": True, "nulls": False},
+    "observe_compiled": {"mode": "observe", "cfg": True, "compile": True},
+    "swap": {"mode": "swap"},
+}
+
+#: Targets of issue 13 (ops of a variant / ops of stock, per UNet forward).
+TARGETS: dict[str, float] = {"observe": 2.0, "observe_compiled": 1.25, "swap": 1.05}
+
+
+#: Non-view aten ops that only rewrite metadata (no kernel): not counted.
+METADATA_OPS = frozenset({"_unsafe_view", "_reshape_alias", "lift_fresh", "detach"})
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active; views and metadata-only ops excluded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = str(func.overloadpacket.__name__)
+        if not func.is_view and name not in METADATA_OPS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        """Number of non-view operations counted."""
+        return sum(self.ops.values())
+
+
+def count_ops(fn: Callable[[], Any], warmup: int = 1) -> OpCounter:
+    """Run ``fn`` ``warmup`` times (caches, compilation), then once under an :class:`OpCounter`.
+
+    A compiled side computation (``compile=True``) runs its graph with the counter suspended
+    (dynamo does not run compiled graphs under a dispatch mode) and adds the kernels that graph
+    launches, read from inductor's generated code (``side.compiled_statistics().launches``).
+    """
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        compiled = side.compiled_statistics() if side._COMPILED else None
+        real = compiled.function if compiled is not None else None
+        with OpCounter() as counter:
+            if compiled is not None and real is not None:
+                compiled.function = _opaque(real, counter, compiled.launches)
+            try:
+                fn()
+            finally:
+                if compiled is not None:
+                    compiled.function = real
+    return counter
+
+
+def _opaque(real: Callable[..., Any], counter: OpCounter, launches: dict[tuple, int]) -> Callable[..., Any]:
+    """``real`` run with the counter suspended, counted as the kernels its graph launches."""
+
+    def run(q, k, h, scale, valid, draws, halves):  # noqa: ANN001, ANN202
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, valid is None, draws is None, halves)
+        counter.ops["compiled graph kernels"] += launches.get(key, 0)
+        with _disable_current_modes():
+            return real(q, k, h, scale, valid, draws, halves)
+
+    return run
+
+
+def layer_counts(
+    hidden: int = 320,
+    queries: int = 4096,
+    *,
+    image_tokens: int = 4,
+    variants: Sequence[str] = tuple(VARIANTS),
+    heads: int = 8,
+) -> dict[str, int]:
+    """Non-view ops of one attn2 call (CFG batch 2) per variant: ``{"stock": n, "observe": n, ...}``."""
+    from benchmarks.models import attention_inputs, attention_layer
+
+    attn, stock = attention_layer(hidden, heads=heads, image_tokens=image_tokens)
+    inputs = attention_inputs(hidden, queries, image_tokens=image_tokens)
+
+    def call() -> None:
+        attn(inputs["hidden_states"], encoder_hidden_states=inputs["encoder_hidden_states"])
+
+    out = {"stock": count_ops(call).total}
+    for name in variants:
+        config = NWProcessorConfig(**VARIANTS[name])
+        recorder = NWRecorder(config)
+        recorder.begin_step(cfg=bool(config.cfg))
+        attn.set_processor(
+            nw_processor_for(stock, layer_name="attn2.processor", config=config, recorder=recorder)
+        )
+        out[name] = count_ops(call).total
+        attn.set_processor(stock)
+    return out
+
+
+def unet_counts(
+    *,
+    latent_size: int = 64,
+    variant: str = "base",
+    variants: Sequence[str] = tuple(VARIANTS),
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Non-view ops of one UNet forward (CFG batch 2) per variant, and the number of IP layers."""
+    from benchmarks.models import SD15_UNET_CONFIG, build_unet, unet_inputs
+
+    config = SD15_UNET_CONFIG if config is None else config
+    unet = build_unet(config, variant=variant)
+    embed: dict[str, int] = {}
+    if config is not SD15_UNET_CONFIG:
+        width = _proj_in_features(unet)
+        embed = {"image_embed_dim": width, "image_hidden_dim": width}
+    kwargs = unet_inputs(unet, latent_size=latent_size, variant=variant, **embed)
+
+    def step() -> None:
+        unet(**kwargs)
+
+    out: dict[str, Any] = {"stock": count_ops(step).total}
+    try:
+        for name in variants:
+            apply_nw_processor(unet, NWProcessorConfig(**VARIANTS[name]))
+            out[name] = count_ops(step).total
+            remove_nw_processor(unet)
+    finally:
+        remove_nw_processor(unet)
+    out["ip_layers"] = sum(1 for n in unet.attn_processors if "attn2" in n)
+    return out
+
+
+def _proj_in_features(unet: torch.nn.Module) -> int:
+    proj = unet.encoder_hid_proj.image_projection_layers[0]
+    return next(m.in_features for m in proj.modules() if isinstance(m, torch.nn.Linear))
+
+
+def op_table(layer: dict[str, dict[str, int]], unet: dict[str, dict[str, Any]]) -> str:
+    """The op-count table: per layer and per UNet forward, with ratios to stock."""
+    lines = ["| where | variant | ops | ratio to stock | extra ops per IP layer |", "|---|---|---|---|---|"]
+    for where, counts in [*layer.items(), *unet.items()]:
+        layers = counts.get("ip_layers", 1)
+        for name, n in counts.items():
+            if name == "ip_layers":
+                continue
+            extra = (n - counts["stock"]) / layers
+            lines.append(f"| {where} | {name} | {n} | {n / counts['stock']:.2f} | {extra:+.0f} |")
+    return "\n".join(lines)
+
+
+def run(latent_size: int = 64, variants: Sequence[str] = tuple(VARIANTS)) -> tuple[dict[str, Any], str]:
+    """Op counts of the attn2 layer at 320 x 4096 (base, plus) and of the UNet forward (base, plus)."""
+    layer = {
+        "attn2 320x4096, base (4 tokens)": layer_counts(320, 4096, image_tokens=4, variants=variants),
+        "attn2 320x4096, plus (16 tokens)": layer_counts(320, 4096, image_tokens=16, variants=variants),
+    }
+    unet = {
+        f"SD 1.5 UNet {latent_size}x{latent_size}, base": unet_counts(
+            latent_size=latent_size, variants=variants
+        ),
+        f"SD 1.5 UNet {latent_size}x{latent_size}, plus": unet_counts(
+            latent_size=latent_size, variant="plus", variants=variants
+        ),
+    }
+    return {"layer": layer, "unet": unet}, op_table(layer, unet)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the op-count table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--latent", type=int, default=64, help="UNet latent size (64 = 512 px)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(run(args.latent, args.variants)[1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The stacked side computation on its own: padding keys, halves, and the nulls' draws."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nw_adapter.integration.processors.side import NullDraws, layer_statistics
+from nw_adapter.integration.schema import STAT_NAMES
+
+
+def _data(seed: int = 0, keys: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 40, 16, generator=g)
+    k = torch.randn(2, 3, keys, 16, generator=g)
+    draws = NullDraws(
+        torch.randperm(40, generator=g)[:10],
+        torch.randn(2, 3, 10, keys, generator=g),
+        torch.randn(2, 3, 10, 16, generator=g),
+    )
+    return q, k, draws
+
+
+def test_padding_keys_give_the_statistics_of_the_valid_keys_alone():
+    """4 valid keys + 8 masked ones: every statistic (nulls included) equals that of the 4 keys."""
+    q, k, draws = _data()
+    valid = torch.tensor([True, False, False, True, False, True, False, False, False, True, False, False])
+    padded = torch.full((2, 3, 12, 16), 3.0)
+    padded[:, :, valid] = k
+    noise = torch.zeros(2, 3, 10, 12)
+    noise[..., valid] = draws.noise
+    padded_draws = NullDraws(draws.rows, noise, draws.directions)
+    alone, w_alone = layer_statistics(q, k, 1.3, 0.25, None, draws, halves=2)
+    masked, w_masked = layer_statistics(q, padded, 1.3, 0.25, valid.expand(2, 12), padded_draws, halves=2)
+    torch.testing.assert_close(masked, alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w_masked[..., valid], w_alone)
+    assert bool((w_masked[..., ~valid] == 0).all())
+    # without the mask the padding keys (equal, so tied) take part and change every rank statistic
+    unmasked, _ = layer_statistics(
+        q, padded, 1.3, 0.25, None, NullDraws(draws.rows, noise, draws.directions), 2
+    )
+    rho = STAT_NAMES.index("rho")
+    assert not torch.allclose(unmasked[rho], alone[rho], atol=1e-3)
+
+
+def test_halves_pool_the_batch_rows_of_each_half():
+    q, k, draws = _data(1)
+    both, _ = layer_statistics(q, k, 2.0, 0.25, None, None, halves=2)
+    for half in range(2):
+        one, _ = layer_statistics(q[half : half + 1], k[half : half + 1], 2.0, 0.25, None, None, halves=1)
+        torch.testing.assert_close(both[:, half], one[:, 0], equal_nan=True)
+    nulls = [STAT_NAMES.index(n) for n in ("rho_perm_null", "rho_norm_matched_null", "rho_spread_null")]
+    assert bool(both[nulls].isnan().all())  # no draws: nulls recorded as NaN, not as 0
+    assert all(math.isfinite(v) for v in both[STAT_NAMES.index("rho")].flatten().tolist())
