@@ -51,6 +51,8 @@ from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.schedules import noise_level, schedule_table
 from nw_adapter.integration.schema import (
+    LEGACY_NAMES,
+    NULL_STATS,
     OPTIONAL_STATS,
     RECORD_KEYS,
     SKIPPED_FIELD,
@@ -697,9 +699,9 @@ class NWRecorder:
             known = NWProcessorConfig.field_names()  # options of another version are left out
             config = NWProcessorConfig(**{k: v for k, v in document["config"].items() if k in known})
         recorder = cls(config)
+        renamed = ({LEGACY_NAMES.get(k, k): v for k, v in r.items()} for r in document["records"])
         recorder._loaded = [
-            {k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()}
-            for r in document["records"]
+            {k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()} for r in renamed
         ]
         recorder.source = {"path": str(path), "schema": schema, "config": document.get("config")}
         return recorder
@@ -722,7 +724,7 @@ class NWRecorder:
         )
 
     def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
-        """Figure of the mean rho per step against the timestep, with the band of its two nulls.
+        """Figure of the mean rho per step against the timestep, with the band of its nulls.
 
         Args:
             half: CFG half to draw (default ``cond`` if recorded, else ``all``).
@@ -742,11 +744,10 @@ class NWRecorder:
         t = [r["timestep"] for r in rows]
         fig = Figure(figsize=(4.8, 3.2))
         ax = fig.subplots()
-        perm = [r["rho_perm_null"] for r in rows]
-        norm = [r["rho_norm_null"] for r in rows]
-        ax.fill_between(t, [min(a, b) for a, b in zip(perm, norm, strict=True)],
-                        [max(a, b) for a, b in zip(perm, norm, strict=True)],
-                        color="0.6", alpha=0.35, linewidth=0, label="null band")  # fmt: skip
+        nulls = [[v for v in (r.get(name) for name in NULL_STATS) if v is not None and math.isfinite(v)]
+                 for r in rows]  # fmt: skip
+        low, high = [min(v, default=math.nan) for v in nulls], [max(v, default=math.nan) for v in nulls]
+        ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")
         ax.plot(t, [r["rho"] for r in rows], marker="o", markersize=3, label=f"rho ({half})")
         ax.set_xlim(max(t + [1000.0]), min(t + [0.0]))
         ax.set_xlabel("timestep (denoising ->)")
@@ -816,7 +817,8 @@ _SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("timestep", "{:.0f}"),
     ("rho", "{:.3f}"),
     ("rho_perm_null", "{:.3f}"),
-    ("rho_norm_null", "{:.3f}"),
+    ("rho_norm_matched_null", "{:.3f}"),
+    ("rho_spread_null", "{:.3f}"),
     ("pearson", "{:.3f}"),
     ("kl", "{:.4f}"),
     ("neff_attn", "{:.2f}"),
