@@ -224,10 +224,13 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
     elif unit["regime"] == "digits":
         splits = _feature_splits(scale.features, scale.labels)
         m_max = max(scale.support_sizes)
-        n_test = scale.digits_tasks_per_class * len(splits.test.classes)
-        base = splits.test.sample(
-            n_test, m_max, scale.digits_targets, generator=split_generator(EVAL_SEED, "test")
+        base, task_classes = splits.test.sample_per_class(
+            scale.digits_tasks_per_class,
+            m_max,
+            scale.digits_targets,
+            generator=split_generator(EVAL_SEED, "test"),
         )
+        payload["task_classes"] = task_classes
         payload["explained_variance"] = splits.explained_variance
         payload["train_classes"], payload["test_classes"] = splits.train.classes, splits.test.classes
         if unit["method"] == "plugin":
