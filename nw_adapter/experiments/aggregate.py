@@ -287,6 +287,9 @@ def aggregate(out_dir: str | Path, scale: Scale, regimes: tuple[str, ...] = REGI
     summary["p_values"] = _p_values(summary)
     summary["cpu_s_train"] = sum(r.get("train", {}).get("cpu_s", 0.0) for r in results.values())
     summary["cpu_s_eval"] = sum(r.get("eval_cpu_s", 0.0) for r in results.values())
+    summary["units_loaded_trained"] = sum(
+        1 for r in results.values() if "train" in r and r["train"]["resumed_from"] >= r["train"]["steps"]
+    )
     timing = out_dir / "timing.json"
     summary["timing"] = json.loads(timing.read_text()) if timing.exists() else {"invocations": []}
     return summary

@@ -66,7 +66,13 @@ def _markdown(summary: dict, scale: Scale) -> str:
         "Wall time per invocation: "
         + "; ".join(f"{v['wall_s']:.0f} s ({v['units_run']} units, {v['workers']} worker(s))" for v in inv)
         + f". CPU time of the finished units: train {summary['cpu_s_train']:.0f} s, "
-        f"eval {summary['cpu_s_eval']:.0f} s (wall time also depends on other load on the machine).",
+        f"eval {summary['cpu_s_eval']:.0f} s (wall time also depends on other load on the machine)."
+        + (
+            f" {summary['units_loaded_trained']} learned unit(s) loaded a finished training checkpoint from "
+            "an earlier invocation: their training time is in neither figure."
+            if summary.get("units_loaded_trained")
+            else ""
+        ),
         "",
         "MMD^2 is the unbiased estimate with the median-heuristic bandwidth of the pooled sample (the "
         "'fixed' columns use one task-only bandwidth shared by all methods); means over tasks (and seeds). "
