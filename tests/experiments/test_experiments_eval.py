@@ -97,6 +97,7 @@ def test_fixed_sigma_is_the_median_pairwise_distance_of_all_targets():
 
     from nw_adapter.experiments.evaluation import fixed_sigma
 
-    target = torch.randn(2, 10, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # 45 pairs
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(2, 10, 3, generator=gen, dtype=torch.float64)  # 45 pairs: an odd count, one median
     expected = [np.median(pdist(target[i].numpy())) for i in range(2)]
     assert np.allclose(fixed_sigma(target).numpy(), expected)
