@@ -2,17 +2,19 @@
 
 Per task: ``num_generated`` points from N(0, I) pushed through the field by Euler on
 ``time_grid(100)`` (100 points of [1e-5, 1]); unbiased MMD^2 against the task's held-out
-target points with (a) the median-heuristic bandwidth of the pooled sample and (b) a fixed
-bandwidth that depends on the task only (median pairwise distance between two halves of its
-targets), so that all methods share one kernel. Every method sees the same initial noise
+target points with (a) the median-heuristic bandwidth sigma = median pairwise distance of the
+pooled sample (generated and held-out points together, THEORY.md section 5) and (b) a fixed
+bandwidth that depends on the task only, sigma = median pairwise distance of the pooled held-out
+targets, so that all methods share one kernel. Every method sees the same initial noise
 (common random numbers), which makes the per-task comparison paired.
 
 n_eff at t = 0.56: with x1 a held-out target and z ~ N(0, I), x_t = a_t x1 + b_t z and
 n_eff = 1 / sum_i w_i(x_t)^2 of the plug-in NW posterior (query x_t / a_t, h = b_t / a_t),
 averaged over the targets of the task.
 
-benefit = (MMD^2_OFF - MMD^2_ON) / MMD^2_OFF on task-averaged MMD^2, with a paired t-test over
-training seeds (``scipy.stats.ttest_rel``) and a Wilcoxon signed-rank test over tasks.
+benefit = (MMD^2_OFF - MMD^2_ON) / MMD^2_OFF on task-averaged MMD^2. :func:`paired_tests` gives a
+paired t-test (``scipy.stats.ttest_rel``) and a Wilcoxon signed-rank test; use them only over
+independent units (see :mod:`nw_adapter.experiments.inference`).
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ def generate(field: Callable[[Tensor, Tensor], Tensor], x0: Tensor, grid: Tensor
 
 
 def fixed_sigma(target: Tensor) -> Tensor:
-    """Task-only kernel bandwidth: median pairwise distance between the two halves of ``target [B, n, d]``.
+    """Task-only kernel bandwidth: median pairwise distance of all the held-out targets ``[B, n, d]``.
+
+    The same quantity as the median heuristic (the pairs i < j of the pooled sample), computed on
+    the targets alone, so it does not depend on the method being scored.
 
     Returns:
         ``[B]``.
@@ -90,7 +95,7 @@ def fixed_sigma(target: Tensor) -> Tensor:
     n = target.shape[-2]
     if n < 4:
         raise ValueError(f"fixed_sigma needs at least 4 target points per task, got {n}.")
-    return median_heuristic_sigma(target[:, : n // 2], target[:, n // 2 :])
+    return median_heuristic_sigma(target[:, : n // 2], target[:, n // 2 :])  # pools the two halves
 
 
 def neff_on_path(tasks: TaskBatch, t: float, *, sigma_min: float, generator: torch.Generator) -> Tensor:

@@ -79,11 +79,14 @@ class AttentionRecord:
         query: Per-head queries ``[B, H, n, d_k]``.
         key: Per-head keys ``[B, H, m, d_k]``.
         weights: softmax(q k^T / sqrt(d_k)) over valid keys, ``[B, H, n, m]`` (0 on padding).
+        logits: The attention logits q k^T / sqrt(d_k), ``[B, H, n, m]`` (-inf on padding): rank
+            these, not ``weights``, whose float32 entries underflow to tied zeros.
     """
 
     query: Tensor
     key: Tensor
     weights: Tensor
+    logits: Tensor
 
 
 def broadcast_time(t: Tensor | float, x: Tensor) -> Tensor:
@@ -153,7 +156,7 @@ class CrossAttention(nn.Module):
                 logits = logits.masked_fill(~key_mask, float("-inf"))
             weights = torch.softmax(logits, dim=-1)
             out = weights @ v
-            record = AttentionRecord(q.detach(), k.detach(), weights.detach())
+            record = AttentionRecord(q.detach(), k.detach(), weights.detach(), logits.detach())
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
         b, _, n, _ = out.shape

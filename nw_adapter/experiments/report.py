@@ -1,8 +1,10 @@
-"""Aggregate unit results into report.md / report.json / PNG plots, beside the paper's numbers.
+"""Write a run folder's report.md / report.json / PNG plots, beside the paper's numbers.
 
-Every file is written to a temporary name and moved into place with ``os.replace``. Each
-expected trend gets a verdict computed from the numbers ("appeared" or "did not appear"),
-with the measured values that decided it, so the report never claims more than it shows.
+The numbers come from :func:`nw_adapter.experiments.aggregate.aggregate`. Every file is written
+to a temporary name and moved into place with ``os.replace``. Each expected trend gets a verdict
+decided from intervals (:mod:`nw_adapter.experiments.verdicts`), with the values that decided it,
+so the report never claims more than it shows; every p-value names its test and its units, and a
+closing section counts them and gives the Holm-adjusted values.
 """
 
 from __future__ import annotations
@@ -14,271 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from nw_adapter.atomic import atomic_write, atomic_write_text
-from nw_adapter.experiments.evaluation import benefit, paired_tests
+from nw_adapter.experiments.aggregate import aggregate
 from nw_adapter.experiments.scale import PAPER, REGIMES, Scale
 
 __all__ = ["aggregate", "write_report"]
-
-
-def _load(out_dir: Path) -> dict[str, dict]:
-    results = {}
-    for path in sorted((out_dir / "results").glob("*.json")):
-        results[path.stem] = json.loads(path.read_text())
-    return results
-
-
-def _mean(x) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    return float(np.mean(x)) if x.size else math.nan
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else math.nan
-
-
-def _seed_stack(results: dict, prefix: str, suffix: str, key: str) -> np.ndarray:
-    """Per-task arrays of all seeds of one configuration, ``[seeds, tasks]``."""
-    rows = [r[key] for uid, r in sorted(results.items()) if uid.startswith(prefix) and uid.endswith(suffix)]
-    return np.asarray(rows, dtype=np.float64)
-
-
-def _nanmean(values: list[float]) -> float:
-    arr = np.asarray(values, dtype=np.float64)
-    return float(np.nanmean(arr)) if np.isfinite(arr).any() else math.nan
-
-
-def _heads_summary(rows: list[dict]) -> list[dict]:
-    """Mean over layers, heads (and seeds) per t."""
-    by_t: dict[float, list[dict]] = {}
-    for r in rows:
-        by_t.setdefault(r["t"], []).append(r)
-    out = []
-    for t in sorted(by_t):
-        rs = by_t[t]
-        out.append(
-            {
-                "t": t,
-                "h_data": rs[0]["h_data"],
-                "rho_head": _nanmean([r["rho_head"] for r in rs]),
-                "rho_data": _nanmean([r["rho_data"] for r in rs]),
-                "rho_null": _nanmean([r["rho_null"] for r in rs]),
-                "rho_head_null": _nanmean([r.get("rho_head_null", math.nan) for r in rs]),
-                "key_norm_cv": _nanmean([r.get("key_norm_cv", math.nan) for r in rs]),
-                "frac_rho_data_gt_0_9": float(np.mean([r["rho_data"] > 0.9 for r in rs])),
-                "neff_attn": _nanmean([r["neff_attn"] for r in rs]),
-                "neff_data_nw": _nanmean([r["neff_data_nw"] for r in rs]),
-            }
-        )
-    return out
-
-
-def _aggregate_dims(results: dict, scale: Scale) -> dict:
-    rows = []
-    for d in scale.dims:
-        plug = results.get(f"dims-d{d}-plugin")
-        off = _seed_stack(results, f"dims-d{d}-s", "-off", "mmd2_median")
-        on = _seed_stack(results, f"dims-d{d}-s", "-on", "mmd2_median")
-        off_f = _seed_stack(results, f"dims-d{d}-s", "-off", "mmd2_fixed")
-        on_f = _seed_stack(results, f"dims-d{d}-s", "-on", "mmd2_fixed")
-        if plug is None or off.size == 0 or on.size == 0 or off.shape != on.shape:
-            continue
-        seeds_off, seeds_on = off.mean(1), on.mean(1)
-        heads = [
-            h
-            for uid, r in results.items()
-            if uid.startswith(f"dims-d{d}-s") and uid.endswith("-off")
-            for h in r.get("heads", [])
-        ]
-        rows.append(
-            {
-                "d": d,
-                "neff": _mean(plug["neff"]),
-                "mmd2_plugin": _mean(plug["mmd2_median"]),
-                "mmd2_off": float(seeds_off.mean()),
-                "mmd2_on": float(seeds_on.mean()),
-                "benefit": benefit(float(seeds_off.mean()), float(seeds_on.mean())),
-                "benefit_per_seed": [benefit(a, b) for a, b in zip(seeds_off, seeds_on, strict=True)],
-                "benefit_fixed": benefit(float(off_f.mean()), float(on_f.mean())),
-                "mmd2_fixed_plugin": _mean(plug["mmd2_fixed"]),
-                "seeds": int(off.shape[0]),
-                "test_seeds": paired_tests(seeds_off, seeds_on),
-                "test_tasks": paired_tests(off.mean(0), on.mean(0)),
-                "paper_benefit": PAPER["dims"]["benefit"].get(d),
-                "paper_neff": PAPER["dims"]["neff"].get(d),
-                "loss_last_off": _mean(
-                    [
-                        r["train"]["loss_last"]
-                        for uid, r in results.items()
-                        if uid.startswith(f"dims-d{d}-s") and uid.endswith("-off")
-                    ]
-                ),
-                "heads": _heads_summary(heads),
-            }
-        )
-    verdicts = []
-    if len(rows) >= 2:
-        ne = [r["neff"] for r in rows]
-        falls = all(a >= b for a, b in zip(ne, ne[1:], strict=False)) and ne[0] >= 3 and ne[-1] <= ne[0] / 3
-        level = (
-            f" At d={rows[-1]['d']} it is {ne[-1]:.1f}, above the paper's ~1: the level depends on the "
-            "component spread (ours: geometric-mean std 0.3-0.8, aspect 3-10), which the paper "
-            "does not state."
-            if ne[-1] > 1.5
-            else ""
-        )
-        verdicts.append(
-            {
-                "trend": "n_eff falls as d grows (monotone, at least 3x from the smallest to the largest d)",
-                "appeared": bool(falls),
-                "evidence": ", ".join(f"d={r['d']}: {r['neff']:.2f}" for r in rows) + "." + level,
-            }
-        )
-        b0, b1 = rows[0]["benefit"], rows[-1]["benefit"]
-        appeared = b0 > 0 and abs(b1) <= 0.1 and b1 < b0
-        why = ""
-        if not appeared:
-            gap = rows[-1]["mmd2_off"] / rows[-1]["mmd2_plugin"] if rows[-1]["mmd2_plugin"] > 0 else math.nan
-            why = (
-                f". At d={rows[-1]['d']} the OFF model's MMD^2 is still {gap:.1f}x the plug-in's after "
-                f"{scale.steps} training steps (paper 100k): it is not converged, so the frozen exact "
-                "head (at low n_eff it points to the nearest support point, i.e. it reproduces the "
-                "support) still helps; the paper's ~0 benefit is measured against a converged OFF model."
-            )
-        verdicts.append(
-            {
-                "trend": "exact-head benefit positive at small d and about 0 at the largest d",
-                "appeared": bool(appeared),
-                "evidence": ", ".join(f"d={r['d']}: {100 * r['benefit']:+.0f}%" for r in rows) + why,
-            }
-        )
-    return {"rows": rows, "verdicts": verdicts}
-
-
-def _aggregate_shells(results: dict, scale: Scale) -> dict:
-    rows = []
-    for d in scale.shell_dims:
-        plug = results.get(f"shells-d{d}-plugin")
-        learned = _seed_stack(results, f"shells-d{d}-s", "-off", "mmd2_median")
-        learned_f = _seed_stack(results, f"shells-d{d}-s", "-off", "mmd2_fixed")
-        if plug is None or learned.size == 0:
-            continue
-        heads = [
-            h for uid, r in results.items() if uid.startswith(f"shells-d{d}-s") for h in r.get("heads", [])
-        ]
-        lm, pm = float(learned.mean()), _mean(plug["mmd2_median"])
-        rows.append(
-            {
-                "d": d,
-                "mmd2_learned": lm,
-                "mmd2_plugin": pm,
-                "ratio": _ratio(pm, lm),
-                "ratio_fixed": _ratio(_mean(plug["mmd2_fixed"]), float(learned_f.mean())),
-                "neff": _mean(plug["neff"]),
-                "test_tasks": paired_tests(np.asarray(plug["mmd2_median"]), learned.mean(0)),
-                "paper_ratio": PAPER["shells"]["ratio"].get(d),
-                "heads": _heads_summary(heads),
-            }
-        )
-    verdicts = []
-    if rows:
-        ratios = [r["ratio"] for r in rows]
-        verdicts.append(
-            {
-                "trend": "isotropic plug-in several times (>= 2x) worse MMD^2 than the learned model",
-                "appeared": bool(all(r >= 2 for r in ratios)),
-                "evidence": ", ".join(f"d={r['d']}: {r['ratio']:.1f}x" for r in rows),
-            }
-        )
-        ne = [r["neff"] for r in rows]
-        lo, hi = PAPER["shells"]["neff"]
-        verdicts.append(
-            {
-                "trend": f"plug-in n_eff stays healthy (paper {lo}-{hi}; we call >= 3 healthy)",
-                "appeared": bool(all(n >= 3 for n in ne)),
-                "evidence": ", ".join(f"d={r['d']}: {r['neff']:.2f}" for r in rows)
-                + (
-                    ""
-                    if all(n >= 3 for n in ne)
-                    else ". Our shells (radii stratified in [2, 8], centred) give a sharper posterior at "
-                    "t = 0.56 than the paper's unreleased generator; the ratio is still a geometry effect "
-                    "(the plug-in's samples are copies of the support, the learned model fills the shells)."
-                ),
-            }
-        )
-    return {"rows": rows, "verdicts": verdicts}
-
-
-def _aggregate_digits(results: dict, scale: Scale) -> dict:
-    plug = results.get("digits-plugin")
-    learned = [r for uid, r in sorted(results.items()) if uid.startswith("digits-s")]
-    rows = []
-    if plug is not None and learned:
-        for m in scale.support_sizes:
-            key = str(m)
-            lm = np.asarray([r["per_m"][key]["mmd2_median"] for r in learned])
-            pm = np.asarray(plug["per_m"][key]["mmd2_median"])
-            lmf = np.asarray([r["per_m"][key]["mmd2_fixed"] for r in learned])
-            pmf = np.asarray(plug["per_m"][key]["mmd2_fixed"])
-            rows.append(
-                {
-                    "m": m,
-                    "mmd2_learned": float(lm.mean()),
-                    "mmd2_plugin": float(pm.mean()),
-                    "advantage": benefit(float(pm.mean()), float(lm.mean())),
-                    "advantage_fixed": benefit(float(pmf.mean()), float(lmf.mean())),
-                    "neff": _mean(plug["per_m"][key]["neff"]),
-                    "test_tasks": paired_tests(pm, lm.mean(0)),
-                    "paper_advantage": PAPER["digits"]["advantage"].get(m),
-                }
-            )
-    verdicts = []
-    if len(rows) >= 2:
-        small = [r for r in rows if r["m"] <= 10] or rows[:1]
-        best_small = max(r["advantage"] for r in small)
-        last = rows[-1]["advantage"]
-        crossover = next((r["m"] for r in rows if r["advantage"] <= 0), "none of the sizes run")
-        verdicts.append(
-            {
-                "trend": "learned model wins at small m (advantage > 0 at some m <= 10)",
-                "appeared": bool(best_small > 0),
-                "evidence": ", ".join(f"m={r['m']}: {100 * r['advantage']:+.0f}%" for r in rows),
-            }
-        )
-        verdicts.append(
-            {
-                "trend": (
-                    "plug-in catches up as m grows (advantage at the largest m below the small-m advantage)"
-                ),
-                "appeared": bool(last < best_small),
-                "evidence": (
-                    f"best small-m advantage {100 * best_small:+.0f}%, "
-                    f"at m={rows[-1]['m']}: {100 * last:+.0f}%; the plug-in first matches or beats "
-                    f"the learned model at m={crossover} (paper: m ~{PAPER['digits']['catch_up_m']})"
-                ),
-            }
-        )
-    meta = {}
-    if plug is not None:
-        meta = {k: plug.get(k) for k in ("explained_variance", "train_classes", "test_classes")}
-    return {"rows": rows, "verdicts": verdicts, "data": meta}
-
-
-def aggregate(out_dir: str | Path, scale: Scale, regimes: tuple[str, ...] = REGIMES) -> dict:
-    """Summaries of every regime present in ``out_dir/results`` (see module docstring)."""
-    out_dir = Path(out_dir)
-    results = _load(out_dir)
-    summary: dict = {"scale": scale.to_dict(), "units": len(results)}
-    if "dims" in regimes:
-        summary["dims"] = _aggregate_dims(results, scale)
-    if "shells" in regimes:
-        summary["shells"] = _aggregate_shells(results, scale)
-    if "digits" in regimes:
-        summary["digits"] = _aggregate_digits(results, scale)
-    summary["cpu_s_train"] = sum(r.get("train", {}).get("cpu_s", 0.0) for r in results.values())
-    summary["cpu_s_eval"] = sum(r.get("eval_cpu_s", 0.0) for r in results.values())
-    timing = out_dir / "timing.json"
-    summary["timing"] = json.loads(timing.read_text()) if timing.exists() else {"invocations": []}
-    return summary
 
 
 def _fmt(x, spec: str = ".4f") -> str:
@@ -291,6 +32,15 @@ def _fmt(x, spec: str = ".4f") -> str:
 
 def _pct(x) -> str:
     return "-" if x is None else ("n/a" if math.isnan(x) else f"{100 * x:+.0f}%")
+
+
+def _pct_ci(ci) -> str:
+    lo, hi = ci
+    return "n/a" if math.isnan(lo) else f"[{100 * lo:+.0f}%, {100 * hi:+.0f}%]"
+
+
+def _p(test: dict | None, key: str) -> str:
+    return "-" if not test else _fmt(test.get(key, math.nan), ".3g")
 
 
 def _verdict_lines(verdicts: list[dict]) -> list[str]:
@@ -316,7 +66,13 @@ def _markdown(summary: dict, scale: Scale) -> str:
         "Wall time per invocation: "
         + "; ".join(f"{v['wall_s']:.0f} s ({v['units_run']} units, {v['workers']} worker(s))" for v in inv)
         + f". CPU time of the finished units: train {summary['cpu_s_train']:.0f} s, "
-        f"eval {summary['cpu_s_eval']:.0f} s (wall time also depends on other load on the machine).",
+        f"eval {summary['cpu_s_eval']:.0f} s (wall time also depends on other load on the machine)."
+        + (
+            f" {summary['units_loaded_trained']} learned unit(s) loaded a finished training checkpoint from "
+            "an earlier invocation: their training time is in neither figure."
+            if summary.get("units_loaded_trained")
+            else ""
+        ),
         "",
         "MMD^2 is the unbiased estimate with the median-heuristic bandwidth of the pooled sample (the "
         "'fixed' columns use one task-only bandwidth shared by all methods); means over tasks (and seeds). "
@@ -329,18 +85,24 @@ def _markdown(summary: dict, scale: Scale) -> str:
             "",
             f"Paper: {PAPER['dims']['text']}.",
             "",
-            "| d | n_eff | paper n_eff | MMD^2 plug-in | MMD^2 OFF | MMD^2 ON | benefit | benefit (fixed) "
-            "| paper benefit | p seeds (t) | p tasks (Wilcoxon) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "benefit = (MMD^2 OFF - MMD^2 ON) / MMD^2 OFF with its 95% bootstrap interval (tasks and seeds "
+            "resampled); p seeds: paired t-test over training seeds (n = seeds); p tasks: Wilcoxon "
+            "signed-rank test over the evaluation tasks (independent draws from the family, n = tasks; "
+            "conditional on the trained models). OFF converged? = OFF MMD^2 not worse than the "
+            "training-free plug-in's.",
+            "",
+            "| d | n_eff | paper n_eff | MMD^2 plug-in | MMD^2 OFF | OFF converged? | MMD^2 ON | benefit "
+            "| 95% interval | benefit (fixed) | paper benefit | p seeds (t) | p tasks (Wilcoxon) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in summary["dims"]["rows"]:
             lines.append(
                 f"| {r['d']} | {_fmt(r['neff'], '.2f')} | {_fmt(r['paper_neff'], '.0f')} | "
                 f"{_fmt(r['mmd2_plugin'])} | {_fmt(r['mmd2_off'])} "
-                f"| {_fmt(r['mmd2_on'])} | {_pct(r['benefit'])} | "
+                f"| {'no' if r['off_unconverged'] else 'yes'} "
+                f"| {_fmt(r['mmd2_on'])} | {_pct(r['benefit'])} | {_pct_ci(r['benefit_ci'])} | "
                 f"{_pct(r['benefit_fixed'])} | {_pct(r['paper_benefit'])} "
-                f"| {_fmt(r['test_seeds']['t_p'], '.3f')} "
-                f"| {_fmt(r['test_tasks']['wilcoxon_p'], '.3g')} |"
+                f"| {_p(r['test_seeds'], 't_p')} | {_p(r['test_tasks'], 'wilcoxon_p')} |"
             )
         lines += ["", *_verdict_lines(summary["dims"]["verdicts"]), "", "![dims](dims.png)", ""]
     if "shells" in summary:
@@ -349,18 +111,21 @@ def _markdown(summary: dict, scale: Scale) -> str:
             "",
             f"Paper: {PAPER['shells']['text']}.",
             "",
-            "| d | MMD^2 learned | MMD^2 plug-in | plug-in / "
-            "learned | same, fixed sigma | paper ratio | n_eff "
-            "| p tasks (Wilcoxon) |",
-            "|---|---|---|---|---|---|---|---|",
+            "Ratio interval: 95% bootstrap (tasks and seeds resampled). p seeds: paired t-test of the "
+            "plug-in's mean against each seed's (n = seeds); p tasks: Wilcoxon signed-rank over tasks.",
+            "",
+            "| d | MMD^2 learned | MMD^2 plug-in | plug-in / learned | 95% interval | same, fixed sigma "
+            "| paper ratio | n_eff | p seeds (t) | p tasks (Wilcoxon) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in summary["shells"]["rows"]:
             lines.append(
                 f"| {r['d']} | {_fmt(r['mmd2_learned'])} | "
                 f"{_fmt(r['mmd2_plugin'])} | {_fmt(r['ratio'], '.1f')}x | "
+                f"[{_fmt(r['ratio_ci'][0], '.1f')}, {_fmt(r['ratio_ci'][1], '.1f')}] | "
                 f"{_fmt(r['ratio_fixed'], '.1f')}x | "
                 f"{_fmt(r['paper_ratio'], '.1f')} | {_fmt(r['neff'], '.2f')} | "
-                f"{_fmt(r['test_tasks']['wilcoxon_p'], '.3g')} |"
+                f"{_p(r['test_seeds'], 't_p')} | {_p(r['test_tasks'], 'wilcoxon_p')} |"
             )
         lines += ["", *_verdict_lines(summary["shells"]["verdicts"]), "", "![shells](shells.png)", ""]
     if "digits" in summary:
@@ -372,19 +137,28 @@ def _markdown(summary: dict, scale: Scale) -> str:
             f"Paper: {PAPER['digits']['text']}. Here: {source}, PCA to 16 d fitted on training classes "
             f"{data.get('train_classes')} only (explained variance "
             f"{_fmt(data.get('explained_variance'), '.2f')}), "
-            f"standardised; test classes {data.get('test_classes')}; one class = one task; supports nested "
+            f"standardised; test classes {data.get('test_classes')}, {data.get('tasks_per_class')} tasks per "
+            "class (each task: a random support and disjoint held-out points of one class); supports nested "
             "across m.",
             "",
-            "| m | MMD^2 learned | MMD^2 plug-in | learned advantage | same, fixed sigma | paper | n_eff "
-            "| p tasks (Wilcoxon) |",
-            "|---|---|---|---|---|---|---|---|",
+            "Tasks of one class share most of their points, so they are not independent: the independent "
+            "units are the test classes and the training seeds. The advantage interval resamples classes "
+            "and seeds (95% bootstrap; with 3 classes it is coarse); p classes: paired t-test over the "
+            "class means (n = classes); p seeds: paired t-test of the plug-in's mean against each seed's "
+            "(n = seeds; conditional on these classes). No test over tasks is reported (it would be "
+            "pseudo-replicated: its p-value shrinks with the number of tasks drawn per class).",
+            "",
+            "| m | MMD^2 learned | MMD^2 plug-in | learned advantage | 95% interval | per class "
+            "| same, fixed sigma | paper | n_eff | p classes (t) | p seeds (t) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in summary["digits"]["rows"]:
             lines.append(
                 f"| {r['m']} | {_fmt(r['mmd2_learned'])} | "
-                f"{_fmt(r['mmd2_plugin'])} | {_pct(r['advantage'])} | "
+                f"{_fmt(r['mmd2_plugin'])} | {_pct(r['advantage'])} | {_pct_ci(r['advantage_ci'])} | "
+                f"{' / '.join(_pct(a) for a in r.get('advantage_per_class', [])) or '-'} | "
                 f"{_pct(r['advantage_fixed'])} | {_pct(r['paper_advantage'])} | {_fmt(r['neff'], '.2f')} | "
-                f"{_fmt(r['test_tasks']['wilcoxon_p'], '.3g')} |"
+                f"{_p(r.get('test_classes'), 't_p')} | {_p(r['test_seeds'], 't_p')} |"
             )
         lines += ["", *_verdict_lines(summary["digits"]["verdicts"]), "", "![digits](digits.png)", ""]
     head_sets = _head_sets(summary)
@@ -392,27 +166,60 @@ def _markdown(summary: dict, scale: Scale) -> str:
         lines += [
             "## The learned model's cross-attention heads as NW smoothers",
             "",
-            "rho = per-row Spearman between a head's attention softmax(q k^T / sqrt(d_k)) and NW weights, "
-            "mean over rows, tasks, layers and heads (OFF models). 'head' = NW in the head's own q/k space "
-            "with the matched bandwidth h^2 = sqrt(d_k) (attention = this NW times the key prior "
-            "exp(||k||^2 / 2 sqrt(d_k)), so rho head < 1 only through unequal key norms, see key-norm CV); "
-            "'data' = the exact isotropic posterior in data space at the same x_t (h = b_t / t); "
-            "nulls = NW weights permuted per row.",
+            "rho = per-row Spearman between a head's attention logits q k^T / sqrt(d_k) and NW logits "
+            "(ranks of logits, never of float32 weights, which underflow to ties near t = 1), mean over "
+            "rows, tasks, layers and heads (OFF models). 'head' = NW in the head's own q/k space with the "
+            "matched bandwidth h^2 = sqrt(d_k). Attention = this NW times the key prior "
+            "exp(||k||^2 / 2 sqrt(d_k)), "
+            "so rho head is high BY ALGEBRA whenever key norms vary little (key-norm CV, population std): "
+            "the untrained model (same architecture and initial weights, no training) shows it too, and it "
+            "is NOT evidence of learned kernel smoothing. 'data' = the exact isotropic posterior in data "
+            "space at the same x_t (h = b_t / t): the informative comparison, ~0 for the untrained model. "
+            "Nulls = NW logits permuted per row; top-1 = share of rows whose most-attended support point is "
+            "the posterior's.",
             "",
-            "| task | t | h_data | rho head (null) | key-norm CV | rho data (null) | heads rho data > 0.9 "
-            "| n_eff attn | n_eff NW data |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| task | t | h_data | rho head (null) | untrained | key-norm CV (untrained) | rho data (null) "
+            "| untrained | top-1 data | heads rho data > 0.9 | n_eff attn | n_eff NW data |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for label, rows in head_sets:
             for h in rows:
                 lines.append(
                     f"| {label} | {h['t']:.2f} | {h['h_data']:.3f} | {h['rho_head']:.3f} "
-                    f"({h['rho_head_null']:.3f}) | {h['key_norm_cv']:.2f} | {h['rho_data']:.3f} "
-                    f"({h['rho_null']:.3f}) | {100 * h['frac_rho_data_gt_0_9']:.0f}% "
-                    f"| {h['neff_attn']:.1f} | {h['neff_data_nw']:.2f} |"
+                    f"({h['rho_head_null']:.3f}) | {_fmt(h['untrained_rho_head'], '.3f')} "
+                    f"| {h['key_norm_cv']:.2f} ({_fmt(h['untrained_key_norm_cv'], '.2f')}) "
+                    f"| {h['rho_data']:.3f} "
+                    f"({h['rho_null']:.3f}) | {_fmt(h['untrained_rho_data'], '.3f')} | {h['top1_data']:.2f} "
+                    f"| {100 * h['frac_rho_data_gt_0_9']:.0f}% | {h['neff_attn']:.1f} "
+                    f"| {h['neff_data_nw']:.2f} |"
                 )
         lines += ["", "![heads](heads.png)", ""]
+    lines += _p_value_section(summary.get("p_values", []))
     return "\n".join(lines) + "\n"
+
+
+def _p_value_section(found: list[dict]) -> list[str]:
+    """The multiple-comparison note: how many p-values, and which survive Holm at 0.05."""
+    if not found:
+        return []
+    survive = [f for f in found if f["p_holm"] < 0.05]
+    lines = [
+        "## Multiple comparisons",
+        "",
+        f"This report prints {len(found)} p-values. Read one at a time, about {0.05 * len(found):.1f} of "
+        "them would fall below 0.05 by chance if no effect existed anywhere. Holm-adjusted (family-wise "
+        f"error 0.05 over all {len(found)}), {len(survive)} remain below 0.05"
+        + (
+            ": "
+            + "; ".join(f"{f['where']} {f['test']} (p {f['p']:.3g}, Holm {f['p_holm']:.3g})" for f in survive)
+            if survive
+            else ""
+        )
+        + ". Tests over 3 seeds or 3 classes have little power: a p-value above 0.05 there is no evidence "
+        "of no effect.",
+        "",
+    ]
+    return lines
 
 
 def _head_sets(summary: dict) -> list[tuple[str, list[dict]]]:
@@ -491,12 +298,16 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
     head_sets = _head_sets(summary)
     if head_sets:
         fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
-        for label, rows in head_sets:
-            ts = [h["t"] for h in rows]
-            ax[0].plot(ts, [h["rho_head"] for h in rows], "o-", label=label)
-            ax[1].plot(ts, [h["rho_data"] for h in rows], "o-", label=label)
-        ax[0].set(xlabel="t", ylabel="rho", title="head space, matched h")
+        for i, (label, rows) in enumerate(head_sets):
+            ts, colour = [h["t"] for h in rows], f"C{i % 10}"
+            ax[0].plot(ts, [h["rho_head"] for h in rows], "o-", color=colour, label=label)
+            ax[1].plot(ts, [h["rho_data"] for h in rows], "o-", color=colour, label=label)
+            ax[0].plot(ts, [h["untrained_rho_head"] for h in rows], "x--", color=colour, alpha=0.6)
+            ax[1].plot(ts, [h["untrained_rho_data"] for h in rows], "x--", color=colour, alpha=0.6)
+        ax[0].set(xlabel="t", ylabel="rho", title="head space, matched h (high by algebra)")
         ax[1].set(xlabel="t", title="data space, exact posterior")
+        ax[0].plot([], [], "kx--", alpha=0.6, label="untrained (dashed)")
+        ax[0].legend(fontsize=7)
         ax[1].legend(fontsize=7)
         _save_fig(fig, out_dir / "heads.png")
         plt.close(fig)

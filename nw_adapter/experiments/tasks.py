@@ -427,6 +427,39 @@ class FeatureTaskFamily(TaskFamily):
             points = points @ _random_rotations((num_tasks,), self.dim, generator)
         return _split_points(points, m, mask)
 
+    def sample_per_class(
+        self, tasks_per_class: int, num_support: int, num_target: int, *, generator: torch.Generator
+    ) -> tuple[TaskBatch, list[int]]:
+        """Exactly ``tasks_per_class`` tasks from every class, in class order (evaluation tasks).
+
+        Each task is a fresh random permutation of its class's points: the first ``num_support``
+        are the support, the next ``num_target`` the targets. Tasks of one class share most of their
+        points, so they are NOT independent units: test at the level of classes (or seeds).
+
+        Returns:
+            ``(tasks [C * tasks_per_class], class label of each task)``.
+        """
+        if tasks_per_class < 1:
+            raise ValueError(f"tasks_per_class={tasks_per_class} must be >= 1.")
+        self._check(tasks_per_class * len(self.classes), num_target)
+        if num_support + num_target > self.min_class_size():
+            raise ValueError(
+                f"num_support {num_support} + num_target {num_target} exceeds the smallest class size "
+                f"{self.min_class_size()}; lower one of them."
+            )
+        rows, labels = [], []
+        for c in self.classes:
+            pts = self._points[c]
+            for _ in range(tasks_per_class):
+                rows.append(
+                    pts[torch.randperm(pts.shape[0], generator=generator)[: num_support + num_target]]
+                )
+                labels.append(c)
+        points = torch.stack(rows)
+        if self.rotate:
+            points = points @ _random_rotations((points.shape[0],), self.dim, generator)
+        return _split_points(points, num_support, None), labels
+
 
 @dataclass
 class FeatureSplits:

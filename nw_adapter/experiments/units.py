@@ -37,7 +37,7 @@ from nw_adapter.experiments.tasks import (
     make_feature_splits,
     split_generator,
 )
-from nw_adapter.experiments.training import TrainConfig, train
+from nw_adapter.experiments.training import TrainConfig, build_model, train
 
 __all__ = ["plan_units", "run_unit", "write_json_atomic", "SIGMA_MIN", "EVAL_SEED"]
 
@@ -214,14 +214,23 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
                     tasks.support[: scale.head_tasks], tasks.target[: scale.head_tasks, : scale.head_targets]
                 )
                 payload["heads"] = analyse_heads(model, head_tasks, scale.head_times, sigma_min=SIGMA_MIN)
+                # baseline: same architecture and initial weights, untrained (head-space rho is high
+                # by algebra; only what training adds over this baseline is a learned effect)
+                untrained = build_model(_model_config(scale, family.dim, False), unit["seed"])
+                payload["heads_untrained"] = analyse_heads(
+                    untrained.eval(), head_tasks, scale.head_times, sigma_min=SIGMA_MIN
+                )
         payload["eval_cpu_s"] = time.process_time() - t0
     elif unit["regime"] == "digits":
         splits = _feature_splits(scale.features, scale.labels)
         m_max = max(scale.support_sizes)
-        n_test = scale.digits_tasks_per_class * len(splits.test.classes)
-        base = splits.test.sample(
-            n_test, m_max, scale.digits_targets, generator=split_generator(EVAL_SEED, "test")
+        base, task_classes = splits.test.sample_per_class(
+            scale.digits_tasks_per_class,
+            m_max,
+            scale.digits_targets,
+            generator=split_generator(EVAL_SEED, "test"),
         )
+        payload["task_classes"] = task_classes
         payload["explained_variance"] = splits.explained_variance
         payload["train_classes"], payload["test_classes"] = splits.train.classes, splits.test.classes
         if unit["method"] == "plugin":

@@ -75,6 +75,14 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     assert [r["d"] for r in summary["dims"]["rows"]] == [2, 3]
     assert [r["m"] for r in summary["digits"]["rows"]] == [1, 3]
     assert all("appeared" in v for v in summary["dims"]["verdicts"])
+    # digits evaluation: exactly --digits-tasks-per-class tasks from each test class, tested per class
+    digits = json.loads((out / "results" / "digits-plugin.json").read_text())
+    assert digits["task_classes"] == sorted(digits["test_classes"])
+    assert all(r["test_classes"]["n"] == len(digits["test_classes"]) for r in summary["digits"]["rows"])
+    assert "test_tasks" not in summary["digits"]["rows"][0]  # no pseudo-replicated test over tasks
+    assert len(summary["p_values"]) >= 1 and "Multiple comparisons" in report
+    off = json.loads((out / "results" / "dims-d2-s0-off.json").read_text())
+    assert len(off["heads_untrained"]) == len(off["heads"]) > 0
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "results").glob("*.json")}
     # rerun: finished units are skipped, the report is rewritten
     assert main(["--out", str(out), *TINY]) == 0

@@ -90,3 +90,14 @@ def test_head_analysis_rows():
     assert rows[0]["h_data"] == pytest.approx((1 - 0.99 * 0.3) / 0.3)
     with pytest.raises(ValueError, match="times"):
         analyse_heads(model, tasks, (0.0,))
+
+
+def test_fixed_sigma_is_the_median_pairwise_distance_of_all_targets():
+    from scipy.spatial.distance import pdist
+
+    from nw_adapter.experiments.evaluation import fixed_sigma
+
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(2, 10, 3, generator=gen, dtype=torch.float64)  # 45 pairs: an odd count, one median
+    expected = [np.median(pdist(target[i].numpy())) for i in range(2)]
+    assert np.allclose(fixed_sigma(target).numpy(), expected)

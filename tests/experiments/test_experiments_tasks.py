@@ -154,3 +154,17 @@ def test_user_feature_files(tmp_path):
         load_feature_file(tmp_path / "missing.npz")
     with pytest.raises(ValueError, match="features"):
         FeatureTaskFamily(torch.zeros(5, 2), torch.zeros(4), [0])
+
+
+def test_sample_per_class_gives_exactly_that_many_tasks_of_each_class():
+    x = torch.arange(60, dtype=torch.float32)[:, None].repeat(1, 2)
+    y = torch.arange(60) // 20  # classes 0, 1, 2 with 20 points each; a point's class = its value // 20
+    fam = FeatureTaskFamily(x, y, [0, 1, 2])
+    tasks, labels = fam.sample_per_class(4, 5, 6, generator=torch.Generator().manual_seed(0))
+    assert labels == [0] * 4 + [1] * 4 + [2] * 4
+    assert tasks.support.shape == (12, 5, 2) and tasks.target.shape == (12, 6, 2)
+    for i, c in enumerate(labels):
+        pts = torch.cat([tasks.support[i], tasks.target[i]])[:, 0]
+        assert bool(((pts // 20) == c).all()) and pts.unique().numel() == 11  # one class, no shared point
+    with pytest.raises(ValueError, match="smallest class"):
+        fam.sample_per_class(1, 15, 6, generator=torch.Generator().manual_seed(0))
