@@ -416,6 +416,29 @@ def gaussian_kernel_attention(
     return out.to(out_dtype)
 
 
+_IDENTITIES: dict[tuple, Tensor] = {}
+
+
+def _scaled_identity(d: int, value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``value * I`` as a ``[1, d, d]`` bilinear weight, made once per (d, value, dtype, device)."""
+    key = (d, value, dtype, device)
+    if key not in _IDENTITIES:
+        if len(_IDENTITIES) > 64:
+            _IDENTITIES.clear()
+        _IDENTITIES[key] = (torch.eye(d, dtype=dtype, device=device) * value)[None]
+    return _IDENTITIES[key]
+
+
+def _bilinear_in_memory_order(x: Tensor, y: Tensor, weight: Tensor) -> Tensor:
+    """``F.bilinear(x, y, weight)[..., 0]`` for ``x``, ``y`` ``[..., d]`` of the same strides, computed
+    with the leading dims in memory order, so a transposed layout (a processor's head split) is
+    flattened as a view instead of copied."""
+    lead = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))
+    order = [*lead, x.dim() - 1]
+    out = F.bilinear(x.permute(order), y.permute(order), weight)[..., 0]
+    return out.permute([lead.index(i) for i in range(x.dim() - 1)])
+
+
 def gaussian_kernel_head(
     query: Tensor,
     key: Tensor,
@@ -496,7 +519,10 @@ def gaussian_kernel_head(
             scale = 1.0
         else:
             scale = 1.0 / (h * h)
-            bias = (centred * (k + k_0)).sum(dim=-1) * (-0.5 * scale)  # [..., m]
+            # bias_i = -(||k_i||^2 - ||k_0||^2) / 2h^2 = (k_i - k_0)^T W (k_i + k_0), W = -I / 2h^2:
+            # one bilinear op instead of a product, a sum and a scale (3 launches on a GPU)
+            weight = _scaled_identity(k.shape[-1], -0.5 * scale, dtype, q.device)
+            bias = _bilinear_in_memory_order(centred, k + k_0, weight)  # [..., m]
         heads = lead[-1] if len(lead) else 1
         q4, k4, v4 = (_as_4d(t.expand(*lead, *t.shape[-2:]), heads) for t in (q, centred, v))
         mask4 = _as_4d(bias.expand(*lead, m)[..., None, :], heads)

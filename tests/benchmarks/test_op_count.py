@@ -29,7 +29,7 @@ SD15_STRUCTURE = {
 }
 
 #: Extra dispatched ops per IP-Adapter layer (one softmax), measured on this code; a regression fails.
-MAX_EXTRA_PER_LAYER = {"observe": 73, "observe_no_nulls": 57, "swap": 8}
+MAX_EXTRA_PER_LAYER = {"observe": 73, "observe_no_nulls": 57, "swap": 2}
 #: The same with the Plus adapter's 16 image tokens (ranks by one sort: more, cheaper ops).
 MAX_EXTRA_PER_LAYER_PLUS = {"observe": 88, "observe_no_nulls": 72}
 
@@ -57,9 +57,9 @@ def test_unet_forward_op_ratios():
     counts = unet_counts(latent_size=8, variants=("observe", "swap"), config=SD15_STRUCTURE)
     assert counts["ip_layers"] == 16
     observe, swap = counts["observe"] / counts["stock"], counts["swap"] / counts["stock"]
-    # issue 13's targets are 2.0 (observe) and 1.05 (swap); measured here 2.45 and 1.16
+    # issue 13's targets are 2.0 (observe, missed: measured 2.44) and 1.05 (swap: measured 1.04)
     assert observe <= 2.5, counts
-    assert swap <= 1.2, counts
+    assert swap <= 1.05, counts
 
 
 def test_count_ops_runs_a_warmup_first():

@@ -8,13 +8,11 @@ The issue's target is swap <= 1.05x stock ops per UNet forward; with SD 1.5's 80
 
 from __future__ import annotations
 
-import collections
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
@@ -25,6 +23,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # `benchmarks/` is not installed
     sys.path.insert(0, ROOT)
 
+#   metadata-only ops such as _unsafe_view launch nothing and are not counted)
 from benchmarks.models import (  # noqa: E402
     TOY_UNET_CONFIG,
     attention_inputs,
@@ -32,26 +31,10 @@ from benchmarks.models import (  # noqa: E402
     build_unet,
     unet_inputs,
 )
+from benchmarks.op_count import OpCounter  # noqa: E402  (the benchmark's counter: views and
 
 #: Extra dispatched ops per IP layer that swap may cost over stock (<= 1.05x of SD 1.5's 808).
 MAX_EXTRA_PER_LAYER = 2
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts dispatched aten ops that are not views, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
 
 
 def _count(fn) -> OpCounter:
