@@ -247,12 +247,15 @@ def run_training(
     adapter_dir = write_once(stages / "adapter", adapter_stage)
 
     def assemble(path: Path) -> None:
+        # float16 files for the diffusers models (diffusers loads them as float32 unless told
+        # otherwise); the small transformers encoders stay float32, because transformers loads a
+        # float16 checkpoint as float16 by default and the pipeline would then mix dtypes.
         pipe = pipeline(with_image_encoder=False)
-        pipe.to(torch.float16).save_pretrained(path, safe_serialization=True)
-        encoder.to(torch.float16).save_pretrained(
-            path / ADAPTER_SUBFOLDER / "image_encoder", safe_serialization=True
-        )
-        encoder.to(torch.float32)
+        pipe.unet.to(torch.float16)
+        pipe.vae.to(torch.float16)
+        pipe.save_pretrained(path, safe_serialization=True)
+        pipe.vae.to(torch.float32)
+        encoder.save_pretrained(path / ADAPTER_SUBFOLDER / "image_encoder", safe_serialization=True)
         state = load_file(adapter_dir / ADAPTER_WEIGHT_NAME)
         save_file(
             {key: value.half().contiguous() for key, value in state.items()},
