@@ -2,6 +2,7 @@
 
     $ python scripts/evaluate_tiny.py quality   # class agreement on the 100 held-out references
     $ python scripts/evaluate_tiny.py rho       # rho across timesteps with its nulls (correlate CLI)
+    $ python scripts/evaluate_tiny.py training --run-dir runs/tiny   # stage table, file sizes, hashes
 
 Each command measures the model folder (default: the shipped one), writes its JSON and the
 printed table under ``--out``, and, with ``--card``, rewrites the section between the card's
@@ -105,6 +106,81 @@ def rho(model_dir: Path, out: Path, steps: int) -> str:
     )
 
 
+STAGES = (
+    ("vae", "VAE (stage 0)", "train images; MSE(x, D(z)) + 1e-4 KL, z ~ q(z|x)", "vae_steps", 2e-3, 1),
+    (
+        "image_encoder",
+        "image encoder + linear head",
+        "train images, +-2 px shifts; cross-entropy on `image_embeds`",
+        "encoder_steps",
+        2e-3,
+        2,
+    ),
+    (
+        "unet",
+        "UNet (stage 1)",
+        "train latents; epsilon MSE, caption-conditioned, 15% empty prompt",
+        "unet_steps",
+        1e-3,
+        1,
+    ),
+    (
+        "adapter",
+        "IP-Adapter only (stage 2)",
+        "(reference, target) pairs of one class; epsilon MSE, class-free prompt",
+        "adapter_steps",
+        5e-3,
+        1,
+    ),
+)
+
+
+def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
+    """The card's stage table (from ``run_dir/stages/log.json``) and its file table (sizes, SHA-256)."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    log = json.loads((run_dir / "stages" / "log.json").read_text())
+    config = log["config"]
+    rows = [
+        "| stage | trained | data and objective | steps x batch, lr | time | loss (mean of last 50 steps) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, name, objective, steps_key, lr, batch_factor in STAGES:
+        entry = log[key]
+        extra = (
+            f"; held-out accuracy {entry['held_out_accuracy']:.1%}" if "held_out_accuracy" in entry else ""
+        )
+        rows.append(
+            f"| {key} | {name} | {objective} "
+            f"| {config[steps_key]} x {batch_factor * config['batch_size']}, {lr:g} "
+            f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f}{extra} |"
+        )
+    total = sum(log[key]["seconds"] for key, *_ in STAGES)
+    rows.append(
+        f"\nTotal: {total / 60:.1f} min ({log['torch']}, {config['threads']} thread(s), "
+        f"seed {config['seed']})."
+    )
+    files = sorted(path for path in model_dir.rglob("*") if path.is_file() and path.name != "MODEL_CARD.md")
+    size = sum(path.stat().st_size for path in files)
+    adapter = load_file(model_dir / "models" / "ip-adapter_sd15.safetensors")
+    table = [
+        f"All files: {size / 2**20:.2f} MiB; "
+        f"adapter: {sum(v.numel() for v in adapter.values()):,} parameters.",
+        "",
+        "| file | bytes | SHA-256 |",
+        "|---|---|---|",
+    ]
+    for path in files:
+        if path.suffix == ".safetensors":
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            table.append(
+                f"| `{path.relative_to(model_dir)}` | {path.stat().st_size:,} | `{digest[:16]}...` |"
+            )
+    return "\n".join(rows), "\n".join(table)
+
+
 def replace_section(card: Path, name: str, body: str) -> None:
     """Replace the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in ``card``."""
     from nw_adapter.atomic import atomic_write_text
@@ -122,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_digits import SHIPPED_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("quality", "rho"))
+    parser.add_argument("what", choices=("quality", "rho", "training"))
+    parser.add_argument(
+        "--run-dir", type=Path, default=Path("runs/tiny"), help="training: train_tiny.py --out"
+    )
     parser.add_argument("--model-dir", type=Path, default=SHIPPED_DIR, help="model folder (default: shipped)")
     parser.add_argument("--out", type=Path, default=Path("runs/tiny_eval"), help="output folder")
     parser.add_argument("--steps", type=int, default=25, help="rho: denoising steps (default 25)")
