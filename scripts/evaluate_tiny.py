@@ -19,10 +19,9 @@ from pathlib import Path
 
 QUALITY_SETTINGS = (
     # (ip_scale, guidance_scale, steps): the CLI's default guidance at the quickstart's 25 steps,
-    # the IP-scale-0 control, and a lower guidance for comparison.
+    # and the IP-scale-0 control.
     (1.0, 7.5, 25),
     (0.0, 7.5, 25),
-    (1.0, 3.0, 25),
 )
 
 
@@ -212,11 +211,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    body = (
-        quality(args.model_dir, args.out)
-        if args.what == "quality"
-        else rho(args.model_dir, args.out, args.steps)
-    )
+    if args.what == "training":
+        stages, files = training(args.run_dir, args.model_dir)
+        print(stages + "\n\n" + files)
+        if args.card is not None:
+            replace_section(args.card, "training", stages)
+            replace_section(args.card, "files", files)
+        return 0
+    if args.what == "quality":
+        body = quality(args.model_dir, args.out)
+    else:
+        body = rho(args.model_dir, args.out, args.steps)
     print(body)
     if args.card is not None:
         replace_section(args.card, args.what, body)

@@ -48,7 +48,7 @@ class TrainingConfig:
     vae_steps: int = 300
     encoder_steps: int = 400
     unet_steps: int = 1200
-    adapter_steps: int = 250
+    adapter_steps: int = 600
     batch_size: int = 32
     threads: int = 1  # one thread: on a shared machine, more threads spin against each other
     max_train_images: int | None = None  # None: the whole training split
