@@ -6,9 +6,10 @@ All three go through the same standard diffusers calls::
     pipe.load_ip_adapter(ip_adapter, subfolder=subfolder, weight_name=weight_name)
 
 ``model`` and ``ip_adapter`` are Hub repository ids (read from the Hugging Face cache, or
-downloaded), local folders, or ``"tiny"``: the embedded tiny model of :mod:`nw_adapter.models.tiny`,
-written once into a cache folder (``$NW_ADAPTER_CACHE``, else ``$XDG_CACHE_HOME/nw_adapter``,
-else ``~/.cache/nw_adapter``) and then loaded like any local folder.
+downloaded), local folders, or ``"tiny"``: the trained tiny digits model shipped in the package
+(:mod:`nw_adapter.models.tiny_digits`), loaded like any local folder. :func:`ensure_tiny_models`
+still writes the random-weight tiny models of :mod:`nw_adapter.models.tiny` (for tests) into a
+cache folder (``$NW_ADAPTER_CACHE``, else ``$XDG_CACHE_HOME/nw_adapter``, else ``~/.cache/nw_adapter``).
 
 Every failure becomes a :class:`ModelLoadError` with one line saying what to do.
 """
@@ -138,7 +139,7 @@ def _model_class_name(model: str) -> str | None:
 
 
 def resolve_spec(spec: ModelSpec) -> ModelSpec:
-    """Replace ``tiny`` by cache folders and fill the adapter defaults.
+    """Replace ``tiny`` by the shipped trained model's folder and fill the adapter defaults.
 
     Raises:
         ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
@@ -151,7 +152,9 @@ def resolve_spec(spec: ModelSpec) -> ModelSpec:
         return flow_spec
     model, adapter = spec.model, spec.ip_adapter
     if model == TINY or adapter == TINY:
-        tiny_model, tiny_adapter = ensure_tiny_models()
+        from nw_adapter.models.tiny_digits import SHIPPED_DIR  # the trained model shipped in the package
+
+        tiny_model = tiny_adapter = SHIPPED_DIR
         model = str(tiny_model) if model == TINY else model
         adapter = str(tiny_adapter) if adapter in (TINY, None) else adapter
     adapter = adapter or DEFAULT_IP_ADAPTER

@@ -335,21 +335,20 @@ def test_maps_and_x0_previews_do_not_change_the_generation(baseline, photos, mod
     assert not list((out / "images" / key).glob("x0_step*.png"))
 
 
-def test_model_tiny_builds_once_and_matches_the_fixture_model(
-    tmp_path, photos, baseline, monkeypatch, capsys
-) -> None:
+def test_model_tiny_runs_the_shipped_trained_model(tmp_path, photos, monkeypatch, capsys) -> None:
+    """``--model tiny`` loads the trained digits model shipped in the package (nothing is written
+    to the cache; the random builders serve the fixtures only)."""
+    from PIL import Image
+
     monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     code, stdout, err = run(
         ["--image", photos["flower"], "--model", "tiny", *BASE, "--quiet", "--out", out], capsys
     )
     assert code == 0 and err == ""  # --quiet: no progress bars, no notes
-    assert (tmp_path / "cache").is_dir() and stdout.splitlines()[-1].startswith("verdict:")
+    assert not (tmp_path / "cache").exists() and stdout.splitlines()[-1].startswith("verdict:")
     report = json.loads((out / "rho.json").read_text())
     assert report["config"]["model"]["model"] == "tiny" and report["config"]["model"]["ip_adapter"] == "tiny"
     key = key_of(report, "flower")
-    same = (out / "images" / key / "generated.png").read_bytes()
-    assert same == (baseline["out"] / "images" / key / "generated.png").read_bytes()
-    base = json.loads((baseline["out"] / "rho.json").read_text())
-    base_flower = [r for r in base["records"] if r["reference"] == key]
-    assert report["records"] == base_flower  # same tiny weights through the same loading path
+    assert Image.open(out / "images" / key / "generated.png").size == (32, 32)
+    assert report["records"]

@@ -1,0 +1,61 @@
+"""Pieces every training stage shares: seeding, batches, the optimiser loop with a progress bar."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["train_loop"]
+
+
+def train_loop(
+    parameters: Iterable[torch.nn.Parameter],
+    loss_fn: Callable[[int], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    description: str,
+    progress: bool = True,
+    weight_decay: float = 0.0,
+) -> list[float]:
+    """Minimise ``loss_fn(step)`` with AdamW and a cosine learning-rate decay.
+
+    Args:
+        parameters: The trained parameters (all others must be frozen by the caller).
+        loss_fn: Builds the scalar loss of one step from its index (it samples its own batch).
+        steps: Number of optimiser steps.
+        lr: Peak learning rate (100 warm-up steps at most, then cosine decay to 0).
+        description: Progress-bar label.
+        progress: Whether to show a ``tqdm`` progress bar (on stderr).
+        weight_decay: AdamW weight decay.
+
+    Returns:
+        The loss of every step (floats, read once per step for the progress bar and the log).
+    """
+    from tqdm.auto import tqdm
+
+    parameters = list(parameters)
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    warmup = min(100, max(steps // 10, 1))
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (
+            1.0 + torch.cos(torch.tensor(torch.pi * (step - warmup) / max(steps - warmup, 1))).item()
+        )
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    losses = []
+    bar = tqdm(range(steps), desc=description, disable=not progress, leave=True)
+    for step in bar:
+        loss = loss_fn(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses

@@ -1,0 +1,102 @@
+"""The shipped trained tiny model: layout, size, ``--model tiny``, and class agreement (a sample)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from scipy.stats import binom
+
+from nw_adapter.models.digits_data import DigitSplit, load_digit_splits
+from nw_adapter.models.tiny_digits import (
+    ADAPTER_SUBFOLDER,
+    ADAPTER_WEIGHT_NAME,
+    SHIPPED_DIR,
+    example_image_path,
+)
+
+SAMPLE_PER_CLASS = 2  # 20 held-out references
+SAMPLE_STEPS = 25  # the quickstart's steps; at 10 PNDM steps the class is mostly lost
+CHANCE = 0.1
+ALPHA = 0.01
+ABOVE_CHANCE_ALPHA = 1e-3
+
+
+def _sample() -> DigitSplit:
+    part = load_digit_splits()["reference"]
+    rows = np.concatenate([np.flatnonzero(part.labels == digit)[:SAMPLE_PER_CLASS] for digit in range(10)])
+    return DigitSplit(part.images[rows], part.labels[rows], part.indices[rows])
+
+
+@pytest.fixture(scope="module")
+def shipped_pipe():
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(SHIPPED_DIR)
+    pipe.load_ip_adapter(SHIPPED_DIR, subfolder=ADAPTER_SUBFOLDER, weight_name=ADAPTER_WEIGHT_NAME)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_shipped_folder_layout_and_size():
+    files = [path for path in SHIPPED_DIR.rglob("*") if path.is_file()]
+    assert sum(path.stat().st_size for path in files) <= 10 * 2**20
+    for name in (
+        "model_index.json",
+        "unet/config.json",
+        "vae/config.json",
+        "text_encoder/config.json",
+        "tokenizer/tokenizer_config.json",
+        "scheduler/scheduler_config.json",
+        "feature_extractor/preprocessor_config.json",
+        "models/image_encoder/config.json",
+        f"models/{ADAPTER_WEIGHT_NAME}",
+        "MODEL_CARD.md",
+    ):
+        assert (SHIPPED_DIR / name).is_file(), name
+    assert all(example_image_path(digit).is_file() for digit in range(10))
+    unet = load_file(SHIPPED_DIR / "unet" / "diffusion_pytorch_model.safetensors")
+    assert {value.dtype for value in unet.values()} == {torch.float16}
+
+
+def test_model_tiny_loads_the_shipped_weights():
+    from nw_adapter.correlate.loading import ModelSpec, build_pipeline, resolve_spec
+
+    spec = resolve_spec(ModelSpec(model="tiny", ip_adapter="tiny"))
+    assert spec.model == str(SHIPPED_DIR) and spec.ip_adapter == str(SHIPPED_DIR)
+    pipe = build_pipeline(spec, device="cpu")
+    shipped = load_file(SHIPPED_DIR / "unet" / "diffusion_pytorch_model.safetensors")
+    loaded = pipe.unet.state_dict()
+    assert all(torch.equal(loaded[key], value.float()) for key, value in shipped.items())
+    adapter = load_file(SHIPPED_DIR / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
+    projection = pipe.unet.encoder_hid_proj.image_projection_layers[0].image_embeds.weight
+    assert torch.equal(projection, adapter["image_proj.proj.weight"].float())
+
+
+def _agreed(pipe, ip_scale: float) -> tuple[int, int]:
+    from nw_adapter.models.digits_quality import fit_judge, measure_agreement
+
+    judge = fit_judge(load_digit_splits()["judge"])
+    result = measure_agreement(
+        pipe, judge, _sample(), ip_scale=ip_scale, guidance_scale=7.5, steps=SAMPLE_STEPS
+    )
+    return result.agreed, result.n
+
+
+def test_generations_keep_the_reference_class_above_chance(shipped_pipe):
+    """IP scale 1, guidance 7.5: the agreement on 20 references must clear chance with a one-sided
+    binomial test at level 1e-3 (at least ``k_min`` of 20). The model card's full-scale figure is 50%
+    (100 references), below the issue's 80% target: this checks the adapter carries the class at all,
+    not the 80% claim, which these weights do not meet."""
+    agreed, n = _agreed(shipped_pipe, ip_scale=1.0)
+    k_min = int(binom.isf(ABOVE_CHANCE_ALPHA, n, CHANCE)) + 1  # smallest k with P(X >= k | chance) < alpha
+    assert binom.sf(k_min - 1, n, CHANCE) < ABOVE_CHANCE_ALPHA <= binom.sf(k_min - 2, n, CHANCE)
+    assert agreed >= k_min, f"{agreed}/{n} generations kept the reference's class (need {k_min})"
+
+
+def test_without_the_adapter_the_class_is_at_chance(shipped_pipe):
+    """IP scale 0: the prompt carries no class, so agreement must stay within chance's upper quantile."""
+    agreed, n = _agreed(shipped_pipe, ip_scale=0.0)
+    k_max = int(binom.ppf(1 - ALPHA, n, CHANCE))
+    assert agreed <= k_max, f"{agreed}/{n} agree at IP scale 0 (chance allows {k_max})"
