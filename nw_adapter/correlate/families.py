@@ -150,7 +150,7 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
     Raises:
         ModelLoadError: a local adapter folder without the weight file, or ``--ip-adapter tiny``.
     """
-    from nw_adapter.correlate.loading import ModelLoadError, ModelSpec
+    from nw_adapter.correlate.loading import ModelLoadError, ModelSpec, write_tiny_cache
 
     name = family_of_model(spec.model)
     if name == UNET:
@@ -158,13 +158,9 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
     family = FAMILIES[name]
     model, adapter, encoder = spec.model, spec.ip_adapter, spec.image_encoder
     if model == family.tiny:
-        try:
-            model_dir, adapter_dir, encoder_dir = ensure_tiny_flow_models(family, cache)
-        except OSError as exc:
-            raise ModelLoadError(
-                f"--model {family.tiny}: cannot write the tiny model to '{cache}' "
-                f"({' '.join(str(exc).split())}); set NW_ADAPTER_CACHE to a writable folder"
-            ) from None
+        model_dir, adapter_dir, encoder_dir = write_tiny_cache(
+            family.tiny, cache, lambda: ensure_tiny_flow_models(family, cache)
+        )
         model = str(model_dir)
         if adapter is None:
             adapter, encoder = str(adapter_dir), encoder or str(encoder_dir)

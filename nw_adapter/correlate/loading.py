@@ -7,9 +7,10 @@ All three go through the same standard diffusers calls::
 
 ``model`` and ``ip_adapter`` are Hub repository ids (read from the Hugging Face cache, or
 downloaded), local folders, or ``"tiny"``: the trained tiny digits model shipped in the package
-(:mod:`nw_adapter.models.tiny_digits`), loaded like any local folder. :func:`ensure_tiny_models`
-still writes the random-weight tiny models of :mod:`nw_adapter.models.tiny` (for tests) into a
-cache folder (``$NW_ADAPTER_CACHE``, else ``$XDG_CACHE_HOME/nw_adapter``, else ``~/.cache/nw_adapter``).
+(:mod:`nw_adapter.models.tiny_digits`), loaded like any local folder. The random-weight tiny SD 3.5
+and Flux models (``tiny-sd3``, ``tiny-flux``) are written once into a cache folder
+(``$NW_ADAPTER_CACHE``, else ``$XDG_CACHE_HOME/nw_adapter``, else ``~/.cache/nw_adapter``) by
+:func:`write_tiny_cache`.
 
 Every failure becomes a :class:`ModelLoadError` with one line saying what to do.
 """
@@ -19,9 +20,10 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 DEFAULT_IP_ADAPTER = "h94/IP-Adapter"
@@ -96,32 +98,32 @@ def tiny_cache_dir() -> Path:
     return Path(base) / "nw_adapter"
 
 
-def ensure_tiny_models(cache: Path | None = None, *, seed: int = 0) -> tuple[Path, Path]:
-    """Write the tiny SD 1.5 pipeline and IP-Adapter folders once and return them.
+_T = TypeVar("_T")
+
+
+def write_tiny_cache(model: str, root: Path, build: Callable[[], _T]) -> _T:
+    """Run ``build``, which writes tiny-model folders under ``root``, with one-line errors.
 
     Args:
-        cache: Cache folder (default :func:`tiny_cache_dir`).
-        seed: Seed of the random weights (part of the folder name, with the builders'
-            source fingerprint, so a changed builder never reuses a stale cache).
+        model: the ``--model`` value (named in the message).
+        root: the cache folder being written.
+        build: writes the folders (:func:`nw_adapter.models.tiny.write_once`, atomic) and returns
+            what the caller needs.
 
-    Returns:
-        ``(model_dir, ip_adapter_dir)``.
+    Raises:
+        ModelLoadError: the folders cannot be written (a full disk or a file-size limit in
+            safetensors is a ``SafetensorError``, not an ``OSError``: both are caught).
     """
     from safetensors import SafetensorError
 
-    from nw_adapter.models.tiny import builder_fingerprint, save_tiny_ip_adapter, save_tiny_sd15, write_once
-
-    root = (cache or tiny_cache_dir()) / f"tiny-{builder_fingerprint()}-seed{seed}"
     try:
-        model_dir = write_once(root / "sd15", lambda p: save_tiny_sd15(p, seed=seed))
-        adapter_dir = write_once(root / "ip-adapter", lambda p: save_tiny_ip_adapter(p, seed=seed))
-    except (OSError, SafetensorError) as exc:  # a full disk in safetensors is not an OSError
+        return build()
+    except (OSError, SafetensorError) as exc:
         reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
         raise ModelLoadError(
-            f"--model tiny: cannot write the tiny model to '{root}' ({reason[:200]}); "
+            f"--model {model}: cannot write the tiny model to '{root}' ({reason[:200]}); "
             "free space or set NW_ADAPTER_CACHE to a writable folder"
         ) from None
-    return model_dir, adapter_dir
 
 
 def _is_local(name: str) -> bool:

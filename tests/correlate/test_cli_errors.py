@@ -303,14 +303,15 @@ def test_tiny_cache_write_failure_from_safetensors_is_one_line(
 ) -> None:
     from safetensors import SafetensorError
 
-    import nw_adapter.models.tiny as tiny
+    import nw_adapter.models.tiny_flow as tiny_flow
 
     def full_disk(path, **kwargs):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
-    monkeypatch.setattr(tiny, "save_tiny_sd15", full_disk)
+    # --model tiny is shipped in the package; the tiny SD 3.5 model is the one written to the cache
+    monkeypatch.setattr(tiny_flow, "save_tiny_sd3", full_disk)
     monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
-    code, _, err = run_main(["--image", good_image, "--model", "tiny", "--out", tmp_path / "out"], capsys)
+    code, _, err = run_main(["--image", good_image, "--model", "tiny-sd3", "--out", tmp_path / "out"], capsys)
     assert_one_line_error(code, err, "cannot write the tiny model", "StorageFull", "NW_ADAPTER_CACHE")
 
 
@@ -433,7 +434,7 @@ def test_file_size_limit_while_writing_the_tiny_model_is_one_line(tmp_path: Path
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))\n"
         "from nw_adapter.correlate.cli import main\n"
-        f"sys.exit(main(['--image', {str(good_image)!r}, '--model', 'tiny', '--steps', '1', "
+        f"sys.exit(main(['--image', {str(good_image)!r}, '--model', 'tiny-sd3', '--steps', '1', "
         f"'--out', {str(tmp_path / 'out')!r}]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "NW_ADAPTER_CACHE": str(tmp_path / "cache")}
