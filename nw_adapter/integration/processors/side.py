@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from nw_adapter.core import bandwidth as bw
 from nw_adapter.core import metrics
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.recorder import StepState
+from nw_adapter.integration.recorder import NWRecorder, StepState
 
 _LOG = logging.getLogger(__name__)
 
@@ -419,6 +419,44 @@ def _run_and_count_launches(function: Callable[..., Any], *args: Any) -> tuple[A
         body = code.split("def call(", 1)[-1].split("\ndef ", 1)[0]
         launches += sum(1 for line in body.splitlines() if _LAUNCH.match(line))
     return out, launches
+
+
+def store_maps(
+    recorder: NWRecorder,
+    config: NWProcessorConfig,
+    *,
+    layer: str,
+    heads: tuple[int, ...],
+    adapter: int,
+    image: int,
+    attn_w: torch.Tensor,
+    nw_w: torch.Tensor,
+) -> None:
+    """Hand A and W ``[B, H, N, M]`` of one softmax to the recorder as bounded maps.
+
+    Keeps the heads of ``config.map_heads`` (positions in ``heads``, the recorded head indices),
+    averages them with ``map_head_mean``, pools the query rows by ``map_downsample`` over the
+    latent grid (:func:`pool_query_rows`) and casts to ``map_dtype``, every processor family alike.
+    """
+    keep = heads if config.map_heads is None else tuple(h for h in heads if h in config.map_heads)
+    if not keep:
+        return
+    positions = tuple(heads.index(h) for h in keep)
+    device = attn_w.device
+    pos = _cached(("map heads", positions, device), lambda: torch.tensor(positions, device=device))
+    pair, grid = [], None
+    for m in (attn_w.index_select(1, pos), nw_w.index_select(1, pos)):
+        if config.map_head_mean:
+            m = m.mean(dim=1, keepdim=True)
+        if config.map_downsample > 1:
+            m, grid = pool_query_rows(m, config.map_downsample, recorder.state.latent_hw)
+        pair.append(m.to(getattr(torch, config.map_dtype)))
+    meta = {
+        "heads": "mean" if config.map_head_mean else ",".join(map(str, keep)),
+        "downsample": str(config.map_downsample),
+        "grid": "" if grid is None else f"{grid[0]}x{grid[1]}",
+    }
+    recorder.add_maps(layer=layer, adapter=adapter, image=image, attn=pair[0], nw=pair[1], meta=meta)
 
 
 def pool_query_rows(

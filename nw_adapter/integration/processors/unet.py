@@ -324,32 +324,10 @@ class _NWProcessorMixin:
                 stats=stats,
             )
             if want_maps:
-                self._store_maps(attn_w, nw_w, heads, g)
-
-    def _store_maps(
-        self, attn_w: torch.Tensor, nw_w: torch.Tensor, heads: tuple[int, ...], g: _Group
-    ) -> None:
-        rec, cfg = self.recorder, self.nw_config
-        keep = heads if cfg.map_heads is None else tuple(h for h in heads if h in cfg.map_heads)
-        if not keep:
-            return
-        pos = self._index(tuple(heads.index(h) for h in keep), attn_w.device)
-        maps = []
-        grid = None
-        for m in (attn_w.index_select(1, pos), nw_w.index_select(1, pos)):
-            if cfg.map_head_mean:
-                m = m.mean(dim=1, keepdim=True)
-            if cfg.map_downsample > 1:
-                m, grid = side.pool_query_rows(m, cfg.map_downsample, rec.state.latent_hw)
-            maps.append(m.to(getattr(torch, cfg.map_dtype)))
-        meta = {
-            "heads": "mean" if cfg.map_head_mean else ",".join(map(str, keep)),
-            "downsample": str(cfg.map_downsample),
-            "grid": "" if grid is None else f"{grid[0]}x{grid[1]}",
-        }
-        rec.add_maps(
-            layer=self.layer_name, adapter=g.adapter, image=g.image, attn=maps[0], nw=maps[1], meta=meta
-        )
+                side.store_maps(
+                    rec, cfg, layer=self.layer_name, heads=heads, adapter=g.adapter, image=g.image,
+                    attn_w=attn_w, nw_w=nw_w,
+                )
 
 
 class NWIPAdapterAttnProcessor2_0(_NWProcessorMixin, IPAdapterAttnProcessor2_0):
