@@ -149,6 +149,9 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
         extra = (
             f"; held-out accuracy {entry['held_out_accuracy']:.1%}" if "held_out_accuracy" in entry else ""
         )
+        lr = config.get(f"{key}_lr", lr)  # a stage whose learning rate is a config field
+        if key == "unet" and config.get("train_text_encoder"):
+            name = "UNet + text encoder (stage 1)"
         rows.append(
             f"| {key} | {name} | {objective} "
             f"| {config[steps_key]} x {batch_factor * config['batch_size']}, {lr:g} "

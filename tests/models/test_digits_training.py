@@ -114,6 +114,43 @@ def test_vae_stage_is_deterministic_with_its_seed():
     assert vae_a.config.scaling_factor == vae_b.config.scaling_factor > 0
 
 
+def test_stage1_can_train_the_text_encoder_jointly(tmp_path):
+    """``train_unet(text_encoder=...)`` encodes each batch's token ids through the encoder and
+    updates it (the default stage 1 keeps it frozen and reads fixed caption states)."""
+    from transformers import CLIPTokenizer
+
+    from nw_adapter.models.training.diffusion import train_unet
+
+    tokenizer = CLIPTokenizer.from_pretrained(save_tokenizer(tmp_path / "tokenizer"))
+    captions = [list(class_captions(digit)) for digit in range(10)]
+    ids = tokenizer(
+        sum(captions, []) + [""], padding="max_length", max_length=77, truncation=True, return_tensors="pt"
+    ).input_ids
+    caption_ids, empty_ids = ids[:-1].unflatten(0, (10, -1)), ids[-1:]
+    torch.manual_seed(0)
+    text_encoder = build_text_encoder().eval()
+    before = {key: value.clone() for key, value in text_encoder.state_dict().items()}
+    latents = torch.randn(8, 4, 8, 8)
+    labels = torch.arange(8) % 10
+    unet, losses = train_unet(
+        latents,
+        labels,
+        None,
+        None,
+        steps=2,
+        batch_size=4,
+        seed=3,
+        text_encoder=text_encoder,
+        caption_ids=caption_ids,
+        empty_ids=empty_ids,
+        progress=False,
+    )
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    after = text_encoder.state_dict()
+    assert any(not torch.equal(before[key], after[key]) for key in before)
+    assert not text_encoder.training and not any(p.requires_grad for p in text_encoder.parameters())
+
+
 def test_quick_training_runs_every_stage_and_loads_the_standard_way(tmp_path):
     """The smoke run of scripts/train_tiny.py: every stage, then from_pretrained + load_ip_adapter."""
     from diffusers import StableDiffusionPipeline

@@ -48,6 +48,8 @@ class TrainingConfig:
     vae_steps: int = 300
     encoder_steps: int = 400
     unet_steps: int = 1200
+    unet_lr: float = 1e-3
+    train_text_encoder: bool = False  # stage 1 also trains the (randomly initialised) text encoder
     adapter_steps: int = 600
     batch_size: int = 32
     threads: int = 1  # one thread: on a shared machine, more threads spin against each other
@@ -73,17 +75,21 @@ def _pil_images(images):
     return [Image.fromarray(image) for image in images]
 
 
-def _text_states(tokenizer, text_encoder, prompts: list[str]) -> torch.Tensor:
-    """``(len(prompts), 77, 32)``: the states ``StableDiffusionPipeline.encode_prompt`` conditions on."""
-    ids = tokenizer(
+def _token_ids(tokenizer, prompts: list[str]) -> torch.Tensor:
+    """``(len(prompts), 77)``: the token ids ``StableDiffusionPipeline.encode_prompt`` builds."""
+    return tokenizer(
         prompts,
         padding="max_length",
         max_length=tokenizer.model_max_length,
         truncation=True,
         return_tensors="pt",
     ).input_ids
+
+
+def _text_states(tokenizer, text_encoder, prompts: list[str]) -> torch.Tensor:
+    """``(len(prompts), 77, 32)``: the states ``StableDiffusionPipeline.encode_prompt`` conditions on."""
     with torch.no_grad():
-        return text_encoder(ids)[0]
+        return text_encoder(_token_ids(tokenizer, prompts))[0]
 
 
 def _save_fp32(model, path: Path) -> None:
@@ -189,12 +195,17 @@ def run_training(
         captions = [list(class_captions(digit)) for digit in range(10)]
         caption_embeds = _text_states(tokenizer, text_encoder, sum(captions, [])).unflatten(0, (10, -1))
         empty = _text_states(tokenizer, text_encoder, [""])
+        caption_ids = _token_ids(tokenizer, sum(captions, [])).unflatten(0, (10, -1))
         unet, losses = train_unet(
             latents,
             labels,
             caption_embeds,
             empty,
             steps=config.unet_steps,
+            lr=config.unet_lr,
+            text_encoder=text_encoder if config.train_text_encoder else None,
+            caption_ids=caption_ids,
+            empty_ids=_token_ids(tokenizer, [""]),
             batch_size=config.batch_size,
             seed=config.seed + 40,
             progress=progress,
