@@ -17,7 +17,6 @@ recorder.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,13 +26,9 @@ import torch
 from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import side
-from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder
+from nw_adapter.integration.recorder import NWRecorder
 
 HALF_LABELS = {1: ("all",), 2: ("uncond", "cond")}
-
-# Whether side.softmax_statistics averages the CFG halves itself (its `halves` argument, added by
-# the statistics rewrite); without it the statistics come per batch row and are averaged here.
-_POOLS_HALVES = "halves" in inspect.signature(side.softmax_statistics).parameters
 
 
 class FlowNWProcessorBase:
@@ -170,13 +165,10 @@ class FlowNWProcessorBase:
             k,
             scale=scale,
             bandwidth=lambda a: self._bandwidth(q, k, a, scale),
-            q_norm=q.norm(dim=-1).mean(dim=-1),
             config=cfg,
             generator=rec.generator(q.device) if cfg.nulls else None,
-            **({"halves": n} if _POOLS_HALVES else {}),
+            halves=n,
         )
-        if stats.shape[1] != n:  # per batch row [S, B, H]: average within each half
-            stats = stats.view(len(STAT_NAMES), n, batch // n, len(heads)).nanmean(dim=2)
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         rec.add(
             layer=self.layer_name,

@@ -298,7 +298,6 @@ def softmax_statistics(
     *,
     scale: float,
     bandwidth: Callable[[torch.Tensor | None], torch.Tensor | float],
-    q_norm: torch.Tensor | None = None,
     config: NWProcessorConfig,
     generator: torch.Generator | None,
     valid: torch.Tensor | None = None,
@@ -315,8 +314,6 @@ def softmax_statistics(
         scale: s, the stock softmax scale.
         bandwidth: ``A or None -> h`` (a float or ``[B, H]``), see :func:`resolve_bandwidth`
             (called with None: the data-dependent rules form A themselves).
-        q_norm: unused (kept for callers of the previous signature; the mean query norm is a
-            row statistic of :func:`layer_statistics`).
         config: ``nulls``, ``null_rows`` and ``compile`` are read.
         generator: the seeded generator of the nulls (``None`` when ``config.nulls`` is off).
         valid: optional bool ``[B, M]`` mask of the keys that take part.

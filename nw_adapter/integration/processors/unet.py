@@ -57,8 +57,6 @@ from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import side
 from nw_adapter.integration.recorder import NWRecorder
 
-HALF_LABELS = {1: ("all",), 2: ("uncond", "cond")}
-
 
 def _is_zero(scale: float | Sequence[float]) -> bool:
     if isinstance(scale, (list, tuple)):
