@@ -129,7 +129,8 @@ def _tiny_tokenizer(path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _text_encoder_config(hidden_size: int, vocab_size: int = 256):
+def text_encoder_config(hidden_size: int, vocab_size: int = 256):
+    """Config of the small random CLIP text encoders of every tiny model (2 layers, 4 heads)."""
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
@@ -197,7 +198,7 @@ def save_tiny_sd15(path: str | os.PathLike, *, seed: int = 0) -> Path:
         norm_num_groups=32,
     )
     vae = _tiny_vae()
-    text_encoder = CLIPTextModel(_text_encoder_config(_TEXT_HIDDEN))
+    text_encoder = CLIPTextModel(text_encoder_config(_TEXT_HIDDEN))
     _tiny_tokenizer(path / "tokenizer")
     from transformers import CLIPTokenizer
 
@@ -247,8 +248,8 @@ def save_tiny_sdxl(path: str | os.PathLike, *, seed: int = 0) -> Path:
         use_linear_projection=True,
     )
     vae = _tiny_vae()
-    text_encoder = CLIPTextModel(_text_encoder_config(hidden_1))
-    text_encoder_2 = CLIPTextModelWithProjection(_text_encoder_config(hidden_2))
+    text_encoder = CLIPTextModel(text_encoder_config(hidden_1))
+    text_encoder_2 = CLIPTextModelWithProjection(text_encoder_config(hidden_2))
     _tiny_tokenizer(path / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
     pipe = StableDiffusionXLPipeline(

@@ -110,20 +110,11 @@ def build_unet():
 
 def build_text_encoder():
     """A small random ``CLIPTextModel`` (2 layers, width 32) for the character-level tokenizer."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
-    config = CLIPTextConfig(
-        hidden_size=CROSS_ATTENTION_DIM,
-        intermediate_size=2 * CROSS_ATTENTION_DIM,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        vocab_size=256,
-        max_position_embeddings=77,
-        projection_dim=CROSS_ATTENTION_DIM,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
+    from nw_adapter.models.tiny import text_encoder_config
+
+    config = text_encoder_config(CROSS_ATTENTION_DIM)
     return CLIPTextModel(config)
 
 

@@ -119,20 +119,11 @@ def _vae():
 
 
 def _clip_text(with_projection: bool):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    config = CLIPTextConfig(
-        hidden_size=_TEXT_HIDDEN,
-        intermediate_size=2 * _TEXT_HIDDEN,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        vocab_size=256,
-        max_position_embeddings=77,
-        projection_dim=_TEXT_HIDDEN,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
+    from nw_adapter.models.tiny import text_encoder_config
+
+    config = text_encoder_config(_TEXT_HIDDEN)
     return CLIPTextModelWithProjection(config) if with_projection else CLIPTextModel(config)
 
 
