@@ -114,9 +114,19 @@ STAGES = (
         2,
     ),
     (
+        "text_encoder",
+        "text encoder + linear head",
+        "30 captions + 3 class-free prompts; cross-entropy of digit / no digit at every position "
+        "from end-of-text on",
+        "text_encoder_steps",
+        3e-3,
+        0,
+    ),
+    (
         "unet",
         "UNet (stage 1)",
-        "train latents; epsilon MSE, caption-conditioned, 15% empty prompt",
+        "train latents; epsilon MSE, conditioned on the frozen text encoder's caption states, "
+        "15% empty prompt",
         "unet_steps",
         1e-3,
         1,
@@ -149,12 +159,13 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
         extra = (
             f"; held-out accuracy {entry['held_out_accuracy']:.1%}" if "held_out_accuracy" in entry else ""
         )
+        if "caption_accuracy" in entry:
+            extra = f"; accuracy {entry['caption_accuracy']:.0%} (training prompts)"
         lr = config.get(f"{key}_lr", lr)  # a stage whose learning rate is a config field
-        if key == "unet" and config.get("train_text_encoder"):
-            name = "UNet + text encoder (stage 1)"
+        batch = f"{batch_factor * config['batch_size']}" if batch_factor else "33 (full)"
         rows.append(
             f"| {key} | {name} | {objective} "
-            f"| {config[steps_key]} x {batch_factor * config['batch_size']}, {lr:g} "
+            f"| {config[steps_key]} x {batch}, {lr:g} "
             f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f}{extra} |"
         )
     total = sum(log[key]["seconds"] for key, *_ in STAGES)

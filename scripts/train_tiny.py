@@ -3,7 +3,7 @@
     $ python scripts/train_tiny.py --out runs/tiny            # the shipped weights (seed 0)
     $ python scripts/train_tiny.py --out /tmp/smoke --quick   # every stage for a few steps (CI)
 
-Writes ``OUT/stages/{vae,image_encoder,unet,adapter}`` (float32, resumable) and the model folder
+Writes ``OUT/stages/{vae,image_encoder,text_encoder,unet,adapter}`` (float32, resumable) and the model folder
 ``OUT/tiny_digits`` (float16, the layout shipped in ``nw_adapter/models/weights/tiny_digits``).
 See :mod:`nw_adapter.models.training` and the model card.
 """
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from nw_adapter.models.training.run import TrainingConfig, run_training
+    from nw_adapter.models.training.run import StageMismatchError, TrainingConfig, run_training
 
     config = TrainingConfig.quick(args.seed) if args.quick else TrainingConfig(seed=args.seed)
     if args.steps is not None:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             config,
             vae_steps=args.steps,
             encoder_steps=args.steps,
+            text_encoder_steps=args.steps,
             unet_steps=args.steps,
             adapter_steps=args.steps,
         )
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         folder = run_training(args.out, config, progress=not args.no_progress)
+    except StageMismatchError as exc:
+        print(f"train_tiny.py: error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(
             f"train_tiny.py: error: cannot write to '{args.out}' ({exc.strerror or exc}); "

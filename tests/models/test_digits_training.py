@@ -114,41 +114,64 @@ def test_vae_stage_is_deterministic_with_its_seed():
     assert vae_a.config.scaling_factor == vae_b.config.scaling_factor > 0
 
 
-def test_stage1_can_train_the_text_encoder_jointly(tmp_path):
-    """``train_unet(text_encoder=...)`` encodes each batch's token ids through the encoder and
-    updates it (the default stage 1 keeps it frozen and reads fixed caption states)."""
+def _prompt_ids(tmp_path):
+    """Token ids and labels of the 30 captions (digit) and three class-free prompts (NO_DIGIT)."""
     from transformers import CLIPTokenizer
 
-    from nw_adapter.models.training.diffusion import train_unet
+    from nw_adapter.models.training.run import STAGE2_PROMPTS
+    from nw_adapter.models.training.text_encoder import NO_DIGIT
 
     tokenizer = CLIPTokenizer.from_pretrained(save_tokenizer(tmp_path / "tokenizer"))
-    captions = [list(class_captions(digit)) for digit in range(10)]
-    ids = tokenizer(
-        sum(captions, []) + [""], padding="max_length", max_length=77, truncation=True, return_tensors="pt"
-    ).input_ids
-    caption_ids, empty_ids = ids[:-1].unflatten(0, (10, -1)), ids[-1:]
+    prompts = [caption for digit in range(10) for caption in class_captions(digit)] + list(STAGE2_PROMPTS)
+    labels = torch.tensor([digit for digit in range(10) for _ in range(3)] + [NO_DIGIT] * 3)
+    ids = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt")
+    return tokenizer, ids.input_ids, labels
+
+
+def _class_separation(text_encoder, ids: torch.Tensor) -> tuple[float, float]:
+    """Mean distance of the states of two wordings of one digit, and of one wording of two digits."""
+    with torch.no_grad():
+        states = text_encoder(ids[:30])[0].unflatten(0, (10, 3))
+    within = (states[:, 0] - states[:, 1]).norm(dim=(-1, -2)).mean()
+    between = (states[:, 0] - states.roll(1, dims=0)[:, 0]).norm(dim=(-1, -2)).mean()
+    return float(within), float(between)
+
+
+def test_text_encoder_pretraining_makes_the_digit_the_main_content_of_the_states(tmp_path):
+    """A random encoder's caption states differ more between wordings of one digit than between
+    digits; after the classifier pretraining the digit dominates and is read at every late position."""
+    from nw_adapter.models.training.text_encoder import caption_accuracy, train_text_encoder
+
+    tokenizer, ids, labels = _prompt_ids(tmp_path)
     torch.manual_seed(0)
-    text_encoder = build_text_encoder().eval()
-    before = {key: value.clone() for key, value in text_encoder.state_dict().items()}
-    latents = torch.randn(8, 4, 8, 8)
-    labels = torch.arange(8) % 10
-    unet, losses = train_unet(
-        latents,
-        labels,
-        None,
-        None,
-        steps=2,
-        batch_size=4,
-        seed=3,
-        text_encoder=text_encoder,
-        caption_ids=caption_ids,
-        empty_ids=empty_ids,
-        progress=False,
+    within, between = _class_separation(build_text_encoder().eval(), ids)
+    assert between < within
+    text_encoder, head, losses = train_text_encoder(
+        ids, labels, end_of_text_id=tokenizer.eos_token_id, steps=80, seed=0, progress=False
     )
-    assert len(losses) == 2 and all(np.isfinite(losses))
-    after = text_encoder.state_dict()
-    assert any(not torch.equal(before[key], after[key]) for key in before)
-    assert not text_encoder.training and not any(p.requires_grad for p in text_encoder.parameters())
+    assert losses[-1] < 0.1 * losses[0]
+    assert caption_accuracy(text_encoder, head, ids, labels, end_of_text_id=tokenizer.eos_token_id) == 1.0
+    within, between = _class_separation(text_encoder, ids)
+    assert between > 2 * within
+    assert not text_encoder.training
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train_tiny.py"),
+            "--out",
+            str(out),
+            "--quick",
+            "--no-progress",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
 
 
 def test_quick_training_runs_every_stage_and_loads_the_standard_way(tmp_path):
@@ -156,24 +179,12 @@ def test_quick_training_runs_every_stage_and_loads_the_standard_way(tmp_path):
     from diffusers import StableDiffusionPipeline
     from PIL import Image
 
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "train_tiny.py"),
-            "--out",
-            str(tmp_path),
-            "--quick",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    result = _train(tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     folder = tmp_path / "tiny_digits"
     log = json.loads((tmp_path / "stages" / "log.json").read_text())
-    assert [log[stage]["steps"] for stage in ("vae", "image_encoder", "unet", "adapter")] == [2, 2, 2, 2]
+    stages = ("vae", "image_encoder", "text_encoder", "unet", "adapter")
+    assert [log[stage]["steps"] for stage in stages] == [2] * 5
     adapter = load_file(folder / "models" / ADAPTER_WEIGHT_NAME)
     assert {key.split(".")[0] for key in adapter} == {"image_proj", "ip_adapter"}
     assert all(value.dtype == torch.float16 for value in adapter.values())
@@ -202,3 +213,40 @@ def test_train_script_rejects_a_file_as_out(tmp_path):
     )
     assert result.returncode == 2
     assert "is a file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_resumed_run_reuses_only_stages_made_with_its_settings(tmp_path):
+    """Same settings: every stage is reused as it is; other settings: exit 2 naming the stage and
+    the differing setting, nothing rewritten; a stage folder without its record is not reused."""
+    assert _train(tmp_path).returncode == 0
+    stages = tmp_path / "stages"
+    written = {path: path.stat().st_mtime_ns for path in stages.rglob("*.safetensors")}
+    again = _train(tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert {path: path.stat().st_mtime_ns for path in stages.rglob("*.safetensors")} == written
+
+    other = _train(tmp_path, "--steps", "3")
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert "stages/vae" in other.stderr and "vae_steps: 2 on disk, 3 asked" in other.stderr
+    assert {path: path.stat().st_mtime_ns for path in stages.rglob("*.safetensors")} == written
+
+    (stages / "unet" / "stage.json").unlink()
+    orphan = _train(tmp_path)
+    assert orphan.returncode == 2 and "stages/unet" in orphan.stderr and "stage.json" in orphan.stderr
+
+
+def test_a_stage_trained_on_other_inputs_is_not_reused(tmp_path):
+    """The record of a stage holds the records of the stages it was trained on, so a UNet trained
+    on another text encoder does not match even though its own settings do."""
+    from dataclasses import replace
+
+    from nw_adapter.models.training.run import TrainingConfig, _stage_record
+
+    config = TrainingConfig.quick()
+    records = {name: _stage_record(name, config, {}) for name in ("vae", "text_encoder")}
+    unet = _stage_record("unet", config, records)
+    records["text_encoder"] = _stage_record("text_encoder", replace(config, text_encoder_steps=9), {})
+    assert _stage_record("unet", config, records) != unet
+    assert _stage_record("unet", replace(config, adapter_steps=9), {**records}) == _stage_record(
+        "unet", config, records
+    )

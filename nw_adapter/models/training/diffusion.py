@@ -45,9 +45,6 @@ def train_unet(
     batch_size: int,
     seed: int,
     lr: float = 1e-3,
-    text_encoder=None,
-    caption_ids: torch.Tensor | None = None,
-    empty_ids: torch.Tensor | None = None,
     progress: bool = True,
 ):
     """Stage 1: train the UNet on captions that name the digit.
@@ -61,9 +58,6 @@ def train_unet(
         batch_size: Images per step.
         seed: Seed of the initialisation, batches, noise, timesteps and caption choices.
         lr: Peak learning rate.
-        text_encoder: If given, it is trained jointly with the UNet: each step encodes the
-            batch's token ids (``caption_ids`` ``(10, W, 77)``, ``empty_ids`` ``(1, 77)``) instead of
-            reading the fixed ``caption_embeds`` / ``empty_embeds``, and is returned in eval mode.
         progress: Show a progress bar.
 
     Returns:
@@ -73,32 +67,21 @@ def train_unet(
     unet = build_unet()
     scheduler = noise_scheduler()
     generator = torch.Generator().manual_seed(seed + 1)
-    wordings = (caption_embeds if text_encoder is None else caption_ids).shape[1]
+    wordings = caption_embeds.shape[1]
 
     def loss_fn(step: int) -> torch.Tensor:
         rows = torch.randint(0, len(labels), (batch_size,), generator=generator)
         choice = torch.randint(0, wordings, (batch_size,), generator=generator)
         dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
-        if text_encoder is None:
-            context = caption_embeds[labels[rows], choice]
-            context = torch.where(dropped[:, None, None], empty_embeds.expand_as(context), context)
-        else:
-            ids = caption_ids[labels[rows], choice]
-            ids = torch.where(dropped[:, None], empty_ids.expand_as(ids), ids)
-            context = text_encoder(ids)[0]
+        context = caption_embeds[labels[rows], choice]
+        context = torch.where(dropped[:, None, None], empty_embeds.expand_as(context), context)
         return _epsilon_loss(unet, scheduler, latents[rows], context, generator)
 
-    parameters = list(unet.parameters())
     unet.train()
-    if text_encoder is not None:
-        text_encoder.requires_grad_(True).train()
-        parameters += list(text_encoder.parameters())
     losses = train_loop(
-        parameters, loss_fn, steps=steps, lr=lr, description="unet (stage 1)", progress=progress
+        unet.parameters(), loss_fn, steps=steps, lr=lr, description="unet (stage 1)", progress=progress
     )
     unet.eval()
-    if text_encoder is not None:
-        text_encoder.requires_grad_(False).eval()
     return unet, losses
 
 

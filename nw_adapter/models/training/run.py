@@ -2,12 +2,16 @@
 
 ``run_training(out)`` writes::
 
-    out/stages/vae/  out/stages/image_encoder/  out/stages/unet/  out/stages/adapter/   (float32)
-    out/stages/log.json                                   (losses and wall-clock time of each stage)
-    out/tiny_digits/                                      (the model folder, float16, as shipped)
+    out/stages/vae/  out/stages/image_encoder/  out/stages/text_encoder/     (float32)
+    out/stages/unet/  out/stages/adapter/                                 (float32)
+    out/stages/log.json                  (losses and wall-clock time of each stage)
+    out/tiny_digits/                     (the model folder, float16, as shipped)
 
-Every folder appears complete or not at all (:func:`nw_adapter.models.tiny.write_once`), and a
-stage whose folder exists is loaded instead of retrained, so an interrupted run resumes.
+Every folder appears complete or not at all (:func:`nw_adapter.models.tiny.write_once`), and
+records what made it in ``stage.json`` (the stage's own settings and the records of the stages
+it was trained on). An interrupted run resumes: a stage whose folder exists is loaded instead of
+retrained, but only when its record equals the one this run would write; otherwise
+:class:`StageMismatchError` names the stage and the differing settings.
 """
 
 from __future__ import annotations
@@ -22,19 +26,17 @@ import torch
 
 from nw_adapter.atomic import atomic_write_json
 from nw_adapter.models.digits_data import DigitSplit, class_captions, load_digit_splits, to_model_range
-from nw_adapter.models.tiny import write_once
 from nw_adapter.models.tiny_digits import (
     ADAPTER_SUBFOLDER,
     ADAPTER_WEIGHT_NAME,
     adapter_state_dict_from_unet,
-    build_text_encoder,
     feature_extractor,
     initial_adapter_state_dict,
     pipeline_scheduler,
     save_tokenizer,
 )
 
-__all__ = ["STAGE2_PROMPTS", "TrainingConfig", "run_training"]
+__all__ = ["STAGE2_PROMPTS", "StageMismatchError", "TrainingConfig", "run_training"]
 
 STAGE2_PROMPTS = ("", "a photograph", "a handwritten digit")
 """Class-free prompts of stage 2 (the CLI's default prompt is ``"a photograph"``)."""
@@ -47,9 +49,9 @@ class TrainingConfig:
     seed: int = 0
     vae_steps: int = 300
     encoder_steps: int = 400
+    text_encoder_steps: int = 300
     unet_steps: int = 1200
     unet_lr: float = 1e-3
-    train_text_encoder: bool = False  # stage 1 also trains the (randomly initialised) text encoder
     adapter_steps: int = 600
     batch_size: int = 32
     threads: int = 1  # one thread: on a shared machine, more threads spin against each other
@@ -62,11 +64,86 @@ class TrainingConfig:
             seed=seed,
             vae_steps=2,
             encoder_steps=2,
+            text_encoder_steps=2,
             unet_steps=2,
             adapter_steps=2,
             batch_size=4,
             max_train_images=40,
         )
+
+
+class StageMismatchError(ValueError):
+    """A stage folder on disk was trained with other settings than the run asks for."""
+
+
+_STAGE_SETTINGS = {
+    "vae": ("seed", "vae_steps", "batch_size", "max_train_images"),
+    "image_encoder": ("seed", "encoder_steps", "batch_size", "max_train_images"),
+    "text_encoder": ("seed", "text_encoder_steps"),
+    "unet": ("seed", "unet_steps", "unet_lr", "batch_size", "max_train_images"),
+    "adapter": ("seed", "adapter_steps", "batch_size", "max_train_images"),
+    "tiny_digits": (),
+}
+"""The config fields each stage's result depends on (besides the stages it is trained on)."""
+
+_STAGE_INPUTS = {
+    "vae": (),
+    "image_encoder": (),
+    "text_encoder": (),
+    "unet": ("vae", "text_encoder"),
+    "adapter": ("vae", "image_encoder", "text_encoder", "unet"),
+    "tiny_digits": ("vae", "image_encoder", "text_encoder", "unet", "adapter"),
+}
+
+STAGE_RECORD = "stage.json"
+
+
+def _stage_record(name: str, config: TrainingConfig, records: dict[str, dict]) -> dict:
+    """What ``stage.json`` of stage ``name`` holds: its settings and its input stages' records."""
+    settings = asdict(config)
+    return {
+        "stage": name,
+        "settings": {field: settings[field] for field in _STAGE_SETTINGS[name]},
+        "inputs": {stage: records[stage] for stage in _STAGE_INPUTS[name]},
+    }
+
+
+def _differences(found: dict, expected: dict, prefix: str = "") -> list[str]:
+    """``"path: found != expected"`` for every leaf where two nested records differ."""
+    out = []
+    for key in sorted(set(found) | set(expected)):
+        a, b = found.get(key, "missing"), expected.get(key, "missing")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} on disk, {b!r} asked")
+    return out
+
+
+def _checked_stage(folder: Path, record: dict, build) -> Path:
+    """Build ``folder`` once (atomically, with its record inside) or reuse it if its record matches.
+
+    Raises:
+        StageMismatchError: ``folder`` exists but was made with other settings or from other stages.
+    """
+    from nw_adapter.models.tiny import write_once
+
+    def build_with_record(path: Path) -> None:
+        build(path)
+        atomic_write_json(path / STAGE_RECORD, record)
+
+    existed = folder.exists()
+    write_once(folder, build_with_record)
+    if existed:
+        path = folder / STAGE_RECORD
+        found = json.loads(path.read_text()) if path.is_file() else {}
+        if found != record:
+            shown = "; ".join(_differences(found, record)[:3]) if found else f"no {STAGE_RECORD}"
+            raise StageMismatchError(
+                f"{folder} was trained with other settings ({shown}); "
+                "pass a new --out or delete that folder to retrain it"
+            )
+    return folder
 
 
 def _pil_images(images):
@@ -116,6 +193,7 @@ def run_training(
     from nw_adapter.models.training.autoencoder import train_vae
     from nw_adapter.models.training.diffusion import load_adapter_for_training, train_adapter, train_unet
     from nw_adapter.models.training.image_encoder import classifier_accuracy, train_image_encoder
+    from nw_adapter.models.training.text_encoder import NO_DIGIT, caption_accuracy, train_text_encoder
 
     torch.set_num_threads(config.threads)
     torch.use_deterministic_algorithms(True)
@@ -175,10 +253,14 @@ def run_training(
         _save_fp32(encoder, path)
         record("image_encoder", started, losses, held_out_accuracy=accuracy)
 
-    vae = AutoencoderKL.from_pretrained(write_once(stages / "vae", vae_stage))
-    encoder = CLIPVisionModelWithProjection.from_pretrained(
-        write_once(stages / "image_encoder", encoder_stage)
-    )
+    records: dict[str, dict] = {}
+
+    def stage(name: str, build, folder: Path | None = None) -> Path:
+        records[name] = _stage_record(name, config, records)
+        return _checked_stage(folder or stages / name, records[name], build)
+
+    vae = AutoencoderKL.from_pretrained(stage("vae", vae_stage))
+    encoder = CLIPVisionModelWithProjection.from_pretrained(stage("image_encoder", encoder_stage))
     vae.requires_grad_(False)
     encoder.requires_grad_(False)
     with torch.no_grad():
@@ -186,37 +268,54 @@ def run_training(
         latents = latents * vae.config.scaling_factor
         image_embeds = encoder(pixel_values=pixel_values).image_embeds
 
-    def unet_stage(path: Path) -> None:
+    captions = [list(class_captions(digit)) for digit in range(10)]
+
+    def text_encoder_stage(path: Path) -> None:
         started = time.perf_counter()
         save_tokenizer(path / "tokenizer")
         tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer")
-        torch.manual_seed(config.seed + 30)
-        text_encoder = build_text_encoder().eval()
-        captions = [list(class_captions(digit)) for digit in range(10)]
+        prompts = sum(captions, []) + list(STAGE2_PROMPTS)
+        prompt_labels = torch.tensor(
+            [digit for digit in range(10) for _ in captions[digit]] + [NO_DIGIT] * len(STAGE2_PROMPTS)
+        )
+        token_ids = _token_ids(tokenizer, prompts)
+        text_encoder, head, losses = train_text_encoder(
+            token_ids,
+            prompt_labels,
+            end_of_text_id=tokenizer.eos_token_id,
+            steps=config.text_encoder_steps,
+            seed=config.seed + 30,
+            progress=progress,
+        )
+        accuracy = caption_accuracy(
+            text_encoder, head, token_ids, prompt_labels, end_of_text_id=tokenizer.eos_token_id
+        )
+        _save_fp32(text_encoder, path / "text_encoder")
+        record("text_encoder", started, losses, caption_accuracy=accuracy)
+
+    text_dir = stage("text_encoder", text_encoder_stage)
+    tokenizer = CLIPTokenizer.from_pretrained(text_dir / "tokenizer")
+    text_encoder = CLIPTextModel.from_pretrained(text_dir / "text_encoder").eval()
+    text_encoder.requires_grad_(False)
+
+    def unet_stage(path: Path) -> None:
+        started = time.perf_counter()
         caption_embeds = _text_states(tokenizer, text_encoder, sum(captions, [])).unflatten(0, (10, -1))
-        empty = _text_states(tokenizer, text_encoder, [""])
-        caption_ids = _token_ids(tokenizer, sum(captions, [])).unflatten(0, (10, -1))
         unet, losses = train_unet(
             latents,
             labels,
             caption_embeds,
-            empty,
+            _text_states(tokenizer, text_encoder, [""]),
             steps=config.unet_steps,
             lr=config.unet_lr,
-            text_encoder=text_encoder if config.train_text_encoder else None,
-            caption_ids=caption_ids,
-            empty_ids=_token_ids(tokenizer, [""]),
             batch_size=config.batch_size,
             seed=config.seed + 40,
             progress=progress,
         )
-        _save_fp32(unet, path / "unet")
-        _save_fp32(text_encoder, path / "text_encoder")
+        _save_fp32(unet, path)
         record("unet", started, losses)
 
-    unet_dir = write_once(stages / "unet", unet_stage)
-    tokenizer = CLIPTokenizer.from_pretrained(unet_dir / "tokenizer")
-    text_encoder = CLIPTextModel.from_pretrained(unet_dir / "text_encoder").eval()
+    unet_dir = stage("unet", unet_stage)
 
     def pipeline(*, with_image_encoder: bool = True) -> StableDiffusionPipeline:
         # SD 1.5's folder has no image encoder: the shipped one lives in models/image_encoder.
@@ -224,7 +323,7 @@ def run_training(
             vae=vae,
             text_encoder=text_encoder,
             tokenizer=tokenizer,
-            unet=UNet2DConditionModel.from_pretrained(unet_dir / "unet"),
+            unet=UNet2DConditionModel.from_pretrained(unet_dir),
             scheduler=pipeline_scheduler(),
             safety_checker=None,
             feature_extractor=processor,
@@ -255,7 +354,7 @@ def run_training(
         save_file(adapter_state_dict_from_unet(pipe.unet), path / ADAPTER_WEIGHT_NAME)
         record("adapter", started, losses)
 
-    adapter_dir = write_once(stages / "adapter", adapter_stage)
+    adapter_dir = stage("adapter", adapter_stage)
 
     def assemble(path: Path) -> None:
         # float16 files for the diffusers models (diffusers loads them as float32 unless told
@@ -278,4 +377,4 @@ def run_training(
             first = int(torch.nonzero(torch.from_numpy(reference.labels) == digit)[0])
             _pil_images(reference.images[first : first + 1])[0].save(path / "examples" / f"digit_{digit}.png")
 
-    return write_once(out / "tiny_digits", assemble)
+    return stage("tiny_digits", assemble, out / "tiny_digits")
