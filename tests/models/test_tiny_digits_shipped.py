@@ -21,6 +21,8 @@ SAMPLE_STEPS = 25  # the quickstart's steps; at 10 PNDM steps the class is mostl
 CHANCE = 0.1
 ALPHA = 0.01
 ABOVE_CHANCE_ALPHA = 1e-3
+TARGET = 0.8  # the issue's agreement target at IP scale 1
+TARGET_ALPHA = 0.05
 
 
 def _sample() -> DigitSplit:
@@ -84,14 +86,16 @@ def _agreed(pipe, ip_scale: float) -> tuple[int, int]:
     return result.agreed, result.n
 
 
-def test_generations_keep_the_reference_class_above_chance(shipped_pipe):
-    """IP scale 1, guidance 7.5: the agreement on 20 references must clear chance with a one-sided
-    binomial test at level 1e-3 (at least ``k_min`` of 20). The model card's full-scale figure is 50%
-    (100 references), below the issue's 80% target: this checks the adapter carries the class at all,
-    not the 80% claim, which these weights do not meet."""
+def test_generations_keep_the_reference_class_at_the_target_rate(shipped_pipe):
+    """IP scale 1, guidance 7.5: on 20 references the agreement must be consistent with the 80%
+    target, i.e. a one-sided binomial test of "agreement >= 80%" must not reject at level 0.05
+    (at least ``k_min`` = 13 of 20; the model card's full-scale figure, 100 references, is 92%,
+    at which 12 or fewer of 20 has probability 9e-5). The previous weights (50%) pass this only
+    with probability 0.13; chance (10%) never does."""
     agreed, n = _agreed(shipped_pipe, ip_scale=1.0)
-    k_min = int(binom.isf(ABOVE_CHANCE_ALPHA, n, CHANCE)) + 1  # smallest k with P(X >= k | chance) < alpha
-    assert binom.sf(k_min - 1, n, CHANCE) < ABOVE_CHANCE_ALPHA <= binom.sf(k_min - 2, n, CHANCE)
+    k_min = int(binom.ppf(TARGET_ALPHA, n, TARGET))  # smallest k with P(X <= k | 80%) > alpha
+    assert binom.cdf(k_min - 1, n, TARGET) <= TARGET_ALPHA < binom.cdf(k_min, n, TARGET)
+    assert binom.sf(k_min - 1, n, CHANCE) < ABOVE_CHANCE_ALPHA
     assert agreed >= k_min, f"{agreed}/{n} generations kept the reference's class (need {k_min})"
 
 
