@@ -12,6 +12,7 @@ over references (independent units: one reference, one seed, one generation each
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -19,7 +20,13 @@ import torch
 
 from nw_adapter.models.digits_data import DigitSplit, digit_features
 
-__all__ = ["AgreementResult", "fit_judge", "generate_from_references", "measure_agreement"]
+__all__ = [
+    "AgreementResult",
+    "caption_epsilon_losses",
+    "fit_judge",
+    "generate_from_references",
+    "measure_agreement",
+]
 
 CHANCE = 0.1
 
@@ -73,7 +80,7 @@ def generate_from_references(
     ip_scale: float,
     guidance_scale: float,
     steps: int,
-    prompt: str = "a photograph",
+    prompt: str | Sequence[str] = "a photograph",
     seed: int = 0,
 ) -> np.ndarray:
     """One generation per reference image, each in its own pipeline call.
@@ -85,7 +92,7 @@ def generate_from_references(
         guidance_scale: Classifier-free guidance (the negative is the empty prompt with a zero image
             embedding, as diffusers builds it).
         steps: Denoising steps.
-        prompt: Text prompt (default: the correlate CLI's ``"a photograph"``).
+        prompt: Text prompt (default: the correlate CLI's ``"a photograph"``), or one per reference.
         seed: Reference ``i`` is generated with ``torch.Generator().manual_seed(seed + i)``.
 
     Returns:
@@ -94,10 +101,13 @@ def generate_from_references(
     from PIL import Image
 
     pipe.set_ip_adapter_scale(ip_scale)
+    prompts = [prompt] * len(images) if isinstance(prompt, str) else list(prompt)
+    if len(prompts) != len(images):
+        raise ValueError(f"got {len(prompts)} prompts for {len(images)} references; pass one per reference")
     outputs = []
-    for index, image in enumerate(images):
+    for index, (image, text) in enumerate(zip(images, prompts, strict=True)):
         result = pipe(
-            prompt=prompt,
+            prompt=text,
             ip_adapter_image=Image.fromarray(image),
             num_inference_steps=steps,
             guidance_scale=guidance_scale,
@@ -116,7 +126,7 @@ def measure_agreement(
     ip_scale: float = 1.0,
     guidance_scale: float = 7.5,
     steps: int = 25,
-    prompt: str = "a photograph",
+    prompt: str | Sequence[str] = "a photograph",
     seed: int = 0,
 ) -> AgreementResult:
     """Generate from every reference and measure the class agreement (see the module docstring).
@@ -144,7 +154,7 @@ def measure_agreement(
         "ip_scale": ip_scale,
         "guidance_scale": guidance_scale,
         "steps": steps,
-        "prompt": prompt,
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "seed": seed,
     }
     return AgreementResult(
@@ -157,3 +167,45 @@ def measure_agreement(
         settings=settings,
         predicted=[int(p) for p in predicted],
     )
+
+
+@torch.no_grad()
+def caption_epsilon_losses(pipe, split: DigitSplit, *, seed: int = 0) -> dict[str, float]:
+    """Stage 1's held-out epsilon loss with the right caption, a wrong digit's caption and ``""``.
+
+    Every image of ``split`` is encoded (VAE posterior mean times ``scaling_factor``), noised once
+    with a seeded ``eps`` and timestep ``t ~ U{0..999}``, and the UNet predicts ``eps`` three times
+    from the same ``z_t``: conditioned on a caption of its digit (wording ``i mod 3`` for image
+    ``i``), on the same wording for the next digit ``(y + 1) mod 10``, and on the empty prompt. A
+    UNet that reads the caption has ``right < empty < wrong``; one that ignores it has all three
+    equal. Same noise and timesteps for the three, so the differences are paired.
+
+    Args:
+        pipe: A ``StableDiffusionPipeline`` without an IP-Adapter loaded.
+        split: Held-out digits (never seen in training), e.g. the ``judge`` split.
+        seed: Seed of the noise and the timesteps.
+
+    Returns:
+        ``{"right": L, "wrong": L, "empty": L}``: mean squared errors over images and latent entries.
+    """
+    from nw_adapter.models.digits_data import class_captions, to_model_range
+    from nw_adapter.models.tiny_digits import noise_scheduler
+
+    images = to_model_range(split.images)
+    latents = pipe.vae.encode(images).latent_dist.mean * pipe.vae.config.scaling_factor
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(latents.shape, generator=generator)
+    timesteps = torch.randint(0, 1000, (len(latents),), generator=generator)
+    noisy = noise_scheduler().add_noise(latents, noise, timesteps)
+    labels = [int(label) for label in split.labels]
+    prompts = {
+        "right": [class_captions(label)[i % 3] for i, label in enumerate(labels)],
+        "wrong": [class_captions((label + 1) % 10)[i % 3] for i, label in enumerate(labels)],
+        "empty": [""] * len(labels),
+    }
+    losses = {}
+    for name, texts in prompts.items():
+        states = pipe.encode_prompt(texts, "cpu", 1, False)[0]
+        prediction = pipe.unet(noisy, timesteps, encoder_hidden_states=states).sample
+        losses[name] = float(torch.nn.functional.mse_loss(prediction, noise))
+    return losses

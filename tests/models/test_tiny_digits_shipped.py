@@ -104,3 +104,27 @@ def test_without_the_adapter_the_class_is_at_chance(shipped_pipe):
     agreed, n = _agreed(shipped_pipe, ip_scale=0.0)
     k_max = int(binom.ppf(1 - ALPHA, n, CHANCE))
     assert agreed <= k_max, f"{agreed}/{n} agree at IP scale 0 (chance allows {k_max})"
+
+
+def test_stage1_unet_reads_the_caption():
+    """Paired held-out losses on 60 `judge` digits: the right digit's caption predicts the noise
+    better than the empty prompt, which beats a wrong digit's caption (a UNet that ignores the text,
+    as the previous weights' did, has all three equal to 1e-4)."""
+    from diffusers import StableDiffusionPipeline
+
+    from nw_adapter.models.digits_quality import caption_epsilon_losses
+
+    judge = load_digit_splits()["judge"]
+    sample = DigitSplit(judge.images[:60], judge.labels[:60], judge.indices[:60])
+    losses = caption_epsilon_losses(StableDiffusionPipeline.from_pretrained(SHIPPED_DIR), sample, seed=0)
+    assert losses["right"] < 0.97 * losses["empty"] and losses["empty"] < 0.97 * losses["wrong"], losses
+
+
+def test_one_prompt_per_reference_is_checked(shipped_pipe):
+    from nw_adapter.models.digits_quality import generate_from_references
+
+    images = _sample().images[:2]
+    with pytest.raises(ValueError, match="1 prompts for 2 references"):
+        generate_from_references(
+            shipped_pipe, images, ip_scale=0.0, guidance_scale=1.0, steps=1, prompt=["a"]
+        )
