@@ -128,3 +128,23 @@ def test_one_prompt_per_reference_is_checked(shipped_pipe):
         generate_from_references(
             shipped_pipe, images, ip_scale=0.0, guidance_scale=1.0, steps=1, prompt=["a"]
         )
+
+
+def test_the_quickstart_command_generates_the_reference_digit(tmp_path):
+    """The README's first command (`--model tiny --steps 25`, default guidance and seed) on two
+    bundled examples: the judge labels each generated image with its example's digit."""
+    from PIL import Image
+
+    from nw_adapter.correlate.cli import main
+    from nw_adapter.models.digits_data import digit_features
+    from nw_adapter.models.digits_quality import fit_judge
+
+    digits = (0, 3)
+    argv = [arg for digit in digits for arg in ("--image", str(example_image_path(digit)))]
+    assert main([*argv, "--model", "tiny", "--steps", "25", "--out", str(tmp_path), "-qq"]) == 0
+    judge = fit_judge(load_digit_splits()["judge"])
+    for digit in digits:
+        (folder,) = (tmp_path / "images").glob(f"digit_{digit}-*")
+        generated = np.asarray(Image.open(folder / "generated.png").convert("RGB"))
+        assert judge.predict(digit_features(generated[None]))[0] == digit
+    assert (tmp_path / "rho.csv").is_file()
