@@ -139,19 +139,21 @@ def layer_statistics(
        segment (observed, each null) and the batch rows of each CFG half:
        ``rho = sum rho_r / sum c_r``.
     3. **Divergences** of the observed rows: log-weights ``l = x - logsumexp(x)`` of the
-       scaled logits ``x = [s q.k, (q.k - ||k||^2 / 2) / h^2]``, weights ``w = exp(l)``,
-       ``lae = logaddexp(l_A, l_W)`` and the centred weights ``c = w - 1/M`` stacked as
-       ``Z [B, H, N, 7, M]``; one batched product ``Z[:4] Z^T`` gives per row every inner
-       product the statistics need (KL = a.l_A - a.l_W, 2 JS - 2 log 2 = a.l_A + b.l_W -
-       (a + b).lae, n_eff = 1 / a.a, the Pearson moments c_A.c_B, c_A.c_A, c_B.c_B), and one
-       matrix product with a cached ``[N * 33, 12]`` matrix averages them over the rows and
-       combines them. Pearson (over all rows and keys of a (batch row, head)), the key-norm
-       CV and the q.k spread ratio follow per (batch row, head); one ``addcmul`` applies the
-       constant gains and offsets (JS = js_sum / 2 + log 2, the bandwidth, NaN nulls).
+       scaled logits ``x = [s q.k, (q.k - ||k||^2 / 2) / h^2]``, weights ``(a, b) = exp(l)``,
+       the centred weights ``c = w - 1/M`` and ``d = l - logaddexp(l_A, l_W)`` stacked as
+       ``Z [B, H, N, 6, M]`` (rows a, b, c_A, c_B, d_A, d_W); one batched product
+       ``Z[:4] Z^T`` gives per row every inner product the statistics need: KL(A || W) =
+       a.d_A - a.d_W, 2 JS - 2 log 2 = a.d_A + b.d_W, n_eff = 1 / a.a, the Pearson moments
+       c_A.c_B, c_A.c_A, c_B.c_B. One matrix product with a cached ``[N * 29, 12]`` matrix
+       averages them over the rows and combines them. Pearson (over all rows and keys of a
+       (batch row, head)), the key-norm CV and the q.k spread ratio follow per (batch row,
+       head); one ``addcmul`` applies the constant gains and offsets (JS = js_sum / 2 + log 2,
+       the bandwidth, NaN nulls). (4 x 6 x M stays under CPU ``bmm``'s 400-element per-matrix
+       limit of its fast kernel up to M = 16, the Plus adapter's keys.)
 
     Intermediate tensors are written with ``out=`` into per-thread workspace buffers (one set
     per layer shape, :func:`_workspace`) instead of being concatenated, so one call of the
-    SD 1.5 layer dispatches about 44 aten operations (``benchmarks/op_count.py``). No random
+    SD 1.5 layer dispatches 45 aten operations (``benchmarks/op_count.py``). No random
     numbers and no host reads: :func:`torch.compile` can fuse it per layer shape.
 
     Args:
@@ -207,24 +209,27 @@ def layer_statistics(
         torch.sub(tail[..., 0, :], shuffled, alpha=0.5, out=tail[..., 1, :])
 
     # 2. ranks, per-row Spearman, pooled per segment and CFG half
-    ranks = metrics.rank_sign_sums(pairs, valid5)  # 2 x centred ranks, [B, H, R, 2, M]
-    gram = ranks @ ranks.transpose(-1, -2)  # [B, H, R, 2, 2]
-    den = gram.diagonal(dim1=-2, dim2=-1).prod(-1)  # [B, H, R]; integers: 0 = a constant row
-    per_row = torch.stack([gram[..., 0, 1].transpose(0, 1), den.transpose(0, 1)], 1)  # [H, 2, B, R]
-    powers = _cached(("rho powers", device), lambda: torch.tensor([0.5, 1.0], device=device).view(2, 1, 1))
-    per_row = per_row / per_row[:, 1:].clamp_min(0.5).pow(powers)  # (rho_r, 1), or (0, 0) if constant
+    ranks = _workspace("ranks", (b, nh, rows_total, 2, m), device)
+    ranks = metrics.rank_sign_sums(pairs, valid5, out=ranks)  # 2 x centred ranks
+    gram = _workspace("rank gram", (b, nh, rows_total, 5), device)  # G_00, G_01, G_10, G_11, G_00 G_11
+    torch.matmul(ranks, ranks.transpose(-1, -2), out=gram[..., :4].unflatten(-1, (2, 2)))
+    torch.prod(gram[..., 0:4:3], -1, out=gram[..., 4])  # integers: 0 = a constant row
+    num_den = gram[..., 1:5:3]  # [B, H, R, 2]: (G_01, G_00 G_11)
+    powers = _cached(("rho powers", device), lambda: torch.tensor([0.5, 1.0], device=device))
+    per_row = _workspace("rho rows", (nh, b, rows_total, 2), device)  # head-major: one pooling product
+    torch.div(num_den, num_den[..., 1:].clamp_min(0.5).pow(powers), out=per_row.permute(1, 0, 2, 3))
     pool = _pool_matrix(b, halves, n, n0, device)  # [B * R, halves * segments]
-    rho_sums = per_row.view(nh, 2, b * rows_total) @ pool  # [H, 2, halves * segments]
+    rho_sums = pool.T @ per_row.view(nh, b * rows_total, 2)  # [H, halves * segments, 2]: (sum rho_r, rows)
 
     # 3. divergences, n_eff, top-1, Pearson of the observed rows
     observed = pairs[:, :, :n]  # [B, H, N, 2, M]
     if valid5 is not None:
         observed = observed.masked_fill(~valid5, _MASKED_LOGIT)
-    z = _workspace("weights", (b, nh, n, 7, m), device)  # rows a, b, a - 1/M, b - 1/M, l_A, l_W, lae
-    log_w = torch.mul(observed, _logit_coefficients(scale, h, device), out=z[..., 4:6, :])
+    z = _workspace("weights", (b, nh, n, 6, m), device)  # rows a, b, a - 1/M, b - 1/M, l_A - lae, l_W - lae
+    log_w = torch.mul(observed, _logit_coefficients(scale, h, device), out=z[..., 4:, :])
     log_w.sub_(torch.logsumexp(log_w, -1, keepdim=True))
     w = torch.exp(log_w, out=z[..., 0:2, :])
-    torch.logaddexp(log_w[..., 0, :], log_w[..., 1, :], out=z[..., 6, :])
+    log_w.sub_(torch.logaddexp(log_w[..., 0:1, :], log_w[..., 1:, :]))  # log(a / (a + b)), log(b / (a + b))
     if valid is None:
         torch.sub(w, 1.0 / m, out=z[..., 2:4, :])
     else:
@@ -232,10 +237,10 @@ def layer_statistics(
         torch.sub(w, weight / weight.sum(-1, keepdim=True), out=z[..., 2:4, :]).mul_(weight)
     top1 = observed.argmax(-1)  # [B, H, N, 2]
     torch.eq(top1[..., 0], top1[..., 1], out=feats[..., _F_TOP1])
-    z3 = z.view(b * nh * n, 7, m)
-    products = feats.view(b * nh * n, _ROW_FEATURES)[:, : 4 * 7].view(-1, 4, 7)
+    z3 = z.view(b * nh * n, 6, m)
+    products = feats.view(b * nh * n, _ROW_FEATURES)[:, : 4 * 6].view(-1, 4, 6)
     torch.bmm(z3[:, :4], z3.transpose(1, 2), out=products)
-    torch.reciprocal(feats[..., 0:9:8], out=feats[..., _F_NEFF])  # 1 / a.a, 1 / b.b
+    torch.reciprocal(feats[..., 0:8:7], out=feats[..., _F_NEFF])  # 1 / a.a, 1 / b.b
     if valid is None:
         torch.std(pairs[:, :, :n, 0], -1, correction=0, out=feats[..., _F_QKSTD])
     else:
@@ -252,21 +257,21 @@ def layer_statistics(
         head = head.view(halves, b // halves, nh, -1).mean(1)
     gain, offset = _affine(None if tensor_h else float(h), draws is not None, device)
     out = torch.addcmul(offset, head.view(halves, nh, -1), gain)  # [halves, H, columns]
-    rho = rho_sums[:, 0].view(nh, halves, segments).transpose(0, 1)
-    torch.div(rho, rho_sums[:, 1].view(nh, halves, segments).transpose(0, 1), out=out[..., 1 : 1 + segments])
+    rho_sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
+    torch.div(rho_sums[..., 0], rho_sums[..., 1], out=out[..., 1 : 1 + segments])
     return out[..., : len(STAT_NAMES)].permute(2, 0, 1), w.movedim(-2, 0)
 
 
 _MASKED_LOGIT = -1e20
 """Finite logit of a padding key: weight exactly 0, log-weight differences stay finite."""
 
-# Columns of the per-row features ``[B, H, N, 33]`` (pass 3): the 4 x 7 inner products of the rows
-# (a, b, a - 1/M, b - 1/M) of Z with its rows (a, b, a - 1/M, b - 1/M, l_A, l_W, lae), then:
-_F_NEFF = slice(28, 30)  # 1 / a.a, 1 / b.b
-_F_TOP1 = 30  # argmax_i a_i == argmax_i b_i
-_F_QNORM = 31  # ||q||
-_F_QKSTD = 32  # std_i q.k_i
-_ROW_FEATURES = 33
+# Columns of the per-row features ``[B, H, N, 29]`` (pass 3): the 4 x 6 inner products of the rows
+# (a, b, c_A, c_B) of Z with all its rows (a, b, c_A, c_B, d_A, d_W), then:
+_F_NEFF = slice(24, 26)  # 1 / a.a, 1 / b.b
+_F_TOP1 = 26  # argmax_i a_i == argmax_i b_i
+_F_QNORM = 27  # ||q||
+_F_QKSTD = 28  # std_i q.k_i
+_ROW_FEATURES = 29
 
 # Columns of the per-(batch row, head) statistics ``[B, H, 18]``: STAT_NAMES, then the row means
 # that the nonlinear statistics need (std q.k, the three Pearson moments).
@@ -330,20 +335,20 @@ def _pool_matrix(batch: int, halves: int, n: int, n0: int, device: torch.device)
 
 
 def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """``[N * 33, 12]``: the per-row features of N rows -> their means combined into columns 6..17
+    """``[N * 29, 12]``: the per-row features of N rows -> their means combined into columns 6..17
     of the per-head statistics (KL, js_sum, n_eff A and W, top-1, ||q||, two zero columns for the
     CV and the spread ratio, std q.k, c_A.c_B, c_A.c_A, c_B.c_B)."""
 
     def make() -> torch.Tensor:
         def p(i: int, j: int) -> int:  # column of the inner product of Z rows i and j
-            return 7 * i + j
+            return 6 * i + j
 
         w = torch.zeros(_ROW_FEATURES, _HEAD_COLUMNS - _V_KL)
         for col, terms in enumerate(
             [
-                {p(0, 4): 1, p(0, 5): -1},  # KL(A || W) = a.l_A - a.l_W
-                {p(0, 4): 1, p(1, 5): 1, p(0, 6): -1, p(1, 6): -1},  # js_sum
-                {28: 1}, {29: 1}, {_F_TOP1: 1}, {_F_QNORM: 1}, {}, {}, {_F_QKSTD: 1},
+                {p(0, 4): 1, p(0, 5): -1},  # KL(A || W) = a.l_A - a.l_W = a.d_A - a.d_W
+                {p(0, 4): 1, p(1, 5): 1},  # js_sum = a.d_A + b.d_W
+                {24: 1}, {25: 1}, {_F_TOP1: 1}, {_F_QNORM: 1}, {}, {}, {_F_QKSTD: 1},
                 {p(2, 3): 1}, {p(2, 2): 1}, {p(3, 3): 1},
             ]
         ):
