@@ -183,7 +183,8 @@ def layer_statistics(
 
     # keys: ||k||, ||k||^2 and their spreads
     k = k.to(torch.float32, memory_format=torch.contiguous_format)
-    norms = torch.pow(torch.linalg.vector_norm(k, dim=-1), _cached(("powers", device), lambda: _powers(device)))
+    powers = _cached(("norm powers", device), lambda: torch.tensor([[[[1.0]]], [[[2.0]]]], device=device))
+    norms = torch.pow(torch.linalg.vector_norm(k, dim=-1), powers)  # [2, B, H, M]
     norm_std, norm_mean = _masked_std_mean(norms, valid)  # [2, B, H] each: (||k||, ||k||^2)
     sq = norms[1]  # [B, H, M]
 
@@ -191,33 +192,33 @@ def layer_statistics(
     feats = _workspace("row features", (b, nh, n, _ROW_FEATURES), device)
     queries = _workspace("queries", (b, nh, n + n0, d), device)
     queries[:, :, :n].copy_(q)
-    q_norm = torch.linalg.vector_norm(queries[:, :, :n], dim=-1, out=feats[..., _F_QNORM])
+    q_norm = _write(feats[..., _F_QNORM], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
     if draws is not None:
         ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
-        torch.mul(draws.directions, ratio[..., None], out=queries[:, :, n:])
+        _write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
     logits = queries @ k.transpose(-1, -2)  # [B, H, N + n0, M]
     pairs = _workspace("pairs", (b, nh, rows_total, 2, m), device)
     shift = _cached(("pair shift", device), lambda: torch.tensor([[0.0], [-0.5]], device=device))
-    torch.addcmul(logits[..., None, :], shift, sq[..., None, None, :], out=pairs[:, :, : n + n0])
+    _write(pairs[:, :, : n + n0], torch.addcmul, logits[..., None, :], shift, sq[..., None, None, :])
     if draws is not None:
         # per null row r: slots (q.k_r, q.k_r - ||k_pi||^2/2 | q.k_r o pi, q.k_r - ||k||^2/2)
         tail = pairs[:, :, n + n0 :].view(b, nh, n0, 4, m)
-        torch.index_select(pairs[:, :, :n], 2, draws.rows, out=tail[..., 0::3, :])
+        _write(tail[..., 0::3, :], torch.index_select, pairs[:, :, :n], 2, draws.rows)
         perm = metrics.valid_permutation(draws.noise, None if valid is None else valid[:, None, None, :])
-        torch.gather(tail[..., 0, :], -1, perm, out=tail[..., 2, :])
+        _write(tail[..., 2, :], torch.gather, tail[..., 0, :], -1, perm)
         shuffled = torch.gather(sq[..., None, :].expand(b, nh, n0, m), -1, perm)
-        torch.sub(tail[..., 0, :], shuffled, alpha=0.5, out=tail[..., 1, :])
+        _write(tail[..., 1, :], torch.sub, tail[..., 0, :], shuffled, alpha=0.5)
 
     # 2. ranks, per-row Spearman, pooled per segment and CFG half
     ranks = _workspace("ranks", (b, nh, rows_total, 2, m), device)
-    ranks = metrics.rank_sign_sums(pairs, valid5, out=ranks)  # 2 x centred ranks
+    ranks = metrics.rank_sign_sums(pairs, valid5, out=None if torch.compiler.is_compiling() else ranks)
     gram = _workspace("rank gram", (b, nh, rows_total, 5), device)  # G_00, G_01, G_10, G_11, G_00 G_11
-    torch.matmul(ranks, ranks.transpose(-1, -2), out=gram[..., :4].unflatten(-1, (2, 2)))
-    torch.prod(gram[..., 0:4:3], -1, out=gram[..., 4])  # integers: 0 = a constant row
+    _write(gram[..., :4].unflatten(-1, (2, 2)), torch.matmul, ranks, ranks.transpose(-1, -2))
+    _write(gram[..., 4], torch.prod, gram[..., 0:4:3], -1)  # integers: 0 = a constant row
     num_den = gram[..., 1:5:3]  # [B, H, R, 2]: (G_01, G_00 G_11)
     powers = _cached(("rho powers", device), lambda: torch.tensor([0.5, 1.0], device=device))
     per_row = _workspace("rho rows", (nh, b, rows_total, 2), device)  # head-major: one pooling product
-    torch.div(num_den, num_den[..., 1:].clamp_min(0.5).pow(powers), out=per_row.permute(1, 0, 2, 3))
+    _write(per_row.permute(1, 0, 2, 3), torch.div, num_den, num_den[..., 1:].clamp_min(0.5).pow(powers))
     pool = _pool_matrix(b, halves, n, n0, device)  # [B * R, halves * segments]
     rho_sums = pool.T @ per_row.view(nh, b * rows_total, 2)  # [H, halves * segments, 2]: (sum rho_r, rows)
 
@@ -226,30 +227,31 @@ def layer_statistics(
     if valid5 is not None:
         observed = observed.masked_fill(~valid5, _MASKED_LOGIT)
     z = _workspace("weights", (b, nh, n, 6, m), device)  # rows a, b, a - 1/M, b - 1/M, l_A - lae, l_W - lae
-    log_w = torch.mul(observed, _logit_coefficients(scale, h, device), out=z[..., 4:, :])
+    log_w = _write(z[..., 4:, :], torch.mul, observed, _logit_coefficients(scale, h, device))
     log_w.sub_(torch.logsumexp(log_w, -1, keepdim=True))
-    w = torch.exp(log_w, out=z[..., 0:2, :])
+    w = _write(z[..., 0:2, :], torch.exp, log_w)
     log_w.sub_(torch.logaddexp(log_w[..., 0:1, :], log_w[..., 1:, :]))  # log(a / (a + b)), log(b / (a + b))
     if valid is None:
-        torch.sub(w, 1.0 / m, out=z[..., 2:4, :])
+        _write(z[..., 2:4, :], torch.sub, w, 1.0 / m)
     else:
         weight = valid5.to(torch.float32)
-        torch.sub(w, weight / weight.sum(-1, keepdim=True), out=z[..., 2:4, :]).mul_(weight)
+        _write(z[..., 2:4, :], torch.sub, w, weight / weight.sum(-1, keepdim=True)).mul_(weight)
     top1 = observed.argmax(-1)  # [B, H, N, 2]
-    torch.eq(top1[..., 0], top1[..., 1], out=feats[..., _F_TOP1])
+    _write(feats[..., _F_TOP1], torch.eq, top1[..., 0], top1[..., 1])
     z3 = z.view(b * nh * n, 6, m)
     products = feats.view(b * nh * n, _ROW_FEATURES)[:, : 4 * 6].view(-1, 4, 6)
-    torch.bmm(z3[:, :4], z3.transpose(1, 2), out=products)
-    torch.reciprocal(feats[..., 0:8:7], out=feats[..., _F_NEFF])  # 1 / a.a, 1 / b.b
+    _write(products, torch.bmm, z3[:, :4], z3.transpose(1, 2))
+    _write(feats[..., _F_NEFF], torch.reciprocal, feats[..., 0:8:7])  # 1 / a.a, 1 / b.b
     if valid is None:
-        torch.std(pairs[:, :, :n, 0], -1, correction=0, out=feats[..., _F_QKSTD])
+        _write(feats[..., _F_QKSTD], torch.std, pairs[:, :, :n, 0], -1, correction=0)
     else:
         feats[..., _F_QKSTD].copy_(metrics.masked_std(pairs[:, :, :n, 0], valid[:, None, None, :]))
     head = _workspace("head statistics", (b, nh, _HEAD_COLUMNS), device, zero=True)
-    torch.mm(feats.view(b * nh, -1), _row_mean_matrix(n, device), out=head.view(b * nh, -1)[:, _V_KL :])
-    torch.mul(head[..., _V_PCC], torch.rsqrt(head[..., _V_PCA] * head[..., _V_PCB]), out=head[..., _V_PEARSON])
-    torch.div(norm_std[0], norm_mean[0], out=head[..., _V_CV])
-    torch.div(head[..., _V_QKSTD], norm_std[1], out=head[..., _V_RATIO])
+    _write(head.view(b * nh, -1)[:, _V_KL :], torch.mm, feats.view(b * nh, -1), _row_mean_matrix(n, device))
+    moments = head[..., _V_PCA] * head[..., _V_PCB]
+    _write(head[..., _V_PEARSON], torch.mul, head[..., _V_PCC], torch.rsqrt(moments))  # Pearson of A and W
+    _write(head[..., _V_CV], torch.div, norm_std[0], norm_mean[0])
+    _write(head[..., _V_RATIO], torch.div, head[..., _V_QKSTD], norm_std[1])
     tensor_h = isinstance(h, torch.Tensor)
     if tensor_h:
         head[..., _V_H].copy_(h.expand(b, nh))
@@ -258,7 +260,7 @@ def layer_statistics(
     gain, offset = _affine(None if tensor_h else float(h), draws is not None, device)
     out = torch.addcmul(offset, head.view(halves, nh, -1), gain)  # [halves, H, columns]
     rho_sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
-    torch.div(rho_sums[..., 0], rho_sums[..., 1], out=out[..., 1 : 1 + segments])
+    _write(out[..., 1 : 1 + segments], torch.div, rho_sums[..., 0], rho_sums[..., 1])
     return out[..., : len(STAT_NAMES)].permute(2, 0, 1), w.movedim(-2, 0)
 
 
@@ -313,6 +315,17 @@ def _workspace(name: str, shape: tuple[int, ...], device: torch.device, zero: bo
             buffers.clear()
         buffers[key] = torch.zeros(shape, device=device) if zero else torch.empty(shape, device=device)
     return buffers[key]
+
+
+def _write(out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``op(*args, **kwargs, out=out)``: the result written into ``out`` (a slice of a workspace).
+
+    Under :func:`torch.compile` ``out.copy_(op(...))`` instead: dynamo does not trace ``out=``
+    into views, and inductor fuses the copy into the producing kernel.
+    """
+    if torch.compiler.is_compiling():
+        return out.copy_(op(*args, **kwargs))
+    return op(*args, **kwargs, out=out)
 
 
 def _pool_matrix(batch: int, halves: int, n: int, n0: int, device: torch.device) -> torch.Tensor:
@@ -377,10 +390,6 @@ def _affine(h: float | None, nulls: bool, device: torch.device) -> tuple[torch.T
         return torch.stack([gain, offset]).to(device)
 
     return _cached(("affine", h, nulls, device), make).unbind(0)
-
-
-def _powers(device: torch.device) -> torch.Tensor:
-    return torch.tensor([1.0, 2.0], device=device).view(2, 1, 1, 1)
 
 
 def _logit_coefficients(scale: float, h: torch.Tensor | float, device: torch.device) -> torch.Tensor:
