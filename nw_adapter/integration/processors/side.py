@@ -153,7 +153,8 @@ def layer_statistics(
 
     Intermediate tensors are written with ``out=`` into per-thread workspace buffers (one set
     per layer shape, :func:`_workspace`) instead of being concatenated, so one call of the
-    SD 1.5 layer dispatches 45 aten operations (``benchmarks/op_count.py``). No random
+    SD 1.5 layer dispatches 46 aten operations (48 with the 2 draws of
+    :func:`draw_nulls`, ``benchmarks/op_count.py``). No random
     numbers and no host reads: :func:`torch.compile` can fuse it per layer shape.
 
     Args:
