@@ -29,9 +29,9 @@ SD15_STRUCTURE = {
 }
 
 #: Extra dispatched ops per IP-Adapter layer (one softmax), measured on this code; a regression fails.
-MAX_EXTRA_PER_LAYER = {"observe": 73, "observe_no_nulls": 57, "swap": 2}
+MAX_EXTRA_PER_LAYER = {"observe": 48, "observe_no_nulls": 37, "swap": 2}
 #: The same with the Plus adapter's 16 image tokens (ranks by one sort: more, cheaper ops).
-MAX_EXTRA_PER_LAYER_PLUS = {"observe": 88, "observe_no_nulls": 72}
+MAX_EXTRA_PER_LAYER_PLUS = {"observe": 54, "observe_no_nulls": 43}
 
 
 def test_counter_counts_non_view_ops_only():
@@ -57,8 +57,8 @@ def test_unet_forward_op_ratios():
     counts = unet_counts(latent_size=8, variants=("observe", "swap"), config=SD15_STRUCTURE)
     assert counts["ip_layers"] == 16
     observe, swap = counts["observe"] / counts["stock"], counts["swap"] / counts["stock"]
-    # issue 13's targets are 2.0 (observe, missed: measured 2.44) and 1.05 (swap: measured 1.04)
-    assert observe <= 2.5, counts
+    # issue 13's targets: 2.0 (observe: measured 1.95, +48 ops per IP layer) and 1.05 (swap: 1.04)
+    assert observe <= 2.0, counts
     assert swap <= 1.05, counts
 
 

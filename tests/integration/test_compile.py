@@ -59,8 +59,10 @@ def test_compile_time_and_launches_are_reported(compiled_records):
     _, seconds, launches = compiled_records
     assert len(seconds) == 1 and next(iter(seconds.values())) > 0
     (count,) = launches.values()
-    # the whole side computation of a layer: a handful of fused kernels plus extern bmm/sort calls
-    assert 0 < count <= 12, launches
+    # the whole side computation of a layer: 7 fused kernels plus extern bmm/mm/sort calls (13; the
+    # eager-first rewrite of issue 13 raised it from 8: its 4 small batched products and the row-mean
+    # mm are extern calls that inductor does not fuse)
+    assert 0 < count <= 13, launches
 
 
 def test_compile_falls_back_to_eager_with_one_warning(monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from nw_adapter.core import bandwidth as bw
 from nw_adapter.core import metrics
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.recorder import NWRecorder, StepState
+from nw_adapter.integration.schema import STAT_NAMES
 
 _LOG = logging.getLogger(__name__)
 
@@ -121,23 +123,44 @@ def layer_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All statistics of one softmax of the image branch, from one stacked tensor of logits.
 
-    With ``G = q k^T`` (the attention's ranks) and ``G - ||k||^2 / 2`` (the NW weights' ranks at
-    any h; THEORY.md section 4), the pairs (attention, NW) of the observed rows and of the three
-    nulls are concatenated along the rows and ranked once (:func:`~nw_adapter.core.metrics.centered_ranks`):
+    Three passes, each over one tensor (THEORY.md section 4 for the statistics):
 
-    - observed: ``(q.k_i, q.k_i - ||k_i||^2/2)`` on all N rows;
-    - permutation null: ``(q.k_pi(i), q.k_i - ||k_i||^2/2)`` on the n0 null rows;
-    - norm-matched null: ``(q'.k_i, q'.k_i - ||k_i||^2/2)``, ``q' = ||q|| z / ||z||``;
-    - q.k-spread null: ``(q.k_i, q.k_i - ||k_pi(i)||^2/2)`` (spreads kept, pairing broken).
+    1. **Pairs** ``P [B, H, R, 2, M]`` of (attention, NW) scores, one row per compared pair of
+       key rankings: ``(q.k_i, q.k_i - ||k_i||^2 / 2)`` (the NW weights' ranks at any h) for
+       the N observed query rows and the n0 norm-matched queries ``q' = ||q|| z / ||z||`` (one
+       matrix product of the stacked queries ``[q; q']`` with the keys, one ``addcmul``), then,
+       for the n0 null rows r, the q.k-spread null ``(q.k_i, q.k_i - ||k_pi(i)||^2 / 2)`` and
+       the permutation null ``(q.k_pi(i), q.k_i - ||k_i||^2 / 2)`` written into the same
+       buffer (R = N + 3 n0).
+    2. **Ranks** of every row at once (:func:`~nw_adapter.core.metrics.rank_sign_sums`), their
+       per-row 2 x 2 Gram matrix ``G`` (one batched product), per row
+       ``(rho_r, c_r) = (G_01 / sqrt(G_00 G_11), 1)`` (``(0, 0)`` for a constant row, left
+       out), and one product with a cached pooling matrix that sums both over the rows of each
+       segment (observed, each null) and the batch rows of each CFG half:
+       ``rho = sum rho_r / sum c_r``.
+    3. **Divergences** of the observed rows: log-weights ``l = x - logsumexp(x)`` of the
+       scaled logits ``x = [s q.k, (q.k - ||k||^2 / 2) / h^2]``, weights ``(a, b) = exp(l)``,
+       the centred weights ``c = w - 1/M`` and ``d = l - logaddexp(l_A, l_W)`` stacked as
+       ``Z [B, H, N, 6, M]`` (rows a, b, c_A, c_B, d_A, d_W); one batched product
+       ``Z[:4] Z^T`` gives per row every inner product the statistics need: KL(A || W) =
+       a.d_A - a.d_W, 2 JS - 2 log 2 = a.d_A + b.d_W, n_eff = 1 / a.a, the Pearson moments
+       c_A.c_B, c_A.c_A, c_B.c_B. One matrix product with a cached ``[N * 29, 12]`` matrix
+       averages them over the rows and combines them. Pearson (over all rows and keys of a
+       (batch row, head)), the key-norm CV and the q.k spread ratio follow per (batch row,
+       head); one ``addcmul`` applies the constant gains and offsets (JS = js_sum / 2 + log 2,
+       the bandwidth, NaN nulls). (4 x 6 x M stays under CPU ``bmm``'s 400-element per-matrix
+       limit of its fast kernel up to M = 16, the Plus adapter's keys.)
 
-    Divergences, n_eff and the raveled Pearson come from ``log_softmax`` of the stacked logits
-    ``[s G, (G - ||k||^2/2) / h^2]``; top-1 from the unscaled logits. Pure torch, no random
-    numbers and no host reads, so :func:`torch.compile` can fuse it per layer shape.
+    Intermediate tensors are written with ``out=`` into per-thread workspace buffers (one set
+    per layer shape, :func:`_workspace`) instead of being concatenated, so one call of the
+    SD 1.5 layer dispatches 46 aten operations (48 with the 2 draws of
+    :func:`draw_nulls`, ``benchmarks/op_count.py``). No random
+    numbers and no host reads: :func:`torch.compile` can fuse it per layer shape.
 
     Args:
-        q: queries ``[B, H, N, d]`` (any float dtype; upcast to float32).
+        q: queries ``[B, H, N, d]`` (any float dtype; copied to float32).
         k: image keys ``[B, H, M, d]``.
-        h: NW bandwidth, a float or a ``[B, H]`` tensor.
+        h: NW bandwidth, a float or a ``[B, H]`` (or 0-d) tensor.
         scale: the stock softmax scale s.
         valid: optional bool ``[B, M]`` mask of the keys that take part (padding keys: False).
         draws: the nulls' random numbers (:func:`draw_nulls`); None = nulls recorded as NaN.
@@ -147,87 +170,117 @@ def layer_statistics(
 
     Returns:
         ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in the order of
-        :data:`~nw_adapter.integration.schema.STAT_NAMES`, and A, W.
+        :data:`~nw_adapter.integration.schema.STAT_NAMES`, and A, W. The weights are views of
+        a workspace buffer, valid until the next call with the same shapes on this thread
+        (the processors hand them to :func:`store_maps` at once, which copies what it keeps).
     """
-    q, k = q.float(), k.float()
-    n = q.shape[-2]
-    key_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, H, M]
-    sq_norm = key_norm.square()
-    qk = q @ k.transpose(-1, -2)  # [B, H, N, M]
-    g = torch.sub(qk, sq_norm[..., None, :], alpha=0.5)  # h^2 x NW logits (up to a row constant)
-    key_valid = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
-    q_norm = torch.linalg.vector_norm(q, dim=-1)  # [B, H, N]
-    if draws is None:
-        pairs = torch.stack([qk, g])  # [2, B, H, N, M]
-        segments = 1
+    b, nh, n, d = q.shape
+    m = k.shape[-2]
+    n0 = 0 if draws is None else draws.rows.shape[0]
+    segments = 1 if draws is None else 4
+    rows_total = n + 3 * n0
+    device = q.device
+    valid5 = None if valid is None else valid[:, None, None, None, :]  # [B, 1, 1, 1, M]
+
+    # keys: ||k||, ||k||^2 and their spreads
+    k = k.to(torch.float32, memory_format=torch.contiguous_format)
+    powers = _cached(("norm powers", device), lambda: torch.tensor([[[[1.0]]], [[[2.0]]]], device=device))
+    norms = torch.pow(torch.linalg.vector_norm(k, dim=-1), powers)  # [2, B, H, M]
+    norm_std, norm_mean = _masked_std_mean(norms, valid)  # [2, B, H] each: (||k||, ||k||^2)
+    sq = norms[1]  # [B, H, M]
+
+    # 1. pairs [B, H, R, 2, M]: observed and norm-matched rows from one product, then the nulls
+    feats = _workspace("row features", (b, nh, n, _ROW_FEATURES), device)
+    queries = _workspace("queries", (b, nh, n + n0, d), device)
+    queries[:, :, :n].copy_(q)
+    q_norm = _write(feats[..., _F_QNORM], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
+    if draws is not None:
+        ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
+        _write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
+    logits = queries @ k.transpose(-1, -2)  # [B, H, N + n0, M]
+    pairs = _workspace("pairs", (b, nh, rows_total, 2, m), device)
+    shift = _cached(("pair shift", device), lambda: torch.tensor([[0.0], [-0.5]], device=device))
+    _write(pairs[:, :, : n + n0], torch.addcmul, logits[..., None, :], shift, sq[..., None, None, :])
+    if draws is not None:
+        # per null row r: slots (q.k_r, q.k_r - ||k_pi||^2/2 | q.k_r o pi, q.k_r - ||k||^2/2)
+        tail = pairs[:, :, n + n0 :].view(b, nh, n0, 4, m)
+        _write(tail[..., 0::3, :], torch.index_select, pairs[:, :, :n], 2, draws.rows)
+        perm = metrics.valid_permutation(draws.noise, None if valid is None else valid[:, None, None, :])
+        _write(tail[..., 2, :], torch.gather, tail[..., 0, :], -1, perm)
+        shuffled = torch.gather(sq[..., None, :].expand(b, nh, n0, m), -1, perm)
+        _write(tail[..., 1, :], torch.sub, tail[..., 0, :], shuffled, alpha=0.5)
+
+    # 2. ranks, per-row Spearman, pooled per segment and CFG half
+    ranks = _workspace("ranks", (b, nh, rows_total, 2, m), device)
+    ranks = metrics.rank_sign_sums(pairs, valid5, out=None if torch.compiler.is_compiling() else ranks)
+    gram = _workspace("rank gram", (b, nh, rows_total, 5), device)  # G_00, G_01, G_10, G_11, G_00 G_11
+    _write(gram[..., :4].unflatten(-1, (2, 2)), torch.matmul, ranks, ranks.transpose(-1, -2))
+    _write(gram[..., 4], torch.prod, gram[..., 0:4:3], -1)  # integers: 0 = a constant row
+    num_den = gram[..., 1:5:3]  # [B, H, R, 2]: (G_01, G_00 G_11)
+    powers = _cached(("rho powers", device), lambda: torch.tensor([0.5, 1.0], device=device))
+    per_row = _workspace("rho rows", (nh, b, rows_total, 2), device)  # head-major: one pooling product
+    _write(per_row.permute(1, 0, 2, 3), torch.div, num_den, num_den[..., 1:].clamp_min(0.5).pow(powers))
+    pool = _pool_matrix(b, halves, n, n0, device)  # [B * R, halves * segments]
+    rho_sums = pool.T @ per_row.view(nh, b * rows_total, 2)  # [H, halves * segments, 2]: (sum rho_r, rows)
+
+    # 3. divergences, n_eff, top-1, Pearson of the observed rows
+    observed = pairs[:, :, :n]  # [B, H, N, 2, M]
+    if valid5 is not None:
+        observed = observed.masked_fill(~valid5, _MASKED_LOGIT)
+    z = _workspace("weights", (b, nh, n, 6, m), device)  # rows a, b, a - 1/M, b - 1/M, l_A - lae, l_W - lae
+    log_w = _write(z[..., 4:, :], torch.mul, observed, _logit_coefficients(scale, h, device))
+    log_w.sub_(torch.logsumexp(log_w, -1, keepdim=True))
+    w = _write(z[..., 0:2, :], torch.exp, log_w)
+    log_w.sub_(torch.logaddexp(log_w[..., 0:1, :], log_w[..., 1:, :]))  # log(a / (a + b)), log(b / (a + b))
+    if valid is None:
+        _write(z[..., 2:4, :], torch.sub, w, 1.0 / m)
     else:
-        qk_rows, g_rows = qk.index_select(-2, draws.rows), g.index_select(-2, draws.rows)
-        perm = metrics.valid_permutation(draws.noise, key_valid)
-        norm_ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
-        qk_matched = (draws.directions * norm_ratio[..., None]) @ k.transpose(-1, -2)
-        shuffled_sq = torch.gather(sq_norm[..., None, :].expand_as(qk_rows), -1, perm)
-        left = torch.cat([qk, torch.gather(qk_rows, -1, perm), qk_matched, qk_rows], -2)
-        right = [g, g_rows, torch.sub(qk_matched, sq_norm[..., None, :], alpha=0.5)]
-        right = torch.cat([*right, torch.sub(qk_rows, shuffled_sq, alpha=0.5)], -2)
-        pairs = torch.stack([left, right])  # [2, B, H, N + 3 n0, M]
-        segments = 4
-    ranks = metrics.rank_sign_sums(pairs, key_valid)  # 2 x centred ranks
-    gram = (ranks[:, None] * ranks[None, :]).sum(-1)  # [2, 2, B, H, rows]
-    den = gram[0, 0] * gram[1, 1]
-    # per-row Spearman; a constant row (den = 0, num = 0) gives 0 and is left out of the count
-    rho_rows = torch.stack([gram[0, 1] / den.sqrt().clamp_min(1e-30), den.sign()])  # [2, B, H, rows]
-    sums = rho_rows @ _segment_matrix(n, pairs.shape[-2], segments, q.device)  # [2, B, H, segments]
-    sums = sums.unflatten(1, (halves, -1)).sum(2)  # pooled over the batch rows of each CFG half
-    rho_and_nulls = (sums[0] / sums[1]).movedim(-1, 0)  # [segments, halves, H]; NaN: every row constant
-    if draws is None:
-        rho_and_nulls = torch.cat([rho_and_nulls, _nan_like(rho_and_nulls, 3)])
-    observed = pairs[..., :n, :]  # [2, B, H, N, M]
-    if key_valid is not None:
-        observed = observed.masked_fill(~key_valid, _MASKED_LOGIT)
-    top1 = observed.argmax(-1)  # [2, B, H, N]
-    log_w = torch.log_softmax(observed * _logit_coefficients(scale, h, q.device), -1)
-    w = log_w.exp()  # [2, B, H, N, M]: A, W
-    kl = (w[0] * (log_w[0] - log_w[1])).sum(-1)
-    js_sum = (w * (log_w - torch.logaddexp(log_w[0], log_w[1]))).sum((0, -1))  # JS = js_sum / 2 + log 2
-    neff = w.square().sum(-1).reciprocal()  # [2, B, H, N]
-    qk_std = metrics.masked_std(qk, key_valid)
-    rows = [kl[None], js_sum[None], neff, (top1[0] == top1[1])[None], q_norm[None], qk_std[None]]
-    kl, js_sum, neff_a, neff_w, top1_rate, q_norm_mean, qk_spread = torch.cat(rows).mean(-1).unbind(0)
-    sq_std, _ = _masked_std_mean(sq_norm, valid)
-    norm_std, norm_mean = _masked_std_mean(key_norm, valid)
-    if isinstance(h, torch.Tensor):
-        h_t = h.float().expand(kl.shape)
+        weight = valid5.to(torch.float32)
+        _write(z[..., 2:4, :], torch.sub, w, weight / weight.sum(-1, keepdim=True)).mul_(weight)
+    top1 = observed.argmax(-1)  # [B, H, N, 2]
+    _write(feats[..., _F_TOP1], torch.eq, top1[..., 0], top1[..., 1])
+    z3 = z.view(b * nh * n, 6, m)
+    products = feats.view(b * nh * n, _ROW_FEATURES)[:, : 4 * 6].view(-1, 4, 6)
+    _write(products, torch.bmm, z3[:, :4], z3.transpose(1, 2))
+    _write(feats[..., _F_NEFF], torch.reciprocal, feats[..., 0:8:7])  # 1 / a.a, 1 / b.b
+    if valid is None:
+        _write(feats[..., _F_QKSTD], torch.std, pairs[:, :, :n, 0], -1, correction=0)
     else:
-        value = float(h)
-        shape = kl.shape
-        h_t = _cached(("h_t", value, *shape, q.device), lambda: torch.full(shape, value, device=q.device))
-    per_row = [h_t, _raveled_pearson(w, key_valid), kl, js_sum, neff_a, neff_w, top1_rate, q_norm_mean]
-    per_row += [norm_std / norm_mean, qk_spread / sq_std]
-    others = torch.stack(per_row).unflatten(1, (halves, -1)).mean(2)  # [S - 4, halves, H]
-    gain, offset = _affine_fix(q.device)
-    others = torch.addcmul(offset, others, gain)  # JS = js_sum / 2 + log 2; ratio = qk std / (sq std / 2)
-    return torch.cat([others[:1], rho_and_nulls, others[1:]]), w
-
-
-def _affine_fix(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gain, offset)`` ``[S - 4, 1, 1]`` of the statistics besides rho and its nulls (one addcmul)."""
-
-    def make() -> torch.Tensor:
-        gain = torch.ones(_OTHERS, 1, 1, device=device)
-        offset = torch.zeros(_OTHERS, 1, 1, device=device)
-        gain[3], offset[3] = 0.5, math.log(2.0)  # js
-        gain[-1] = 2.0  # qk_spread_ratio: std(q.k) / std(||k||^2 / 2)
-        return torch.stack([gain, offset])
-
-    return _cached(("affine", device), make).unbind(0)
-
-
-_OTHERS = 10
-"""Statistics besides rho and its three nulls, in STAT_NAMES order (bandwidth first)."""
+        feats[..., _F_QKSTD].copy_(metrics.masked_std(pairs[:, :, :n, 0], valid[:, None, None, :]))
+    head = _workspace("head statistics", (b, nh, _HEAD_COLUMNS), device, zero=True)
+    _write(head.view(b * nh, -1)[:, _V_KL :], torch.mm, feats.view(b * nh, -1), _row_mean_matrix(n, device))
+    moments = head[..., _V_PCA] * head[..., _V_PCB]
+    _write(head[..., _V_PEARSON], torch.mul, head[..., _V_PCC], torch.rsqrt(moments))  # Pearson of A and W
+    _write(head[..., _V_CV], torch.div, norm_std[0], norm_mean[0])
+    _write(head[..., _V_RATIO], torch.div, head[..., _V_QKSTD], norm_std[1])
+    tensor_h = isinstance(h, torch.Tensor)
+    if tensor_h:
+        head[..., _V_H].copy_(h.expand(b, nh))
+    if b != halves:
+        head = head.view(halves, b // halves, nh, -1).mean(1)
+    gain, offset = _affine(None if tensor_h else float(h), draws is not None, device)
+    out = torch.addcmul(offset, head.view(halves, nh, -1), gain)  # [halves, H, columns]
+    rho_sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
+    _write(out[..., 1 : 1 + segments], torch.div, rho_sums[..., 0], rho_sums[..., 1])
+    return out[..., : len(STAT_NAMES)].permute(2, 0, 1), w.movedim(-2, 0)
 
 
 _MASKED_LOGIT = -1e20
 """Finite logit of a padding key: weight exactly 0, log-weight differences stay finite."""
+
+# Columns of the per-row features ``[B, H, N, 29]`` (pass 3): the 4 x 6 inner products of the rows
+# (a, b, c_A, c_B) of Z with all its rows (a, b, c_A, c_B, d_A, d_W), then:
+_F_NEFF = slice(24, 26)  # 1 / a.a, 1 / b.b
+_F_TOP1 = 26  # argmax_i a_i == argmax_i b_i
+_F_QNORM = 27  # ||q||
+_F_QKSTD = 28  # std_i q.k_i
+_ROW_FEATURES = 29
+
+# Columns of the per-(batch row, head) statistics ``[B, H, 18]``: STAT_NAMES, then the row means
+# that the nonlinear statistics need (std q.k, the three Pearson moments).
+_V_H, _V_PEARSON, _V_KL, _V_CV, _V_RATIO = 0, 5, 6, 12, 13
+_V_QKSTD, _V_PCC, _V_PCA, _V_PCB = 14, 15, 16, 17
+_HEAD_COLUMNS = 18
 
 _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
@@ -243,53 +296,121 @@ def _cached(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     return _CONSTANTS[key]
 
 
-def _segment_matrix(n: int, rows: int, segments: int, device: torch.device) -> torch.Tensor:
-    """``[rows, segments]`` indicator: row < n -> segment 0, then equal blocks of the null rows."""
+_WORKSPACE = threading.local()
+
+
+def _workspace(name: str, shape: tuple[int, ...], device: torch.device, zero: bool = False) -> torch.Tensor:
+    """A float32 scratch tensor of ``shape``, reused by every call with that shape on this thread.
+
+    The side computation writes its intermediate tensors into slices of these (``out=``) rather
+    than concatenating them: one operation fewer per stacked tensor, and no allocation per layer.
+    ``zero``: filled with zeros when made (columns that are never written stay 0). Under
+    :func:`torch.compile` a fresh tensor (the compiler plans its own buffers).
+    """
+    if torch.compiler.is_compiling():
+        return torch.zeros(shape, device=device) if zero else torch.empty(shape, device=device)
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    key = (name, shape, device)
+    if key not in buffers:
+        if len(buffers) > 64:
+            buffers.clear()
+        buffers[key] = torch.zeros(shape, device=device) if zero else torch.empty(shape, device=device)
+    return buffers[key]
+
+
+def _write(out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``op(*args, **kwargs, out=out)``: the result written into ``out`` (a slice of a workspace).
+
+    Under :func:`torch.compile` ``out.copy_(op(...))`` instead: dynamo does not trace ``out=``
+    into views, and inductor fuses the copy into the producing kernel.
+    """
+    if torch.compiler.is_compiling():
+        return out.copy_(op(*args, **kwargs))
+    return op(*args, **kwargs, out=out)
+
+
+def _pool_matrix(batch: int, halves: int, n: int, n0: int, device: torch.device) -> torch.Tensor:
+    """``[B * R, halves * segments]`` 0/1 matrix: row r of batch row b -> (CFG half of b, segment of r).
+
+    Segments in STAT_NAMES order: 0 observed (rows < N), 1 permutation null, 2 norm-matched null
+    (rows N .. N + n0), 3 q.k-spread null; the last 2 n0 rows alternate spread, permutation.
+    """
 
     def make() -> torch.Tensor:
-        index = torch.arange(rows, device=device)
-        block = max((rows - n) // max(segments - 1, 1), 1)
-        seg = torch.where(index < n, 0, 1 + torch.div(index - n, block, rounding_mode="floor"))
-        return (seg[:, None] == torch.arange(segments, device=device)).float()
+        segments = 1 if n0 == 0 else 4
+        r = torch.arange(n + 3 * n0, device=device)
+        tail = r - (n + n0)
+        seg = torch.where(r < n, 0, torch.where(r < n + n0, 2, torch.where(tail % 2 == 0, 3, 1)))
+        half = torch.arange(batch, device=device) // (batch // halves)
+        column = (half[:, None] * segments + seg[None, :]).reshape(-1)
+        return (column[:, None] == torch.arange(halves * segments, device=device)).float()
 
-    return _cached(("segments", n, rows, segments, device), make)
+    return _cached(("pool", batch, halves, n, n0, device), make)
 
 
-def _nan_like(x: torch.Tensor, count: int) -> torch.Tensor:
-    shape = (count, *x.shape[1:])
-    return _cached(("nan", *shape, x.device), lambda: torch.full(shape, math.nan, device=x.device))
+def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """``[N * 29, 12]``: the per-row features of N rows -> their means combined into columns 6..17
+    of the per-head statistics (KL, js_sum, n_eff A and W, top-1, ||q||, two zero columns for the
+    CV and the spread ratio, std q.k, c_A.c_B, c_A.c_A, c_B.c_B)."""
+
+    def make() -> torch.Tensor:
+        def p(i: int, j: int) -> int:  # column of the inner product of Z rows i and j
+            return 6 * i + j
+
+        w = torch.zeros(_ROW_FEATURES, _HEAD_COLUMNS - _V_KL)
+        for col, terms in enumerate(
+            [
+                {p(0, 4): 1, p(0, 5): -1},  # KL(A || W) = a.l_A - a.l_W = a.d_A - a.d_W
+                {p(0, 4): 1, p(1, 5): 1},  # js_sum = a.d_A + b.d_W
+                {24: 1}, {25: 1}, {_F_TOP1: 1}, {_F_QNORM: 1}, {}, {}, {_F_QKSTD: 1},
+                {p(2, 3): 1}, {p(2, 2): 1}, {p(3, 3): 1},
+            ]
+        ):
+            for row, value in terms.items():
+                w[row, col] = value
+        return (w / n).repeat(n, 1).to(device)
+
+    return _cached(("row mean", n, device), make)
+
+
+def _affine(h: float | None, nulls: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gain, offset)`` ``[18]`` of the final ``addcmul``: the bandwidth (a float h is an offset,
+    a tensor h a column), NaN nulls when not drawn, JS = js_sum / 2 + log 2, ratio = std q.k /
+    (std ||k||^2 / 2); rho and its nulls (written afterwards) and the helper columns get gain 0."""
+
+    def make() -> torch.Tensor:
+        gain, offset = torch.ones(_HEAD_COLUMNS), torch.zeros(_HEAD_COLUMNS)
+        gain[_V_H] = 1.0 if h is None else 0.0
+        offset[_V_H] = 0.0 if h is None else h
+        gain[1:5] = 0.0
+        if not nulls:
+            offset[2:5] = math.nan
+        gain[_V_KL + 1], offset[_V_KL + 1] = 0.5, math.log(2.0)
+        gain[_V_RATIO] = 2.0
+        gain[_V_QKSTD:] = 0.0
+        return torch.stack([gain, offset]).to(device)
+
+    return _cached(("affine", h, nulls, device), make).unbind(0)
 
 
 def _logit_coefficients(scale: float, h: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    """``[2, ..., 1, 1]`` multipliers of the stacked (q.k, q.k - ||k||^2/2): s and 1/h^2."""
+    """Multipliers ``[2, 1]`` (``[B, H, 1, 2, 1]`` for a ``[B, H]`` h) of the pairs: s and 1/h^2."""
     if isinstance(h, torch.Tensor):
         inv_h2 = h.float().reciprocal().square()  # [] or [B, H]
-        coef = torch.stack([torch.full_like(inv_h2, scale), inv_h2])
-        return coef.view(2, *([1, 1] if inv_h2.dim() == 0 else inv_h2.shape), 1, 1)
+        coef = torch.stack([torch.full_like(inv_h2, scale), inv_h2], -1)
+        return coef.view(2, 1) if inv_h2.dim() == 0 else coef.view(*inv_h2.shape, 1, 2, 1)
     return _cached(
-        ("coef", scale, float(h), device), lambda: torch.tensor([scale, float(h) ** -2], device=device)
-    ).view(2, 1, 1, 1, 1)
+        ("coef", scale, float(h), device), lambda: torch.tensor([[scale], [float(h) ** -2]], device=device)
+    )
 
 
 def _masked_std_mean(x: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Population std and mean over the last dim of ``x`` ``[B, H, M]`` (valid keys ``[B, M]`` only)."""
+    """Population std and mean over the last dim of ``x`` ``[..., B, H, M]`` (valid keys ``[B, M]`` only)."""
     if valid is None:
         return torch.std_mean(x, dim=-1, correction=0)
     weight = valid[:, None, :].to(x.dtype)
     mean = (x * weight).sum(-1) / weight.sum(-1)
     return metrics.masked_std(x, valid[:, None, :]), mean
-
-
-def _raveled_pearson(w: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
-    """Pearson r of A and W flattened over (rows, valid keys): ``w`` ``[2, B, H, N, M]`` -> ``[B, H]``."""
-    if key_valid is None:
-        centred = w - w.mean((-2, -1), keepdim=True)
-    else:
-        weight = key_valid.to(w.dtype)
-        count = weight.sum(-1, keepdim=True)[..., None] * w.shape[-2]
-        centred = (w - (w * weight).sum((-2, -1), keepdim=True) / count) * weight
-    gram = (centred[:, None] * centred[None, :]).sum((-2, -1))  # [2, 2, B, H]
-    return gram[0, 1] / (gram[0, 0] * gram[1, 1]).sqrt()
 
 
 def softmax_statistics(

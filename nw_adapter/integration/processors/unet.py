@@ -12,10 +12,11 @@ How the side computation gets its inputs, without recomputing the query projecti
 - ``q`` [B, H, N, d] is the output of ``attn.to_q`` captured by a forward hook registered on
   ``attn.to_q`` for the duration of ``super().__call__`` (removed in ``finally``); it already
   includes ``spatial_norm``, ``group_norm`` and the flattening of 4-D inputs.
-- ``k_ip`` [B, H, M, d] is recomputed as ``to_k_ip[j](image tokens)`` (M = 4 or 16 tokens per
-  image, negligible next to the N-row query projection). Without an IP mask an adapter's
-  images form one softmax over M = num_images x num_tokens keys (as in diffusers); with a mask
-  every image is its own softmax.
+- ``k_ip`` [B, H, M, d] is the output of ``to_k_ip[j]`` captured the same way (one forward hook
+  per adapter, one output per softmax of the stock branch; M = 4 or 16 tokens per image), or
+  ``to_k_ip[j](image tokens)`` computed here when the stock branch skipped the adapter (scale
+  0) or in swap mode. Without an IP mask an adapter's images form one softmax over
+  M = num_images x num_tokens keys (as in diffusers); with a mask every image is its own softmax.
 
 ``observe``: the output of ``super().__call__`` is returned untouched (bit-identical); then
 A = softmax(q k^T * s) (s = 1/sqrt(d) for SDPA, ``attn.scale`` for the classic processor) and
@@ -158,6 +159,26 @@ class _NWProcessorMixin:
         down = IPAdapterMaskProcessor.downsample(mask, batch, rows, inner)
         return down.to(dtype=like.dtype, device=like.device)
 
+    @staticmethod
+    def _key_grabber(into: dict[int, list[torch.Tensor]], adapter: int) -> Any:
+        """Forward hook of ``to_k_ip[adapter]``: appends each output (one per softmax, in order)."""
+
+        def grab(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            into.setdefault(adapter, []).append(output)
+
+        return grab
+
+    def _image_key(self, attn: Attention, g: _Group, captured: dict, batch: int) -> torch.Tensor:
+        """``k`` [B, H, M, d] of one softmax: the stock branch's own projection when it ran (observe;
+        captured by :meth:`_key_grabber`), the swap branch's, or ``to_k_ip`` applied here."""
+        if g.key is not None:
+            return g.key
+        outputs = captured.get("keys", {}).get(g.adapter, [])
+        position = g.image if g.mask is not None else 0
+        if position < len(outputs):
+            return self._heads(outputs[position].view(batch, -1, outputs[position].shape[-1]), attn.heads)
+        return self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
+
     # ------------------------------------------------------------------ the call
     def __call__(
         self,
@@ -201,6 +222,10 @@ class _NWProcessorMixin:
             captured["q"] = output
 
         handles = [attn.to_q.register_forward_hook(grab_query)]
+        if record and not swap:  # observe: keep the image keys the stock branch projects
+            captured["keys"] = {}
+            for j, projection in enumerate(self.to_k_ip):
+                handles.append(projection.register_forward_hook(self._key_grabber(captured["keys"], j)))
         if swap:
 
             def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
@@ -299,7 +324,7 @@ class _NWProcessorMixin:
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
         want_maps = rec.wants_maps(self.layer_name)
         for g in groups:
-            key = g.key if g.key is not None else self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
+            key = self._image_key(attn, g, captured, batch)
             k = key.float() if head_idx is None else key.index_select(1, head_idx).float()
             stats, attn_w, nw_w = side.softmax_statistics(
                 q,
