@@ -214,7 +214,7 @@ def layer_statistics(
     ranks = _workspace("ranks", (b, nh, rows_total, 2, m), device)
     ranks = metrics.rank_sign_sums(pairs, valid5, out=None if torch.compiler.is_compiling() else ranks)
     gram = _workspace("rank gram", (b, nh, rows_total, 5), device)  # G_00, G_01, G_10, G_11, G_00 G_11
-    _write(gram[..., :4].unflatten(-1, (2, 2)), torch.matmul, ranks, ranks.transpose(-1, -2))
+    _write_products(gram[..., :4].unflatten(-1, (2, 2)), ranks, ranks)
     _write(gram[..., 4], torch.prod, gram[..., 0:4:3], -1)  # integers: 0 = a constant row
     num_den = gram[..., 1:5:3]  # [B, H, R, 2]: (G_01, G_00 G_11)
     powers = _cached(("rho powers", device), lambda: torch.tensor([0.5, 1.0], device=device))
@@ -241,14 +241,16 @@ def layer_statistics(
     _write(feats[..., _F_TOP1], torch.eq, top1[..., 0], top1[..., 1])
     z3 = z.view(b * nh * n, 6, m)
     products = feats.view(b * nh * n, _ROW_FEATURES)[:, : 4 * 6].view(-1, 4, 6)
-    _write(products, torch.bmm, z3[:, :4], z3.transpose(1, 2))
+    _write_products(products, z3[:, :4], z3)
     _write(feats[..., _F_NEFF], torch.reciprocal, feats[..., 0:8:7])  # 1 / a.a, 1 / b.b
     if valid is None:
         _write(feats[..., _F_QKSTD], torch.std, pairs[:, :, :n, 0], -1, correction=0)
     else:
         feats[..., _F_QKSTD].copy_(metrics.masked_std(pairs[:, :, :n, 0], valid[:, None, None, :]))
     head = _workspace("head statistics", (b, nh, _HEAD_COLUMNS), device, zero=True)
-    _write(head.view(b * nh, -1)[:, _V_KL :], torch.mm, feats.view(b * nh, -1), _row_mean_matrix(n, device))
+    _write_products(
+        head.view(b * nh, 1, -1)[..., _V_KL:], feats.view(b * nh, 1, -1), _row_mean_matrix(n, device).T
+    )
     moments = head[..., _V_PCA] * head[..., _V_PCB]
     _write(head[..., _V_PEARSON], torch.mul, head[..., _V_PCC], torch.rsqrt(moments))  # Pearson of A and W
     _write(head[..., _V_CV], torch.div, norm_std[0], norm_mean[0])
@@ -329,6 +331,18 @@ def _write(out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwa
     return op(*args, **kwargs, out=out)
 
 
+def _write_products(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``out = x y^T`` for ``x [..., P, K]``, ``y [..., Q, K]`` (``out [..., P, Q]``), small P and Q.
+
+    Eager: one (batched) matrix product. Under :func:`torch.compile`: the broadcast product
+    summed over K, ``sum_k x[..., p, k] y[..., q, k]``, which inductor fuses with the kernels
+    around it; a matrix product is an extern kernel it cannot fuse, one more launch per call.
+    """
+    if torch.compiler.is_compiling():
+        return out.copy_((x[..., :, None, :] * y[..., None, :, :]).sum(-1))
+    return torch.matmul(x, y.transpose(-1, -2), out=out)
+
+
 def _pool_matrix(batch: int, halves: int, n: int, n0: int, device: torch.device) -> torch.Tensor:
     """``[B * R, halves * segments]`` 0/1 matrix: row r of batch row b -> (CFG half of b, segment of r).
 
@@ -362,8 +376,16 @@ def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
             [
                 {p(0, 4): 1, p(0, 5): -1},  # KL(A || W) = a.l_A - a.l_W = a.d_A - a.d_W
                 {p(0, 4): 1, p(1, 5): 1},  # js_sum = a.d_A + b.d_W
-                {24: 1}, {25: 1}, {_F_TOP1: 1}, {_F_QNORM: 1}, {}, {}, {_F_QKSTD: 1},
-                {p(2, 3): 1}, {p(2, 2): 1}, {p(3, 3): 1},
+                {24: 1},
+                {25: 1},
+                {_F_TOP1: 1},
+                {_F_QNORM: 1},
+                {},
+                {},
+                {_F_QKSTD: 1},
+                {p(2, 3): 1},
+                {p(2, 2): 1},
+                {p(3, 3): 1},
             ]
         ):
             for row, value in terms.items():
