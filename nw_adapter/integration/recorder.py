@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from nw_adapter.atomic import atomic_write, atomic_write_text
-from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.schedules import noise_level, schedule_table
 from nw_adapter.integration.schema import (
     LEGACY_NAMES,
@@ -405,11 +405,15 @@ class NWRecorder:
         return labels if len(labels) > 1 and batch % len(labels) == 0 else ("all",)
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """The seeded generator of the nulls on ``device`` (reseeded at every new call)."""
+        """The seeded generator of the nulls on ``device`` (reseeded at every new call).
+
+        Call ``c`` uses seed ``(seed + 1_000_003 c) mod 2**63``, inside the generator's range for
+        every valid seed and any number of calls.
+        """
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.config.seed + 1_000_003 * self.state.call)
+            gen.manual_seed((self.config.seed + 1_000_003 * self.state.call) % SEED_LIMIT)
             self._generators[device] = gen
         return gen
 

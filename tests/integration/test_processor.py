@@ -455,6 +455,20 @@ def test_nulls_reseeded_each_call():
     assert by_call[0] != by_call[1]  # different calls use different (but reproducible) streams
 
 
+def test_nulls_at_the_largest_seed_after_many_calls():
+    """seed 2**63 - 1 with a large call index stays inside the generator's seed range."""
+    from nw_adapter.integration.config import SEED_LIMIT
+
+    attn, stock = _attention(), _stock()
+    x, text, ip = _inputs()
+    rec = _install(attn, stock, seed=SEED_LIMIT - 1)
+    for call in (0, 10**13):
+        rec.begin_step(call=call, step=0)
+        attn(x, (text, ip))
+    by_call = [[r["rho_perm_null"] for r in rec.to_records() if r["call"] == c] for c in (0, 10**13)]
+    assert all(not math.isnan(v) for v in by_call[0] + by_call[1]) and by_call[0] != by_call[1]
+
+
 def test_cfg_option_on_bare_layer():
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
