@@ -53,3 +53,56 @@ def test_halves_pool_the_batch_rows_of_each_half():
     nulls = [STAT_NAMES.index(n) for n in ("rho_perm_null", "rho_norm_matched_null", "rho_spread_null")]
     assert bool(both[nulls].isnan().all())  # no draws: nulls recorded as NaN, not as 0
     assert all(math.isfinite(v) for v in both[STAT_NAMES.index("rho")].flatten().tolist())
+
+
+def test_a_float_bandwidth_is_not_polluted_by_an_earlier_tensor_bandwidth():
+    """The workspace is reused per shape: a NaN h of one call must not reach the next call's h."""
+    q, k, draws = _data()
+    h_row = STAT_NAMES.index("bandwidth")
+    layer_statistics(q, k, torch.full((2, 3), float("nan")), 0.25, None, draws)
+    stats, _ = layer_statistics(q, k, 1.5, 0.25, None, draws)
+    assert torch.all(stats[h_row] == 1.5)
+
+
+def test_statistics_do_not_depend_on_the_default_dtype():
+    q, k, draws = _data()
+    reference, _ = layer_statistics(q, k, 1.0, 0.25, None, draws)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        stats, _ = layer_statistics(q, k, 1.0, 0.25, None, draws)
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.allclose(stats, reference, equal_nan=True)
+
+
+def test_statistics_run_with_full_float32_matmuls_and_restore_the_setting(monkeypatch):
+    """A user's TF32 / "high" matmul precision would cost the KL and JS sums ~1e-3: the side
+    computation runs at "highest" and the user's setting comes back, after an exception too."""
+    from nw_adapter.integration.config import NWProcessorConfig
+    from nw_adapter.integration.processors import side
+
+    seen = []
+
+    def spy(*args):
+        seen.append(torch.get_float32_matmul_precision())
+        if len(seen) == 2:
+            raise RuntimeError("boom")
+        return layer_statistics(*args)
+
+    monkeypatch.setattr(side, "layer_statistics", spy)
+    q, k, _ = _data()
+    config = NWProcessorConfig(nulls=False)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        side.softmax_statistics(q, k, scale=0.25, bandwidth=lambda a: 1.0, config=config, generator=None)
+        assert torch.get_float32_matmul_precision() == "high"
+        try:
+            side.softmax_statistics(q, k, scale=0.25, bandwidth=lambda a: 1.0, config=config, generator=None)
+        except RuntimeError:
+            pass
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == ["highest", "highest"]

@@ -16,13 +16,14 @@ state; nothing of diffusers, so one implementation serves every model family.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,7 +185,7 @@ def layer_statistics(
 
     # keys: ||k||, ||k||^2 and their spreads
     k = k.to(torch.float32, memory_format=torch.contiguous_format)
-    powers = _cached(("norm powers", device), lambda: torch.tensor([[[[1.0]]], [[[2.0]]]], device=device))
+    powers = _cached(("norm powers", device), lambda: _f32([[[[1.0]]], [[[2.0]]]], device))
     norms = torch.pow(torch.linalg.vector_norm(k, dim=-1), powers)  # [2, B, H, M]
     norm_std, norm_mean = _masked_std_mean(norms, valid)  # [2, B, H] each: (||k||, ||k||^2)
     sq = norms[1]  # [B, H, M]
@@ -199,7 +200,7 @@ def layer_statistics(
         _write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
     logits = queries @ k.transpose(-1, -2)  # [B, H, N + n0, M]
     pairs = _workspace("pairs", (b, nh, rows_total, 2, m), device)
-    shift = _cached(("pair shift", device), lambda: torch.tensor([[0.0], [-0.5]], device=device))
+    shift = _cached(("pair shift", device), lambda: _f32([[0.0], [-0.5]], device))
     _write(pairs[:, :, : n + n0], torch.addcmul, logits[..., None, :], shift, sq[..., None, None, :])
     if draws is not None:
         # per null row r: slots (q.k_r, q.k_r - ||k_pi||^2/2 | q.k_r o pi, q.k_r - ||k||^2/2)
@@ -217,7 +218,7 @@ def layer_statistics(
     _write_products(gram[..., :4].unflatten(-1, (2, 2)), ranks, ranks)
     _write(gram[..., 4], torch.prod, gram[..., 0:4:3], -1)  # integers: 0 = a constant row
     num_den = gram[..., 1:5:3]  # [B, H, R, 2]: (G_01, G_00 G_11)
-    powers = _cached(("rho powers", device), lambda: torch.tensor([0.5, 1.0], device=device))
+    powers = _cached(("rho powers", device), lambda: _f32([0.5, 1.0], device))
     per_row = _workspace("rho rows", (nh, b, rows_total, 2), device)  # head-major: one pooling product
     _write(per_row.permute(1, 0, 2, 3), torch.div, num_den, num_den[..., 1:].clamp_min(0.5).pow(powers))
     pool = _pool_matrix(b, halves, n, n0, device)  # [B * R, halves * segments]
@@ -247,7 +248,11 @@ def layer_statistics(
         _write(feats[..., _F_QKSTD], torch.std, pairs[:, :, :n, 0], -1, correction=0)
     else:
         feats[..., _F_QKSTD].copy_(metrics.masked_std(pairs[:, :, :n, 0], valid[:, None, None, :]))
-    head = _workspace("head statistics", (b, nh, _HEAD_COLUMNS), device, zero=True)
+    tensor_h = isinstance(h, torch.Tensor)
+    # a float h: the h column is never written and stays 0 (its gain is 0, its offset h); its own
+    # workspace, so that a tensor h (even NaN) of an earlier call of this shape cannot leak into it
+    name = "head statistics, tensor h" if tensor_h else "head statistics"
+    head = _workspace(name, (b, nh, _HEAD_COLUMNS), device, zero=True)
     _write_products(
         head.view(b * nh, 1, -1)[..., _V_KL:], feats.view(b * nh, 1, -1), _row_mean_matrix(n, device).T
     )
@@ -255,7 +260,6 @@ def layer_statistics(
     _write(head[..., _V_PEARSON], torch.mul, head[..., _V_PCC], torch.rsqrt(moments))  # Pearson of A and W
     _write(head[..., _V_CV], torch.div, norm_std[0], norm_mean[0])
     _write(head[..., _V_RATIO], torch.div, head[..., _V_QKSTD], norm_std[1])
-    tensor_h = isinstance(h, torch.Tensor)
     if tensor_h:
         head[..., _V_H].copy_(h.expand(b, nh))
     if b != halves:
@@ -301,6 +305,11 @@ def _cached(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
 _WORKSPACE = threading.local()
 
 
+def _f32(values: Any, device: torch.device | None) -> torch.Tensor:
+    """A float32 constant (never the default dtype, which a user may have changed)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 def _workspace(name: str, shape: tuple[int, ...], device: torch.device, zero: bool = False) -> torch.Tensor:
     """A float32 scratch tensor of ``shape``, reused by every call with that shape on this thread.
 
@@ -310,13 +319,13 @@ def _workspace(name: str, shape: tuple[int, ...], device: torch.device, zero: bo
     :func:`torch.compile` a fresh tensor (the compiler plans its own buffers).
     """
     if torch.compiler.is_compiling():
-        return torch.zeros(shape, device=device) if zero else torch.empty(shape, device=device)
+        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
     key = (name, shape, device)
     if key not in buffers:
         if len(buffers) > 64:
             buffers.clear()
-        buffers[key] = torch.zeros(shape, device=device) if zero else torch.empty(shape, device=device)
+        buffers[key] = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
     return buffers[key]
 
 
@@ -371,7 +380,7 @@ def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
         def p(i: int, j: int) -> int:  # column of the inner product of Z rows i and j
             return 6 * i + j
 
-        w = torch.zeros(_ROW_FEATURES, _HEAD_COLUMNS - _V_KL)
+        w = torch.zeros(_ROW_FEATURES, _HEAD_COLUMNS - _V_KL, dtype=torch.float32)
         for col, terms in enumerate(
             [
                 {p(0, 4): 1, p(0, 5): -1},  # KL(A || W) = a.l_A - a.l_W = a.d_A - a.d_W
@@ -401,7 +410,7 @@ def _affine(h: float | None, nulls: bool, device: torch.device) -> tuple[torch.T
     (std ||k||^2 / 2); rho and its nulls (written afterwards) and the helper columns get gain 0."""
 
     def make() -> torch.Tensor:
-        gain, offset = torch.ones(_HEAD_COLUMNS), torch.zeros(_HEAD_COLUMNS)
+        gain, offset = _f32([1.0] * _HEAD_COLUMNS, None), _f32([0.0] * _HEAD_COLUMNS, None)
         gain[_V_H] = 1.0 if h is None else 0.0
         offset[_V_H] = 0.0 if h is None else h
         gain[1:5] = 0.0
@@ -422,7 +431,7 @@ def _logit_coefficients(scale: float, h: torch.Tensor | float, device: torch.dev
         coef = torch.stack([torch.full_like(inv_h2, scale), inv_h2], -1)
         return coef.view(2, 1) if inv_h2.dim() == 0 else coef.view(*inv_h2.shape, 1, 2, 1)
     return _cached(
-        ("coef", scale, float(h), device), lambda: torch.tensor([[scale], [float(h) ** -2]], device=device)
+        ("coef", scale, float(h), device), lambda: _f32([[scale], [float(h) ** -2]], device)
     )
 
 
@@ -473,9 +482,30 @@ def softmax_statistics(
     function = compiled_statistics() if config.compile else layer_statistics
     if function is not layer_statistics and not isinstance(h, torch.Tensor):
         value = float(h)  # a 0-d tensor: one graph for every value of h (made once per value)
-        h = _cached(("h", value, q.device), lambda: torch.full((), value, device=q.device))
-    stats, weights = function(q, k, h, scale, valid, draws, halves)
+        h = _cached(("h", value, q.device), lambda: _f32(value, q.device))
+    with full_precision_float32_matmuls():
+        stats, weights = function(q, k, h, scale, valid, draws, halves)
     return stats, weights[0], weights[1]
+
+
+@contextlib.contextmanager
+def full_precision_float32_matmuls() -> Iterator[None]:
+    """Float32 matrix products in full float32 precision inside the block, whatever the user set.
+
+    With ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")``
+    (common for fp16/TF32 inference) a float32 product rounds its inputs to 10-bit mantissas;
+    the statistics' inner products (KL = a.d_A - a.d_W, the JS sum, the rank Gram) then cancel
+    to errors of about 1e-3. The previous setting is restored on exit, exceptions included.
+    """
+    previous = torch.get_float32_matmul_precision()
+    if previous == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 _COMPILED: dict[str, Any] = {}
