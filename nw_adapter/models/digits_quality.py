@@ -191,12 +191,13 @@ def caption_epsilon_losses(pipe, split: DigitSplit, *, seed: int = 0) -> dict[st
     from nw_adapter.models.digits_data import class_captions, to_model_range
     from nw_adapter.models.tiny_digits import noise_scheduler
 
-    images = to_model_range(split.images)
-    latents = pipe.vae.encode(images).latent_dist.mean * pipe.vae.config.scaling_factor
-    generator = torch.Generator().manual_seed(seed)
+    device, dtype = pipe.device, pipe.unet.dtype
+    images = to_model_range(split.images).to(device, pipe.vae.dtype)
+    latents = pipe.vae.encode(images).latent_dist.mean.float().cpu() * pipe.vae.config.scaling_factor
+    generator = torch.Generator().manual_seed(seed)  # on the CPU: the same draws on any device
     noise = torch.randn(latents.shape, generator=generator)
     timesteps = torch.randint(0, 1000, (len(latents),), generator=generator)
-    noisy = noise_scheduler().add_noise(latents, noise, timesteps)
+    noisy = noise_scheduler().add_noise(latents, noise, timesteps).to(device, dtype)
     labels = [int(label) for label in split.labels]
     prompts = {
         "right": [class_captions(label)[i % 3] for i, label in enumerate(labels)],
@@ -205,7 +206,7 @@ def caption_epsilon_losses(pipe, split: DigitSplit, *, seed: int = 0) -> dict[st
     }
     losses = {}
     for name, texts in prompts.items():
-        states = pipe.encode_prompt(texts, "cpu", 1, False)[0]
-        prediction = pipe.unet(noisy, timesteps, encoder_hidden_states=states).sample
-        losses[name] = float(torch.nn.functional.mse_loss(prediction, noise))
+        states = pipe.encode_prompt(texts, device, 1, False)[0]
+        prediction = pipe.unet(noisy, timesteps.to(device), encoder_hidden_states=states).sample
+        losses[name] = float(torch.nn.functional.mse_loss(prediction.float().cpu(), noise))
     return losses

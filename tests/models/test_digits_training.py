@@ -236,17 +236,45 @@ def test_a_resumed_run_reuses_only_stages_made_with_its_settings(tmp_path):
 
 
 def test_a_stage_trained_on_other_inputs_is_not_reused(tmp_path):
-    """The record of a stage holds the records of the stages it was trained on, so a UNet trained
-    on another text encoder does not match even though its own settings do."""
+    """A stage's record holds its inputs' records and file digests: a UNet stage is refused when the
+    VAE files it was trained on changed, even though every setting matches; a malformed record
+    is refused with one line, not a traceback."""
+    from safetensors.torch import save_file
+
+    assert _train(tmp_path).returncode == 0
+    stages = tmp_path / "stages"
+    weights = next((stages / "vae").glob("*.safetensors"))
+    state = load_file(weights)
+    first = next(iter(state))
+    state[first] = state[first] + 1.0
+    save_file(state, weights)
+    changed = _train(tmp_path)
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    assert "stages/unet" in changed.stderr and "inputs.vae.files" in changed.stderr
+
+    (stages / "vae" / "stage.json").write_text("{not json")
+    broken = _train(tmp_path)
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr
+    assert "stages/vae" in broken.stderr and "unreadable" in broken.stderr
+    errors = [line for line in broken.stderr.splitlines() if "error" in line]  # not library warnings
+    assert len(errors) == 1 and errors[0].startswith("train_tiny.py: error: cannot reuse")
+
+
+def test_the_record_names_the_settings_environment_and_inputs_of_a_stage():
     from dataclasses import replace
 
     from nw_adapter.models.training.run import TrainingConfig, _stage_record
 
     config = TrainingConfig.quick()
     records = {name: _stage_record(name, config, {}) for name in ("vae", "text_encoder")}
-    unet = _stage_record("unet", config, records)
-    records["text_encoder"] = _stage_record("text_encoder", replace(config, text_encoder_steps=9), {})
-    assert _stage_record("unet", config, records) != unet
-    assert _stage_record("unet", replace(config, adapter_steps=9), {**records}) == _stage_record(
-        "unet", config, records
+    unet = _stage_record("unet", config, records, {"vae": "a", "text_encoder": "b"})
+    assert unet["inputs"]["vae"] == {"record": records["vae"], "files": "a"}
+    assert unet["environment"] == {"threads": config.threads, "torch": torch.__version__}
+    assert _stage_record("unet", config, records, {"vae": "c", "text_encoder": "b"}) != unet
+    assert (
+        _stage_record("unet", replace(config, threads=2), records, {"vae": "a", "text_encoder": "b"}) != unet
+    )
+    assert (
+        _stage_record("unet", replace(config, adapter_steps=9), records, {"vae": "a", "text_encoder": "b"})
+        == unet
     )

@@ -16,6 +16,7 @@ retrained, but only when its record equals the one this run would write; otherwi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -98,14 +99,35 @@ _STAGE_INPUTS = {
 STAGE_RECORD = "stage.json"
 
 
-def _stage_record(name: str, config: TrainingConfig, records: dict[str, dict]) -> dict:
-    """What ``stage.json`` of stage ``name`` holds: its settings and its input stages' records."""
+def _stage_record(
+    name: str, config: TrainingConfig, records: dict[str, dict], digests: dict[str, str] | None = None
+) -> dict:
+    """What ``stage.json`` of stage ``name`` holds.
+
+    Its own settings (the config fields it depends on, the CPU threads and the torch version,
+    which change floating-point rounding), and for every input stage that stage's record and the
+    SHA-256 of its files (:func:`_folder_digest`), so a stage is reused only on the very weights
+    it was trained on.
+    """
     settings = asdict(config)
+    digests = digests or {}
     return {
         "stage": name,
         "settings": {field: settings[field] for field in _STAGE_SETTINGS[name]},
-        "inputs": {stage: records[stage] for stage in _STAGE_INPUTS[name]},
+        "environment": {"threads": config.threads, "torch": torch.__version__},
+        "inputs": {
+            stage: {"record": records[stage], "files": digests.get(stage)} for stage in _STAGE_INPUTS[name]
+        },
     }
+
+
+def _folder_digest(folder: Path) -> str:
+    """SHA-256 over the relative path and bytes of every file of ``folder`` but its ``stage.json``."""
+    digest = hashlib.sha256()
+    for path in sorted(path for path in folder.rglob("*") if path.is_file() and path.name != STAGE_RECORD):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _differences(found: dict, expected: dict, prefix: str = "") -> list[str]:
@@ -120,11 +142,26 @@ def _differences(found: dict, expected: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _read_record(path: Path) -> dict | str:
+    """The record in ``path``, or why there is none (a phrase for the error message)."""
+    if not path.is_file():
+        return f"it has no {STAGE_RECORD}, so it was not made by this version of train_tiny.py"
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"its {STAGE_RECORD} is unreadable ({type(exc).__name__})"
+    return found if isinstance(found, dict) else f"its {STAGE_RECORD} is not a record"
+
+
 def _checked_stage(folder: Path, record: dict, build) -> Path:
     """Build ``folder`` once (atomically, with its record inside) or reuse it if its record matches.
 
+    The record is checked after :func:`~nw_adapter.models.tiny.write_once` in every case, so a
+    folder that a concurrent run wrote first is checked too.
+
     Raises:
-        StageMismatchError: ``folder`` exists but was made with other settings or from other stages.
+        StageMismatchError: ``folder`` exists but was made with other settings, in another
+            environment, from other input files, or has no readable record.
     """
     from nw_adapter.models.tiny import write_once
 
@@ -132,18 +169,15 @@ def _checked_stage(folder: Path, record: dict, build) -> Path:
         build(path)
         atomic_write_json(path / STAGE_RECORD, record)
 
-    existed = folder.exists()
     write_once(folder, build_with_record)
-    if existed:
-        path = folder / STAGE_RECORD
-        found = json.loads(path.read_text()) if path.is_file() else {}
-        if found != record:
-            shown = "; ".join(_differences(found, record)[:3]) if found else f"no {STAGE_RECORD}"
-            raise StageMismatchError(
-                f"{folder} was trained with other settings ({shown}); "
-                "pass a new --out or delete that folder to retrain it"
-            )
-    return folder
+    found = _read_record(folder / STAGE_RECORD)
+    if isinstance(found, str):
+        reason = found
+    elif found != record:
+        reason = "it was trained otherwise: " + "; ".join(_differences(found, record)[:3])
+    else:
+        return folder
+    raise StageMismatchError(f"cannot reuse {folder}: {reason}; pass a new --out or delete that folder")
 
 
 def _pil_images(images):
@@ -255,9 +289,13 @@ def run_training(
 
     records: dict[str, dict] = {}
 
+    digests: dict[str, str] = {}
+
     def stage(name: str, build, folder: Path | None = None) -> Path:
-        records[name] = _stage_record(name, config, records)
-        return _checked_stage(folder or stages / name, records[name], build)
+        records[name] = _stage_record(name, config, records, digests)
+        folder = _checked_stage(folder or stages / name, records[name], build)
+        digests[name] = _folder_digest(folder)
+        return folder
 
     vae = AutoencoderKL.from_pretrained(stage("vae", vae_stage))
     encoder = CLIPVisionModelWithProjection.from_pretrained(stage("image_encoder", encoder_stage))
@@ -361,6 +399,9 @@ def run_training(
         # otherwise); the small transformers encoders stay float32, because transformers loads a
         # float16 checkpoint as float16 by default and the pipeline would then mix dtypes.
         pipe = pipeline(with_image_encoder=False)
+        # an unused tokenizer: a used one saves its last padding/truncation state, which would
+        # make the file depend on whether the earlier stages ran or were reused
+        pipe.register_modules(tokenizer=CLIPTokenizer.from_pretrained(text_dir / "tokenizer"))
         pipe.unet.to(torch.float16)
         pipe.vae.to(torch.float16)
         pipe.save_pretrained(path, safe_serialization=True)
@@ -376,5 +417,9 @@ def run_training(
         for digit in range(10):
             first = int(torch.nonzero(torch.from_numpy(reference.labels) == digit)[0])
             _pil_images(reference.images[first : first + 1])[0].save(path / "examples" / f"digit_{digit}.png")
+        for config_file in path.rglob("config.json"):  # the stage folders' paths do not belong in it
+            values = json.loads(config_file.read_text())
+            if values.pop("_name_or_path", None) is not None:
+                config_file.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
     return stage("tiny_digits", assemble, out / "tiny_digits")
