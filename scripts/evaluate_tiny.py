@@ -179,6 +179,14 @@ STAGES = (
 )
 
 
+def _prompt_count() -> int:
+    """Prompts of the text-encoder stage (one full batch): every caption and class-free prompt."""
+    from nw_adapter.models.digits_data import class_captions
+    from nw_adapter.models.training.run import STAGE2_PROMPTS
+
+    return sum(len(class_captions(digit)) for digit in range(10)) + len(STAGE2_PROMPTS)
+
+
 def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
     """The card's stage table (from ``run_dir/stages/log.json``) and its file table (sizes, SHA-256)."""
     import hashlib
@@ -199,7 +207,7 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
         if "caption_accuracy" in entry:
             extra = f"; accuracy {entry['caption_accuracy']:.0%} (training prompts)"
         lr = config.get(f"{key}_lr", lr)  # a stage whose learning rate is a config field
-        batch = f"{batch_factor * config['batch_size']}" if batch_factor else "33 (full)"
+        batch = f"{batch_factor * config['batch_size']}" if batch_factor else f"{_prompt_count()} (full)"
         rows.append(
             f"| {key} | {name} | {objective} "
             f"| {config[steps_key]} x {batch}, {lr:g} "

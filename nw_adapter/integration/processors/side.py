@@ -385,8 +385,8 @@ def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
             [
                 {p(0, 4): 1, p(0, 5): -1},  # KL(A || W) = a.l_A - a.l_W = a.d_A - a.d_W
                 {p(0, 4): 1, p(1, 5): 1},  # js_sum = a.d_A + b.d_W
-                {24: 1},
-                {25: 1},
+                {_F_NEFF.start: 1},  # n_eff of A
+                {_F_NEFF.start + 1: 1},  # n_eff of W
                 {_F_TOP1: 1},
                 {_F_QNORM: 1},
                 {},

@@ -74,7 +74,8 @@ class TrainingConfig:
 
 
 class StageMismatchError(ValueError):
-    """A stage folder on disk was trained with other settings than the run asks for."""
+    """A stage folder on disk cannot be reused: other settings, environment or input files, or no
+    readable ``stage.json``."""
 
 
 _STAGE_SETTINGS = {
@@ -288,7 +289,6 @@ def run_training(
         record("image_encoder", started, losses, held_out_accuracy=accuracy)
 
     records: dict[str, dict] = {}
-
     digests: dict[str, str] = {}
 
     def stage(name: str, build, folder: Path | None = None) -> Path:
