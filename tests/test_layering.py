@@ -21,15 +21,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nw_adapter"
 FORBIDDEN = {
     "core": (
         {"diffusers", "transformers", "PIL", "matplotlib", "accelerate"},
-        {"integration", "correlate", "models", "experiments"},
+        {"integration", "correlate", "models", "experiments", "pipelines"},
     ),
-    "integration": (set(), {"correlate", "experiments", "models"}),
-    "models": (set(), {"integration", "correlate", "experiments"}),
+    "integration": (set(), {"correlate", "experiments", "models", "pipelines"}),
+    "pipelines": (set(), {"correlate", "experiments", "models"}),
+    "models": (set(), {"integration", "correlate", "experiments", "pipelines"}),
     "experiments": (
         {"diffusers", "transformers", "PIL", "accelerate"},
-        {"integration", "correlate", "models"},
+        {"integration", "correlate", "models", "pipelines"},
     ),
-    "correlate": (set(), {"experiments"}),
+    "correlate": (set(), {"experiments", "pipelines"}),
 }
 
 

@@ -2,7 +2,7 @@
 
 Three equivalent entry points:
 
-- :class:`NWIPAdapterMixin` for pipeline classes (``pipelines/``):
+- :class:`NWIPAdapterMixin` for pipeline classes (:mod:`nw_adapter.pipelines`):
   ``pipe.set_ip_adapter_nw_processor(...)`` / ``pipe.unset_ip_adapter_nw_processor()``;
 - :func:`apply_nw_processor` / :func:`remove_nw_processor` for any stock pipeline;
 - :func:`nw_processor`, a context manager that removes the processors on exit.

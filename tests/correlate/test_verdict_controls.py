@@ -120,7 +120,7 @@ def test_verdict_clears_for_an_exact_nw_head():
 
 def test_verdict_does_not_clear_for_the_random_tiny_pipeline(tiny_sd15_dir, tiny_ip_adapter_dir):
     from nw_adapter.models.tiny import ip_adapter_weight_name
-    from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+    from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
 
     pipe = StableDiffusionNWPipeline.from_pretrained(tiny_sd15_dir)
     pipe.load_ip_adapter(tiny_ip_adapter_dir, subfolder="models", weight_name=ip_adapter_weight_name("base"))

@@ -28,8 +28,8 @@ from nw_adapter.integration.processors import (
     is_nw_processor,
 )
 from nw_adapter.integration.recorder import NWRecorder
-from pipelines.pipeline_flux_nw import FluxNWPipeline
-from pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
+from nw_adapter.pipelines.pipeline_flux_nw import FluxNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
 
 
 @pytest.fixture(scope="module")

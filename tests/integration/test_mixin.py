@@ -20,7 +20,7 @@ from nw_adapter.integration.mixin import (
 )
 from nw_adapter.integration.processors import is_nw_processor
 from nw_adapter.models.tiny import ip_adapter_weight_name
-from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from nw_adapter.integration.processors import nw_processor_for
 from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder, block_of
 from nw_adapter.integration.schema import NULL_STATS
 from nw_adapter.models.tiny import ip_adapter_weight_name
-from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
 
 
 @pytest.fixture(scope="module")

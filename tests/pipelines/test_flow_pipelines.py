@@ -10,8 +10,8 @@ from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
 from flow_helpers import generate, load_flux, load_sd3
 
 from nw_adapter.integration.processors import is_nw_processor
-from pipelines.pipeline_flux_nw import FluxNWPipeline
-from pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
+from nw_adapter.pipelines.pipeline_flux_nw import FluxNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 

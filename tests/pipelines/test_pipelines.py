@@ -31,8 +31,8 @@ from tiny_helpers import random_image as _image
 from nw_adapter.integration.mixin import nw_processor
 from nw_adapter.integration.processors import is_nw_processor
 from nw_adapter.models.tiny import ip_adapter_weight_name
-from pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
-from pipelines.pipeline_stable_diffusion_xl_nw import StableDiffusionXLNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_xl_nw import StableDiffusionXLNWPipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 

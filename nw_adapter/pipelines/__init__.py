@@ -1,0 +1,23 @@
+"""Companion diffusers pipelines: stock pipelines plus
+:class:`~nw_adapter.integration.mixin.NWIPAdapterMixin` (``pipe.set_ip_adapter_nw_processor()``).
+
+Each class composes like any diffusers pipeline: ``from_pretrained``, ``from_pipe`` both ways,
+and, through the thin files of the repository's top-level ``pipelines/`` folder,
+``custom_pipeline=``.
+
+Example:
+    >>> from nw_adapter.pipelines import StableDiffusionNWPipeline
+    >>> pipe = StableDiffusionNWPipeline.from_pipe(stock_pipe)  # doctest: +SKIP
+"""
+
+from nw_adapter.pipelines.pipeline_flux_nw import FluxNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+from nw_adapter.pipelines.pipeline_stable_diffusion_xl_nw import StableDiffusionXLNWPipeline
+
+__all__ = [
+    "FluxNWPipeline",
+    "StableDiffusion3NWPipeline",
+    "StableDiffusionNWPipeline",
+    "StableDiffusionXLNWPipeline",
+]

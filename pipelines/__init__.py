@@ -1,2 +1,0 @@
-"""Companion diffusers pipelines: stock pipelines plus
-:class:`nw_adapter.integration.mixin.NWIPAdapterMixin`."""
