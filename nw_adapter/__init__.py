@@ -36,6 +36,10 @@ _LAZY = {
     "remove_nw_processor": "nw_adapter.integration.mixin",
     "nw_processor": "nw_adapter.integration.mixin",
     "NWVelocityField": "nw_adapter.core.paths",
+    "load_tiny_digits": "nw_adapter.models.loaders",
+    "load_tiny_sd3": "nw_adapter.models.loaders",
+    "load_tiny_flux": "nw_adapter.models.loaders",
+    "tiny_digit_image": "nw_adapter.models.loaders",
 }
 
 __all__ = ["__version__", *_LAZY]
