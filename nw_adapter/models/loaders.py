@@ -65,7 +65,7 @@ def load_tiny_digits(*, pipeline_class: Any = None, device: str = "cpu") -> Any:
     pipe = pipeline_class.from_pretrained(folder)
     pipe.load_ip_adapter(folder, subfolder="models", weight_name=TINY_DIGITS_WEIGHT_NAME)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device)
+    return pipe if device == "cpu" else pipe.to(device)
 
 
 def load_tiny_sd3(

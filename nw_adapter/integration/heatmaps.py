@@ -1,0 +1,374 @@
+"""Heat maps of the image branch per image token, from a recorder's maps in memory (DAAM style).
+
+With ``store_maps=True`` the recorder keeps, per (call, step, layer, adapter, image), the
+image-branch attention ``A`` and the NW weights ``W``, each ``[batch rows, heads (1 with
+head-mean), query positions, image tokens]``, named
+``call{c}/step{s}/{layer}/adapter{a}/image{i}/{attn|nw}`` (:meth:`NWRecorder.maps`; the same
+names in a ``maps.safetensors`` file). Column ``k`` of a map, laid out on the query grid, shows
+where in the generated image image token ``k`` is attended to.
+
+- :func:`heat_maps` gives one :class:`TokenHeatMaps` (``[tokens, grid_h, grid_w]``) of ``A``,
+  ``W`` or ``A - W``, averaged over the chosen steps, layers and heads, from a recorder (no file
+  written) or from loaded arrays;
+- :meth:`TokenHeatMaps.plot_overlay` draws each token's map over an image (the generated image
+  or an x0 estimate), each on its own colour scale with the uniform level ``1 / tokens`` marked.
+
+Averaging: per selected map, the batch row (default the last: the conditional half under
+classifier-free guidance), the mean over the chosen heads, the query rows laid out on their grid
+and upsampled (nearest, an exact integer factor) to the finest selected grid; then the mean over
+the selected (step, layer) maps.
+
+Example:
+    >>> rec = pipe.set_ip_adapter_nw_processor(store_maps=True)  # doctest: +SKIP
+    >>> image = pipe("a photograph", ip_adapter_image=ref).images[0]  # doctest: +SKIP
+    >>> maps = heat_maps(rec, "attn", steps=[0, 5])  # doctest: +SKIP
+    >>> maps.plot_overlay(image, alpha=0.6)  # a matplotlib Figure  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAP_NAME = re.compile(r"^call(\d+)/step(\d+)/(.+)/adapter(\d+)/image(\d+)/(attn|nw)$")
+"""Names of the stored maps (see the module docstring)."""
+
+KINDS: tuple[str, ...] = ("attn", "nw", "diff")
+"""``attn``: the attention A; ``nw``: the NW weights W; ``diff``: A - W."""
+
+
+@dataclass(frozen=True)
+class MapKey:
+    """Where one stored map comes from."""
+
+    call: int
+    step: int
+    layer: str
+    adapter: int
+    image: int
+    kind: str  # "attn" or "nw"
+
+
+def parse_map_name(name: str) -> MapKey | None:
+    """The :class:`MapKey` of a stored map's name, or None for other names."""
+    match = MAP_NAME.match(name)
+    if not match:
+        return None
+    call, step, layer, adapter, image, kind = match.groups()
+    return MapKey(int(call), int(step), layer, int(adapter), int(image), kind)
+
+
+def _as_array(value: object) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor (NWRecorder.maps())
+        value = value.detach().float().cpu().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def query_grid(rows: int, image_hw: tuple[int, int]) -> tuple[int, int]:
+    """``(grid_h, grid_w)`` with ``grid_h * grid_w == rows`` and the image's aspect ratio.
+
+    Raises:
+        ValueError: No integer grid of that aspect ratio has ``rows`` cells.
+    """
+    grid_h = max(1, round(math.sqrt(rows * image_hw[0] / image_hw[1])))
+    grid_w = rows // grid_h
+    if grid_h * grid_w != rows:
+        raise ValueError(
+            f"maps: {rows} query positions do not form a grid of the image's aspect ratio {image_hw}; "
+            "pass image_hw=(height, width) of the generated image"
+        )
+    return grid_h, grid_w
+
+
+def upsample(array: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Nearest-neighbour upsampling of ``[..., h, w]`` to ``[..., H, W]`` (H, W multiples of h, w)."""
+    h, w = array.shape[-2:]
+    fy, fx = shape[0] // h, shape[1] // w
+    if fy * h != shape[0] or fx * w != shape[1]:
+        raise ValueError(f"upsample: {shape} is not an integer multiple of {(h, w)}")
+    return np.repeat(np.repeat(array, fy, axis=-2), fx, axis=-1)
+
+
+def stored_keys(maps: Mapping[str, object]) -> list[MapKey]:
+    """The :class:`MapKey` of every stored map (other names are ignored)."""
+    return [key for key in map(parse_map_name, maps) if key is not None]
+
+
+def select_maps(
+    maps: Mapping[str, object],
+    kind: str = "attn",
+    *,
+    steps: Collection[int] | None = None,
+    layers: Collection[str] | None = None,
+    adapter: int = 0,
+    image: int = 0,
+) -> dict[MapKey, np.ndarray]:
+    """The stored maps of one kind (``attn`` or ``nw``), filtered by step and layer-name prefix."""
+    if kind not in ("attn", "nw"):
+        raise ValueError(f"kind must be 'attn' or 'nw', got {kind!r}")
+    chosen = {}
+    for name, value in maps.items():
+        key = parse_map_name(name)
+        if key is None or key.kind != kind or key.adapter != adapter or key.image != image:
+            continue
+        if steps is not None and key.step not in steps:
+            continue
+        if layers is not None and not any(key.layer.startswith(prefix) for prefix in layers):
+            continue
+        chosen[key] = _as_array(value)
+    return chosen
+
+
+def _no_match(
+    maps: Mapping[str, object], kind: str, steps: Any, layers: Any, adapter: int, image: int
+) -> str:
+    keys = stored_keys(maps)
+    if not keys:
+        return (
+            "no maps are stored; pass store_maps=True to set_ip_adapter_nw_processor (--store-maps on "
+            "the command line) and run the pipeline"
+        )
+    stored_steps = ", ".join(map(str, sorted({k.step for k in keys})))
+    stored_layers = ", ".join(sorted({k.layer for k in keys}))
+    pairs = ", ".join(f"{a}/{i}" for a, i in sorted({(k.adapter, k.image) for k in keys}))
+    return (
+        f"no stored {kind} maps match steps={None if steps is None else sorted(steps)}, "
+        f"layers={None if layers is None else list(layers)}, adapter={adapter}, image={image}; "
+        f"stored steps: {stored_steps}; stored layers: {stored_layers}; adapter/image: {pairs}"
+    )
+
+
+def token_maps(
+    maps: Mapping[str, object],
+    kind: str = "attn",
+    *,
+    image_hw: tuple[int, int],
+    steps: Collection[int] | None = None,
+    layers: Collection[str] | None = None,
+    heads: Collection[int] | None = None,
+    batch_row: int = -1,
+    adapter: int = 0,
+    image: int = 0,
+) -> np.ndarray:
+    """Per-token maps ``[tokens, grid_h, grid_w]`` of A (``attn``) or W (``nw``), averaged over
+    the selected steps, layers and heads (see the module docstring).
+
+    ``out[k, y, x]`` is the weight query position ``(y, x)`` gives image token ``k``.
+
+    Args:
+        maps: :meth:`NWRecorder.maps` or the arrays of a ``maps.safetensors`` file.
+        kind: ``"attn"`` or ``"nw"``.
+        image_hw: ``(height, width)`` of the generated image (for the grid's aspect ratio).
+        steps: step indices to average (default: all stored).
+        layers: layer-name prefixes to average (default: all stored).
+        heads: head positions within the stored head axis (default: all).
+        batch_row: batch row (default -1, the conditional row under CFG).
+        adapter, image: IP-Adapter and adapter-image index.
+
+    Raises:
+        ValueError: nothing matches the selection (the message lists what is stored).
+    """
+    chosen = select_maps(maps, kind, steps=steps, layers=layers, adapter=adapter, image=image)
+    if not chosen:
+        raise ValueError(f"token_maps: {_no_match(maps, kind, steps, layers, adapter, image)}")
+    grids = []
+    for array in chosen.values():
+        head_axis = array[batch_row]  # [H, rows, tokens]
+        if heads is not None:
+            head_axis = head_axis[sorted(heads)]
+        mean = head_axis.mean(axis=0)  # [rows, tokens]
+        gh, gw = query_grid(mean.shape[0], image_hw)
+        grids.append(mean.T.reshape(mean.shape[1], gh, gw))
+    finest = max((g.shape[1:] for g in grids), key=lambda s: s[0] * s[1])
+    return np.stack([upsample(g, finest) for g in grids]).mean(axis=0)
+
+
+@dataclass(frozen=True)
+class TokenHeatMaps:
+    """Heat maps of one kind per image token, averaged over a selection of steps, layers, heads.
+
+    Attributes:
+        kind: ``"attn"`` (A), ``"nw"`` (W) or ``"diff"`` (A - W).
+        values: ``[tokens, grid_h, grid_w]`` float64.
+        steps: the steps averaged. layers: the layers averaged.
+        uniform: the value of a query that spreads its weight evenly, ``1 / tokens`` (0 for diff).
+            Summed over tokens, every query's A (and W) is 1, so the mean over tokens is exactly
+            this level everywhere: the information is in how the tokens share it.
+    """
+
+    kind: str
+    values: np.ndarray
+    steps: tuple[int, ...]
+    layers: tuple[str, ...]
+    uniform: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.values.shape[0])
+
+    def token(self, k: int) -> np.ndarray:
+        """``[grid_h, grid_w]``: the map of image token ``k``."""
+        if not -self.num_tokens <= k < self.num_tokens:
+            raise IndexError(f"token {k} out of range: these maps have {self.num_tokens} image tokens")
+        return self.values[k]
+
+    def mean(self) -> np.ndarray:
+        """``[grid_h, grid_w]``: the mean over tokens (``uniform`` everywhere for A and W, see above)."""
+        return self.values.mean(axis=0)
+
+    def dominant(self) -> np.ndarray:
+        """``[grid_h, grid_w]`` int: the image token with the largest value at each query position."""
+        return self.values.argmax(axis=0)
+
+    def normalized(self) -> np.ndarray:
+        """``[tokens, grid_h, grid_w]``: each token's map divided by its largest absolute value."""
+        scale = np.abs(self.values).reshape(self.num_tokens, -1).max(axis=1)
+        return self.values / np.where(scale > 0, scale, 1.0)[:, None, None]
+
+    def resized(self, hw: tuple[int, int]) -> np.ndarray:
+        """``[tokens, H, W]``: the maps bilinearly resized to an image's pixels (for overlays)."""
+        import torch
+        import torch.nn.functional as F
+
+        grid = torch.from_numpy(self.values)[None]
+        return F.interpolate(grid, size=hw, mode="bilinear", align_corners=False)[0].numpy()
+
+    def plot_overlay(
+        self,
+        image: Any,
+        *,
+        tokens: Collection[int] | None = None,
+        alpha: float = 0.6,
+        columns: int = 4,
+        title: str | None = None,
+        panel_inches: float = 2.0,
+    ):
+        """Each token's map over ``image``, one panel per token, each with its own colour bar.
+
+        One diverging colour map, centred on the level that means "no preference": for A and W
+        the uniform level ``1 / tokens`` (red: the token draws more than an even share of the
+        query's weight there, blue: less), for A - W zero (red: attention above NW). Each
+        token's scale is symmetric about that centre and as wide as the token's largest
+        deviation, so small tokens are not washed out by large ones; the colour bar marks the
+        centre.
+
+        Args:
+            image: a PIL image or an ``[H, W(, C)]`` array (the generated image or an x0
+                estimate); drawn in grey beneath the heat map.
+            tokens: which tokens (default all).
+            alpha: opacity of the heat map (0 = only the image, 1 = only the map).
+            columns: panels per row.
+            title: the figure's title (default: kind, steps and layers averaged).
+            panel_inches: width of one panel.
+
+        Returns:
+            A :class:`matplotlib.figure.Figure` (no pyplot state touched; ``fig.savefig(path)``).
+        """
+        from matplotlib.figure import Figure
+
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        grey = _grey(image)
+        chosen = list(range(self.num_tokens)) if tokens is None else [int(k) for k in tokens]
+        for k in chosen:
+            self.token(k)
+        heat = self.resized(grey.shape)
+        cols = max(1, min(columns, len(chosen)))
+        rows = math.ceil(len(chosen) / cols)
+        fig = Figure(figsize=(panel_inches * cols, 0.82 * panel_inches * rows + 0.45), layout="constrained")
+        axes = fig.subplots(rows, cols, squeeze=False)
+        for ax in axes.flat[len(chosen) :]:
+            ax.set_visible(False)
+        centre = self.uniform
+        for ax, k in zip(axes.flat, chosen, strict=False):
+            data = heat[k]
+            spread = float(np.abs(data - centre).max()) or 1e-12
+            ax.imshow(grey, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
+            shown = ax.imshow(
+                data, cmap="RdBu_r", vmin=centre - spread, vmax=centre + spread, alpha=alpha,
+                interpolation="bilinear",
+            )
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"token {k}", fontsize=9)
+            bar = fig.colorbar(shown, ax=ax, fraction=0.05, pad=0.03)
+            bar.set_ticks([centre - spread, centre, centre + spread])
+            bar.set_ticklabels([f"{centre - spread:.3g}", "0" if centre == 0 else f"1/{self.num_tokens}",
+                                f"{centre + spread:.3g}"])
+            bar.ax.tick_params(labelsize=8)
+        label = {"attn": "attention A", "nw": "NW weights W", "diff": "A - W"}[self.kind]
+        centre_text = "white = 0" if centre == 0 else f"white = uniform 1/{self.num_tokens}"
+        fig.suptitle(
+            title or f"{label} per image token ({centre_text}); steps {_span(self.steps)}, "
+            f"{len(self.layers)} layer(s)",
+            fontsize=10,
+        )
+        return fig
+
+
+def _span(steps: tuple[int, ...]) -> str:
+    if not steps:
+        return "-"
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]} ({len(steps)})"
+
+
+def _grey(image: Any) -> np.ndarray:
+    """``[H, W]`` in [0, 1] from a PIL image or an array (uint8 or float, grey or colour)."""
+    array = np.asarray(image.convert("L") if hasattr(image, "convert") else image, dtype=np.float64)
+    if array.ndim == 3:
+        array = array[..., :3].mean(axis=-1)
+    if array.ndim != 2:
+        raise ValueError(f"image: expected a PIL image or an [H, W(, C)] array, got shape {array.shape}")
+    return array / 255.0 if array.max() > 1.0 else array
+
+
+def heat_maps(
+    source: Any,
+    kind: str = "attn",
+    *,
+    steps: Collection[int] | None = None,
+    layers: Collection[str] | None = None,
+    heads: Collection[int] | None = None,
+    batch_row: int = -1,
+    adapter: int = 0,
+    image: int = 0,
+    image_hw: tuple[int, int] | None = None,
+) -> TokenHeatMaps:
+    """Heat maps per image token of A, W or A - W from a recorder (in memory) or loaded maps.
+
+    Args:
+        source: an :class:`~nw_adapter.integration.recorder.NWRecorder` that ran with
+            ``store_maps=True``, or ``{name: array}`` (``load_maps`` of a ``maps.safetensors``).
+        kind: ``"attn"``, ``"nw"`` or ``"diff"`` (A - W).
+        steps, layers, heads, batch_row, adapter, image: the selection (see :func:`token_maps`).
+        image_hw: the generated image's ``(height, width)``; default: the recorder's latent grid
+            (square for loaded maps).
+
+    Raises:
+        ValueError: an unknown kind, or nothing matches (the message lists the stored steps,
+            layers, adapters and images).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    maps = source.maps() if hasattr(source, "maps") and callable(source.maps) else source
+    if image_hw is None:
+        latent = getattr(getattr(source, "state", None), "latent_hw", None)
+        image_hw = tuple(latent) if latent else (1, 1)
+    selection = dict(steps=steps, layers=layers, heads=heads, batch_row=batch_row)
+    selection.update(adapter=adapter, image=image)
+    parts = ("attn", "nw") if kind == "diff" else (kind,)
+    values = [token_maps(maps, part, image_hw=image_hw, **selection) for part in parts]
+    chosen = select_maps(maps, parts[0], steps=steps, layers=layers, adapter=adapter, image=image)
+    tokens = values[0].shape[0]
+    return TokenHeatMaps(
+        kind=kind,
+        values=values[0] - values[1] if kind == "diff" else values[0],
+        steps=tuple(sorted({k.step for k in chosen})),
+        layers=tuple(sorted({k.layer for k in chosen})),
+        uniform=0.0 if kind == "diff" else 1.0 / tokens,
+    )
