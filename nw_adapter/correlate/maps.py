@@ -34,7 +34,6 @@ import os
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -177,18 +176,3 @@ def token_maps(
     stacked = np.stack([upsample(g, finest) for g in grids.values()])
     return stacked.mean(axis=0)
 
-
-def summary_of_selection(maps: Mapping[str, object], kind: str = "attn", **selection) -> dict:
-    """Which steps and layers :func:`token_maps` would average (for titles and checks)."""
-    chosen = select_maps(maps, kind, **selection)
-    return {
-        "steps": sorted({k.step for k in chosen}),
-        "layers": sorted({k.layer for k in chosen}),
-    }
-
-
-def save_preview(image, path: str | os.PathLike) -> Path:
-    """Write a PIL image atomically (used for the x0 previews of ``--store-maps``)."""
-    from nw_adapter.atomic import atomic_write
-
-    return atomic_write(path, lambda tmp: image.save(tmp))
