@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
-from nw_adapter.integration.records import CSV_COLUMNS, analysis_half, csv_text
 from nw_adapter.integration.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
 from nw_adapter.integration.records import aggregate as aggregate_records
-from nw_adapter.integration.schema import NULL_STATS, SUMMARY_STATS
+from nw_adapter.integration.records import analysis_half, csv_text
+from nw_adapter.integration.schema import NULL_STATS, RECORD_KEYS, SUMMARY_STATS
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -43,8 +43,8 @@ PAPER_TIMESTEPS: tuple[int, ...] = (981, 761, 501, 261, 1)
 STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
 """Per-record statistics averaged by :func:`aggregate`."""
 
-RECORD_FIELDS: tuple[str, ...] = CSV_COLUMNS
-"""Column order of ``rho.csv`` (extra record keys follow, sorted)."""
+RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
+"""Column order of ``rho.csv``: the statistics in reporting order (extra record keys follow, sorted)."""
 
 NULL_MARGIN = 0.05
 """How far rho must exceed EACH of its nulls to count as evidence in the verdict.
@@ -291,7 +291,7 @@ def write_json(path: str | os.PathLike, document: Any) -> Path:
 
 def records_csv(records: Sequence[dict]) -> str:
     """CSV text of the records, columns :data:`RECORD_FIELDS` then any extra keys (sorted)."""
-    return csv_text(records)
+    return csv_text(records, order=RECORD_FIELDS)
 
 
 def write_report_files(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:

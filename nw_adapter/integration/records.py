@@ -141,17 +141,20 @@ def aggregate(
     return rows
 
 
-def csv_text(records: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+def csv_text(
+    records: Sequence[dict], columns: Sequence[str] | None = None, *, order: Sequence[str] = CSV_COLUMNS
+) -> str:
     """CSV text of the records: one row per record, None written as an empty cell.
 
     Args:
         records: record dicts.
-        columns: the header; default: the columns of :data:`CSV_COLUMNS` present in some
-            record, then every other key (sorted).
+        columns: the header; default: the columns of ``order`` present in some record, then
+            every other key (sorted).
+        order: the column order (default :data:`CSV_COLUMNS`, the statistics in record order).
     """
     if columns is None:
         present = {k for r in records for k in r}
-        columns = [c for c in CSV_COLUMNS if c in present] + sorted(present - set(CSV_COLUMNS))
+        columns = [c for c in order if c in present] + sorted(present - set(order))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
     writer.writeheader()
