@@ -245,8 +245,10 @@ def rho_figure(
         panels = [(name, [r for r in rows if r.get(panel_key) == name]) for name in names]
     if not panels or not panels[0][1]:
         raise ValueError("rows: nothing to plot (did the run record any layer and step?)")
-    fig = Figure(figsize=(3.2 * len(panels) + 0.6, 3.4))
-    fig.subplots_adjust(left=0.08 + 0.06 * (len(panels) == 1), right=0.98, bottom=0.16, top=0.82, wspace=0.1)
+    width = 3.2 * len(panels) + 0.6
+    fig = Figure(figsize=(width, 3.4))
+    # 0.8 inch on the left for the tick labels and the y label, whatever the number of panels
+    fig.subplots_adjust(left=0.8 / width, right=0.98, bottom=0.16, top=0.82, wspace=0.1)
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (name, panel_rows) in zip(axes, panels, strict=True):
         panel_rows = sorted(panel_rows, key=lambda r: -float(r["timestep"]))
