@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.maps import MapStore
 from nw_adapter.integration.records import Records, Summary, block_of
 from nw_adapter.integration.schema import LEGACY_NAMES, SKIPPED_FIELD, STAT_NAMES
+from nw_adapter.integration.skips import SkipLedger
 from nw_adapter.integration.steps import StepState, StepTracker
 
 __all__ = ["RECORDS_SCHEMA", "STAT_NAMES", "NWRecorder", "StepState", "Summary", "block_of"]
@@ -60,6 +60,56 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
+    """One record dict per (entry, half, head); every tensor moved to the host in one transfer.
+
+    ``step_info(call, step)`` gives the step's timestep and noise level columns.
+    """
+    parts = []
+    for e in entries:
+        parts.append(e.stats.reshape(-1).float())
+        if e.ip_mass is not None:
+            parts.append(e.ip_mass.reshape(-1).float())
+    flat = torch.cat(parts).cpu().tolist()
+    info_cache: dict[tuple[int, int], dict[str, float]] = {}
+    records: list[dict[str, Any]] = []
+    offset = 0
+    for e in entries:
+        n_h, n_k = len(e.halves), len(e.heads)
+        size = len(STAT_NAMES) * n_h * n_k
+        vals = flat[offset : offset + size]
+        offset += size
+        mass = None
+        if e.ip_mass is not None:
+            mass = flat[offset : offset + n_h * n_k]
+            offset += n_h * n_k
+        key = (e.call, e.step)
+        if key not in info_cache:
+            info_cache[key] = step_info(*key)
+        for hi, half in enumerate(e.halves):
+            for ki, head in enumerate(e.heads):
+                rec: dict[str, Any] = {
+                    "call": e.call,
+                    "step": e.step,
+                    **info_cache[key],
+                    "layer": e.layer,
+                    "block": block_of(e.layer),
+                    "head": head,
+                    "half": half,
+                    "adapter": e.adapter,
+                    "image": e.image,
+                    "scale": e.scale,
+                    "num_keys": e.num_keys,
+                    "key_set": e.key_set,
+                }
+                for si, name in enumerate(STAT_NAMES):
+                    rec[name] = vals[(si * n_h + hi) * n_k + ki]
+                if mass is not None:
+                    rec["ip_mass"] = mass[hi * n_k + ki]
+                records.append(rec)
+    return records
+
+
 class NWRecorder:
     """Accumulates per (call, step, layer, head, CFG half, adapter, image) statistics.
 
@@ -72,6 +122,7 @@ class NWRecorder:
     Attributes:
         tracker: the :class:`~nw_adapter.integration.steps.StepTracker` (``state`` is its state).
         map_store: the :class:`~nw_adapter.integration.maps.MapStore` of the optional maps.
+        skips: the :class:`~nw_adapter.integration.skips.SkipLedger` of observe's failures.
 
     Example:
         >>> rec = pipe.set_ip_adapter_nw_processor(mode="observe")
@@ -86,8 +137,7 @@ class NWRecorder:
         self.tracker = StepTracker(pipe, cfg=self.config.cfg, on_error=self.skip)
         self.map_store = MapStore(self.config)
         self._entries: list[_Entry] = []
-        self._skipped: list[tuple[int, int, str, str]] = []  # (call, step, layer, reason)
-        self._skip_warned = False
+        self.skips = SkipLedger()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._generators_serial = -1  # the tracker's call_serial the generators were seeded for
         self._loaded: list[dict[str, Any]] = []  # records read by from_json
@@ -128,18 +178,8 @@ class NWRecorder:
         pass_index: int = 0,
         perturbed: bool = False,
     ) -> None:
-        """Set the current step by hand (the denoiser pre-hook calls this for you).
-
-        Args:
-            call: index of the pipeline call (a new index reseeds the nulls' generator).
-            step: index of the step in ``scheduler.timesteps``.
-            timestep: the step's timestep (a 0-d tensor is kept as is until export).
-            alpha: alpha_t (VP convention), sigma: sigma_t; h = sigma / alpha.
-            cfg: whether the batch is [uncond; cond].
-            latent_hw: spatial size of the denoiser input, used to downsample stored maps.
-            pass_index: which denoiser forward within the step this is (0 = the first).
-            perturbed: whether the batch ends with PAG's perturbed rows.
-        """
+        """Set the current step by hand (the denoiser pre-hook does it for you); the arguments are
+        :meth:`~nw_adapter.integration.steps.StepTracker.begin_step`'s (a new ``call`` reseeds the nulls)."""
         self.tracker.begin_step(
             call=call, step=step, timestep=timestep, alpha=alpha, sigma=sigma, cfg=cfg,
             latent_hw=latent_hw, pass_index=pass_index, perturbed=perturbed,
@@ -195,22 +235,9 @@ class NWRecorder:
                 f"stats must have shape {(len(STAT_NAMES), len(halves), len(heads))}, "
                 f"got {tuple(stats.shape)}"
             )
-        self._entries.append(
-            _Entry(
-                self.state.call,
-                self.state.step,
-                layer,
-                adapter,
-                image,
-                halves,
-                heads,
-                float(scale),
-                num_keys,
-                stats.detach(),
-                key_set,
-                None if ip_mass is None else ip_mass.detach(),
-            )
-        )
+        mass = None if ip_mass is None else ip_mass.detach()
+        where = (self.state.call, self.state.step, layer, adapter, image, halves, heads)
+        self._entries.append(_Entry(*where, float(scale), num_keys, stats.detach(), key_set, mass))
 
     def wants_maps(self, layer: str) -> bool:
         """Whether maps of ``layer`` at the current step are to be stored."""
@@ -251,37 +278,19 @@ class NWRecorder:
             n_entries, n_maps = rollback
             del self._entries[n_entries:]
             self.map_store.truncate(n_maps)
-        reason = f"{type(error).__name__}: {error}"[:300]
-        self._skipped.append((self.state.call, self.state.step, layer, reason))
-        if not self._skip_warned:
-            self._skip_warned = True
-            warnings.warn(
-                f"NWRecorder: the NW side computation failed in layer {layer!r} at step "
-                f"{self.state.step} ({reason}); that layer kept diffusers' output and its statistics "
-                "were skipped. Further failures are counted silently: see recorder.skipped() and "
-                f"the {SKIPPED_FIELD!r} field of to_json().",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self.skips.add(call=self.state.call, step=self.state.step, layer=layer, error=error)
 
     def skipped(self) -> dict[str, Any]:
-        """The skipped (call, step, layer) pairs: ``{"count", "by_reason", "pairs"}``.
-
-        ``by_reason`` maps each failure message to its number of pairs; ``pairs`` lists
-        ``{"call", "step", "layer", "reason"}`` in the order they happened.
-        """
-        by_reason: dict[str, int] = {}
-        for *_, reason in self._skipped:
-            by_reason[reason] = by_reason.get(reason, 0) + 1
-        pairs = [{"call": c, "step": s, "layer": layer, "reason": r} for c, s, layer, r in self._skipped]
-        return {"count": len(self._skipped), "by_reason": by_reason, "pairs": pairs}
+        """The skipped (call, step, layer) pairs: ``{"count", "by_reason", "pairs"}``
+        (:meth:`~nw_adapter.integration.skips.SkipLedger.summary`)."""
+        return self.skips.summary()
 
     def clear(self) -> None:
         """Drop all recorded statistics, maps and skipped pairs (step tracking continues)."""
         self._entries.clear()
         self.map_store.truncate(0)
         self._loaded.clear()
-        self._skipped.clear()
+        self.skips.clear()
 
     # ------------------------------------------------------------------ export
     def to_records(self, key_set: str | None = "ip") -> list[dict[str, Any]]:
@@ -298,49 +307,7 @@ class NWRecorder:
         entries = [e for e in self._entries if key_set is None or e.key_set == key_set]
         if not entries:
             return loaded
-        parts = []
-        for e in entries:
-            parts.append(e.stats.reshape(-1).float())
-            if e.ip_mass is not None:
-                parts.append(e.ip_mass.reshape(-1).float())
-        flat = torch.cat(parts).cpu().tolist()
-        info_cache: dict[tuple[int, int], dict[str, float]] = {}
-        records: list[dict[str, Any]] = loaded
-        offset = 0
-        for e in entries:
-            n_h, n_k = len(e.halves), len(e.heads)
-            size = len(STAT_NAMES) * n_h * n_k
-            vals = flat[offset : offset + size]
-            offset += size
-            mass = None
-            if e.ip_mass is not None:
-                mass = flat[offset : offset + n_h * n_k]
-                offset += n_h * n_k
-            key = (e.call, e.step)
-            if key not in info_cache:
-                info_cache[key] = self.tracker.step_info(*key)
-            for hi, half in enumerate(e.halves):
-                for ki, head in enumerate(e.heads):
-                    rec: dict[str, Any] = {
-                        "call": e.call,
-                        "step": e.step,
-                        **info_cache[key],
-                        "layer": e.layer,
-                        "block": block_of(e.layer),
-                        "head": head,
-                        "half": half,
-                        "adapter": e.adapter,
-                        "image": e.image,
-                        "scale": e.scale,
-                        "num_keys": e.num_keys,
-                        "key_set": e.key_set,
-                    }
-                    for si, name in enumerate(STAT_NAMES):
-                        rec[name] = vals[(si * n_h + hi) * n_k + ki]
-                    if mass is not None:
-                        rec["ip_mass"] = mass[hi * n_k + ki]
-                    records.append(rec)
-        return records
+        return loaded + _flatten(entries, self.tracker.step_info)
 
     def records(self, key_set: str | None = "ip") -> Records:
         """:meth:`to_records` as :class:`~nw_adapter.integration.records.Records` (summary, CSV, plot)."""
