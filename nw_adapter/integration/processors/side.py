@@ -128,8 +128,7 @@ def layer_statistics(
         ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in the order of
         :data:`~nw_adapter.integration.schema.STAT_NAMES`, and A, W. The weights are views of
         a workspace buffer, valid until the next call with the same shapes on this thread
-        (the processors hand them to :func:`nw_adapter.integration.maps.reduce_maps` at once, which
-        copies what it keeps).
+        (the processors hand them to :func:`store_maps` at once, which copies what it keeps).
     """
     b, nh, n, d = q.shape
     m = k.shape[-2]
