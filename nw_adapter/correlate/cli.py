@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from nw_adapter.atomic import WriteError
+from nw_adapter.correlate.families import UNET_BLOCKS
 from nw_adapter.correlate.images import (
     ImageInputError,
     ReferenceImage,
@@ -62,9 +63,10 @@ from nw_adapter.correlate.outputs import (
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
 from nw_adapter.integration.config import BANDWIDTH_RANGE
+from nw_adapter.integration.errors import NWConfigError, NWInstallError
 
 PROG = "correlate.py"
-BLOCK_PREFIXES = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
+BLOCK_PREFIXES = UNET_BLOCKS
 BANDWIDTH_RULES = ("matched", "fitted", "schedule", "median")
 
 
@@ -263,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers",
         type=_layers,
         default=None,
-        help="comma-separated blocks (down, mid, up) or attention-processor name prefixes",
+        help="comma-separated blocks (down, mid, up for UNets; transformer_blocks for SD 3.5 / Flux) "
+        "or attention-processor name prefixes",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="correlate_out", help="output folder (default ./correlate_out)")
@@ -512,6 +515,35 @@ def _image_worker(
     return work
 
 
+def check_layers(layers: Sequence[str] | None, pipe: Any) -> None:
+    """Check the ``--layers`` prefixes against the names of the pipeline's IP-Adapter layers.
+
+    Reads the names from the denoiser's ``attn_processors`` (nothing is installed).
+
+    Raises:
+        CLIError: a prefix that matches no IP-Adapter layer; the message names the blocks of the
+            loaded family (``down, mid, up`` for UNets, ``transformer_blocks`` for SD3 / Flux) and
+            a real layer name.
+    """
+    if layers is None:
+        return
+    from nw_adapter.correlate.families import layer_blocks
+    from nw_adapter.integration.mixin import ip_adapter_layers
+
+    names = ip_adapter_layers(pipe)
+    bad = next((p for p in layers if not any(n.startswith(p) for n in names)), None)
+    if bad is None:
+        return
+    short = next((k for k, v in BLOCK_PREFIXES.items() if v == bad), None)
+    shown = f"'{short}' ({bad})" if short else f"'{bad}'"
+    blocks = layer_blocks(names)
+    raise CLIError(
+        f"--layers: {shown} matches no IP-Adapter layer of this model; use the block"
+        f"{'s' if len(blocks) > 1 else ''} {', '.join(blocks)} or a processor-name prefix such as "
+        f"'{names[0]}'"
+    )
+
+
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """Load the model, compute every (unfinished) image, and on the main process write the report."""
     with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
@@ -524,7 +556,6 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     from nw_adapter.correlate.loading import build_pipeline, resolve_dtype, resolve_spec
     from nw_adapter.correlate.report import build_report
     from nw_adapter.correlate.sweep import fingerprint, run_sweep
-    from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
 
     bars = show_progress_bars(args)
     device, state = _device_and_state(args.device)
@@ -543,23 +574,7 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
         pipe, args.steps, all_steps=args.all_steps, height=args.height, width=args.width
     )
     config = processor_config(args, map_steps)
-    try:
-        apply_nw_processor(pipe, config)  # checks --layers against this model's IP-Adapter layers
-    except ValueError as exc:
-        if args.layers is None or "`layers`" not in str(exc):
-            raise
-        from nw_adapter.integration.mixin import ip_adapter_layers
-
-        names = ip_adapter_layers(pipe)
-        blocks = [
-            short for short, prefix in BLOCK_PREFIXES.items() if any(n.startswith(prefix) for n in names)
-        ]
-        bad = next((p for p in args.layers if not any(n.startswith(p) for n in names)), args.layers[0])
-        raise CLIError(
-            f"--layers: '{bad}' matches no IP-Adapter layer of this model; use the blocks "
-            f"{', '.join(blocks)} (down, mid, up) or a processor-name prefix such as '{names[0]}'"
-        ) from None
-    remove_nw_processor(pipe)
+    check_layers(args.layers, pipe)
     shown = ModelSpec(
         model=args.model,
         ip_adapter=args.ip_adapter or families.shown_adapter(args.model, spec),
@@ -625,11 +640,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, OutputError, ImageInputError, ModelLoadError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        if "NWProcessorConfig" in str(exc) or "IP-Adapter" in str(exc):
-            print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-            return 2
-        raise
+    except (NWConfigError, NWInstallError) as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     except WriteError as exc:
         print(
             f"{PROG}: error: {' '.join(str(exc).split())}; free space or fix the permissions of --out and "

@@ -15,7 +15,7 @@ Flux          ``XLabs-AI/flux-ip-adapter``     ``ip_adapter.safetensors``  ``ope
 ``tiny-flux`` are the embedded tiny models of :mod:`nw_adapter.models.tiny_flow`, written once
 into the tiny-model cache and loaded like any local folder.
 
-Every failure is a :class:`~nw_adapter.correlate.loading.ModelLoadError` with one line saying
+Every failure is a :class:`~nw_adapter.correlate.spec.ModelLoadError` with one line saying
 what to do.
 """
 
@@ -25,6 +25,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nw_adapter.correlate.spec import DEFAULT_IP_ADAPTER, TINY, ModelLoadError, ModelSpec, write_tiny_cache
 
 UNET = "unet"
 SD3 = "sd3"
@@ -71,6 +73,9 @@ FAMILIES: dict[str, FlowFamily] = {
     ),
 }
 TINY_MODELS = {family.tiny: family for family in FAMILIES.values()}
+
+UNET_BLOCKS: dict[str, str] = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
+"""``--layers`` short names of UNet blocks -> the attention-processor name prefix."""
 
 
 def family_of_class_name(class_name: str | None) -> str:
@@ -144,14 +149,12 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
     models for ``tiny-sd3`` / ``tiny-flux``, and checks local adapter folders.
 
     Args:
-        spec: a :class:`~nw_adapter.correlate.loading.ModelSpec`.
+        spec: a :class:`~nw_adapter.correlate.spec.ModelSpec`.
         cache: the tiny-model cache folder.
 
     Raises:
         ModelLoadError: a local adapter folder without the weight file, or ``--ip-adapter tiny``.
     """
-    from nw_adapter.correlate.loading import ModelLoadError, ModelSpec, write_tiny_cache
-
     name = family_of_model(spec.model)
     if name == UNET:
         return None
@@ -231,8 +234,6 @@ def check_scheduler(pipe: Any, name: str | None) -> None:
     Raises:
         ModelLoadError: ``name`` given for an SD3 / Flux pipeline.
     """
-    from nw_adapter.correlate.loading import ModelLoadError
-
     family = family_of_pipeline(pipe)
     if name is not None and family != UNET:
         raise ModelLoadError(
@@ -247,8 +248,6 @@ def call_kwargs(pipe: Any, true_cfg_scale: float) -> dict[str, Any]:
     Raises:
         ModelLoadError: ``true_cfg_scale != 1`` for a pipeline that is not Flux.
     """
-    from nw_adapter.correlate.loading import ModelLoadError
-
     if family_of_pipeline(pipe) == FLUX:
         return {"true_cfg_scale": true_cfg_scale}
     if true_cfg_scale != 1.0:
@@ -300,8 +299,6 @@ def _shift_mu(pipe: Any, family: str, height: int | None, width: int | None) -> 
 def shown_adapter(model: str, spec: Any) -> str:
     """The adapter named in ``rho.json`` when ``--ip-adapter`` was not given (paths of the tiny
     models' cache folders are replaced by ``"tiny"``)."""
-    from nw_adapter.correlate.loading import DEFAULT_IP_ADAPTER, TINY
-
     if model == TINY or model in TINY_MODELS:
         return TINY
     family = family_of_model(spec.model)
@@ -315,16 +312,19 @@ def write_joint_records(recorder: Any, folder: Path) -> Path | None:
     second comparison, over its one image-branch softmax's whole key set. Written atomically;
     None (nothing written) for the other families.
     """
-    import csv
-    import io
-
-    from nw_adapter.atomic import atomic_write_text
-
-    records = recorder.to_records(key_set="joint")
+    records = recorder.records(key_set="joint")
     if not records:
         return None
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(records[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(records)
-    return atomic_write_text(folder / "rho_joint.csv", buffer.getvalue())
+    return records.to_csv(folder / "rho_joint.csv")
+
+
+def layer_blocks(layer_names: list[str]) -> list[str]:
+    """The block names ``--layers`` accepts for a denoiser with these IP-Adapter layer names.
+
+    UNets: the short names ``down``, ``mid``, ``up`` of the blocks that hold IP-Adapter layers;
+    transformers (SD3, Flux): the first component of the processor names (``transformer_blocks``).
+    """
+    short = [name for name, prefix in UNET_BLOCKS.items() if any(n.startswith(prefix) for n in layer_names)]
+    if short:
+        return short
+    return list(dict.fromkeys(n.split(".", 1)[0] for n in layer_names))

@@ -10,28 +10,53 @@ downloaded), local folders, or ``"tiny"``: the trained tiny digits model shipped
 (:mod:`nw_adapter.models.tiny_digits`), loaded like any local folder. The random-weight tiny SD 3.5
 and Flux models (``tiny-sd3``, ``tiny-flux``) are written once into a cache folder
 (``$NW_ADAPTER_CACHE``, else ``$XDG_CACHE_HOME/nw_adapter``, else ``~/.cache/nw_adapter``) by
-:func:`write_tiny_cache`.
+:func:`~nw_adapter.correlate.spec.write_tiny_cache`.
 
-Every failure becomes a :class:`ModelLoadError` with one line saying what to do.
+Every failure becomes a :class:`~nw_adapter.correlate.spec.ModelLoadError` with one line saying
+what to do.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-DEFAULT_IP_ADAPTER = "h94/IP-Adapter"
-DEFAULT_SUBFOLDER = "models"
-DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
-SDXL_SUBFOLDER = "sdxl_models"
-SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
-TINY = "tiny"
+from nw_adapter.correlate import families
+from nw_adapter.correlate.spec import (
+    DEFAULT_IP_ADAPTER,
+    DEFAULT_MODEL,
+    DEFAULT_SUBFOLDER,
+    DEFAULT_WEIGHT_NAME,
+    SDXL_SUBFOLDER,
+    SDXL_WEIGHT_NAME,
+    TINY,
+    ModelLoadError,
+    ModelSpec,
+    tiny_cache_dir,
+    write_tiny_cache,
+)
+
+__all__ = [
+    "DEFAULT_IP_ADAPTER",
+    "DEFAULT_MODEL",
+    "DEFAULT_SUBFOLDER",
+    "DEFAULT_WEIGHT_NAME",
+    "DTYPES",
+    "SCHEDULERS",
+    "SDXL_SUBFOLDER",
+    "SDXL_WEIGHT_NAME",
+    "TINY",
+    "ModelLoadError",
+    "ModelSpec",
+    "build_pipeline",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_spec",
+    "tiny_cache_dir",
+    "write_tiny_cache",
+]
 
 SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "ddim": ("DDIMScheduler", {}),
@@ -52,78 +77,6 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 """``--scheduler`` names -> (diffusers class, config overrides). ``None`` keeps the model's own."""
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-class ModelLoadError(ValueError):
-    """The model or the IP-Adapter could not be loaded; the message says how to fix it."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Where the pipeline and the adapter come from.
-
-    Attributes:
-        model: Hub id, local folder or ``"tiny"``.
-        ip_adapter: Hub id, local folder or ``"tiny"``.
-        subfolder: Adapter subfolder (``None``: ``models``, or ``sdxl_models`` for SDXL).
-        weight_name: Adapter weight file (``None``: the SD 1.5 or SDXL default).
-        image_encoder: Image encoder of SD3 / Flux adapters (``None``: the family's default, see
-            :mod:`~nw_adapter.correlate.families`); UNet adapters carry theirs.
-    """
-
-    model: str = DEFAULT_MODEL
-    ip_adapter: str | None = None
-    subfolder: str | None = None
-    weight_name: str | None = None
-    image_encoder: str | None = None
-
-    def to_dict(self) -> dict[str, str | None]:
-        """JSON-ready form (``image_encoder`` only when set)."""
-        out = {
-            "model": self.model,
-            "ip_adapter": self.ip_adapter,
-            "subfolder": self.subfolder,
-            "weight_name": self.weight_name,
-        }
-        if self.image_encoder is not None:
-            out["image_encoder"] = self.image_encoder
-        return out
-
-
-def tiny_cache_dir() -> Path:
-    """Folder the tiny model is written to (see the module docstring)."""
-    if os.environ.get("NW_ADAPTER_CACHE"):
-        return Path(os.environ["NW_ADAPTER_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "nw_adapter"
-
-
-_T = TypeVar("_T")
-
-
-def write_tiny_cache(model: str, root: Path, build: Callable[[], _T]) -> _T:
-    """Run ``build``, which writes tiny-model folders under ``root``, with one-line errors.
-
-    Args:
-        model: the ``--model`` value (named in the message).
-        root: the cache folder being written.
-        build: writes the folders (:func:`nw_adapter.models.tiny.write_once`, atomic) and returns
-            what the caller needs.
-
-    Raises:
-        ModelLoadError: the folders cannot be written (a full disk or a file-size limit in
-            safetensors is a ``SafetensorError``, not an ``OSError``: both are caught).
-    """
-    from safetensors import SafetensorError
-
-    try:
-        return build()
-    except (OSError, SafetensorError) as exc:
-        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
-        raise ModelLoadError(
-            f"--model {model}: cannot write the tiny model to '{root}' ({reason[:200]}); "
-            "free space or set NW_ADAPTER_CACHE to a writable folder"
-        ) from None
 
 
 def _is_local(name: str) -> bool:
@@ -147,8 +100,6 @@ def resolve_spec(spec: ModelSpec) -> ModelSpec:
         ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
             adapter folder without the weight file.
     """
-    from nw_adapter.correlate import families
-
     flow_spec = families.resolve_flow_spec(spec, tiny_cache_dir())  # SD3 / Flux: their defaults
     if flow_spec is not None:
         return flow_spec
@@ -331,8 +282,6 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
             f"--model '{spec.model}': {type(pipe).__name__} does not support IP-Adapters; use a "
             "Stable Diffusion 1.5, SDXL, SD 3.5 or Flux pipeline"
         )
-    from nw_adapter.correlate import families
-
     try:
         families.load_ip_adapter(pipe, spec, dtype)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

@@ -31,8 +31,6 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
@@ -64,18 +62,3 @@ def load_maps(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
     return {name: np.asarray(array, dtype=np.float32) for name, array in load_file(str(path)).items()}
 
-
-def summary_of_selection(maps: Mapping[str, object], kind: str = "attn", **selection) -> dict:
-    """Which steps and layers :func:`token_maps` would average (for titles and checks)."""
-    chosen = select_maps(maps, kind, **selection)
-    return {
-        "steps": sorted({k.step for k in chosen}),
-        "layers": sorted({k.layer for k in chosen}),
-    }
-
-
-def save_preview(image, path: str | os.PathLike) -> Path:
-    """Write a PIL image atomically (used for the x0 previews of ``--store-maps``)."""
-    from nw_adapter.atomic import atomic_write
-
-    return atomic_write(path, lambda tmp: image.save(tmp))

@@ -15,69 +15,24 @@ from pathlib import Path
 import numpy as np
 
 from nw_adapter.atomic import atomic_write
-
-BLOCKS: tuple[str, ...] = ("down", "mid", "up")
-_COLORS = {"down": "#1f77b4", "mid": "#2ca02c", "up": "#d62728", "other": "#7f7f7f"}
-
-
-def _series(rows: Sequence[dict], key: str) -> np.ndarray:
-    return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
+from nw_adapter.integration import records
 
 
 def rho_figure(block_rows: Sequence[dict], *, title: str | None = None, note: str | None = None):
-    """Draw rho against timestep, one panel per UNet block, with the band of the three nulls.
+    """rho against the timestep, one panel per block, with the band of the three nulls.
 
-    Args:
-        block_rows: ``rho.json``'s ``blocks`` rows (keys ``block``, ``timestep``, ``rho``,
-            ``rho_perm_null``, ``rho_norm_matched_null``, ``rho_spread_null``), see
-            :func:`nw_adapter.correlate.report.aggregate`.
-        title: Figure title.
-        note: A line under the title (e.g. the explanation of a repeated timestep: steps that
-            share a timestep are drawn at the same x).
-
-    Returns:
-        The :class:`matplotlib.figure.Figure`. The band spans, per step, from the lowest to the
-        highest of the permutation, norm-matched and q.k-spread nulls: a rho inside or below it
-        is not evidence.
+    :func:`nw_adapter.integration.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
+    :func:`nw_adapter.correlate.report.aggregate`); ``note`` is a line under the title (e.g. why
+    two steps share a timestep: they are drawn at the same x).
     """
-    from matplotlib.figure import Figure
-
-    present = [b for b in (*BLOCKS, "other") if any(r.get("block") == b for r in block_rows)]
-    if not present:
-        raise ValueError("block_rows: no rows with a block; nothing to plot (did the run record any layer?)")
-    fig = Figure(figsize=(3.2 * len(present) + 0.6, 3.4))
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.16, top=0.82, wspace=0.1)
-    axes = fig.subplots(1, len(present), sharey=True, squeeze=False)[0]
-    for ax, block in zip(axes, present, strict=True):
-        rows = sorted((r for r in block_rows if r.get("block") == block), key=lambda r: -float(r["timestep"]))
-        t = _series(rows, "timestep")
-        rho = _series(rows, "rho")
-        perm, norm = _series(rows, "rho_perm_null"), _series(rows, "rho_norm_matched_null")
-        spread = _series(rows, "rho_spread_null")
-        low, high = np.fmin(np.fmin(perm, norm), spread), np.fmax(np.fmax(perm, norm), spread)
-        color = _COLORS[block]
-        ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")
-        ax.plot(t, rho, marker="o", markersize=3, color=color, label=f"rho ({block})")
-        ax.axhline(0.0, color="0.3", linewidth=0.6)
-        ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
-        ax.set_xticks([750, 500, 250])
-        ax.set_ylim(-0.2, 1.05)
-        ax.set_xlabel("timestep (denoising ->)")
-        ax.set_title(f"{block} block")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=7)
-    axes[0].set_ylabel("Spearman rho (attention vs NW)")
-    if title or note:
-        fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=8 if note else 9)
-    return fig
+    return records.rho_figure(block_rows, panel_key="block", title=title, note=note)
 
 
 def plot_rho(
     block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None, note: str | None = None
 ) -> Path:
     """Write :func:`rho_figure` to ``path`` (PNG, atomically) and return ``path``."""
-    fig = rho_figure(block_rows, title=title, note=note)
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    return records.save_figure(rho_figure(block_rows, title=title, note=note), path)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,11 @@ Input is the tidy list of record dicts of :meth:`nw_adapter.integration.recorder
 line. Everything here is plain Python, so reports
 can be rebuilt from a saved ``rho.json`` without torch.
 
-Aggregation: for one CFG half (``cond`` when the run used classifier-free guidance, else
-``all``), every statistic is averaged over layers, heads, adapters and reference images per
-denoising step (NaN entries, e.g. the Spearman of a constant row, are left out of the mean).
+Aggregation (:func:`nw_adapter.integration.records.aggregate`, the one implementation the
+recorder's summary shares): for one CFG half (``cond`` when the run used classifier-free
+guidance, else ``all``), every statistic is averaged over layers, heads, adapters and reference
+images per denoising step (NaN entries, e.g. the Spearman of a constant row, are left out of the
+mean and counted). This module formats what the aggregation gives: table, verdict, JSON, CSV.
 The table reports the steps whose timesteps are closest to the paper's
 :data:`PAPER_TIMESTEPS` (981, 761, 501, 261, 1 for 50 SD 1.5 steps), or every step.
 
@@ -18,18 +20,19 @@ so an interrupted run never leaves a half-written file under the final name.
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
-from nw_adapter.integration.schema import LEGACY_NAMES, NULL_STATS, RECORD_KEYS, SUMMARY_STATS, finite_mean
+from nw_adapter.integration.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
+from nw_adapter.integration.records import aggregate as aggregate_records
+from nw_adapter.integration.records import analysis_half, csv_text
+from nw_adapter.integration.schema import NULL_STATS, RECORD_KEYS, SUMMARY_STATS
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -41,10 +44,7 @@ STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
 """Per-record statistics averaged by :func:`aggregate`."""
 
 RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
-"""Column order of ``rho.csv`` (extra record keys follow, sorted)."""
-
-RHO_THRESHOLD = 0.9
-"""The paper's "% of heads with rho > 0.9" threshold."""
+"""Column order of ``rho.csv``: the statistics in reporting order (extra record keys follow, sorted)."""
 
 NULL_MARGIN = 0.05
 """How far rho must exceed EACH of its nulls to count as evidence in the verdict.
@@ -86,69 +86,17 @@ def _finite(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _mean(values: Iterable[Any]) -> float | None:
-    kept = [v for v in (_finite(x) for x in values) if v is not None]
-    return sum(kept) / len(kept) if kept else None
-
-
-def _stat(record: dict, name: str, legacy: Sequence[str]) -> Any:
-    """``record[name]``, or its name in an older schema (e.g. ``rho_norm_null``)."""
-    if name in record:
-        return record[name]
-    return next((record[old] for old in legacy if old in record), None)
-
-
-def analysis_half(records: Sequence[dict]) -> str:
-    """The CFG half the report is about: ``cond`` if present, else ``all``, else ``uncond``."""
-    halves = {r.get("half") for r in records}
-    for half in ("cond", "all", "uncond"):
-        if half in halves:
-            return half
-    raise ValueError("records: no record has half in {'cond', 'all', 'uncond'}; nothing to report")
-
-
 def aggregate(
     records: Sequence[dict], by: Sequence[str] = ("step",), *, half: str | None = None
 ) -> list[dict]:
-    """Average :data:`STAT_FIELDS` per group, for one CFG half.
+    """Average :data:`STAT_FIELDS` per group, for one CFG half (default :func:`analysis_half`).
 
-    Args:
-        records: Record dicts (schema in the module docstring).
-        by: Record keys to group by; ``("step",)`` for the table, ``("block", "step")`` for
-            the plot.
-        half: CFG half to keep (default :func:`analysis_half`).
-
-    Returns:
-        One dict per group, sorted by the group keys: the group keys, ``timestep`` (the
-        step's timestep), the mean of every statistic over its finite values, ``nonfinite``
-        (statistic -> how many NaN/inf values that mean left out; never silent), ``frac_rho_gt_0_9`` (share of
-        records with rho > 0.9; a NaN rho counts as not, as in ``NWRecorder.summary``) and
-        ``count`` (records averaged).
+    :func:`nw_adapter.integration.records.aggregate` with the step's ``timestep``: one dict per
+    group, sorted by the group keys, with ``half``, ``timestep``, the mean of every statistic
+    over its finite values (None when there is none: JSON-ready), ``nonfinite``,
+    ``frac_rho_gt_0_9`` and ``count``.
     """
-    half = half or analysis_half(records)
-    groups: dict[tuple, list[dict]] = {}
-    for record in records:
-        if record.get("half") == half:
-            groups.setdefault(tuple(record[k] for k in by), []).append(record)
-    rows = []
-    for key in sorted(groups):
-        members = groups[key]
-        row: dict[str, Any] = dict(zip(by, key, strict=True))
-        row["half"] = half
-        row["timestep"] = _mean(r["timestep"] for r in members)
-        nonfinite: dict[str, int] = {}
-        for name in STAT_FIELDS:
-            legacy = [old for old, new in LEGACY_NAMES.items() if new == name]
-            mean, dropped = finite_mean(_stat(r, name, legacy) for r in members)
-            row[name] = mean if math.isfinite(mean) else None
-            if dropped:
-                nonfinite[name] = dropped
-        row["nonfinite"] = nonfinite
-        rhos = [_finite(r.get("rho")) for r in members]
-        row["frac_rho_gt_0_9"] = sum(v is not None and v > RHO_THRESHOLD for v in rhos) / len(rhos)
-        row["count"] = len(members)
-        rows.append(row)
-    return rows
+    return [json_ready(row) for row in aggregate_records(records, by, half=half or analysis_half(records))]
 
 
 def select_steps(step_rows: Sequence[dict], targets: Sequence[float] = PAPER_TIMESTEPS) -> list[dict]:
@@ -343,14 +291,7 @@ def write_json(path: str | os.PathLike, document: Any) -> Path:
 
 def records_csv(records: Sequence[dict]) -> str:
     """CSV text of the records, columns :data:`RECORD_FIELDS` then any extra keys (sorted)."""
-    extra = sorted({k for r in records for k in r} - set(RECORD_FIELDS))
-    columns = [c for c in RECORD_FIELDS if any(c in r for r in records)] + extra
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    for record in records:
-        writer.writerow({k: ("" if record.get(k) is None else record.get(k)) for k in columns})
-    return buffer.getvalue()
+    return csv_text(records, order=RECORD_FIELDS)
 
 
 def write_report_files(report: dict, out_dir: str | os.PathLike) -> dict[str, Path]:

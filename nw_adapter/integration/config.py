@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nw_adapter.integration.errors import NWConfigError
+
 MODES = ("observe", "swap")
 BANDWIDTH_RULES = ("matched", "fitted", "schedule", "median")
 MAP_DTYPES = ("float16", "float32")
@@ -22,8 +24,8 @@ SEED_LIMIT = 2**63
 """Seeds must lie in [0, 2**63), the range of ``torch.Generator.manual_seed``."""
 
 
-def _err(option: str, problem: str, fix: str) -> ValueError:
-    return ValueError(f"NWProcessorConfig: `{option}` {problem}; {fix}.")
+def _err(option: str, problem: str, fix: str) -> NWConfigError:
+    return NWConfigError(f"NWProcessorConfig: `{option}` {problem}; {fix}.")
 
 
 def _int_tuple(option: str, value: Any, *, minimum: int = 0) -> tuple[int, ...] | None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.processors import is_ip_processor, is_nw_processor, nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
 
@@ -48,7 +49,7 @@ def _unet_of(pipe: Any) -> torch.nn.Module:
     if unet is None and isinstance(pipe, torch.nn.Module) and hasattr(pipe, "attn_processors"):
         unet = pipe
     if unet is None or not hasattr(unet, "set_attn_processor"):
-        raise ValueError(
+        raise NWInstallError(
             f"pipe: {type(pipe).__name__} has no `unet` or `transformer` with attention processors; "
             "pass a Stable Diffusion / SDXL / SD3 / Flux pipeline (or its denoiser)"
         )
@@ -65,14 +66,14 @@ def _timestep_scale(denoiser: torch.nn.Module) -> float:
 
 def _make_config(config: NWProcessorConfig | None, options: dict[str, Any]) -> NWProcessorConfig:
     if config is not None and options:
-        raise ValueError(
+        raise NWConfigError(
             f"pass either `config` or keyword options, not both (got config and {sorted(options)}); "
             "put the options into the NWProcessorConfig"
         )
     if config is None:
         return NWProcessorConfig.from_kwargs(**options)
     if not isinstance(config, NWProcessorConfig):
-        raise ValueError(
+        raise NWConfigError(
             f"config must be an NWProcessorConfig, got {type(config).__name__}; "
             "build one with NWProcessorConfig(...) or pass keyword options"
         )
@@ -106,8 +107,9 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
         The :class:`~nw_adapter.integration.recorder.NWRecorder` receiving the statistics.
 
     Raises:
-        ValueError: before ``load_ip_adapter``, on an invalid option, or when a ``layers``
-            prefix matches no IP-Adapter layer.
+        NWInstallError: before ``load_ip_adapter`` (or with xFormers processors).
+        NWConfigError: an invalid option, or a ``layers`` prefix that matches no IP-Adapter layer.
+        (Both are ``ValueError`` subclasses, :mod:`nw_adapter.integration.errors`.)
 
     Example:
         >>> rec = apply_nw_processor(pipe, mode="observe", bandwidth="matched")
@@ -123,12 +125,12 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     if not ip_layers and any(
         type(p).__name__ == "IPAdapterXFormersAttnProcessor" for p in originals.values()
     ):
-        raise ValueError(
+        raise NWInstallError(
             "set_ip_adapter_nw_processor: xFormers IP-Adapter processors are not supported; call "
             "pipe.disable_xformers_memory_efficient_attention() and reload the IP-Adapter"
         )
     if not ip_layers:
-        raise ValueError(
+        raise NWInstallError(
             "set_ip_adapter_nw_processor: the denoiser has no IP-Adapter attention processors; call "
             "pipe.load_ip_adapter(...) first"
         )
@@ -137,7 +139,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     else:
         for prefix in config.layers:
             if not any(n.startswith(prefix) for n in ip_layers):
-                raise ValueError(
+                raise NWConfigError(
                     f"NWProcessorConfig: `layers` entry {prefix!r} matches no IP-Adapter layer; use "
                     f"a prefix of one of {ip_layers[:3]}... "
                     "(see nw_adapter.integration.mixin.ip_adapter_layers)"

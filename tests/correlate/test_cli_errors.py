@@ -212,7 +212,24 @@ def test_layers_that_match_no_adapter_layer(
     ]
     code, _, err = run_main(argv, capsys)
     line = assert_one_line_error(code, err, "--layers", "down_blocks.7", "matches no IP-Adapter layer")
-    assert "(down, mid, up)" in line and "processor-name prefix such as 'down_blocks." in line
+    blocks = line.split("use the blocks ", 1)[1].split(" or ", 1)[0].split(", ")
+    assert blocks and set(blocks) <= {"down", "mid", "up"}  # the UNet's blocks, each named once
+    assert "processor-name prefix such as 'down_blocks." in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux"])
+def test_layers_error_names_the_transformer_blocks(
+    tmp_path: Path, good_image: Path, model: str, capsys
+) -> None:
+    """A UNet block name on SD3 / Flux: the message names the transformer's blocks, not UNet ones."""
+    out = tmp_path / "out"
+    argv = ["--image", good_image, "--model", model, "--height", "32", "--width", "32", "--layers", "up"]
+    code, _, err = run_main([*argv, "--out", out, "--quiet"], capsys)
+    line = assert_one_line_error(code, err, "--layers", "'up' (up_blocks)", "matches no IP-Adapter layer")
+    example = "a processor-name prefix such as 'transformer_blocks.0."
+    assert f"use the block transformer_blocks or {example}" in line
+    assert "down" not in line and "mid" not in line
     assert not out.exists()
 
 

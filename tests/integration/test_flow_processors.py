@@ -324,7 +324,7 @@ def test_state_dict_unchanged_by_installing(sd3):
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_observe_never_fails_and_swap_names_the_layer(request, family, monkeypatch):
-    from nw_adapter.integration.processors import side
+    from nw_adapter.integration import stats
 
     pipe = request.getfixturevalue(family)
     kwargs = {"ip_adapter_image": [_image(1), _image(2)]} if family == "flux" else {}
@@ -333,7 +333,7 @@ def test_observe_never_fails_and_swap_names_the_layer(request, family, monkeypat
     def broken(*args, **kw):
         raise FloatingPointError("injected")
 
-    monkeypatch.setattr(side, "softmax_statistics", broken)
+    monkeypatch.setattr(stats, "softmax_statistics", broken)
     with pytest.warns(RuntimeWarning, match="injected"):
         with nw_processor(pipe, mode="observe") as rec:
             observed = generate(pipe, **kwargs)

@@ -18,8 +18,9 @@ import pytest
 import torch
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
 
+from nw_adapter.integration import stats
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors import nw_processor_for, side
+from nw_adapter.integration.processors import nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
 
 C, CROSS, HEADS, DIM, TOKENS = 32, 24, 2, 16, 4
@@ -102,7 +103,7 @@ def test_observe_returns_stock_output_when_the_side_computation_fails(monkeypatc
     def broken(*args, **kwargs):
         raise FloatingPointError("injected failure")
 
-    monkeypatch.setattr(side, "softmax_statistics", broken)
+    monkeypatch.setattr(stats, "softmax_statistics", broken)
     with pytest.warns(RuntimeWarning, match="injected failure") as caught:
         outs = []
         for step in range(3):
@@ -127,19 +128,19 @@ def test_a_failure_after_some_groups_rolls_the_layer_back(monkeypatch):
     x, text = torch.randn(2, 24, C, generator=gen), torch.randn(2, 7, CROSS, generator=gen)
     ip = [torch.randn(2, 1, TOKENS, CROSS, generator=gen), torch.randn(2, 2, TOKENS, CROSS, generator=gen)]
     rec = _install(attn, stock, store_maps=True, nulls=False)
-    real = side.softmax_statistics
+    real = stats.softmax_statistics
 
     def fails_on_eight_keys(q, k, **kwargs):
         if k.shape[-2] == 2 * TOKENS:
             raise ValueError("second adapter")
         return real(q, k, **kwargs)
 
-    monkeypatch.setattr(side, "softmax_statistics", fails_on_eight_keys)
+    monkeypatch.setattr(stats, "softmax_statistics", fails_on_eight_keys)
     with pytest.warns(RuntimeWarning, match="second adapter"):
         _run(attn, attn.processor, x, text, ip, None)
     assert rec.to_records() == [] and rec.maps() == {}
     assert rec.skipped()["count"] == 1
-    monkeypatch.setattr(side, "softmax_statistics", real)
+    monkeypatch.setattr(stats, "softmax_statistics", real)
     rec.begin_step(step=1)
     _run(attn, attn.processor, x, text, ip, None)
     assert {(r["step"], r["adapter"]) for r in rec.to_records()} == {(1, 0), (1, 1)}

@@ -35,8 +35,9 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 from PIL import Image
 from tiny_helpers import SIZE, check_recorded_levels, random_image, record_denoiser_timesteps
 
+from nw_adapter.integration import stats
 from nw_adapter.integration.mixin import nw_processor
-from nw_adapter.integration.processors import is_nw_processor, side
+from nw_adapter.integration.processors import is_nw_processor
 from nw_adapter.models.tiny import ip_adapter_weight_name
 
 STEPS = 2
@@ -215,7 +216,7 @@ def test_observe_returns_the_stock_image_when_the_side_computation_fails(sd15, m
     def broken(*args, **kwargs):
         raise FloatingPointError("injected")
 
-    monkeypatch.setattr(side, "softmax_statistics", broken)
+    monkeypatch.setattr(stats, "softmax_statistics", broken)
     with pytest.warns(RuntimeWarning, match="NW side computation failed") as caught:
         with nw_processor(sd15, mode="observe") as rec:
             observed = _call(sd15)
@@ -230,12 +231,12 @@ def test_observe_returns_the_stock_image_when_the_side_computation_fails(sd15, m
 
 
 def test_a_failing_step_tracker_does_not_fail_the_generation(sd15, monkeypatch):
-    from nw_adapter.integration import recorder as recorder_module
+    from nw_adapter.integration import steps as steps_module
 
     def broken(scheduler):
         raise KeyError("schedule table")
 
-    monkeypatch.setattr(recorder_module, "schedule_table", broken)
+    monkeypatch.setattr(steps_module, "schedule_table", broken)
     stock = _call(sd15)
     with pytest.warns(RuntimeWarning, match="step tracking"):
         with nw_processor(sd15, mode="observe") as rec:

@@ -1,13 +1,13 @@
 """Attention processors that observe or swap the image branch of IP-Adapter layers.
 
-- :mod:`~nw_adapter.integration.processors.side`: the side computation shared by every model
-  family (A and NW weights of one softmax, the statistics, the bandwidth rules, map pooling);
-  imports torch and the math layer only.
+- :mod:`~nw_adapter.integration.processors.base`: what every family shares (adoption of the
+  stock processor and its ``scale``, step / head / CFG-half selection, the bandwidth, recording
+  one softmax through :mod:`nw_adapter.integration.stats`, safe recording).
 - :mod:`~nw_adapter.integration.processors.unet`: the processors of UNet pipelines (SD 1.5,
   SDXL), subclasses of diffusers' ``IPAdapterAttnProcessor`` / ``IPAdapterAttnProcessor2_0``.
 - :mod:`~nw_adapter.integration.processors.sd3`: SD 3 / 3.5 transformers
   (``SD3IPAdapterJointAttnProcessor2_0``); :mod:`~nw_adapter.integration.processors.flux`: Flux
-  (``FluxIPAdapterAttnProcessor``); both on :mod:`~nw_adapter.integration.processors.flow_base`.
+  (``FluxIPAdapterAttnProcessor``).
 
 :func:`nw_processor_for` picks the family of a stock processor; :func:`is_ip_processor` and
 :func:`is_nw_processor` recognise every family.
@@ -21,16 +21,11 @@ import torch
 
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import unet
-from nw_adapter.integration.processors.flow_base import FlowNWProcessorBase
+from nw_adapter.integration.processors.base import NWProcessorBase, is_nw_processor
 from nw_adapter.integration.processors.flux import NWFluxIPAdapterAttnProcessor, is_flux_ip_processor
 from nw_adapter.integration.processors.sd3 import NWSD3IPAdapterJointAttnProcessor2_0, is_sd3_ip_processor
 from nw_adapter.integration.processors.unet import NWIPAdapterAttnProcessor, NWIPAdapterAttnProcessor2_0
 from nw_adapter.integration.recorder import NWRecorder
-
-
-def is_nw_processor(processor: Any) -> bool:
-    """Whether ``processor`` is an NW processor of any family."""
-    return unet.is_nw_processor(processor) or isinstance(processor, FlowNWProcessorBase)
 
 
 def is_ip_processor(processor: Any) -> bool:
@@ -67,6 +62,7 @@ __all__ = [
     "NWFluxIPAdapterAttnProcessor",
     "NWIPAdapterAttnProcessor",
     "NWIPAdapterAttnProcessor2_0",
+    "NWProcessorBase",
     "NWSD3IPAdapterJointAttnProcessor2_0",
     "is_ip_processor",
     "is_nw_processor",

@@ -34,14 +34,11 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors.flow_base import FlowNWProcessorBase, capture_outputs
+from nw_adapter.integration.processors.base import NWProcessorBase, capture_outputs
 from nw_adapter.integration.recorder import NWRecorder
 
-PASS_HALVES = ("cond", "uncond")
-"""Half label of the transformer pass with index 0 (positive prompt) and 1 (negative, true CFG)."""
 
-
-class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcessor):
+class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
     """NW processor over diffusers' Flux IP-Adapter processor (see the module docstring).
 
     Args:
@@ -59,6 +56,7 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
     """
 
     _shared_modules = ("to_k_ip", "to_v_ip")
+    halves_by_pass = True  # true CFG: the positive pass is "cond", the negative one "uncond"
 
     def __init__(
         self,
@@ -142,7 +140,7 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
         total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
         for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
             value = self._split(self.to_v_ip[j](states), attn.heads)
-            h = self._bandwidth(q, key, None, s)
+            h = self._bandwidth(q, key, s)
             branch = self._gaussian_head(q, key, value, h)
             total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
         return total
@@ -159,8 +157,8 @@ class NWFluxIPAdapterAttnProcessor(FlowNWProcessorBase, FluxIPAdapterAttnProcess
         if not heads:
             return
         keys = self._keys(ip_hidden_states, heads_n)
-        halves = (PASS_HALVES[min(self.recorder.state.pass_index, 1)],)
         q = self._pick(q_all, heads, heads_n)
+        halves = self._halves(q.shape[0])
         s = 1.0 / math.sqrt(q.shape[-1])
         for j, (key, scale) in enumerate(zip(keys, scales, strict=False)):
             k = self._pick(key, heads, heads_n)

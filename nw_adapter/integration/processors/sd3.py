@@ -41,9 +41,8 @@ import torch
 from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAttnProcessor2_0
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors.flow_base import (
-    HALF_LABELS,
-    FlowNWProcessorBase,
+from nw_adapter.integration.processors.base import (
+    NWProcessorBase,
     capture_outputs,
     split_heads,
     spread_rows,
@@ -51,7 +50,7 @@ from nw_adapter.integration.processors.flow_base import (
 from nw_adapter.integration.recorder import NWRecorder
 
 
-class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJointAttnProcessor2_0):
+class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttnProcessor2_0):
     """NW processor over diffusers' SD3 IP-Adapter processor (see the module docstring).
 
     Args:
@@ -144,7 +143,7 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
         value = torch.cat([split_heads(captured["v"], heads), split_heads(self.to_v_ip(ip), heads)], dim=2)
         captured.update(q_normed=q, k_normed=k_img, k_ip=k_ip)
         s = 1.0 / math.sqrt(q.shape[-1])
-        h = self._bandwidth(q, key, None, s)
+        h = self._bandwidth(q, key, s)
         out = self._gaussian_head(q, key, value, h)
         batch, _, rows, head_dim = out.shape
         return out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype)
@@ -157,12 +156,11 @@ class NWSD3IPAdapterJointAttnProcessor2_0(FlowNWProcessorBase, SD3IPAdapterJoint
         heads = self._heads(attn.heads)
         if not heads:
             return
-        rec = self.recorder
         q = self._pick(q_all, heads, attn.heads)
         k_img = self._pick(k_img_all, heads, attn.heads)
         k_ip = self._pick(k_ip_all, heads, attn.heads)
         batch = q.shape[0]
-        halves = HALF_LABELS[2 if rec.cfg and batch % 2 == 0 else 1]
+        halves = self._halves(batch)
         s = 1.0 / math.sqrt(q.shape[-1])
         rows = spread_rows(q.shape[-2], self.joint_rows, q.device)
         q_rows = q if rows is None else q.index_select(2, rows)

@@ -4,8 +4,8 @@ The processors subclass :class:`~diffusers.models.attention_processor.IPAdapterA
 and :class:`~diffusers.models.attention_processor.IPAdapterAttnProcessor` and always produce
 the layer output by calling ``super().__call__`` (no copy of diffusers' attention code). They
 share ``to_k_ip``, ``to_v_ip``, ``scale`` and ``num_tokens`` (the same objects) with the
-processor they replace, so ``set_ip_adapter_scale``, IP masks, several adapters and
-``unload_ip_adapter`` keep working.
+processor they replace (``scale`` forwarded, see :mod:`~nw_adapter.integration.processors.base`), so
+``set_ip_adapter_scale``, IP masks, several adapters and ``unload_ip_adapter`` keep working.
 
 How the side computation gets its inputs, without recomputing the query projection:
 
@@ -37,6 +37,9 @@ Failures: in observe a side computation that raises never fails the layer: the s
 returned, the recorder drops what the layer stored at that step, counts the (step, layer) pair
 with its reason and warns once (:meth:`~nw_adapter.integration.recorder.NWRecorder.skip`). In
 swap the output depends on the NW branch, so its failure raises a RuntimeError naming the layer.
+Both, the head selection, the CFG halves and the statistics of each softmax are the base's
+(:class:`~nw_adapter.integration.processors.base.NWProcessorBase`); this module finds q, k and the
+softmax groups.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from diffusers.models.attention_processor import (
 
 from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors import side
+from nw_adapter.integration.processors.base import NWProcessorBase, split_heads
 from nw_adapter.integration.recorder import NWRecorder
 
 
@@ -82,26 +85,12 @@ class _Group:
         self.value: torch.Tensor | None = None
 
 
-class _NWProcessorMixin:
-    """Shared logic of the two NW processors (see the module docstring)."""
+class _UNetNWProcessor(NWProcessorBase):
+    """What the two UNet NW processors share (see the module docstring)."""
 
-    scale: list
+    _shared_modules = ("to_k_ip", "to_v_ip")
     to_k_ip: torch.nn.ModuleList
     to_v_ip: torch.nn.ModuleList
-
-    def _take_over(
-        self, original: torch.nn.Module, *, layer_name: str, config: NWProcessorConfig, recorder: NWRecorder
-    ) -> None:
-        torch.nn.Module.__init__(self)  # the parent __init__ would allocate fresh projections
-        self.hidden_size = original.hidden_size
-        self.cross_attention_dim = original.cross_attention_dim
-        self.num_tokens = original.num_tokens
-        self.scale = original.scale  # the same list: set_ip_adapter_scale edits it in place
-        self.to_k_ip = original.to_k_ip
-        self.to_v_ip = original.to_v_ip
-        self.layer_name = layer_name
-        self.nw_config = config
-        self.recorder = recorder
 
     # ------------------------------------------------------------------ helpers
     def attention_scale(self, attn: Attention, head_dim: int) -> float:
@@ -135,26 +124,6 @@ class _NWProcessorMixin:
                 groups.append(_Group(j, 0, states.reshape(batch, -1, states.shape[-1]), scale, None))
         return groups
 
-    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
-        """[B, L, H*d] -> [B, H, L, d]."""
-        b, length, inner = x.shape
-        return x.view(b, length, heads, inner // heads).transpose(1, 2)
-
-    def _bandwidth(
-        self, q: torch.Tensor, k: torch.Tensor, attn_weights: torch.Tensor | None, s: float
-    ) -> torch.Tensor | float:
-        """h per (batch, head) [B, H] (or a float) under the configured rule (see
-        :func:`~nw_adapter.integration.processors.side.resolve_bandwidth`)."""
-        return side.resolve_bandwidth(self.nw_config, self.recorder.state, q, k, attn_weights, s)
-
-    def _index(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """A cached index tensor on ``device`` (no host-to-device copy after the first step)."""
-        cache = self.__dict__.setdefault("_index_cache", {})
-        key = (values, device)
-        if key not in cache:
-            cache[key] = torch.tensor(values, device=device)
-        return cache[key]
-
     def _mask_factor(self, mask: torch.Tensor, batch: int, rows: int, inner: int, like: torch.Tensor):
         down = IPAdapterMaskProcessor.downsample(mask, batch, rows, inner)
         return down.to(dtype=like.dtype, device=like.device)
@@ -176,8 +145,8 @@ class _NWProcessorMixin:
         outputs = captured.get("keys", {}).get(g.adapter, [])
         position = g.image if g.mask is not None else 0
         if position < len(outputs):
-            return self._heads(outputs[position].view(batch, -1, outputs[position].shape[-1]), attn.heads)
-        return self._heads(self.to_k_ip[g.adapter](g.states), attn.heads)
+            return split_heads(outputs[position].view(batch, -1, outputs[position].shape[-1]), attn.heads)
+        return split_heads(self.to_k_ip[g.adapter](g.states), attn.heads)
 
     # ------------------------------------------------------------------ the call
     def __call__(
@@ -199,10 +168,7 @@ class _NWProcessorMixin:
             branch replaced by the Gaussian-kernel head in swap mode.
         """
         call_stock = super().__call__  # type: ignore[misc]
-        cfg = self.nw_config
-        step_selected = self.recorder.wants_step()
-        record = cfg.record_statistics and step_selected
-        swap = cfg.mode == "swap" and step_selected
+        record, swap = self._selection()
         if not (record or swap) or not isinstance(encoder_hidden_states, tuple):
             return call_stock(
                 attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
@@ -232,10 +198,7 @@ class _NWProcessorMixin:
                 try:
                     hidden = self._swap_branch(attn, captured, ip_hidden_states, masks, scales, args[0])
                 except Exception as error:  # swap changes the output: fail, naming the layer
-                    raise RuntimeError(
-                        f"NW swap failed in layer {self.layer_name!r} at step {self.recorder.state.step}: "
-                        f"{type(error).__name__}: {error}"
-                    ) from error
+                    raise self._swap_error(error) from error
                 return (hidden, *args[1:])
 
             handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
@@ -250,12 +213,7 @@ class _NWProcessorMixin:
             if swap:
                 self.scale = shared_scale
         if record and "q" in captured:
-            mark = self.recorder.mark()
-            try:
-                with torch.no_grad():
-                    self._record(attn, captured, ip_hidden_states, masks, scales)
-            except Exception as error:  # observe never fails a generation that stock completes
-                self.recorder.skip(self.layer_name, error, rollback=mark)
+            self._record_safely(lambda: self._record(attn, captured, ip_hidden_states, masks, scales))
         return out
 
     def _swap_branch(
@@ -280,7 +238,7 @@ class _NWProcessorMixin:
         """
         q_raw = captured["q"]
         batch, rows, inner = q_raw.shape
-        q = self._heads(q_raw, attn.heads)
+        q = split_heads(q_raw, attn.heads)
         s = self.attention_scale(attn, q.shape[-1])
         groups = self._groups(ip_hidden_states, masks, scales, batch)
         captured["groups"] = groups
@@ -288,9 +246,9 @@ class _NWProcessorMixin:
             if _is_zero(g.scale):
                 continue
             tokens = g.states.reshape(-1, g.states.shape[-1])  # [B*M, cross]
-            g.key = self._heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            g.value = self._heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            h = self._bandwidth(q, g.key, None, s)
+            g.key = split_heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
+            g.value = split_heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
+            h = self._bandwidth(q, g.key, s)
             out = kernels.gaussian_kernel_head(q, g.key, g.value, h, chunk_size=self.nw_config.chunk_size)
             out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
             if g.mask is not None:
@@ -307,53 +265,25 @@ class _NWProcessorMixin:
         masks: Sequence[Any],
         scales: Sequence[Any],
     ) -> None:
-        rec, cfg = self.recorder, self.nw_config
+        """Record every softmax group of the image branch (q [B, H, N, d] against its keys)."""
         q_raw = captured["q"]
         batch = q_raw.shape[0]
-        q_all = self._heads(q_raw, attn.heads)
-        heads = (
-            tuple(range(attn.heads)) if cfg.heads is None else tuple(h for h in cfg.heads if h < attn.heads)
-        )
+        heads = self._heads(attn.heads)
         if not heads:
             return
-        head_idx = None if cfg.heads is None else self._index(heads, q_raw.device)
-        q = q_all.float() if head_idx is None else q_all.index_select(1, head_idx).float()
+        q = self._pick(split_heads(q_raw, attn.heads), heads, attn.heads)
         s = self.attention_scale(attn, q.shape[-1])
-        halves = rec.halves(batch)  # ("uncond", "cond"), PAG's "perturbed" rows, or ("all",)
-        n_halves = len(halves)
+        halves = self._halves(batch)
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
-        want_maps = rec.wants_maps(self.layer_name)
         for g in groups:
-            key = self._image_key(attn, g, captured, batch)
-            k = key.float() if head_idx is None else key.index_select(1, head_idx).float()
-            stats, attn_w, nw_w = side.softmax_statistics(
-                q,
-                k,
-                scale=s,
-                bandwidth=lambda a, q=q, k=k: self._bandwidth(q, k, a, s),
-                config=cfg,
-                generator=rec.generator(q.device) if cfg.nulls else None,
-                halves=n_halves,
-            )  # [S, halves, heads]
-            scale_value = g.scale if not isinstance(g.scale, (list, tuple)) else math.nan
-            rec.add(
-                layer=self.layer_name,
-                adapter=g.adapter,
-                image=g.image,
-                halves=halves,
-                heads=heads,
-                scale=scale_value,
-                num_keys=k.shape[-2],
-                stats=stats,
-            )
-            if want_maps:
-                side.store_maps(
-                    rec, cfg, layer=self.layer_name, heads=heads, adapter=g.adapter, image=g.image,
-                    attn_w=attn_w, nw_w=nw_w,
-                )
+            k = self._pick(self._image_key(attn, g, captured, batch), heads, attn.heads)
+            self._record_softmax(
+                q, k, scale=s, halves=halves, heads=heads, adapter=g.adapter, image=g.image,
+                adapter_scale=g.scale, maps=True,
+            )  # fmt: skip
 
 
-class NWIPAdapterAttnProcessor2_0(_NWProcessorMixin, IPAdapterAttnProcessor2_0):
+class NWIPAdapterAttnProcessor2_0(_UNetNWProcessor, IPAdapterAttnProcessor2_0):
     """NW processor over diffusers' SDPA IP-Adapter processor (see the module docstring).
 
     A subclass: ``isinstance(p, IPAdapterAttnProcessor2_0)`` holds, so diffusers' loaders
@@ -385,10 +315,10 @@ class NWIPAdapterAttnProcessor2_0(_NWProcessorMixin, IPAdapterAttnProcessor2_0):
         config: NWProcessorConfig,
         recorder: NWRecorder,
     ) -> None:
-        self._take_over(original, layer_name=layer_name, config=config, recorder=recorder)
+        self._adopt(original, layer_name=layer_name, config=config, recorder=recorder)
 
 
-class NWIPAdapterAttnProcessor(_NWProcessorMixin, IPAdapterAttnProcessor):
+class NWIPAdapterAttnProcessor(_UNetNWProcessor, IPAdapterAttnProcessor):
     """NW processor over diffusers' classic (non-SDPA) IP-Adapter processor.
 
     Same arguments as :class:`NWIPAdapterAttnProcessor2_0`; the softmax scale of A is
@@ -404,7 +334,7 @@ class NWIPAdapterAttnProcessor(_NWProcessorMixin, IPAdapterAttnProcessor):
         config: NWProcessorConfig,
         recorder: NWRecorder,
     ) -> None:
-        self._take_over(original, layer_name=layer_name, config=config, recorder=recorder)
+        self._adopt(original, layer_name=layer_name, config=config, recorder=recorder)
 
     def attention_scale(self, attn: Attention, head_dim: int) -> float:
         """``attn.scale``, the scale of ``attn.get_attention_scores``."""
@@ -419,7 +349,7 @@ def nw_processor_for(
     Raises:
         ValueError: if ``original`` is not an ``IPAdapterAttnProcessor(2_0)``.
     """
-    if isinstance(original, _NWProcessorMixin):
+    if isinstance(original, NWProcessorBase):
         raise ValueError(f"layer {layer_name!r} already has an NW processor; unset it first")
     if isinstance(original, IPAdapterAttnProcessor2_0):
         return NWIPAdapterAttnProcessor2_0(original, layer_name=layer_name, config=config, recorder=recorder)
@@ -430,7 +360,3 @@ def nw_processor_for(
         "call pipe.load_ip_adapter(...) first"
     )
 
-
-def is_nw_processor(processor: Any) -> bool:
-    """Whether ``processor`` is one of the NW processors of this module."""
-    return isinstance(processor, _NWProcessorMixin)

@@ -1,0 +1,95 @@
+"""Where the command line's pipeline and adapter come from: :class:`ModelSpec`, the defaults,
+the tiny-model cache, and :class:`ModelLoadError`.
+
+Shared by :mod:`~nw_adapter.correlate.loading` (UNet pipelines, the loading itself) and
+:mod:`~nw_adapter.correlate.families` (the SD3 / Flux defaults); both import this module and
+neither imports the other's callers back (no import circle).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+DEFAULT_IP_ADAPTER = "h94/IP-Adapter"
+DEFAULT_SUBFOLDER = "models"
+DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
+SDXL_SUBFOLDER = "sdxl_models"
+SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
+TINY = "tiny"
+
+
+class ModelLoadError(ValueError):
+    """The model or the IP-Adapter could not be loaded; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the pipeline and the adapter come from.
+
+    Attributes:
+        model: Hub id, local folder or ``"tiny"``.
+        ip_adapter: Hub id, local folder or ``"tiny"``.
+        subfolder: Adapter subfolder (``None``: ``models``, or ``sdxl_models`` for SDXL).
+        weight_name: Adapter weight file (``None``: the SD 1.5 or SDXL default).
+        image_encoder: Image encoder of SD3 / Flux adapters (``None``: the family's default, see
+            :mod:`~nw_adapter.correlate.families`); UNet adapters carry theirs.
+    """
+
+    model: str = DEFAULT_MODEL
+    ip_adapter: str | None = None
+    subfolder: str | None = None
+    weight_name: str | None = None
+    image_encoder: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        """JSON-ready form (``image_encoder`` only when set)."""
+        out = {
+            "model": self.model,
+            "ip_adapter": self.ip_adapter,
+            "subfolder": self.subfolder,
+            "weight_name": self.weight_name,
+        }
+        if self.image_encoder is not None:
+            out["image_encoder"] = self.image_encoder
+        return out
+
+
+def tiny_cache_dir() -> Path:
+    """Folder the tiny model is written to (see the module docstring)."""
+    if os.environ.get("NW_ADAPTER_CACHE"):
+        return Path(os.environ["NW_ADAPTER_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nw_adapter"
+
+
+_T = TypeVar("_T")
+
+
+def write_tiny_cache(model: str, root: Path, build: Callable[[], _T]) -> _T:
+    """Run ``build``, which writes tiny-model folders under ``root``, with one-line errors.
+
+    Args:
+        model: the ``--model`` value (named in the message).
+        root: the cache folder being written.
+        build: writes the folders (:func:`nw_adapter.models.tiny.write_once`, atomic) and returns
+            what the caller needs.
+
+    Raises:
+        ModelLoadError: the folders cannot be written (a full disk or a file-size limit in
+            safetensors is a ``SafetensorError``, not an ``OSError``: both are caught).
+    """
+    from safetensors import SafetensorError
+
+    try:
+        return build()
+    except (OSError, SafetensorError) as exc:
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+        raise ModelLoadError(
+            f"--model {model}: cannot write the tiny model to '{root}' ({reason[:200]}); "
+            "free space or set NW_ADAPTER_CACHE to a writable folder"
+        ) from None

@@ -1,0 +1,338 @@
+"""The records of a run and everything derived from them: aggregation, table, CSV, dataframe, figure.
+
+A record is one plain dict per (call, step, layer, head, CFG half, adapter, image): the keys of
+:data:`~nw_adapter.integration.schema.RECORD_KEYS`, the statistics of
+:data:`~nw_adapter.integration.schema.STAT_NAMES` (NaN when undefined) and, from the command line,
+a ``reference`` key. :class:`Records` (a list of them) is what
+:meth:`~nw_adapter.integration.recorder.NWRecorder.records` returns and what the command line's
+report (:mod:`nw_adapter.correlate.report`) formats; this module is the only place where records
+are averaged, tabulated, written as CSV or drawn.
+
+Aggregation (:func:`aggregate`): per group of records (e.g. per step, or per (block, step)), for
+one CFG half or all, every statistic is averaged over its finite values; ``nonfinite`` counts
+what each mean left out (never silent); the per-step columns (timestep, noise level) are the
+group's common value.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from nw_adapter.atomic import atomic_write, atomic_write_text
+from nw_adapter.integration.schema import (
+    LEGACY_NAMES,
+    NULL_STATS,
+    OPTIONAL_STATS,
+    RECORD_KEYS,
+    STAT_NAMES,
+    SUMMARY_STATS,
+    finite_mean,
+)
+
+RHO_THRESHOLD = 0.9
+"""The paper's "% of heads with rho > 0.9" threshold (``frac_rho_gt_0_9``)."""
+
+CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_NAMES)
+"""Column order of a records CSV (the columns present; extra record keys follow, sorted)."""
+
+STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")
+"""Per-step columns of a record (the same for every record of a step)."""
+
+BLOCKS: tuple[str, ...] = ("down", "mid", "up")
+"""UNet blocks, in drawing order; other denoisers' layers (SD3, Flux) are block ``"other"``."""
+
+_COLORS = {"down": "#1f77b4", "mid": "#2ca02c", "up": "#d62728", "other": "#7f7f7f", "all": "#1f77b4"}
+
+
+def block_of(layer: str) -> str:
+    """``"down"``, ``"mid"`` or ``"up"`` from an attention-processor name (else ``"other"``)."""
+    for prefix, block in (("down_blocks", "down"), ("mid_block", "mid"), ("up_blocks", "up")):
+        if layer.startswith(prefix):
+            return block
+    return "other"
+
+
+def analysis_half(records: Sequence[dict]) -> str:
+    """The CFG half a report is about: ``cond`` if present, else ``all``, else ``uncond``.
+
+    Raises:
+        ValueError: no record has one of these halves.
+    """
+    halves = {r.get("half") for r in records}
+    for half in ("cond", "all", "uncond"):
+        if half in halves:
+            return half
+    raise ValueError("records: no record has half in {'cond', 'all', 'uncond'}; nothing to report")
+
+
+def _stat(record: dict, name: str) -> Any:
+    """``record[name]``, or its value under a name of an older schema (e.g. ``rho_norm_null``)."""
+    if name in record:
+        return record[name]
+    legacy = (record.get(old) for old, new in LEGACY_NAMES.items() if new == name)
+    return next((v for v in legacy if v is not None), None)
+
+
+def _common_value(values: list[Any]) -> float:
+    """The value every record of a group shares (NaN and inf included); else the finite mean."""
+    numbers = [math.nan if v is None else float(v) for v in values]
+    first = numbers[0]
+    if all(x == first or (math.isnan(x) and math.isnan(first)) for x in numbers):
+        return first
+    return finite_mean(numbers)[0]
+
+
+def aggregate(
+    records: Iterable[dict],
+    by: Sequence[str] = ("step",),
+    *,
+    half: str | None = None,
+    step_columns: Sequence[str] = ("timestep",),
+    optional_stats: bool = False,
+) -> list[dict]:
+    """Average the statistics of the records per group.
+
+    Args:
+        records: record dicts.
+        by: record keys to group by, e.g. ``("step",)`` (the report's table),
+            ``("block", "step")`` (its figure), ``("call", "step", "half")`` (the summary).
+        half: keep this CFG half only (its rows then carry ``half``); None keeps every record.
+        step_columns: per-step columns copied from the group (its common value; the finite
+            mean if the records disagree).
+        optional_stats: also average the statistics of
+            :data:`~nw_adapter.integration.schema.OPTIONAL_STATS` present in the group's first record.
+
+    Returns:
+        One dict per group, sorted by the group keys: the group keys, ``half``, the step columns,
+        the mean of every statistic of :data:`~nw_adapter.integration.schema.SUMMARY_STATS` over
+        its finite values (NaN when none), ``nonfinite`` (statistic -> number of NaN/inf values
+        its mean left out), ``frac_rho_gt_0_9`` (share of records with rho > 0.9, a NaN rho
+        counted as not) and ``count`` (records averaged).
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for record in records:
+        if half is None or record.get("half") == half:
+            groups.setdefault(tuple(record[k] for k in by), []).append(record)
+    rows = []
+    for key in sorted(groups):
+        members = groups[key]
+        row: dict[str, Any] = dict(zip(by, key, strict=True))
+        if half is not None:
+            row["half"] = half
+        for name in step_columns:
+            row[name] = _common_value([r.get(name) for r in members])
+        names = (*SUMMARY_STATS, *(n for n in OPTIONAL_STATS if optional_stats and n in members[0]))
+        nonfinite: dict[str, int] = {}
+        for name in names:
+            row[name], dropped = finite_mean(_stat(r, name) for r in members)
+            if dropped:
+                nonfinite[name] = dropped
+        row["nonfinite"] = nonfinite
+        rhos = [_stat(r, "rho") for r in members]
+        row["frac_rho_gt_0_9"] = sum(1 for v in rhos if v is not None and v > RHO_THRESHOLD) / len(members)
+        row["count"] = len(members)
+        rows.append(row)
+    return rows
+
+
+def csv_text(
+    records: Sequence[dict], columns: Sequence[str] | None = None, *, order: Sequence[str] = CSV_COLUMNS
+) -> str:
+    """CSV text of the records: one row per record, None written as an empty cell.
+
+    Args:
+        records: record dicts.
+        columns: the header; default: the columns of ``order`` present in some record, then
+            every other key (sorted).
+        order: the column order (default :data:`CSV_COLUMNS`, the statistics in record order).
+    """
+    if columns is None:
+        present = {k for r in records for k in r}
+        columns = [c for c in order if c in present] + sorted(present - set(order))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(records)
+    return buffer.getvalue()
+
+
+_SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("call", "{:d}"),
+    ("step", "{:d}"),
+    ("half", "{}"),
+    ("timestep", "{:.0f}"),
+    ("rho", "{:.3f}"),
+    ("rho_perm_null", "{:.3f}"),
+    ("rho_norm_matched_null", "{:.3f}"),
+    ("rho_spread_null", "{:.3f}"),
+    ("pearson", "{:.3f}"),
+    ("kl", "{:.4f}"),
+    ("neff_attn", "{:.2f}"),
+    ("neff_nw", "{:.2f}"),
+    ("frac_rho_gt_0_9", "{:.3f}"),
+    ("count", "{:d}"),
+)
+
+
+class Summary(list):
+    """The rows of :meth:`Records.summary`: a plain list of dicts that prints as a table."""
+
+    def table(self) -> str:
+        """The rows as an aligned text table (NaN as ``nan``); the main statistics only."""
+        if not self:
+            return "(no records)"
+        columns = [(key, fmt) for key, fmt in _SUMMARY_COLUMNS if key in self[0]]
+        cells = [[key for key, _ in columns]]
+        for row in self:
+            line = []
+            for key, fmt in columns:
+                value = row.get(key)
+                is_nan = value is None or (isinstance(value, float) and not math.isfinite(value))
+                line.append("nan" if is_nan else fmt.format(value))
+            cells.append(line)
+        widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    __str__ = __repr__
+
+
+def _series(rows: Sequence[dict], key: str) -> Any:
+    import numpy as np
+
+    return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
+
+
+def rho_figure(
+    rows: Sequence[dict],
+    *,
+    panel_key: str | None = "block",
+    title: str | None = None,
+    note: str | None = None,
+):
+    """rho against the timestep with the band of its three nulls, one panel per block (or one).
+
+    Args:
+        rows: :func:`aggregate` rows (``timestep``, ``rho`` and the nulls of
+            :data:`~nw_adapter.integration.schema.NULL_STATS`), with ``panel_key`` among their keys.
+        panel_key: the key whose values get a panel each (``"block"``: down, mid, up, other);
+            None: one panel of every row, labelled by its ``half``.
+        title: figure title. note: a line under it (e.g. why two steps share a timestep).
+
+    Returns:
+        A :class:`matplotlib.figure.Figure` (the Agg canvas: the pyplot backend is untouched).
+        The band spans, per step, the lowest to the highest null: a rho inside or below it is
+        not evidence.
+
+    Raises:
+        ValueError: no rows to draw.
+    """
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    if panel_key is None:
+        panels = [(rows[0].get("half", "all") if rows else "all", list(rows))]
+    else:
+        names = [b for b in (*BLOCKS, "other") if any(r.get(panel_key) == b for r in rows)]
+        panels = [(name, [r for r in rows if r.get(panel_key) == name]) for name in names]
+    if not panels or not panels[0][1]:
+        raise ValueError("rows: nothing to plot (did the run record any layer and step?)")
+    width = 3.2 * len(panels) + 0.6
+    fig = Figure(figsize=(width, 3.4))
+    # 0.8 inch on the left for the tick labels and the y label, whatever the number of panels
+    fig.subplots_adjust(left=0.8 / width, right=0.98, bottom=0.16, top=0.82, wspace=0.1)
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, (name, panel_rows) in zip(axes, panels, strict=True):
+        panel_rows = sorted(panel_rows, key=lambda r: -float(r["timestep"]))
+        t = _series(panel_rows, "timestep")
+        nulls = [_series(panel_rows, stat) for stat in NULL_STATS]
+        low, high = np.fmin.reduce(nulls), np.fmax.reduce(nulls)
+        ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")
+        rho = _series(panel_rows, "rho")
+        ax.plot(t, rho, marker="o", markersize=3, color=_COLORS.get(name), label=f"rho ({name})")
+        ax.axhline(0.0, color="0.3", linewidth=0.6)
+        ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
+        ax.set_xticks([750, 500, 250])
+        ax.set_ylim(-0.2, 1.05)
+        ax.set_xlabel("timestep (denoising ->)")
+        ax.set_title(f"{name} block" if panel_key else f"{name} half")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=7)
+    axes[0].set_ylabel("Spearman rho (attention vs NW)")
+    if title or note:
+        fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=8 if note else 9)
+    return fig
+
+
+def save_figure(fig: Any, path: str | os.PathLike) -> Path:
+    """Write a figure as PNG atomically (dpi 110) and return the path."""
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+
+
+class Records(list):
+    """The records of a run (a list of dicts) with their summary, CSV, dataframe and figure.
+
+    Example:
+        >>> records = rec.records()          # NWRecorder.records()
+        >>> records.summary()                # a table at the REPL
+        >>> records.to_csv("records.csv"); records.plot(path="rho.png")
+    """
+
+    def summary(self) -> Summary:
+        """One row per (call, step, half): the means of :func:`aggregate` over layers, heads,
+        adapters and images, with the step's timestep and noise level."""
+        rows = aggregate(self, ("call", "step", "half"), step_columns=STEP_COLUMNS, optional_stats=True)
+        return Summary(rows)
+
+    def csv_text(self) -> str:
+        """The records as CSV text (:func:`csv_text`; an empty run: the header of every field)."""
+        return csv_text(self, None if self else (*RECORD_KEYS, *STAT_NAMES))
+
+    def to_csv(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`csv_text` to ``path`` atomically."""
+        return atomic_write_text(path, self.csv_text())
+
+    def to_dataframe(self):
+        """The records as a tidy :class:`pandas.DataFrame` (one row per record, columns = keys).
+
+        Raises:
+            ImportError: pandas is not installed (use :meth:`to_csv`, which needs nothing).
+        """
+        try:
+            import pandas
+        except ImportError:
+            raise ImportError(
+                "to_dataframe needs pandas (pip install pandas); without it use rec.to_csv(path)"
+            ) from None
+        columns = list(self[0]) if self else [*RECORD_KEYS, *STAT_NAMES]
+        return pandas.DataFrame.from_records(self, columns=columns)
+
+    def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
+        """Figure of the mean rho per step against the timestep, with the band of its nulls.
+
+        Args:
+            half: CFG half to draw (default ``cond`` if recorded, else ``all``, else ``uncond``).
+            path: also save the figure there (PNG, atomically).
+
+        Raises:
+            ValueError: nothing recorded.
+        """
+        if not self:
+            raise ValueError("plot: nothing recorded (run the pipeline first, or load a file)")
+        half = half or analysis_half(self)
+        rows = aggregate(self, ("call", "step"), half=half)
+        if not rows:
+            halves = sorted({r["half"] for r in self})
+            raise ValueError(f"plot: no records of half {half!r}; pick one of {halves}")
+        fig = rho_figure(rows, panel_key=None)
+        if path is not None:
+            save_figure(fig, path)
+        return fig

@@ -1,0 +1,50 @@
+"""The ledger of skipped (call, step, layer) pairs: observe mode's failures, counted, never silent.
+
+In observe mode a side computation that raises never fails the generation: the layer keeps
+diffusers' output, the recorder rolls back what the layer stored and the pair goes into this
+ledger (one warning per recorder, then counted silently; exported as ``skipped`` by
+``NWRecorder.to_json``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from nw_adapter.integration.schema import SKIPPED_FIELD
+
+
+class SkipLedger:
+    """The skipped pairs of one recorder, in the order they happened."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[int, int, str, str]] = []  # (call, step, layer, reason)
+        self._warned = False
+
+    def add(self, *, call: int, step: int, layer: str, error: BaseException) -> None:
+        """Count one pair; the first one of the ledger warns (RuntimeWarning) with its reason."""
+        reason = f"{type(error).__name__}: {error}"[:300]
+        self._pairs.append((call, step, layer, reason))
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"NWRecorder: the NW side computation failed in layer {layer!r} at step "
+                f"{step} ({reason}); that layer kept diffusers' output and its statistics "
+                "were skipped. Further failures are counted silently: see recorder.skipped() and "
+                f"the {SKIPPED_FIELD!r} field of to_json().",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def summary(self) -> dict[str, Any]:
+        """``{"count", "by_reason", "pairs"}``: ``by_reason`` maps each failure message to its number
+        of pairs; ``pairs`` lists ``{"call", "step", "layer", "reason"}`` in the order they happened."""
+        by_reason: dict[str, int] = {}
+        for *_, reason in self._pairs:
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+        pairs = [{"call": c, "step": s, "layer": layer, "reason": r} for c, s, layer, r in self._pairs]
+        return {"count": len(self._pairs), "by_reason": by_reason, "pairs": pairs}
+
+    def clear(self) -> None:
+        """Forget every pair (the one warning stays given)."""
+        self._pairs.clear()
