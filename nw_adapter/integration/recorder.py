@@ -396,6 +396,18 @@ class NWRecorder:
         """Stored maps as ``{"<name>/attn": A, "<name>/nw": W}`` (device tensors)."""
         return self.map_store.tensors()
 
+    def heat_maps(self, kind: str = "attn", **selection: Any):
+        """Heat maps per image token of the stored maps, in memory (needs ``store_maps=True``).
+
+        ``kind``: ``"attn"`` (A), ``"nw"`` (W) or ``"diff"`` (A - W); ``selection``: ``steps``,
+        ``layers``, ``heads``, ``batch_row``, ``adapter``, ``image``, ``image_hw`` (see
+        :func:`~nw_adapter.integration.heatmaps.heat_maps`). Returns a
+        :class:`~nw_adapter.integration.heatmaps.TokenHeatMaps`; ``.plot_overlay(image)`` draws it.
+        """
+        from nw_adapter.integration.heatmaps import heat_maps
+
+        return heat_maps(self, kind, **selection)
+
     def save_maps(self, path: str | os.PathLike) -> Path:
         """Save the stored maps with safetensors (atomic), metadata = config and per-map layout.
 

@@ -26,7 +26,8 @@ def recorded():
 
 def test_attention_maps_per_token_share_each_query_weight(recorded):
     rec, _ = recorded
-    maps = heat_maps(rec, "attn")
+    maps = rec.heat_maps("attn")  # the recorder's method is the module function
+    np.testing.assert_array_equal(maps.values, heat_maps(rec, "attn").values)
     assert isinstance(maps, TokenHeatMaps) and maps.steps == (0, 2)
     tokens = maps.num_tokens
     assert maps.values.ndim == 3 and tokens == 4  # the base adapter's 4 image tokens
