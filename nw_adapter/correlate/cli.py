@@ -480,7 +480,10 @@ def _image_worker(
             recorder = stack.enter_context(nw_processor(pipe, config))
             previews = None
             if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
-                previews = stack.enter_context(X0Previews(pipe, recorder, config.map_steps))
+                true_cfg = (extra_call or {}).get("true_cfg_scale", 1.0)
+                previews = stack.enter_context(
+                    X0Previews(pipe, recorder, config.map_steps, true_cfg_scale=true_cfg)
+                )
             output = pipe(
                 prompt=args.prompt,
                 negative_prompt=args.negative_prompt,
