@@ -155,9 +155,10 @@ def test_last_step_estimate_is_the_pipelines_final_latent(family, request) -> No
     else:
         pipe = load_sd3(StableDiffusion3Pipeline, model, adapter)
         extra = {"guidance_scale": 4.0}
-    with nw_processor(pipe, NWProcessorConfig()) as rec, X0Previews(
-        pipe, rec, true_cfg_scale=extra.get("true_cfg_scale", 1.0)
-    ) as previews:
+    with (
+        nw_processor(pipe, NWProcessorConfig()) as rec,
+        X0Previews(pipe, rec, true_cfg_scale=extra.get("true_cfg_scale", 1.0)) as previews,
+    ):
         out = pipe(
             "a cat", ip_adapter_image=random_image(1, SIZE), num_inference_steps=2, height=SIZE, width=SIZE,
             output_type="latent", generator=torch.Generator().manual_seed(0), **extra,
@@ -166,4 +167,4 @@ def test_last_step_estimate_is_the_pipelines_final_latent(family, request) -> No
         out = FluxPipeline._unpack_latents(out, SIZE, SIZE, pipe.vae_scale_factor)
     assert sorted(previews.latents) == [0, 1] and not previews.failed
     torch.testing.assert_close(previews.latents[1], out.float(), rtol=1e-5, atol=1e-5)
-    assert (previews.latents[0] - out).abs().max() > 1e-3  # the first step's estimate is another one (> 100 x tol)
+    assert (previews.latents[0] - out).abs().max() > 1e-3  # step 0's estimate differs (> 100 x tol)
