@@ -515,6 +515,14 @@ def _image_worker(
     return work
 
 
+def _check_result(result: dict, key: str, source: str) -> None:
+    """Every record and the image entry of a result file (ValueError: one line naming the field)."""
+    from nw_adapter.correlate.sweep import RESULT_SCHEMA
+    from nw_adapter.integration.validation import check_image_result
+
+    check_image_result(result, source=source, schema=RESULT_SCHEMA, key=key)
+
+
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """Load the model, compute every (unfinished) image, and on the main process write the report."""
     with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
@@ -591,7 +599,10 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
             progress=bars and state.is_main_process,
             image_hashes={key: info.sha256 for key, info in by_key.items()},
             before_changes=lambda: remove_report(out_dir),
+            validate=_check_result,
         )
+        for why in outcome.rejected.values():
+            _note(args, state, f"{why}; that image is computed again")
         if state.num_processes > 1 and args.quiet < 2:
             print(
                 f"note: process {state.process_index}/{state.num_processes} computed "

@@ -187,11 +187,13 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         The text the run printed (context line, table, verdict).
 
     Raises:
-        OutputError: No readable ``rho.json`` of this tool in ``out``.
+        OutputError: No readable ``rho.json`` of this tool in ``out``, or a malformed one (the
+            message names the record and field; see :func:`nw_adapter.integration.validation.check_report`).
     """
     import json
 
-    from nw_adapter.correlate.report import SCHEMA, build_report
+    from nw_adapter.correlate.report import build_report
+    from nw_adapter.integration.validation import RecordError, check_report
 
     out = out.expanduser()
     path = out / "rho.json"
@@ -206,10 +208,10 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         raise OutputError(
             f"--replot '{out}': cannot read rho.json ({reason}); rerun the original command"
         ) from None
-    if not isinstance(saved, dict) or saved.get("schema") != SCHEMA or not saved.get("records"):
-        raise OutputError(
-            f"--replot '{out}': rho.json is not a correlate.py report; rerun the original command"
-        )
+    try:  # every record and image entry, before anything is drawn
+        check_report(saved, source=f"--replot '{out}': rho.json", fix="rerun the original command")
+    except RecordError as exc:
+        raise OutputError(str(exc)) from None
     report = build_report(
         saved["records"],
         config=saved.get("config", {}),

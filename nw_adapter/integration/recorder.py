@@ -60,6 +60,7 @@ from nw_adapter.integration.schema import (
     SUMMARY_STATS,
     finite_mean,
 )
+from nw_adapter.integration.validation import check_records_file
 
 
 def block_of(layer: str) -> str:
@@ -692,6 +693,7 @@ class NWRecorder:
             raise ValueError(
                 f"NWRecorder.from_json: cannot read '{path}' ({exc}); pass a records file"
             ) from None
+        check_records_file(document, source=f"NWRecorder.from_json: '{path}'")  # one line per malformed field
         schema = document.get("schema") if isinstance(document, dict) else None
         if schema not in (RECORDS_SCHEMA, "nw-adapter/rho") or not isinstance(document.get("records"), list):
             raise ValueError(
