@@ -525,9 +525,10 @@ class NWRecorder:
         self._skipped.append((self.state.call, self.state.step, layer, reason))
         if not self._skip_warned:
             self._skip_warned = True
+            output = "kept the NW head's output" if self.config.mode == "swap" else "kept diffusers' output"
             warnings.warn(
                 f"NWRecorder: the NW side computation failed in layer {layer!r} at step "
-                f"{self.state.step} ({reason}); that layer kept diffusers' output and its statistics "
+                f"{self.state.step} ({reason}); that layer {output} and its statistics "
                 "were skipped. Further failures are counted silently: see recorder.skipped() and "
                 f"the {SKIPPED_FIELD!r} field of to_json().",
                 RuntimeWarning,
