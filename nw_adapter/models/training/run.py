@@ -114,15 +114,32 @@ settings describe, and the shipped records predate the field)."""
 
 
 def cpu_model() -> str:
-    """The CPU's model name (Linux ``/proc/cpuinfo``, else :func:`platform.processor`), or ``"unknown"``."""
+    """The CPU as far as it decides floating-point results: its model name, family, model and
+    stepping (Linux ``/proc/cpuinfo``; elsewhere :func:`platform.processor`) and the vector
+    instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability``).
+
+    Example: ``"AMD EPYC (family 25, model 1, stepping 1); torch kernels AVX2"``.
+    """
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             for line in handle:
-                if line.lower().startswith("model name"):
-                    return " ".join(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(" ".join(key.split()), " ".join(value.split()))
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    labels = {"cpu family": "family", "model": "model", "stepping": "stepping"}
+    ids = [f"{label} {fields[key]}" for key, label in labels.items() if fields.get(key)]
+    if ids:
+        name += f" ({', '.join(ids)})"
+    try:
+        name += f"; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+    except (AttributeError, RuntimeError):
+        pass
+    return name
 
 
 def _stage_record(
