@@ -55,11 +55,13 @@ from nw_adapter.correlate.loading import (
 from nw_adapter.correlate.outputs import (
     OutputError,
     OutputLock,
+    check_image_result_file,
     check_output_dir,
     draw_image_maps,
     remove_interrupted_writes,
     remove_report,
     replot,
+    skipped_note,
     write_outputs,
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
@@ -502,7 +504,7 @@ def _image_worker(
                 **(extra_call or {}),
             )
         generated = output.images[0]
-        note = _skipped_note(recorder, args.mode, info.path.name)
+        note = skipped_note(recorder, args.mode, info.path.name)
         if note and args.quiet < 2:
             print(f"note: {note}", file=sys.stderr)
         relative = folder.relative_to(out_dir)
@@ -549,31 +551,6 @@ def _check_true_cfg(args: argparse.Namespace, family: str) -> None:
             "only against a negative prompt (without one diffusers ignores the scale); pass "
             "--negative-prompt TEXT ('' for an empty one) or drop --true-cfg-scale"
         )
-
-
-def _skipped_note(recorder: Any, mode: str, name: str) -> str | None:
-    """One line on the (step, layer) pairs whose statistics were not recorded, or None.
-
-    Says what those layers returned: diffusers' own output in observe mode; in swap mode the NW
-    head's (at ``bandwidth="schedule"``'s s = 1, its limit h = inf, the mean of the values).
-    """
-    skipped = recorder.skipped()
-    if not skipped["count"]:
-        return None
-    reasons = "; ".join(f"{reason} ({count}x)" for reason, count in skipped["by_reason"].items())
-    output = "kept diffusers' output" if mode == "observe" else "still returned the NW head's output (swap)"
-    return (
-        f"{name}: statistics of {skipped['count']} (step, layer) pair(s) were not recorded: {reasons}; "
-        f"those layers {output}"
-    )
-
-
-def _check_result(result: dict, key: str, source: str) -> None:
-    """Every record and the image entry of a result file (ValueError: one line naming the field)."""
-    from nw_adapter.correlate.sweep import RESULT_SCHEMA
-    from nw_adapter.integration.validation import check_image_result
-
-    check_image_result(result, source=source, schema=RESULT_SCHEMA, key=key)
 
 
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
@@ -655,7 +632,7 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
             progress=bars and state.is_main_process,
             image_hashes={key: info.sha256 for key, info in by_key.items()},
             before_changes=lambda: remove_report(out_dir),
-            validate=_check_result,
+            validate=check_image_result_file,
         )
         for why in outcome.rejected.values():
             _note(args, state, f"{why}; that image is computed again")

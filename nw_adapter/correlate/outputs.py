@@ -153,6 +153,36 @@ def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
     return plot_attention_maps(generated, panels, folder / "attention_maps.png", previews=previews)
 
 
+def check_image_result_file(result: dict, key: str, source: str) -> None:
+    """Every record and the image entry of a sweep's ``result.json`` (``run_sweep``'s ``validate``).
+
+    Raises:
+        ValueError: One line naming the file, the record and the field
+            (:func:`nw_adapter.integration.validation.check_image_result`).
+    """
+    from nw_adapter.correlate.sweep import RESULT_SCHEMA
+    from nw_adapter.integration.validation import check_image_result
+
+    check_image_result(result, source=source, schema=RESULT_SCHEMA, key=key)
+
+
+def skipped_note(recorder: Any, mode: str, name: str) -> str | None:
+    """One line on the (step, layer) pairs whose statistics were not recorded, or None.
+
+    Says what those layers returned: diffusers' own output in observe mode; in swap mode the NW
+    head's (at ``bandwidth="schedule"``'s s = 1, its limit h = inf: the mean of the values).
+    """
+    skipped = recorder.skipped()
+    if not skipped["count"]:
+        return None
+    reasons = "; ".join(f"{reason} ({count}x)" for reason, count in skipped["by_reason"].items())
+    output = "kept diffusers' output" if mode == "observe" else "still returned the NW head's output (swap)"
+    return (
+        f"{name}: statistics of {skipped['count']} (step, layer) pair(s) were not recorded: {reasons}; "
+        f"those layers {output}"
+    )
+
+
 REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png")
 """The merged report's files in ``--out``."""
 

@@ -107,6 +107,14 @@ def _shown(value: Any) -> str:
     return f"{text} ({kind})"
 
 
+def _name(name: Any) -> str:
+    """A field name from a file as it is safe to print on one line (``repr`` when it is not plain)."""
+    text = str(name)
+    if text.isprintable() and len(text) <= 40:
+        return text
+    return repr(text)[:40]
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -130,7 +138,7 @@ def _wrong(name: str, kind: str, value: Any) -> str:
 
 
 def _nested(name: str, value: Any) -> str:
-    return f"field '{name}' holds {_shown(value)}, but fields hold a number, text, true/false or null"
+    return f"field '{_name(name)}' holds {_shown(value)}, but fields hold a number, text, true/false or null"
 
 
 def _fail(source: str, where: str, problem: str, fix: str) -> RecordError:
@@ -169,13 +177,11 @@ def check_record(
             raise _fail(source, where, f"field '{name}' is missing", fix)
     for name, value in record.items():
         if not isinstance(name, str):  # not from JSON, but a caller's dict
-            raise _fail(source, where, f"field name {name!r} is not text", fix)
+            raise _fail(source, where, f"field name {_name(repr(name))} is not text", fix)
         kind = FIELD_KINDS.get(name)
         if kind is None:
             if not isinstance(value, _SCALARS):
-                raise _fail(
-                    source, where, f"field '{name}' holds {_shown(value)}; record fields are flat", fix
-                )
+                raise _fail(source, where, _nested(name, value), fix)
             continue
         if not _kind_ok(kind, value):
             raise _fail(source, where, _wrong(name, kind, value), fix)
@@ -299,7 +305,7 @@ def check_image_entry(entry: Any, where: str, *, source: str, fix: str) -> Mappi
                     source, where, f"field '{name}' must be {_EXPECTED[kind]}, got {_shown(value)}", fix
                 )
         elif not isinstance(value, _SCALARS):
-            raise _fail(source, where, f"field '{name}' holds {_shown(value)}; image fields are flat", fix)
+            raise _fail(source, where, _nested(name, value), fix)
     return entry
 
 
@@ -330,7 +336,9 @@ def check_report(document: Any, *, source: str, fix: str = "rerun the original c
             raise _fail(source, "versions", f"is {_shown(versions)}, not an object", fix)
         for name, value in versions.items():
             if not isinstance(value, str | None):
-                raise _fail(source, f"versions.{name}", f"must be text or null, got {_shown(value)}", fix)
+                raise _fail(
+                    source, f"versions.{_name(name)}", f"must be text or null, got {_shown(value)}", fix
+                )
     images = document.get("images")
     if not isinstance(images, list):
         raise _fail(source, "images", f"is {_shown(images)}, not a list of images", fix)
@@ -379,9 +387,11 @@ def check_image_result(document: Any, *, source: str, schema: str, key: str, fix
     for name, digest in files.items():
         plain = isinstance(name, str) and name not in ("", ".", "..") and not {"/", "\\"} & set(name)
         if not plain:
-            raise _fail(source, "files", f"name {name!r} is not a file of the image's folder", fix)
+            raise _fail(source, "files", f"name {_name(repr(name))} is not a file of the image's folder", fix)
         if not isinstance(digest, str):
-            raise _fail(source, f"files.{name}", f"must be a SHA-256 (text), got {_shown(digest)}", fix)
+            raise _fail(
+                source, f"files.{_name(name)}", f"must be a SHA-256 (text), got {_shown(digest)}", fix
+            )
     records = check_records(
         document.get("records"), source=source, fix=fix, required=REPORT_FIELDS, finite=("timestep",)
     )

@@ -269,3 +269,12 @@ def test_image_result_check():
 def test_check_records_file_accepts_what_to_json_writes(tmp_path):
     document = records_file(make_records(reference=None))
     assert check_records_file(document, source="x") is document
+
+
+def test_a_field_name_with_a_line_break_still_gives_one_line(tmp_path):
+    records = make_records()
+    records[2]["two\nlines"] = [1]
+    path = write(tmp_path / "records.json", records_file(records))
+    with pytest.raises(ValueError) as info:
+        NWRecorder.from_json(path)
+    assert_one_line_naming(str(info.value), "records[2]", "two\\nlines")

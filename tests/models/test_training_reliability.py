@@ -163,3 +163,13 @@ def test_run_training_cleans_up_first_unless_another_run_trains(tmp_path, monkey
     with pytest.raises(Stop):
         training.run_training(tmp_path, TrainingConfig.quick(), progress=False)
     assert not leftover.parent.exists()
+
+
+def test_a_key_with_a_line_break_in_stage_json_still_gives_one_line(tmp_path):
+    record = _stage_record("vae", TrainingConfig.quick(), {})
+    broken = copy.deepcopy(record)
+    broken["settings"]["two\nlines"] = [1]
+    folder = stage_folder(tmp_path, broken)
+    with pytest.raises(StageMismatchError) as info:
+        _checked_stage(folder, record, never_built)
+    assert "\n" not in str(info.value) and "settings.'two\\nlines'" in str(info.value)

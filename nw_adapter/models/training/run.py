@@ -226,11 +226,12 @@ def _record_problem(record: object, where: str = "") -> str | None:
             return f"field '{prefix}{name}' must be an object, got {_shown(values)}"
         for key, value in values.items():
             if not isinstance(value, str | int | float | bool | type(None)):
+                key = key if key.isprintable() and len(key) <= 40 else repr(key)[:40]
                 return f"field '{prefix}{name}.{key}' must be a number, text or null, got {_shown(value)}"
     if not isinstance(record["inputs"], dict):
         return f"field '{prefix}inputs' must be an object, got {_shown(record['inputs'])}"
     for stage, entry in record["inputs"].items():
-        here = f"{prefix}inputs.{stage}"
+        here = f"{prefix}inputs.{stage if stage.isprintable() and len(stage) <= 40 else repr(stage)[:40]}"
         if not isinstance(entry, dict) or set(entry) != {"record", "files"}:
             return f"field '{here}' must be an object of 'record' and 'files', got {_shown(entry)}"
         if not isinstance(entry["files"], str | type(None)):
