@@ -67,8 +67,13 @@ def test_edited_result_file_is_recomputed_not_reused(reference, sd15_args, tmp_p
     again = json.loads((out / "rho.json").read_text())
     assert [r["rho"] for r in again["records"]] == [r["rho"] for r in original["records"]]
     assert again["verdict"] == original["verdict"]
+    # a report write killed by SIGKILL leaves its temporary file; the resumed run removes it
+    leftovers = [out / ".rho.k2x_9abq.tmp.json", result_file.parent / ".generated.ab12cd34.tmp.png"]
+    for path in leftovers:
+        path.write_text("half a file")
     code, _, err = run(argv, capsys)  # the recomputed file is reused as it is
     assert code == 0 and "resumed: 1 finished image(s) reused" in err
+    assert not any(path.exists() for path in leftovers)
 
 
 # ------------------------------------------------------------------ --replot
