@@ -4,6 +4,10 @@ A writer fills a temporary file in the destination folder (same file system, so 
 ``os.replace`` is atomic); on any exception the temporary file is removed and the destination
 is left as it was. Files get the usual ``0666 & ~umask`` mode (``mkstemp`` alone gives 0600).
 
+A write killed outright (SIGKILL, power loss) cannot remove its temporary file
+``.<stem>.<8 random characters>.tmp<suffix>``; :func:`remove_interrupted_writes` removes such
+files of the given destination names, and the command line calls it on the next run in the folder.
+
 Durability: the temporary file is flushed to disk (``fsync``) before the rename and the folder
 after it, so a power loss leaves the old file or the new one, never an empty one. A failure to
 write (full disk, file-size limit, read-only folder, also a safetensors ``SafetensorError``,
@@ -14,12 +18,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WriteError", "atomic_write", "atomic_write_json", "atomic_write_text", "fsync_folder"]
+__all__ = [
+    "WriteError",
+    "atomic_write",
+    "atomic_write_json",
+    "atomic_write_text",
+    "fsync_folder",
+    "remove_interrupted_writes",
+    "temporary_target",
+]
+
+TEMPORARY_NAME = re.compile(r"^\.(?P<stem>.+)\.[a-z0-9_]{8}\.tmp(?P<suffix>\.[^.]+)?$")
+"""Names of :func:`atomic_write`'s temporary files: ``tempfile.mkstemp`` with prefix ``.<stem>.``
+and suffix ``.tmp<suffix>``, whose random part is 8 characters of ``[a-z0-9_]``."""
 
 
 class WriteError(OSError):
@@ -122,3 +139,45 @@ def atomic_write_json(path: str | os.PathLike, payload: Any, *, allow_nan: bool 
         allow_nan: Whether NaN/Infinity may be written (not strict JSON); off by default.
     """
     return atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=allow_nan) + "\n")
+
+
+def temporary_target(name: str) -> str | None:
+    """The file name an :func:`atomic_write` temporary file called ``name`` was to become, else None.
+
+    Example:
+        >>> temporary_target(".rho.k2x_9abq.tmp.json"), temporary_target("rho.json")
+        ('rho.json', None)
+    """
+    match = TEMPORARY_NAME.match(name)
+    return None if match is None else match["stem"] + (match["suffix"] or "")
+
+
+def remove_interrupted_writes(folder: str | os.PathLike, is_own: Callable[[str], bool]) -> list[Path]:
+    """Remove the temporary files that killed :func:`atomic_write` calls left in ``folder``.
+
+    Only regular files (not links or folders) whose name is an atomic write's temporary name for
+    a destination ``is_own(destination)`` accepts: a user's file never matches both. Call it only
+    when no other process writes in ``folder`` (e.g. under the command line's lock), since a
+    running write's temporary file has the same name.
+
+    Args:
+        folder: The folder (nothing happens when it does not exist).
+        is_own: Whether a destination file name is one the caller writes there.
+
+    Returns:
+        The removed files.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in sorted(folder.iterdir()):
+        target = temporary_target(path.name)
+        if target is None or not is_own(target) or path.is_symlink() or not path.is_file():
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed

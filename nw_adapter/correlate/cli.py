@@ -31,6 +31,7 @@ import contextlib
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -55,10 +56,13 @@ from nw_adapter.correlate.loading import (
 from nw_adapter.correlate.outputs import (
     OutputError,
     OutputLock,
+    check_image_result_file,
     check_output_dir,
     draw_image_maps,
+    remove_interrupted_writes,
     remove_report,
     replot,
+    skipped_note,
     write_outputs,
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
@@ -483,7 +487,14 @@ def _image_worker(
             recorder = stack.enter_context(nw_processor(pipe, config))
             previews = None
             if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
-                previews = stack.enter_context(X0Previews(pipe, recorder, config.map_steps))
+                true_cfg = (extra_call or {}).get("true_cfg_scale", 1.0)
+                previews = stack.enter_context(
+                    X0Previews(pipe, recorder, config.map_steps, true_cfg_scale=true_cfg)
+                )
+            # the recorder's skip warning becomes one note below (raw warnings only with -v)
+            stack.enter_context(warnings.catch_warnings())
+            if not args.verbose:
+                warnings.filterwarnings("ignore", message="NWRecorder: the NW side computation failed")
             output = pipe(
                 prompt=args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -496,6 +507,9 @@ def _image_worker(
                 **(extra_call or {}),
             )
         generated = output.images[0]
+        note = skipped_note(recorder, args.mode, info.path.name)
+        if note and args.quiet < 2:
+            print(f"note: {note}", file=sys.stderr)
         relative = folder.relative_to(out_dir)
         atomic_write(folder / "generated.png", lambda tmp: generated.save(tmp))
         entry = {**info.to_dict(), "generated": str(relative / "generated.png")}
@@ -544,6 +558,33 @@ def check_layers(layers: Sequence[str] | None, pipe: Any) -> None:
     )
 
 
+def _check_true_cfg(args: argparse.Namespace, family: str) -> None:
+    """Refuse a Flux ``--true-cfg-scale`` that diffusers would silently ignore.
+
+    ``FluxPipeline`` runs true CFG only when ``true_cfg_scale > 1`` AND a negative prompt is
+    given; otherwise it logs a warning (hidden by this tool without ``-v``) and generates without
+    it, while ``rho.json`` would record the scale that was asked for. As for ``--true-cfg-scale``
+    on other families, an option that cannot take effect is an error, raised before the model
+    loads; the fix is one flag.
+    """
+    from nw_adapter.correlate.families import FLUX
+
+    scale = args.true_cfg_scale
+    if family != FLUX or scale == 1.0:
+        return
+    if scale < 1.0:
+        raise CLIError(
+            f"--true-cfg-scale {scale:g} has no effect: Flux runs true classifier-free guidance only for "
+            "scales > 1; pass a scale > 1 with --negative-prompt, or drop --true-cfg-scale"
+        )
+    if args.negative_prompt is None:
+        raise CLIError(
+            f"--true-cfg-scale {scale:g} needs --negative-prompt: Flux runs true classifier-free guidance "
+            "only against a negative prompt (without one diffusers ignores the scale); pass "
+            "--negative-prompt TEXT ('' for an empty one) or drop --true-cfg-scale"
+        )
+
+
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """Load the model, compute every (unfinished) image, and on the main process write the report."""
     with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
@@ -565,6 +606,7 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     spec = resolve_spec(
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
+    _check_true_cfg(args, families.family_of_model(spec.model))  # before the (slow) model load
     dtype = resolve_dtype(args.dtype, device)
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
     pipe.set_progress_bar_config(disable=not (bars and state.is_main_process), leave=False)
@@ -594,6 +636,8 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     identity = {**options, "resolved_model": spec.to_dict()}
     lock = OutputLock(out_dir) if state.num_processes == 1 else contextlib.nullcontext()
     with lock:
+        if state.is_main_process:  # before any process writes (they wait for the main one in run_sweep)
+            remove_interrupted_writes(out_dir, list(by_key))
         outcome = run_sweep(
             list(by_key),
             _image_worker(args, pipe, config, by_key, out_dir, extra_call),
@@ -603,7 +647,10 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
             progress=bars and state.is_main_process,
             image_hashes={key: info.sha256 for key, info in by_key.items()},
             before_changes=lambda: remove_report(out_dir),
+            validate=check_image_result_file,
         )
+        for why in outcome.rejected.values():
+            _note(args, state, f"{why}; that image is computed again")
         if state.num_processes > 1 and args.quiet < 2:
             print(
                 f"note: process {state.process_index}/{state.num_processes} computed "

@@ -5,7 +5,8 @@
 - :class:`OutputLock` keeps two runs off one ``--out``;
 - :func:`write_outputs` writes ``rho.json``, ``rho.csv`` and ``rho.png`` of a report;
 - :func:`draw_image_maps` draws one image's ``attention_maps.png`` from its saved files;
-- :func:`replot` redraws everything of a finished run without loading a model.
+- :func:`replot` redraws everything of a finished run without loading a model;
+- :func:`remove_interrupted_writes` removes what a killed run's atomic writes left behind.
 
 Every problem is an :class:`OutputError` whose message is one line naming the fix.
 """
@@ -13,8 +14,9 @@ Every problem is an :class:`OutputError` whose message is one line naming the fi
 from __future__ import annotations
 
 import os
+import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,13 @@ class OutputError(ValueError):
     """The output folder cannot be used; the message is one line with the fix (exit status 2)."""
 
 
+PROBE_PREFIX = ".nw-adapter-write-check-"
+
+
 def _probe_write(folder: Path, out: Path) -> None:
     """Create and remove a temporary file in ``folder``; OutputError naming it if that fails."""
     try:
-        handle, name = tempfile.mkstemp(prefix=".nw-adapter-write-check-", dir=folder)
+        handle, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=folder)
         os.close(handle)
         os.unlink(name)
     except OSError as exc:
@@ -148,8 +153,76 @@ def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
     return plot_attention_maps(generated, panels, folder / "attention_maps.png", previews=previews)
 
 
+def check_image_result_file(result: dict, key: str, source: str) -> None:
+    """Every record and the image entry of a sweep's ``result.json`` (``run_sweep``'s ``validate``).
+
+    Raises:
+        ValueError: One line naming the file, the record and the field
+            (:func:`nw_adapter.integration.validation.check_image_result`).
+    """
+    from nw_adapter.correlate.sweep import RESULT_SCHEMA
+    from nw_adapter.integration.validation import check_image_result
+
+    check_image_result(result, source=source, schema=RESULT_SCHEMA, key=key)
+
+
+def skipped_note(recorder: Any, mode: str, name: str) -> str | None:
+    """One line on the (step, layer) pairs whose statistics were not recorded, or None.
+
+    Says what those layers returned: diffusers' own output in observe mode; in swap mode the NW
+    head's (at ``bandwidth="schedule"``'s s = 1, its limit h = inf: the mean of the values).
+    """
+    skipped = recorder.skipped()
+    if not skipped["count"]:
+        return None
+    reasons = "; ".join(f"{reason} ({count}x)" for reason, count in skipped["by_reason"].items())
+    output = "kept diffusers' output" if mode == "observe" else "still returned the NW head's output (swap)"
+    return (
+        f"{name}: statistics of {skipped['count']} (step, layer) pair(s) were not recorded: {reasons}; "
+        f"those layers {output}"
+    )
+
+
 REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png")
 """The merged report's files in ``--out``."""
+
+
+IMAGE_OUTPUT = re.compile(
+    r"^(result\.json|generated\.png|maps\.safetensors|attention_maps\.png|rho_joint\.csv|x0_step\d+\.png)$"
+)
+"""Names of the files the command line writes in ``images/<key>/``."""
+
+_PROBE = re.compile(rf"^{re.escape(PROBE_PREFIX)}[a-z0-9_]{{8}}$")
+
+
+def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[Path]:
+    """Remove the temporary files a killed run left in ``out_dir`` and ``out_dir/images/<key>``.
+
+    Only the project's own: temporary files of atomic writes (``.rho.<8 characters>.tmp.json``,
+    see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of this tool's file
+    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` in an image folder), and
+    write-check probes (``.nw-adapter-write-check-<8 characters>``). Call it under the output
+    lock, before anything is written.
+
+    Returns:
+        The removed files.
+    """
+    from nw_adapter import atomic
+
+    out_dir = Path(out_dir)
+    removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in REPORT_FILES)
+    folders = [out_dir, out_dir / "images", *(out_dir / "images" / key for key in keys)]
+    for key in keys:
+        removed += atomic.remove_interrupted_writes(
+            out_dir / "images" / key, lambda n: bool(IMAGE_OUTPUT.match(n))
+        )
+    for folder in folders:
+        if folder.is_dir():
+            for path in folder.iterdir():
+                if _PROBE.match(path.name) and path.is_file() and not path.is_symlink():
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+    return removed
 
 
 def remove_report(out_dir: Path) -> None:
@@ -187,11 +260,13 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         The text the run printed (context line, table, verdict).
 
     Raises:
-        OutputError: No readable ``rho.json`` of this tool in ``out``.
+        OutputError: No readable ``rho.json`` of this tool in ``out``, or a malformed one (the
+            message names the record and field; see :func:`nw_adapter.integration.validation.check_report`).
     """
     import json
 
-    from nw_adapter.correlate.report import SCHEMA, build_report
+    from nw_adapter.correlate.report import build_report
+    from nw_adapter.integration.validation import RecordError, check_report
 
     out = out.expanduser()
     path = out / "rho.json"
@@ -206,10 +281,10 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         raise OutputError(
             f"--replot '{out}': cannot read rho.json ({reason}); rerun the original command"
         ) from None
-    if not isinstance(saved, dict) or saved.get("schema") != SCHEMA or not saved.get("records"):
-        raise OutputError(
-            f"--replot '{out}': rho.json is not a correlate.py report; rerun the original command"
-        )
+    try:  # every record and image entry, before anything is drawn
+        check_report(saved, source=f"--replot '{out}': rho.json", fix="rerun the original command")
+    except RecordError as exc:
+        raise OutputError(str(exc)) from None
     report = build_report(
         saved["records"],
         config=saved.get("config", {}),
@@ -218,6 +293,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         versions=saved.get("versions"),
     )
     with OutputLock(out):
+        remove_interrupted_writes(out, [image["key"] for image in report["images"]])
         text = write_outputs(report, out)
         for image in report["images"]:
             if image.get("maps"):

@@ -3,9 +3,12 @@
 Every reference image has its own result file ``<out>/images/<key>/result.json``, written
 atomically when the image is finished, and tagged with a fingerprint of every option that
 changes the numbers (model included) and with the SHA-256 of every other file in the image's
-folder. A rerun of the same command skips an image only when its result file is a JSON object
-with the same fingerprint, the same reference-image hash, and files whose hashes match the
-record, so an interrupted sweep resumes where it stopped and never mixes two runs.
+folder, and with the SHA-256 of its own content (``digest``). A rerun of the same command skips
+an image only when its result file is a JSON object whose content still has its digest, with the
+same fingerprint, the same reference-image hash, records that pass the caller's check, and files
+whose hashes match the record, so an interrupted sweep resumes where it stopped and never mixes
+two runs, and a hand-edited or bit-rotted result file is recomputed, not reused (the reason is
+returned in :attr:`SweepOutcome.rejected`).
 
 A changed option set on an existing ``--out`` recomputes every image cleanly: before the first
 image changes, the merged report of the previous run is removed (``before_changes``); before an
@@ -27,12 +30,12 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import fsync_folder
-from nw_adapter.correlate.report import write_json
+from nw_adapter.correlate.report import json_ready, write_json
 
 RESULT_SCHEMA = "nw-adapter/rho-image"
 RESULT_NAME = "result.json"
@@ -108,54 +111,109 @@ def folder_hashes(folder: Path) -> dict[str, str]:
     }
 
 
-def load_result(
-    out_dir: Path, key: str, expected_fingerprint: str, image_sha256: str | None = None
-) -> dict | None:
-    """The finished result of ``key``, or None when it must be (re)computed.
+DIGEST_FIELD = "digest"
+"""Field of a result file holding the SHA-256 of the rest of its content (see :func:`content_digest`)."""
 
-    None when the result file is missing, unreadable, not a JSON object, of another schema or
-    fingerprint, of another reference image (``image_sha256``), or when a file it lists is
-    missing or has changed since (its SHA-256 differs).
+
+def content_digest(document: dict) -> str:
+    """SHA-256 (hex) of ``document`` without its :data:`DIGEST_FIELD`, as canonical JSON.
+
+    Canonical: keys sorted, no spaces, ASCII, NaN and infinities as null (as the file is written),
+    so the digest of the parsed file equals the digest computed before writing it; any change of a
+    value, key or record changes it.
+    """
+    body = {k: v for k, v in document.items() if k != DIGEST_FIELD}
+    text = json.dumps(
+        json_ready(body), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def result_problem(
+    out_dir: Path,
+    key: str,
+    expected_fingerprint: str,
+    image_sha256: str | None = None,
+    validate: Callable[[dict, str, str], None] | None = None,
+) -> tuple[dict | None, str | None]:
+    """``(result, None)`` for a finished image, else ``(None, why it must be (re)computed)``.
+
+    The reason is None when there is no result file at all (nothing to report), else one phrase:
+    unreadable, not a JSON object, another schema or fingerprint, another reference image
+    (``image_sha256``), content changed since it was written (its :data:`DIGEST_FIELD` differs),
+    malformed (``validate(result, key, source)`` raised ``ValueError``), or a file it lists is missing
+    or has changed since (its SHA-256 differs).
     """
     path = result_path(out_dir, key)
+    source = f"{Path('images') / key / RESULT_NAME}"
     try:
-        result = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{source} is unreadable ({exc.strerror or type(exc).__name__})"
+    try:
+        result = json.loads(text)
+    except ValueError:
+        return None, f"{source} is not valid JSON (an interrupted or damaged file)"
     if not isinstance(result, dict):
-        return None
-    if result.get("schema") != RESULT_SCHEMA or result.get("fingerprint") != expected_fingerprint:
-        return None
+        return None, f"{source} is not a JSON object"
+    if result.get("schema") != RESULT_SCHEMA:
+        return None, f"{source} is of another schema ({result.get('schema')!r})"
+    if DIGEST_FIELD not in result:
+        return None, f"{source} has no content digest (written by an older version)"
+    if result.get(DIGEST_FIELD) != content_digest(result):
+        return None, f"{source} was changed after it was written (its content digest does not match)"
+    if result.get("fingerprint") != expected_fingerprint:
+        return None, f"{source} was made with other options or another model"
     image = result.get("image")
     if image_sha256 is not None and (not isinstance(image, dict) or image.get("sha256") != image_sha256):
-        return None
+        return None, f"{source} belongs to another reference file"
     files = result.get("files")
-    if not isinstance(files, dict):
-        return None
+    if not isinstance(files, dict) or not all(isinstance(d, str) for d in files.values()):
+        return None, f"{source} has no valid 'files' digests"
+    if validate is not None:
+        try:
+            validate(result, key, source)
+        except ValueError as exc:
+            return None, " ".join(str(exc).split())
     folder = image_dir(out_dir, key)
     try:
-        if any(file_sha256(folder / name) != digest for name, digest in files.items()):
-            return None
+        changed = [name for name, digest in files.items() if file_sha256(folder / name) != digest]
     except OSError:
-        return None
-    return result
+        return None, f"{source} lists a file that is missing"
+    if changed:
+        return None, f"{source} lists files changed since ({', '.join(sorted(changed)[:3])})"
+    return result, None
+
+
+def load_result(
+    out_dir: Path,
+    key: str,
+    expected_fingerprint: str,
+    image_sha256: str | None = None,
+    validate: Callable[[dict, str, str], None] | None = None,
+) -> dict | None:
+    """The finished result of ``key``, or None when it must be (re)computed (see :func:`result_problem`)."""
+    return result_problem(out_dir, key, expected_fingerprint, image_sha256, validate)[0]
 
 
 def save_result(out_dir: Path, key: str, expected_fingerprint: str, image: dict, records: list[dict]) -> Path:
     """Write one image's result file atomically (the marker that the image is finished).
 
-    The SHA-256 of every other file in the image's folder is recorded under ``files``.
+    The SHA-256 of every other file in the image's folder is recorded under ``files``, and the
+    SHA-256 of the result's own content under :data:`DIGEST_FIELD` (:func:`content_digest`), so
+    an edited or bit-rotted result file is recomputed rather than reused.
     """
-    return write_json(
-        result_path(out_dir, key),
-        {
-            "schema": RESULT_SCHEMA,
-            "fingerprint": expected_fingerprint,
-            "image": image,
-            "files": folder_hashes(image_dir(out_dir, key)),
-            "records": records,
-        },
-    )
+    document = {
+        "schema": RESULT_SCHEMA,
+        "fingerprint": expected_fingerprint,
+        "image": image,
+        "files": folder_hashes(image_dir(out_dir, key)),
+        "records": records,
+    }
+    document[DIGEST_FIELD] = content_digest(document)
+    return write_json(result_path(out_dir, key), document)
 
 
 def clear_image_outputs(out_dir: Path, key: str) -> None:
@@ -181,11 +239,14 @@ class SweepOutcome:
         results: Every image's result in input order (main process only; empty elsewhere).
         computed: Keys this process computed.
         reused: Keys found finished on disk (same for every process).
+        rejected: ``{key: why}`` for the result files found on disk but not reused (see
+            :func:`result_problem`); those images were computed again.
     """
 
     results: list[dict]
     computed: list[str]
     reused: list[str]
+    rejected: dict[str, str] = field(default_factory=dict)
 
 
 def run_sweep(
@@ -198,6 +259,7 @@ def run_sweep(
     progress: bool = True,
     image_hashes: dict[str, str] | None = None,
     before_changes: Callable[[], None] | None = None,
+    validate: Callable[[dict, str, str], None] | None = None,
 ) -> SweepOutcome:
     """Compute every unfinished image, sharded across processes, and collect all results.
 
@@ -214,6 +276,8 @@ def run_sweep(
         before_changes: Called once on the main process before any image is (re)computed
             (not at all when every image is reused): the command line removes the merged
             report of the previous run there, so it never describes files of another run.
+        validate: ``validate(result, key, source)`` raises ``ValueError`` for a malformed result
+            file (the command line checks every record); such an image is computed again.
 
     Returns:
         A :class:`SweepOutcome`; ``results`` is filled on the main process only.
@@ -221,7 +285,14 @@ def run_sweep(
     state = state or SingleProcessState()
     out_dir = Path(out_dir)
     hashes = image_hashes or {}
-    reused = [k for k in keys if load_result(out_dir, k, expected_fingerprint, hashes.get(k)) is not None]
+    reused: list[str] = []
+    rejected: dict[str, str] = {}
+    for key in keys:
+        found, why = result_problem(out_dir, key, expected_fingerprint, hashes.get(key), validate)
+        if found is not None:
+            reused.append(key)
+        elif why is not None:
+            rejected[key] = why
     todo = [k for k in keys if k not in set(reused)]
     if todo and before_changes is not None and state.is_main_process:
         before_changes()
@@ -249,8 +320,10 @@ def run_sweep(
     results: list[dict] = []
     if state.is_main_process:
         for key in keys:
-            result = load_result(out_dir, key, expected_fingerprint, hashes.get(key))
+            result, why = result_problem(out_dir, key, expected_fingerprint, hashes.get(key), validate)
             if result is None:
-                raise RuntimeError(f"sweep: result of image {key} is missing after all processes finished")
+                raise RuntimeError(
+                    f"sweep: result of image {key} is not usable after all processes finished ({why})"
+                )
             results.append(result)
-    return SweepOutcome(results=results, computed=computed, reused=reused)
+    return SweepOutcome(results=results, computed=computed, reused=reused, rejected=rejected)

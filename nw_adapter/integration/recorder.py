@@ -31,6 +31,7 @@ from nw_adapter.integration.records import Records, Summary, block_of
 from nw_adapter.integration.schema import LEGACY_NAMES, SKIPPED_FIELD, STAT_NAMES
 from nw_adapter.integration.skips import SkipLedger
 from nw_adapter.integration.steps import StepState, StepTracker
+from nw_adapter.integration.validation import check_records_file
 
 __all__ = ["RECORDS_SCHEMA", "STAT_NAMES", "NWRecorder", "StepState", "Summary", "block_of"]
 
@@ -278,7 +279,8 @@ class NWRecorder:
             n_entries, n_maps = rollback
             del self._entries[n_entries:]
             self.map_store.truncate(n_maps)
-        self.skips.add(call=self.state.call, step=self.state.step, layer=layer, error=error)
+        swap = self.config.mode == "swap"
+        self.skips.add(call=self.state.call, step=self.state.step, layer=layer, error=error, swap=swap)
 
     def skipped(self) -> dict[str, Any]:
         """The skipped (call, step, layer) pairs: ``{"count", "by_reason", "pairs"}``
@@ -374,6 +376,7 @@ class NWRecorder:
             raise ValueError(
                 f"NWRecorder.from_json: cannot read '{path}' ({exc}); pass a records file"
             ) from None
+        check_records_file(document, source=f"NWRecorder.from_json: '{path}'")  # one line per malformed field
         schema = document.get("schema") if isinstance(document, dict) else None
         if schema not in (RECORDS_SCHEMA, "nw-adapter/rho") or not isinstance(document.get("records"), list):
             raise ValueError(

@@ -1,9 +1,9 @@
 """The ledger of skipped (call, step, layer) pairs: observe mode's failures, counted, never silent.
 
-In observe mode a side computation that raises never fails the generation: the layer keeps
-diffusers' output, the recorder rolls back what the layer stored and the pair goes into this
-ledger (one warning per recorder, then counted silently; exported as ``skipped`` by
-``NWRecorder.to_json``).
+A side computation that raises never fails the generation: the layer keeps its output
+(diffusers' in observe mode, the NW head's in swap), the recorder rolls back what the layer
+stored and the pair goes into this ledger (one warning per recorder, then counted silently;
+exported as ``skipped`` by ``NWRecorder.to_json``).
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ class SkipLedger:
         self._pairs: list[tuple[int, int, str, str]] = []  # (call, step, layer, reason)
         self._warned = False
 
-    def add(self, *, call: int, step: int, layer: str, error: BaseException) -> None:
-        """Count one pair; the first one of the ledger warns (RuntimeWarning) with its reason."""
+    def add(self, *, call: int, step: int, layer: str, error: BaseException, swap: bool = False) -> None:
+        """Count one pair; the first one of the ledger warns (RuntimeWarning) with its reason.
+
+        ``swap``: the layer ran the NW head (swap mode), so its output is the NW head's, not
+        diffusers' (the warning says which)."""
         reason = f"{type(error).__name__}: {error}"[:300]
         self._pairs.append((call, step, layer, reason))
         if not self._warned:
             self._warned = True
+            output = "kept the NW head's output" if swap else "kept diffusers' output"
             warnings.warn(
                 f"NWRecorder: the NW side computation failed in layer {layer!r} at step "
-                f"{step} ({reason}); that layer kept diffusers' output and its statistics "
+                f"{step} ({reason}); that layer {output} and its statistics "
                 "were skipped. Further failures are counted silently: see recorder.skipped() and "
                 f"the {SKIPPED_FIELD!r} field of to_json().",
                 RuntimeWarning,

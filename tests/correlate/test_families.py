@@ -140,3 +140,33 @@ def test_true_cfg_scale_only_for_flux(tiny_sd3_dir):
     with pytest.raises(ModelLoadError, match="only Flux pipelines have true CFG"):
         families.call_kwargs(pipe, 2.0)
     assert families.call_kwargs(pipe, 1.0) == {}
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_store_maps_on_flow_families(family, request, reference, tmp_path, capsys):
+    """--store-maps stores the maps and x0 previews, draws attention_maps.png and redraws it with
+    --replot, for SD 3.5 and Flux (whose pipelines have a transformer, not a unet)."""
+    import numpy as np
+    from PIL import Image
+
+    model, adapter = (request.getfixturevalue(f"tiny_{family}{s}_dir") for s in ("", "_ip_adapter"))
+    encoder = adapter / (SIGLIP_FOLDER if family == "sd3" else CLIP_FOLDER)
+    out = tmp_path / "out"
+    argv = [
+        "--image", reference, "--model", model, "--ip-adapter", adapter, "--image-encoder", encoder,
+        "--steps", "2", "--height", "32", "--width", "32", "--store-maps", "--out", out, "-q",
+    ]  # fmt: skip
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    report = json.loads((out / "rho.json").read_text())
+    (image,) = report["images"]
+    folder = out / Path(image["maps"]).parent
+    names = {p.name for p in folder.iterdir()}
+    assert {"maps.safetensors", "attention_maps.png", "x0_step0.png", "x0_step1.png"} <= names
+    with Image.open(folder / "generated.png") as a, Image.open(folder / "x0_step1.png") as b:
+        # flow matching's last Euler step lands on its x0 estimate: the preview is the generated image
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    (folder / "attention_maps.png").unlink()
+    code, _, err = run(["--replot", out], capsys)
+    assert code == 0, err
+    assert (folder / "attention_maps.png").is_file()

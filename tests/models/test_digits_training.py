@@ -263,13 +263,13 @@ def test_a_stage_trained_on_other_inputs_is_not_reused(tmp_path):
 def test_the_record_names_the_settings_environment_and_inputs_of_a_stage():
     from dataclasses import replace
 
-    from nw_adapter.models.training.run import TrainingConfig, _stage_record
+    from nw_adapter.models.training.run import TrainingConfig, _stage_record, cpu_model
 
     config = TrainingConfig.quick()
     records = {name: _stage_record(name, config, {}) for name in ("vae", "text_encoder")}
     unet = _stage_record("unet", config, records, {"vae": "a", "text_encoder": "b"})
     assert unet["inputs"]["vae"] == {"record": records["vae"], "files": "a"}
-    assert unet["environment"] == {"threads": config.threads, "torch": torch.__version__}
+    assert unet["environment"] == {"threads": config.threads, "torch": torch.__version__, "cpu": cpu_model()}
     assert _stage_record("unet", config, records, {"vae": "c", "text_encoder": "b"}) != unet
     assert (
         _stage_record("unet", replace(config, threads=2), records, {"vae": "a", "text_encoder": "b"}) != unet

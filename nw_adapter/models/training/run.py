@@ -10,22 +10,30 @@
 Every folder appears complete or not at all (:func:`nw_adapter.models.tiny.write_once`), and
 records what made it in ``stage.json`` (the stage's own settings and the records of the stages
 it was trained on). An interrupted run resumes: a stage whose folder exists is loaded instead of
-retrained, but only when its record equals the one this run would write; otherwise
-:class:`StageMismatchError` names the stage and the differing settings.
+retrained, but only when its record equals the one this run would write (informational fields,
+:data:`INFORMATIONAL`, left out of the comparison); otherwise :class:`StageMismatchError` names
+the stage and the differing settings, and a malformed ``stage.json`` is one line naming the field.
+A run killed outright leaves ``write_once``'s staging folders (``stages/.<stage>-<8 characters>/``)
+and atomic writes' temporary files; the next run in ``out`` removes them, when no other training
+run is using ``out`` (an ``flock`` on ``out/.train_tiny.lock``, shared while a run trains).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import platform
+import re
+import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from nw_adapter.atomic import atomic_write_json
+from nw_adapter.atomic import atomic_write_json, remove_interrupted_writes
 from nw_adapter.models.digits_data import DigitSplit, class_captions, load_digit_splits, to_model_range
 from nw_adapter.models.tiny_digits import (
     ADAPTER_SUBFOLDER,
@@ -99,6 +107,40 @@ _STAGE_INPUTS = {
 
 STAGE_RECORD = "stage.json"
 
+INFORMATIONAL: tuple[str, ...] = ("cpu",)
+"""Fields of a record's ``environment`` that describe without deciding reuse: the CPU model (bit
+identity of the weights needs the same CPU, but a stage trained elsewhere is still the stage its
+settings describe, and the shipped records predate the field)."""
+
+
+def cpu_model() -> str:
+    """The CPU as far as it decides floating-point results: its model name, family, model and
+    stepping (Linux ``/proc/cpuinfo``; elsewhere :func:`platform.processor`) and the vector
+    instruction set torch's CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability``).
+
+    Example: ``"AMD EPYC (family 25, model 1, stepping 1); torch kernels AVX2"``.
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(" ".join(key.split()), " ".join(value.split()))
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    labels = {"cpu family": "family", "model": "model", "stepping": "stepping"}
+    ids = [f"{label} {fields[key]}" for key, label in labels.items() if fields.get(key)]
+    if ids:
+        name += f" ({', '.join(ids)})"
+    try:
+        name += f"; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+    except (AttributeError, RuntimeError):
+        pass
+    return name
+
 
 def _stage_record(
     name: str, config: TrainingConfig, records: dict[str, dict], digests: dict[str, str] | None = None
@@ -106,16 +148,16 @@ def _stage_record(
     """What ``stage.json`` of stage ``name`` holds.
 
     Its own settings (the config fields it depends on, the CPU threads and the torch version,
-    which change floating-point rounding), and for every input stage that stage's record and the
-    SHA-256 of its files (:func:`_folder_digest`), so a stage is reused only on the very weights
-    it was trained on.
+    which change floating-point rounding, and the CPU model, informational: see
+    :data:`INFORMATIONAL`), and for every input stage that stage's record and the SHA-256 of its
+    files (:func:`_folder_digest`), so a stage is reused only on the very weights it was trained on.
     """
     settings = asdict(config)
     digests = digests or {}
     return {
         "stage": name,
         "settings": {field: settings[field] for field in _STAGE_SETTINGS[name]},
-        "environment": {"threads": config.threads, "torch": torch.__version__},
+        "environment": {"threads": config.threads, "torch": torch.__version__, "cpu": cpu_model()},
         "inputs": {
             stage: {"record": records[stage], "files": digests.get(stage)} for stage in _STAGE_INPUTS[name]
         },
@@ -143,6 +185,63 @@ def _differences(found: dict, expected: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _comparable(record: dict) -> dict:
+    """``record`` without the :data:`INFORMATIONAL` environment fields, at every nesting level."""
+    out = {}
+    for key, value in record.items():
+        if key == "environment" and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in INFORMATIONAL}
+        elif isinstance(value, dict):
+            value = _comparable(value)
+        out[key] = value
+    return out
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "null" if value is None else f"{value!r}"[:40]
+
+
+def _record_problem(record: object, where: str = "") -> str | None:
+    """Why ``record`` is not a well-formed stage record (a phrase naming the field), or None.
+
+    A record is ``{"stage": text, "settings": {name: number, text, true/false or null},
+    "environment": {name: ...same...}, "inputs": {stage: {"record": a record, "files": text or
+    null}}}``, nested records checked the same way.
+    """
+    if not isinstance(record, dict):
+        return f"'{where or 'the record'}' is {_shown(record)}, not an object"
+    prefix = f"{where}." if where else ""
+    for name in ("stage", "settings", "environment", "inputs"):
+        if name not in record:
+            return f"field '{prefix}{name}' is missing"
+    if not isinstance(record["stage"], str):
+        return f"field '{prefix}stage' must be text, got {_shown(record['stage'])}"
+    for name in ("settings", "environment"):
+        values = record[name]
+        if not isinstance(values, dict):
+            return f"field '{prefix}{name}' must be an object, got {_shown(values)}"
+        for key, value in values.items():
+            if not isinstance(value, str | int | float | bool | type(None)):
+                key = key if key.isprintable() and len(key) <= 40 else repr(key)[:40]
+                return f"field '{prefix}{name}.{key}' must be a number, text or null, got {_shown(value)}"
+    if not isinstance(record["inputs"], dict):
+        return f"field '{prefix}inputs' must be an object, got {_shown(record['inputs'])}"
+    for stage, entry in record["inputs"].items():
+        here = f"{prefix}inputs.{stage if stage.isprintable() and len(stage) <= 40 else repr(stage)[:40]}"
+        if not isinstance(entry, dict) or set(entry) != {"record", "files"}:
+            return f"field '{here}' must be an object of 'record' and 'files', got {_shown(entry)}"
+        if not isinstance(entry["files"], str | type(None)):
+            return f"field '{here}.files' must be a SHA-256 (text) or null, got {_shown(entry['files'])}"
+        problem = _record_problem(entry["record"], f"{here}.record")
+        if problem:
+            return problem
+    return None
+
+
 def _read_record(path: Path) -> dict | str:
     """The record in ``path``, or why there is none (a phrase for the error message)."""
     if not path.is_file():
@@ -151,7 +250,8 @@ def _read_record(path: Path) -> dict | str:
         found = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         return f"its {STAGE_RECORD} is unreadable ({type(exc).__name__})"
-    return found if isinstance(found, dict) else f"its {STAGE_RECORD} is not a record"
+    problem = _record_problem(found)
+    return found if problem is None else f"its {STAGE_RECORD} is malformed: {problem}"
 
 
 def _checked_stage(folder: Path, record: dict, build) -> Path:
@@ -174,8 +274,10 @@ def _checked_stage(folder: Path, record: dict, build) -> Path:
     found = _read_record(folder / STAGE_RECORD)
     if isinstance(found, str):
         reason = found
-    elif found != record:
-        reason = "it was trained otherwise: " + "; ".join(_differences(found, record)[:3])
+    elif _comparable(found) != _comparable(record):
+        reason = "it was trained otherwise: " + "; ".join(
+            _differences(_comparable(found), _comparable(record))[:3]
+        )
     else:
         return folder
     raise StageMismatchError(f"cannot reuse {folder}: {reason}; pass a new --out or delete that folder")
@@ -208,10 +310,66 @@ def _save_fp32(model, path: Path) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+LOCK_NAME = ".train_tiny.lock"
+
+
+def _staging_name(stages: tuple[str, ...]) -> re.Pattern:
+    """Names of ``write_once``'s staging folders (``tempfile.mkdtemp(prefix=".<stage>-")``) of ``stages``."""
+    return re.compile(rf"^\.({'|'.join(map(re.escape, stages))})-[a-z0-9_]{{8}}$")
+
+
+def remove_interrupted_stages(out: Path) -> list[Path]:
+    """Remove what killed runs left in ``out``: staging folders of the stages, temporary log files.
+
+    Only folders named ``.<stage>-<8 characters>`` where ``write_once`` makes them (in ``stages/``
+    for the five stages, in ``out`` for the assembled ``tiny_digits``) and
+    ``stages/.log.<8 characters>.tmp.json``; call it only when no other run trains in ``out``
+    (see :func:`_training_lock`).
+
+    Returns:
+        The removed paths.
+    """
+    removed: list[Path] = []
+    trained = tuple(name for name in _STAGE_SETTINGS if name != "tiny_digits")
+    for folder, pattern in ((out, _staging_name(("tiny_digits",))), (out / "stages", _staging_name(trained))):
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if pattern.match(path.name) and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    removed += remove_interrupted_writes(out / "stages", lambda name: name == "log.json")
+    return removed
+
+
+@contextlib.contextmanager
+def _training_lock(out: Path) -> Iterator[None]:
+    """Hold a shared lock on ``out`` while training; clean up killed runs' leftovers first when no
+    other run holds it (exclusive lock taken without waiting, then shared). Without ``fcntl``
+    (Windows) nothing is locked and nothing is removed."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK_NAME, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another run trains in out: its staging folders are alive
+            fcntl.flock(handle, fcntl.LOCK_SH)
+        else:
+            remove_interrupted_stages(out)
+            fcntl.flock(handle, fcntl.LOCK_SH)
+        yield
+
+
 def run_training(
     out: str | Path, config: TrainingConfig = TrainingConfig(), *, progress: bool = True
 ) -> Path:
     """Train (or resume) every stage and write the final model folder ``out/tiny_digits``.
+
+    Leftovers of a killed run in ``out`` are removed first (:func:`remove_interrupted_stages`).
 
     Args:
         out: Output folder.
@@ -221,6 +379,12 @@ def run_training(
     Returns:
         The model folder ``out/tiny_digits``.
     """
+    with _training_lock(Path(out)):
+        return _run_training(Path(out), config, progress=progress)
+
+
+def _run_training(out: Path, config: TrainingConfig, *, progress: bool) -> Path:
+    """The body of :func:`run_training` (under its lock)."""
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
     from safetensors.torch import load_file, save_file
     from transformers import CLIPTextModel, CLIPTokenizer, CLIPVisionModelWithProjection
