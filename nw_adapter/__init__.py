@@ -36,6 +36,7 @@ _LAZY = {
     "remove_nw_processor": "nw_adapter.integration.mixin",
     "nw_processor": "nw_adapter.integration.mixin",
     "NWVelocityField": "nw_adapter.core.paths",
+    "compare_attention": "nw_adapter.core.compare",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -125,7 +125,9 @@ def _nw_scores(query: Tensor, key: Tensor, dtype: torch.dtype) -> Tensor:
     if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() < 2 or key.dim() < 2:
         raise ValueError("query must be a tensor [..., n, d] and key [..., m, d]")
     if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query and key must share the head dim d, got {query.shape[-1]} and {key.shape[-1]}")
+        raise ValueError(
+            f"query and key must share the head dim d, got {query.shape[-1]} and {key.shape[-1]}"
+        )
     q, k = query.to(dtype), key.to(device=query.device, dtype=dtype)
     return q @ k.transpose(-1, -2) - 0.5 * k.square().sum(-1)[..., None, :]
 
@@ -193,11 +195,12 @@ def kl_key_prior(logits: Tensor, valid: Tensor | None = None) -> Tensor:
         valid: optional bool ``[..., m]`` key mask.
 
     Returns:
-        ``[...]``.
+        ``[...]`` (clamped at 0 against rounding).
     """
     log_a, mask = _log_weights(logits, valid)
     log_bar = key_prior_log_weights(logits, valid)[..., None, :]
-    return kl_from_logits(log_a, log_bar.expand_as(log_a), mask.expand_as(log_a)).mean(-1)
+    kl = kl_from_logits(log_a, log_bar.expand_as(log_a), mask.expand_as(log_a)).mean(-1)
+    return kl.clamp_min(0.0)  # >= 0 exactly; rounding can give -1e-17
 
 
 def fit_nw_to_attention(
@@ -231,14 +234,12 @@ def fit_nw_to_attention(
     h, _ = fitted_bandwidth(log_a.exp(), q, k, key_mask=key_mask, steps=steps)
     enough = mask.sum(-1)[..., 0] >= 2
     nw = nw_logits(q, k, h.clamp_min(torch.finfo(dtype).tiny), support_mask=key_mask, validate=False)
-    kl = kl_from_logits(log_a, nw, mask.expand_as(log_a)).mean(-1)
+    kl = kl_from_logits(log_a, nw, mask.expand_as(log_a)).mean(-1).clamp_min(0.0)  # rounding
     nan = torch.full((), math.nan, dtype=dtype, device=h.device)
     return torch.where(enough, h, nan), torch.where(enough, kl, 0.0)
 
 
-def nw_readings(
-    logits: Tensor, query: Tensor, key: Tensor, valid: Tensor | None = None
-) -> dict[str, Tensor]:
+def nw_readings(logits: Tensor, query: Tensor, key: Tensor, valid: Tensor | None = None) -> dict[str, Tensor]:
     """Every reading of the module (:data:`READING_NAMES`) for one set of heads.
 
     ``nw_gain = kl_key_prior - kl_nw_fit``: positive when the fitted NW smoother of the query
