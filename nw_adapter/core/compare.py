@@ -167,7 +167,7 @@ def compare_attention(
         bandwidth: ``"matched"``, ``"fitted"``, ``"median"`` or a float h > 0.
         valid: optional bool key mask ``[B, H, M]``, ``[B, M]`` or ``[M]`` (True = the key takes
             part); every (batch row, head) needs at least one valid key.
-        seed: seed of the nulls' random numbers (deterministic for a given device).
+        seed: seed of the nulls' random numbers (deterministic for a given device and dtype).
 
     Returns:
         ``{name: [B, H] tensor}`` in :data:`COMPARISON_NAMES` order, float32 (float64 when q or k
@@ -220,7 +220,7 @@ def compare_attention(
             "js": js_from_logits(attn_logits, logits_nw, row_mask).mean(-1),
             "neff_attn": effective_sample_size(weights_attn).mean(-1),
             "neff_nw": effective_sample_size(weights_nw).mean(-1),
-            "top1": top1_agreement(qk, scores_nw, row_mask).mean(-1).to(dtype),
+            "top1": top1_agreement(qk, scores_nw, row_mask).to(dtype).mean(-1),
             "key_norm_cv": masked_std(key_norm, mask) / _masked_mean(key_norm, mask),
             "qk_spread_ratio": spread,
             **readings,
