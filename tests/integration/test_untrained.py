@@ -173,3 +173,20 @@ def test_bad_input_is_a_clear_error(sd15, tiny_sd15_dir, tiny_sd3_dir, tiny_sd3_
     sd3 = load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
     with pytest.raises(ValueError, match="not supported by the untrained control yet"):
         build_untrained_adapter(sd3)
+
+
+def test_a_text_key_of_another_shape_gives_a_default_initialised_key_projection(sd15) -> None:
+    """Where to_k and to_k_ip differ in shape (e.g. Flux's real joint dims), nothing is copied."""
+    import copy
+
+    pipe = copy.deepcopy(sd15)
+    layer = next(iter(build_untrained_adapter(pipe).key_projections))
+    attn = pipe.unet.get_submodule(layer.removesuffix(".processor"))
+    attn.to_k = torch.nn.Linear(attn.to_k.in_features + 3, attn.to_k.out_features, bias=False)
+    first, again = build_untrained_adapter(pipe, seed=5), build_untrained_adapter(pipe, seed=5)
+    fresh = first.key_projections[layer][0]
+    assert first.copied[layer] == [False]
+    assert fresh.weight.shape == pipe.unet.attn_processors[layer].to_k_ip[0].weight.shape
+    assert float(fresh.weight.abs().max()) <= fresh.in_features**-0.5  # nn.Linear's default bound
+    assert torch.equal(fresh.weight, again.key_projections[layer][0].weight)
+    assert all(all(c) for name, c in first.copied.items() if name != layer)
