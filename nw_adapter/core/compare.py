@@ -145,8 +145,9 @@ def compare_attention(
     valid keys; by algebra ``log A_ji = log NW_ji(h^2 = 1/scale) + scale ||k_i||^2 / 2 + c_j``.
     Returned, each ``[B, H]`` and averaged over the N query rows where a row statistic:
 
-    - ``bandwidth``: the h used for ``NW`` (``"matched"``: ``h = scale^(-1/2)``; ``"fitted"``: ``h_eff``;
-      ``"median"``: ``h^2 = median ||q - k||^2 / 2``; a float: that h);
+    - ``bandwidth``: the h used for ``NW`` (``"matched"``: ``h = scale^(-1/2)``; ``"fitted"``: ``h_eff``,
+      NaN with fewer than 2 valid keys, and so are the NW statistics then; ``"median"``:
+      ``h^2 = median ||q - k||^2 / 2``; a float: that h);
     - ``rho``: per-row Spearman between A and NW (ranks of ``q.k`` and of ``q.k - ||k||^2 / 2``;
       any h) and its nulls ``rho_perm_null`` (NW scores shuffled across keys),
       ``rho_norm_matched_null`` (queries of the same norms in random directions) and
