@@ -3,6 +3,7 @@
     $ python scripts/evaluate_tiny.py quality   # class agreement on the 100 held-out references
     $ python scripts/evaluate_tiny.py captions  # does stage 1 read the caption? (loss gap, generations)
     $ python scripts/evaluate_tiny.py rho       # rho across timesteps with its nulls (correlate CLI)
+    $ python scripts/evaluate_tiny.py conflict  # a caption naming another digit vs the reference
     $ python scripts/evaluate_tiny.py training --run-dir runs/tiny   # stage table, file sizes, hashes
 
 Each command measures the model folder (default: the shipped one), writes its JSON and the
@@ -118,6 +119,61 @@ def captions(model_dir: Path, out: Path) -> str:
             f"{result.agreed}/{result.n} = {result.agreement:.0%} with the caption's digit "
             f"(95% CI [{result.ci_low:.0%}, {result.ci_high:.0%}]; chance 10%).",
         ]
+    )
+
+
+CONFLICT_REFERENCES_PER_CLASS = 3
+
+
+def conflict(model_dir: Path, out: Path) -> str:
+    """Reference image against a caption naming another digit: which class does the generation take?
+
+    The first :data:`CONFLICT_REFERENCES_PER_CLASS` references of every class (30 in all), each
+    with the caption of digit ``(y + 1) mod 10`` in wording ``i mod 3``, IP scale 1, guidance 7.5,
+    25 steps, seed ``i`` for reference ``i``; the judge labels each generation.
+    """
+    import numpy as np
+    import torch
+    from scipy.stats import binomtest
+
+    from nw_adapter.atomic import atomic_write_json
+    from nw_adapter.models.digits_data import DigitSplit, class_captions, load_digit_splits
+    from nw_adapter.models.digits_quality import fit_judge, measure_agreement
+
+    torch.set_num_threads(1)
+    splits = load_digit_splits()
+    references = splits["reference"]
+    rows = np.concatenate(
+        [np.flatnonzero(references.labels == d)[:CONFLICT_REFERENCES_PER_CLASS] for d in range(10)]
+    )
+    subset = DigitSplit(references.images[rows], references.labels[rows], references.indices[rows])
+    captioned = (subset.labels + 1) % 10
+    prompts = [class_captions(int(d))[i % 3] for i, d in enumerate(captioned)]
+    result = measure_agreement(
+        _load(model_dir), fit_judge(splits["judge"]), subset, ip_scale=1.0, prompt=prompts
+    )
+    predicted = np.asarray(result.predicted)
+    n = len(subset)
+    keeps_reference = int((predicted == subset.labels).sum())
+    follows_caption = int((predicted == captioned).sum())
+    ci_ref = binomtest(keeps_reference, n).proportion_ci(confidence_level=0.95, method="exact")
+    ci_cap = binomtest(follows_caption, n).proportion_ci(confidence_level=0.95, method="exact")
+    atomic_write_json(
+        out / "conflict.json",
+        {
+            "generations": result.to_dict(),
+            "reference_labels": subset.labels.tolist(),
+            "caption_labels": captioned.tolist(),
+            "keeps_reference": keeps_reference,
+            "follows_caption": follows_caption,
+        },
+    )
+    return (
+        f"{n} held-out references ({CONFLICT_REFERENCES_PER_CLASS} per class), each with the caption of "
+        "digit (y + 1) mod 10 (wording i mod 3), IP scale 1, guidance 7.5, 25 steps, seed i: the judge "
+        f"labels {keeps_reference}/{n} with the reference's class (95% CI [{ci_ref.low:.0%}, "
+        f"{ci_ref.high:.0%}]) and {follows_caption}/{n} with the caption's digit "
+        f"([{ci_cap.low:.0%}, {ci_cap.high:.0%}]); {n - keeps_reference - follows_caption} with neither."
     )
 
 
@@ -254,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_digits import SHIPPED_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("quality", "captions", "rho", "training"))
+    parser.add_argument("what", choices=("quality", "captions", "rho", "conflict", "training"))
     parser.add_argument(
         "--run-dir", type=Path, default=Path("runs/tiny"), help="training: train_tiny.py --out"
     )
@@ -281,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         body = quality(args.model_dir, args.out)
     elif args.what == "captions":
         body = captions(args.model_dir, args.out)
+    elif args.what == "conflict":
+        body = conflict(args.model_dir, args.out)
     else:
         body = rho(args.model_dir, args.out, args.steps)
     print(body)

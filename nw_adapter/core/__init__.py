@@ -6,7 +6,11 @@
 - :mod:`~nw_adapter.core.paths`: probability paths (OT, rectified flow, constant noise, VP,
   sigma flow) and :class:`~nw_adapter.core.paths.NWVelocityField`;
 - :mod:`~nw_adapter.core.sampling`: time grids and ODE samplers;
-- :mod:`~nw_adapter.core.metrics`: rank and divergence statistics, nulls, MMD^2.
+- :mod:`~nw_adapter.core.metrics`: rank and divergence statistics, nulls, MMD^2;
+- :mod:`~nw_adapter.core.readings`: key-prior vs NW-smoother readings of one head (r2_key, r2_nw,
+  kl_nw_fit, kl_key_prior, nw_gain, h_eff);
+- :mod:`~nw_adapter.core.compare`: :func:`~nw_adapter.core.compare.compare_attention`, every
+  reading of any attention head from its q and k (the public reference).
 
 May import: torch (and the standard library). Never diffusers, transformers, PIL or
 matplotlib (``tests/test_layering.py`` enforces it).

@@ -268,20 +268,45 @@ _MASKED_LOGIT = -1e20
 """Finite stand-in for the logit of a masked key: weight exactly 0, differences stay finite."""
 
 
+def _log_probs(logits: Tensor) -> Tensor:
+    """``log_softmax`` along the last dim, extended to infinite logits.
+
+    A ``-inf`` logit is a key of probability 0 (the ``masked_fill`` convention). A ``+inf`` logit
+    is the limit of a logit growing without bound: a row with ``+inf`` entries puts all its mass
+    on them, shared equally (``log p = -log #{+inf}`` there, ``-inf`` elsewhere). A row of only
+    ``-inf`` (no key) and a NaN logit give NaN.
+    """
+    pos_inf = torch.isposinf(logits)
+    any_pos_inf = pos_inf.any(-1, keepdim=True)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    limit = torch.where(pos_inf, zero, torch.full((), -math.inf, dtype=logits.dtype, device=logits.device))
+    return torch.log_softmax(torch.where(any_pos_inf, limit, logits), dim=-1)
+
+
 def _log_softmax_pair(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
     logit_p, logit_q = _pair(logit_p, logit_q, ("logit_p", "logit_q"))
     valid = _check_valid(valid, logit_p)
     if valid is not None:
         logit_p = logit_p.masked_fill(~valid, _MASKED_LOGIT)
         logit_q = logit_q.masked_fill(~valid, _MASKED_LOGIT)
-    return torch.log_softmax(logit_p, dim=-1), torch.log_softmax(logit_q, dim=-1)
+    return _log_probs(logit_p), _log_probs(logit_q)
+
+
+def _weighted_log_ratio(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """``p (log p - log q)`` with ``0 log(0 / q) = 0`` (also for ``q = 0``) and ``+inf`` for p > 0, q = 0."""
+    p = log_p.exp()  # NaN (a row without keys) stays NaN
+    return torch.where(p == 0, torch.zeros((), dtype=p.dtype, device=p.device), p * (log_p - log_q))
 
 
 def kl_from_logits(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None = None) -> Tensor:
     """``KL(p || q) = sum_i p_i (log p_i - log q_i)`` with ``log p = log_softmax(logit_p)``.
 
     Both log-probabilities come from their logits, so the divergence is finite for finite
-    logits, even where ``q`` underflows to 0 in float32 (tiny bandwidths).
+    logits, even where ``q`` underflows to 0 in float32 (tiny bandwidths). Infinite logits are
+    limits (:func:`_log_probs`): a ``-inf`` logit is a key of probability 0, whose term
+    ``0 log(0 / q_i)`` is 0 (even where ``q_i = 0`` too); a row with ``+inf`` logits puts all its
+    mass on those keys, shared equally. A key with ``p_i > 0`` and ``q_i = 0`` makes the
+    divergence ``+inf``. A row without any key (all ``-inf``) or with a NaN logit gives NaN.
 
     Args:
         logit_p: ``[..., m]`` logits of p (e.g. ``s q.k``).
@@ -290,16 +315,22 @@ def kl_from_logits(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None = None
 
     Returns:
         ``[...]`` in nats.
+
+    Example:
+        >>> kl_from_logits(torch.tensor([0.0, -math.inf]), torch.tensor([0.0, 0.0]))  # log 2
+        tensor(0.6931)
     """
     with no_autocast(logit_p.device):
         lp, lq = _log_softmax_pair(logit_p, logit_q, valid)
-        return (lp.exp() * (lp - lq)).sum(-1)
+        return _weighted_log_ratio(lp, lq).sum(-1)
 
 
 def js_from_logits(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None = None) -> Tensor:
     """Jensen-Shannon divergence ``KL(p||r)/2 + KL(q||r)/2``, ``r = (p + q)/2``, from logits.
 
     ``log r = logaddexp(log p, log q) - log 2``; every term in log space (<= log 2 nats).
+    Infinite logits as in :func:`kl_from_logits` (a zero-probability key adds nothing; disjoint
+    supports give exactly ``log 2``).
 
     Args:
         logit_p: ``[..., m]``.
@@ -312,7 +343,7 @@ def js_from_logits(logit_p: Tensor, logit_q: Tensor, valid: Tensor | None = None
     with no_autocast(logit_p.device):
         lp, lq = _log_softmax_pair(logit_p, logit_q, valid)
         lr = torch.logaddexp(lp, lq) - math.log(2.0)
-        return 0.5 * (lp.exp() * (lp - lr) + lq.exp() * (lq - lr)).sum(-1)
+        return 0.5 * (_weighted_log_ratio(lp, lr) + _weighted_log_ratio(lq, lr)).sum(-1)
 
 
 def top1_agreement(a: Tensor, b: Tensor, valid: Tensor | None = None) -> Tensor:

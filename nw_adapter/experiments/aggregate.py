@@ -230,6 +230,8 @@ def _aggregate_digits(results: dict, scale: Scale) -> dict:
             if classes is not None:
                 pc, lc = cluster_means(pm, classes), cluster_means(lm.mean(0), classes)
                 row["advantage_per_class"] = [benefit(a, b) for a, b in zip(pc, lc, strict=True)]
+                row["mmd2_plugin_per_class"] = pc.tolist()  # the digits verdicts' units
+                row["mmd2_learned_per_class"] = lc.tolist()
                 row["test_classes"] = paired_tests(pc, lc)
             rows.append(row)
     verdicts = []
