@@ -47,7 +47,7 @@ STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")
 BLOCKS: tuple[str, ...] = ("down", "mid", "up")
 """UNet blocks, in drawing order; other denoisers' layers (SD3, Flux) are block ``"other"``."""
 
-_COLORS = {"down": "#1f77b4", "mid": "#2ca02c", "up": "#d62728", "other": "#7f7f7f", "all": "#1f77b4"}
+_COLORS = {"down": "#1f77b4", "mid": "#2ca02c", "up": "#d62728", "other": "#1f77b4", "all": "#1f77b4"}
 
 
 def block_of(layer: str) -> str:
@@ -211,6 +211,20 @@ def _series(rows: Sequence[dict], key: str) -> Any:
     return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
 
 
+_NULL_STYLES: dict[str, tuple[str, str, str]] = {
+    "rho_perm_null": ("permutation null (keys shuffled)", "0.45", ":"),
+    "rho_norm_matched_null": ("norm-matched null (random query directions)", "#ff7f0e", "--"),
+    "rho_spread_null": ("q.k-spread null (key norms shuffled)", "#9467bd", "-."),
+}
+"""Label, colour and line style of each null of rho in the figures (THEORY.md section 4)."""
+
+
+def _panel_title(name: str, panel_key: str | None) -> str:
+    if panel_key is None:
+        return f"{name} half"
+    return "all IP layers" if name == "other" else f"{name} block"
+
+
 def rho_figure(
     rows: Sequence[dict],
     *,
@@ -218,19 +232,22 @@ def rho_figure(
     title: str | None = None,
     note: str | None = None,
 ):
-    """rho against the timestep with the band of its three nulls, one panel per block (or one).
+    """rho against the timestep beside each of its three nulls, one panel per block (or one).
+
+    Each null is its own named line (permutation, norm-matched, q.k-spread): a rho on or under
+    any of them is not evidence of NW-like attention beyond what that null gives. Fonts are
+    sized for a paper column (9-10 pt at the figure's size); the legend is under the panels.
 
     Args:
         rows: :func:`aggregate` rows (``timestep``, ``rho`` and the nulls of
             :data:`~nw_adapter.integration.schema.NULL_STATS`), with ``panel_key`` among their keys.
-        panel_key: the key whose values get a panel each (``"block"``: down, mid, up, other);
-            None: one panel of every row, labelled by its ``half``.
+        panel_key: the key whose values get a panel each (``"block"``: down, mid, up; the
+            layers of SD3 / Flux transformers are one panel, "all IP layers"); None: one panel of
+            every row, labelled by its ``half``.
         title: figure title. note: a line under it (e.g. why two steps share a timestep).
 
     Returns:
         A :class:`matplotlib.figure.Figure` (the Agg canvas: the pyplot backend is untouched).
-        The band spans, per step, the lowest to the highest null: a rho inside or below it is
-        not evidence.
 
     Raises:
         ValueError: no rows to draw.
@@ -245,30 +262,41 @@ def rho_figure(
         panels = [(name, [r for r in rows if r.get(panel_key) == name]) for name in names]
     if not panels or not panels[0][1]:
         raise ValueError("rows: nothing to plot (did the run record any layer and step?)")
-    width = 3.2 * len(panels) + 0.6
-    fig = Figure(figsize=(width, 3.4))
-    # 0.8 inch on the left for the tick labels and the y label, whatever the number of panels
-    fig.subplots_adjust(left=0.8 / width, right=0.98, bottom=0.16, top=0.82, wspace=0.1)
+    lines = 2 if title and note else 1 if (title or note) else 0
+    single = len(panels) == 1
+    legend_rows = 4 if single else 2
+    fig = Figure(figsize=(2.9 * len(panels) + (1.6 if single else 0.9), 3.3 + 0.2 * (lines + legend_rows)),
+                 layout="constrained")
+    lowest = min(float(np.nanmin(_series(rows, key))) for key in ("rho", *NULL_STATS) if any(
+        r.get(key) is not None for r in rows))
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (name, panel_rows) in zip(axes, panels, strict=True):
         panel_rows = sorted(panel_rows, key=lambda r: -float(r["timestep"]))
         t = _series(panel_rows, "timestep")
-        nulls = [_series(panel_rows, stat) for stat in NULL_STATS]
-        low, high = np.fmin.reduce(nulls), np.fmax.reduce(nulls)
-        ax.fill_between(t, low, high, color="0.6", alpha=0.35, linewidth=0, label="null band")
-        rho = _series(panel_rows, "rho")
-        ax.plot(t, rho, marker="o", markersize=3, color=_COLORS.get(name), label=f"rho ({name})")
+        for stat in NULL_STATS:
+            label, color, style = _NULL_STYLES[stat]
+            ax.plot(t, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.4, label=label)
+        ax.plot(
+            t, _series(panel_rows, "rho"), marker="o", markersize=3, linewidth=1.8,
+            color=_COLORS.get(name, "#1f77b4"), label="rho (attention vs NW)",
+        )
         ax.axhline(0.0, color="0.3", linewidth=0.6)
         ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
-        ax.set_xticks([750, 500, 250])
-        ax.set_ylim(-0.2, 1.05)
-        ax.set_xlabel("timestep (denoising ->)")
-        ax.set_title(f"{name} block" if panel_key else f"{name} half")
+        ax.set_xticks([1000, 750, 500, 250, 0])
+        ax.set_ylim(max(-1.05, min(-0.2, lowest - 0.05)), 1.05)
+        ax.set_xlabel("timestep (denoising \u2192)", fontsize=9)
+        ax.set_title(_panel_title(name, panel_key), fontsize=10)
+        ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=7)
-    axes[0].set_ylabel("Spearman rho (attention vs NW)")
+    axes[0].set_ylabel("Spearman rho", fontsize=9)
+    handles, labels = axes[0].get_legend_handles_labels()
+    order = [labels.index("rho (attention vs NW)")] + [i for i, s in enumerate(labels) if "null" in s]
+    fig.legend(
+        [handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
+        ncol=1 if single else 2, fontsize=8, frameon=False,
+    )
     if title or note:
-        fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=8 if note else 9)
+        fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=9)
     return fig
 
 

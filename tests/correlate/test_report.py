@@ -360,3 +360,25 @@ def test_rho_plot_carries_the_repeated_timestep_note() -> None:
     note = repeated_timestep_note(report)
     fig = rho_figure(report["blocks"], title="run", note=note)
     assert fig._suptitle.get_text() == f"run\n{note}"
+
+
+def test_rho_figure_draws_each_null_as_its_own_named_line() -> None:
+    """Each null is a line of its own, named in the legend (not one min-max band that hides which
+    null matters), and its values are the report's."""
+    import numpy as np
+
+    from nw_adapter.correlate.plotting import rho_figure
+    from nw_adapter.integration.schema import NULL_STATS
+
+    report = build_report(make_records(timesteps=(981, 501, 1)), config={"steps": 3}, images=[], versions={})
+    fig = rho_figure(report["blocks"], title="run")
+    legend = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert legend[0].startswith("rho") and len(legend) == 4
+    assert {"permutation", "norm-matched", "q.k-spread"} == {s.split(" null")[0] for s in legend[1:]}
+    assert not any(type(c).__name__ == "PolyCollection" for ax in fig.axes for c in ax.collections)  # no band
+    ax = fig.axes[0]
+    block = ax.get_title().split(" ")[0]
+    rows = sorted((r for r in report["blocks"] if r["block"] == block), key=lambda r: -r["timestep"])
+    by_label = {line.get_label(): line for line in ax.get_lines()}
+    for stat, label in zip(NULL_STATS, legend[1:], strict=True):
+        np.testing.assert_allclose(by_label[label].get_ydata(), [r[stat] for r in rows])
