@@ -15,17 +15,17 @@ The array helpers live in :mod:`nw_adapter.integration.heatmaps` (with the noteb
   (nearest, an exact integer factor) to the finest selected grid first;
 - :func:`upsample` brings such a map to the generated image's pixels.
 
-Figures: :func:`nw_adapter.correlate.plotting.plot_token_maps` (one panel per token, over the
-image, with a colour bar) and :func:`nw_adapter.correlate.plotting.plot_attention_maps`.
+Figures: :meth:`TokenHeatMaps.plot_overlay <nw_adapter.integration.heatmaps.TokenHeatMaps.plot_overlay>`
+(one panel per token over an image) and :func:`nw_adapter.correlate.plotting.plot_attention_maps`.
 
 Example:
-    >>> from nw_adapter.correlate.maps import load_maps, token_maps
-    >>> from nw_adapter.correlate.plotting import plot_token_maps
+    >>> from nw_adapter.correlate.maps import load_maps
+    >>> from nw_adapter.integration.heatmaps import heat_maps
     >>> from PIL import Image
     >>> maps = load_maps("out/images/<key>/maps.safetensors")  # doctest: +SKIP
     >>> image = Image.open("out/images/<key>/generated.png")  # doctest: +SKIP
-    >>> attn = token_maps(maps, "attn", image_hw=(image.height, image.width))  # [tokens, gh, gw]
-    >>> plot_token_maps(image, attn, "attention.png", title="A, mean over layers, heads, steps")
+    >>> attn = heat_maps(maps, "attn", image_hw=(image.height, image.width))  # doctest: +SKIP
+    >>> attn.plot_overlay(image).savefig("attention.png")  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Figures of the command line: ``rho.png`` and the attention-map figure.
 
+Per-token heat maps for notebooks (any selection, overlay on any image) are
+:meth:`NWRecorder.heat_maps` / :mod:`nw_adapter.integration.heatmaps`.
+
 Both use :class:`matplotlib.figure.Figure` directly (the Agg canvas), so importing this module
 never changes the global pyplot backend of a user's session.
 """
@@ -47,6 +50,7 @@ class MapPanel:
             over the stored layers (each upsampled to the finest grid) and heads.
         nw: NW weight of every query position on that key, ``[grid_h, grid_w]``, same means.
         layers: Attention-processor names the maps are averaged over.
+        uniform: 1 / the number of image tokens: the weight of an even share.
     """
 
     step: int
@@ -55,6 +59,7 @@ class MapPanel:
     attn: np.ndarray
     nw: np.ndarray
     layers: tuple[str, ...]
+    uniform: float = math.nan
 
 
 def panels_from_maps(
@@ -63,13 +68,14 @@ def panels_from_maps(
     timesteps: Mapping[int, float],
     image_hw: tuple[int, int],
     cfg: bool,
-    max_tokens: int = 4,
+    max_tokens: int = 2,
 ) -> list[MapPanel]:
     """Turn the recorder's stored maps into plot panels, one per (stored step, shown token).
 
     Per stored step: :func:`nw_adapter.correlate.maps.token_maps` of A and of W over every
     stored layer and head (adapter 0, image 0), the conditional batch row under CFG (the last
-    row), and the ``max_tokens`` image tokens with the largest mean attention.
+    row), for the same ``max_tokens`` image tokens in every step: those with the largest mean
+    attention over all stored steps (so the rows compare).
 
     Args:
         maps: :meth:`NWRecorder.maps` or :func:`nw_adapter.correlate.maps.load_maps` output.
@@ -86,12 +92,15 @@ def panels_from_maps(
     row = -1 if cfg else 0
     steps = sorted({k.step for k in select_maps(maps, "attn")} & {k.step for k in select_maps(maps, "nw")})
     panels: list[MapPanel] = []
+    if not steps:
+        return panels
+    overall = token_maps(maps, "attn", image_hw=image_hw, steps=steps, batch_row=row)
+    shown = sorted(int(k) for k in np.argsort(-overall.mean(axis=(1, 2)), kind="stable")[:max_tokens])
     for step in steps:
         attn = token_maps(maps, "attn", image_hw=image_hw, steps=[step], batch_row=row)
         nw = token_maps(maps, "nw", image_hw=image_hw, steps=[step], batch_row=row)
         layers = tuple(sorted({k.layer for k in select_maps(maps, "attn", steps=[step])}))
-        order = np.argsort(-attn.mean(axis=(1, 2)), kind="stable")[:max_tokens]
-        for token in sorted(int(k) for k in order):
+        for token in shown:
             panels.append(
                 MapPanel(
                     step=step,
@@ -100,17 +109,22 @@ def panels_from_maps(
                     attn=attn[token],
                     nw=nw[token],
                     layers=layers,
+                    uniform=1.0 / attn.shape[0],
                 )
             )
     return panels
 
 
-def _overlay(ax, image: np.ndarray, data: np.ndarray, vmax: float):
-    """Draw ``image`` and ``data`` (any grid, stretched over it) on ``ax``; return the mappable."""
-    extent = (0, image.shape[1], image.shape[0], 0)
-    ax.imshow(image, extent=extent)
+def _map_panel(ax, grey: np.ndarray, data: np.ndarray, centre: float, spread: float, alpha: float):
+    """``data`` (bilinearly resized) over the grey ``grey`` on ``ax``, a diverging scale
+    ``centre +- spread``; returns the mappable for a colour bar."""
+    from nw_adapter.integration.heatmaps import TokenHeatMaps
+
+    resized = TokenHeatMaps("attn", data[None], (), (), centre).resized(grey.shape)[0]
+    ax.imshow(grey, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
     mappable = ax.imshow(
-        data, extent=extent, cmap="inferno", alpha=0.6, vmin=0.0, vmax=vmax, interpolation="nearest"
+        resized, cmap="RdBu_r", vmin=centre - spread, vmax=centre + spread, alpha=alpha,
+        interpolation="nearest",
     )
     ax.set_xticks([])
     ax.set_yticks([])
@@ -123,108 +137,77 @@ def plot_attention_maps(
     path: str | os.PathLike,
     *,
     previews: Mapping[int, object] | None = None,
+    alpha: float = 0.65,
 ) -> Path:
-    """Image-branch attention maps beside NW maps, one row per stored step, with colour bars.
+    """Per stored step and shown image token: A, NW and A - NW over what the model predicted.
 
-    First column: what the model predicted at that step, the x0 estimate
-    x0 = (x_t - sigma_t eps) / alpha_t decoded by the VAE (``previews[step]``), or, where no
-    preview is given, the final generated image, labelled as such. Then per image token two
-    columns: A[:, token] and W[:, token] (means over layers and heads) laid over the generated
-    image, on one colour scale per row, shown by the row's colour bar.
+    One row per stored step. First column: the x0 estimate of that step,
+    x0 = (x_t - sigma_t eps) / alpha_t decoded by the VAE (``previews[step]``), or the final
+    image where no preview is given (labelled so). Then per image token three maps (means over
+    layers and heads), drawn over that image in grey:
+
+    - A[:, token] and W[:, token] on one diverging scale centred on the uniform level 1/tokens
+      (white: the token gets an even share of the query's weight; red: more; blue: less),
+      symmetric and as wide as the larger deviation of the two, so A and W compare directly;
+    - A - W on a diverging scale centred on 0 (red: attention above NW).
 
     Args:
         generated: The generated :class:`PIL.Image.Image`.
         panels: Output of :func:`panels_from_maps`.
         path: Output PNG (written atomically).
         previews: Step -> x0-estimate image (PIL), optional.
+        alpha: Opacity of the maps over the image.
     """
     from matplotlib.figure import Figure
+
+    from nw_adapter.integration.heatmaps import _grey
 
     if not panels:
         raise ValueError("panels: no stored maps to draw; run with --store-maps on at least one step")
     previews = previews or {}
     steps = sorted({p.step for p in panels})
-    tokens = sorted({p.token for p in panels}, key=int)
     per_step = {s: [p for p in panels if p.step == s] for s in steps}
-    ncols = 1 + 2 * max(len(v) for v in per_step.values())
-    height = 1.75 * len(steps) + 0.7  # inches; the top 0.65 in hold the figure title above row titles
-    fig = Figure(figsize=(1.6 * ncols + 0.8, height))
-    fig.subplots_adjust(left=0.01, right=0.93, bottom=0.02, top=1 - 0.65 / height, wspace=0.06, hspace=0.22)
+    shown = max(len(v) for v in per_step.values())
+    ncols = 1 + 3 * shown
+    fig = Figure(figsize=(1.45 * ncols + 0.6, 1.55 * len(steps) + 0.6), layout="constrained")
     axes = fig.subplots(len(steps), ncols, squeeze=False)
-    image = np.asarray(generated.convert("RGB"))
     for row, step in enumerate(steps):
         row_panels = per_step[step]
-        first = axes[row][0]
         label = f"step {step}, t={row_panels[0].timestep:.0f}"
-        if step in previews:
-            first.imshow(np.asarray(previews[step].convert("RGB")))
-            first.set_title(f"x0 estimate, {label}", fontsize=6)
-        else:
-            first.imshow(image)
-            first.set_title(f"final image ({label} maps)", fontsize=6)
+        beneath = previews.get(step, generated)
+        grey = _grey(beneath)
+        first = axes[row][0]
+        first.imshow(np.asarray(beneath.convert("RGB")))
+        caption = f"x0 estimate\n{label}" if step in previews else f"final image\n({label} maps)"
+        first.set_title(caption, fontsize=8)
         first.set_xticks([])
         first.set_yticks([])
-        vmax = max(max(float(np.max(p.attn)), float(np.max(p.nw))) for p in row_panels) or 1.0
-        mappable = None
         for col, panel in enumerate(row_panels):
-            for offset, (label_kind, data) in enumerate((("A", panel.attn), ("NW", panel.nw))):
-                ax = axes[row][1 + 2 * col + offset]
-                mappable = _overlay(ax, image, data, vmax)
-                ax.set_title(f"{label_kind} token {panel.token}", fontsize=7)
-        for ax in axes[row][1 + 2 * len(row_panels) :]:
+            uniform = panel.uniform
+            spread = float(max(np.abs(panel.attn - uniform).max(), np.abs(panel.nw - uniform).max())) or 1e-12
+            diff = panel.attn - panel.nw
+            diff_spread = float(np.abs(diff).max()) or 1e-12
+            cells = axes[row][1 + 3 * col : 4 + 3 * col]
+            kinds = (
+                ("A", panel.attn, uniform, spread),
+                ("NW", panel.nw, uniform, spread),
+                ("A - NW", diff, 0.0, diff_spread),
+            )
+            for ax, (name, data, centre, width) in zip(cells, kinds, strict=True):
+                mappable = _map_panel(ax, grey, data, centre, width, alpha)
+                ax.set_title(f"{name}, token {panel.token}", fontsize=8)
+                if name != "A":
+                    bar = fig.colorbar(mappable, ax=ax, fraction=0.06, pad=0.02)
+                    bar.set_ticks([centre - width, centre, centre + width])
+                    middle = "0" if centre == 0 else f"1/{round(1 / uniform)}"
+                    bar.set_ticklabels([f"{centre - width:.2g}", middle, f"{centre + width:.2g}"])
+                    bar.ax.tick_params(labelsize=7)
+        for ax in axes[row][1 + 3 * len(row_panels) :]:
             ax.set_visible(False)
-        bar = fig.colorbar(mappable, ax=list(axes[row]), fraction=0.02, pad=0.01)
-        bar.ax.tick_params(labelsize=6)
-        bar.set_label("weight", fontsize=6)
     layers = panels[0].layers
     fig.suptitle(
-        f"image-branch attention (A) vs NW weights over the generated image; mean over {len(layers)} "
-        f"layer(s) and the stored heads; tokens {tokens}",
-        fontsize=8,
-        y=1 - 0.12 / height,
-        va="top",
+        f"image-branch attention A vs NW weights per image token (white = uniform share); mean over "
+        f"{len(layers)} layer(s) and the stored heads",
+        fontsize=9,
     )
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
-
-
-def plot_token_maps(
-    generated,
-    token_arrays: np.ndarray,
-    path: str | os.PathLike | None = None,
-    *,
-    tokens: Sequence[int] | None = None,
-    title: str | None = None,
-):
-    """One panel per image token: its map laid over the generated image, with a colour bar.
-
-    Args:
-        generated: The generated :class:`PIL.Image.Image`.
-        token_arrays: ``[tokens, grid_h, grid_w]`` from :func:`nw_adapter.correlate.maps.token_maps`.
-        path: Also write the figure there (PNG, atomically).
-        tokens: Which tokens to draw (default all).
-        title: Figure title.
-
-    Returns:
-        The :class:`matplotlib.figure.Figure` (shown inline in notebooks).
-    """
-    from matplotlib.figure import Figure
-
-    token_arrays = np.asarray(token_arrays)
-    if token_arrays.ndim != 3:
-        raise ValueError(f"token_arrays must be [tokens, grid_h, grid_w], got shape {token_arrays.shape}")
-    chosen = list(range(token_arrays.shape[0])) if tokens is None else list(tokens)
-    fig = Figure(figsize=(1.8 * len(chosen) + 0.8, 2.3))
-    axes = fig.subplots(1, len(chosen), squeeze=False)[0]
-    image = np.asarray(generated.convert("RGB"))
-    vmax = float(np.max(token_arrays[chosen])) or 1.0
-    mappable = None
-    for ax, token in zip(axes, chosen, strict=True):
-        mappable = _overlay(ax, image, token_arrays[token], vmax)
-        ax.set_title(f"token {token}", fontsize=7)
-    bar = fig.colorbar(mappable, ax=list(axes), fraction=0.03, pad=0.02)
-    bar.ax.tick_params(labelsize=6)
-    if title:
-        fig.suptitle(title, fontsize=8)
-    if path is not None:
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
-    return fig
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))

@@ -314,18 +314,6 @@ def test_token_maps_select_steps_layers_heads_and_rows() -> None:
         token_maps(maps, "nw", image_hw=(32, 32), steps=[0])
 
 
-def test_plot_token_maps_has_a_colour_bar(tmp_path: Path) -> None:
-    from nw_adapter.correlate.plotting import plot_token_maps
-
-    arrays = np.random.default_rng(1).random((3, 4, 4))
-    image = Image.fromarray(np.full((32, 32, 3), 200, dtype=np.uint8))
-    fig = plot_token_maps(image, arrays, tmp_path / "tokens.png", tokens=[0, 2], title="A")
-    assert len(fig.axes) == 3  # two panels + the colour bar
-    colorbar_axis = fig.axes[-1]
-    assert colorbar_axis.get_ylim()[1] == pytest.approx(arrays[[0, 2]].max())
-    assert (tmp_path / "tokens.png").is_file()
-
-
 def test_report_constants_match_the_paper() -> None:
     assert PAPER_TIMESTEPS == (981, 761, 501, 261, 1)
 
