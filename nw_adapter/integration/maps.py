@@ -149,6 +149,15 @@ class MapStore:
             self._bytes -= entry.nbytes
         del self._entries[size:]
 
+    def drop_call(self, call: int) -> int:
+        """Drop the maps of pipeline call ``call``; returns how many pairs were dropped."""
+        prefix = f"call{call}/"
+        kept = [e for e in self._entries if not e.name.startswith(prefix)]
+        dropped = len(self._entries) - len(kept)
+        self._entries = kept
+        self._bytes = sum(e.nbytes for e in kept)
+        return dropped
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """``{"<name>/attn": A, "<name>/nw": W}`` (device tensors)."""
         out: dict[str, torch.Tensor] = {}

@@ -10,10 +10,16 @@ Three equivalent entry points:
 Restoring: at install time ``dict(unet.attn_processors)`` is snapshotted; removal puts back the
 very same processor objects in every layer that still holds an NW processor (layers replaced
 since, e.g. by ``unload_ip_adapter``, are left as they are). ``set_attn_processor`` is always
-given a copy, because it empties the dict it receives. Restore-on-exception: the mixin wraps
-the pipeline's ``__call__`` (any exception raised inside a call removes the NW processors and the
-step hook before it propagates); with a stock pipeline use the :func:`nw_processor` context
-manager for the same guarantee.
+given a copy, because it empties the dict it receives.
+
+Exceptions and interrupts: processors stay where the user put them. An exception or Ctrl-C
+inside a pipeline call removes only that call's own hooks (the processors remove theirs in
+``finally``); processors installed with ``set_ip_adapter_nw_processor()`` /
+:func:`apply_nw_processor` stay installed, and the companion pipelines (which wrap ``__call__``)
+drop the interrupted call's partial records and maps, with one warning per recorder. With a
+stock pipeline and :func:`apply_nw_processor` nothing wraps the call: a partial call's records
+stay and :meth:`NWRecorder.discard_call` drops them. The :func:`nw_processor` context manager
+restores the original processors on exit, exceptions included.
 """
 
 from __future__ import annotations
@@ -206,8 +212,8 @@ class NWIPAdapterMixin:
 
     Put it before the diffusers pipeline class, e.g.
     ``class StableDiffusionNWPipeline(NWIPAdapterMixin, StableDiffusionPipeline)``, and route the
-    pipeline's ``__call__`` through :meth:`_nw_call` so that an exception during a call restores
-    the original processors.
+    pipeline's ``__call__`` through :meth:`_nw_call` so that a call that raises (or is
+    interrupted) leaves the processors installed and drops its partial records.
 
     Example:
         >>> pipe = StableDiffusionNWPipeline.from_pretrained(folder)
@@ -243,12 +249,15 @@ class NWIPAdapterMixin:
         return active_recorder(self)
 
     def _nw_call(self, parent_call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``parent_call``; on any exception remove the NW processors, then re-raise."""
+        """Run ``parent_call``. On any exception or interrupt the NW processors stay installed and
+        the call's partial records are dropped (one warning per recorder), then it re-raises."""
         recorder = active_recorder(self)
         if recorder is not None:
             recorder.new_call()
         try:
             return parent_call(*args, **kwargs)
-        except BaseException:
-            remove_nw_processor(self)
+        except BaseException as error:
+            recorder = active_recorder(self)
+            if recorder is not None:
+                recorder.discard_interrupted_call(error, where=type(self).__name__)
             raise

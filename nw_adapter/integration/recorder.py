@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ class NWRecorder:
         self._generators_serial = -1  # the tracker's call_serial the generators were seeded for
         self._loaded: list[dict[str, Any]] = []  # records read by from_json
         self.source: dict[str, Any] | None = None
+        self._interrupt_warned = False
 
     # ------------------------------------------------------------------ steps (the tracker's)
     @property
@@ -286,6 +288,35 @@ class NWRecorder:
         """The skipped (call, step, layer) pairs: ``{"count", "by_reason", "pairs"}``
         (:meth:`~nw_adapter.integration.skips.SkipLedger.summary`)."""
         return self.skips.summary()
+
+    def discard_call(self, call: int | None = None) -> int:
+        """Drop the statistics and maps of pipeline call ``call`` (default: the current one).
+
+        The companion pipelines call it when a call raises or is interrupted (Ctrl-C): a partial
+        call's records are dropped, not mixed with complete ones. Returns the number of records
+        dropped (one per head and half, as :meth:`to_records` counts them).
+        """
+        call = self.state.call if call is None else call
+        kept = [e for e in self._entries if e.call != call]
+        dropped = sum(len(e.halves) * len(e.heads) for e in self._entries if e.call == call)
+        self._entries = kept
+        self.map_store.drop_call(call)
+        return dropped
+
+    def discard_interrupted_call(self, error: BaseException, *, where: str) -> int:
+        """:meth:`discard_call` of the current call after ``error`` stopped it; the first time per
+        recorder a RuntimeWarning says so (``where``: who saw it, e.g. the pipeline class)."""
+        dropped = self.discard_call()
+        if not self._interrupt_warned:
+            self._interrupt_warned = True
+            warnings.warn(
+                f"{where}: the pipeline call raised {type(error).__name__}; its {dropped} partial "
+                "record(s) were dropped and the NW processors stay installed "
+                "(pipe.unset_ip_adapter_nw_processor() removes them)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return dropped
 
     def clear(self) -> None:
         """Drop all recorded statistics, maps and skipped pairs (step tracking continues)."""

@@ -20,8 +20,8 @@ from nw_adapter.integration.mixin import NWIPAdapterMixin
 class StableDiffusionNWPipeline(NWIPAdapterMixin, StableDiffusionPipeline):
     """:class:`~diffusers.StableDiffusionPipeline` + :class:`~nw_adapter.integration.mixin.NWIPAdapterMixin`.
 
-    A call that raises removes the NW processors (the original IP-Adapter processors are back)
-    before the exception propagates.
+    A call that raises or is interrupted keeps the NW processors installed and drops its partial
+    records (one warning); ``unset_ip_adapter_nw_processor()`` restores the originals.
 
     Example:
         >>> pipe = StableDiffusionNWPipeline.from_pretrained(folder)

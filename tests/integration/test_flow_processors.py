@@ -264,18 +264,22 @@ def test_flux_true_cfg_passes_are_the_halves_of_one_step(flux):
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 @pytest.mark.parametrize("mode", ["observe", "swap"])
-def test_processors_restored_after_an_exception(request, family, mode):
+def test_processors_stay_after_an_exception_and_unset_restores_them(request, family, mode):
     pipe = request.getfixturevalue(family)
     before = dict(pipe.transformer.attn_processors)
-    pipe.set_ip_adapter_nw_processor(mode=mode)
+    rec = pipe.set_ip_adapter_nw_processor(mode=mode)
     assert any(is_nw_processor(p) for p in pipe.transformer.attn_processors.values())
 
     def boom(pipe, i, t, kwargs):
         raise RuntimeError("stop at step 0")
 
     kwargs = {"ip_adapter_image": [_image(1), _image(2)]} if family == "flux" else {}
-    with pytest.raises(RuntimeError, match="stop at step 0"):
-        generate(pipe, callback_on_step_end=boom, **kwargs)
+    with pytest.warns(RuntimeWarning, match="partial record"):
+        with pytest.raises(RuntimeError, match="stop at step 0"):
+            generate(pipe, callback_on_step_end=boom, **kwargs)
+    assert pipe.nw_recorder is rec and rec.to_records() == []  # the partial call is dropped
+    assert any(is_nw_processor(p) for p in pipe.transformer.attn_processors.values())
+    pipe.unset_ip_adapter_nw_processor()
     after = pipe.transformer.attn_processors
     assert all(after[n] is p for n, p in before.items())
     assert not pipe.transformer._forward_pre_hooks  # the step hook is gone too

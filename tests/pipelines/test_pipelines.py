@@ -217,16 +217,35 @@ def test_cfg_halves_reported_separately(sd15):
     assert keys == {(r["call"], r["step"], r["half"]) for r in records}
 
 
-def test_exception_mid_generation_restores_processors(sd15):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupted_call_keeps_the_processors_and_drops_its_partial_records(sd15, error):
+    """Processors stay where the user put them (DAAM-style hooks): a call that raises or is
+    interrupted (Ctrl-C) drops only its own partial records, with one warning; the next call
+    records normally, and unset restores the exact originals."""
     before = dict(sd15.unet.attn_processors)
-    sd15.set_ip_adapter_nw_processor(mode="swap")
-    assert any(is_nw_processor(p) for p in sd15.unet.attn_processors.values())
+    rec = sd15.set_ip_adapter_nw_processor(mode="observe", store_maps=True)
+    kwargs = {"ip_adapter_image": [_image(1), _image(2)]}
+    try:
+        _run(sd15, **kwargs)  # call 0: complete
 
-    def boom(pipe, i, t, kw):
-        raise RuntimeError("stop at step 1")
+        def boom(pipe, i, t, kw):
+            if i == 1:
+                raise error("stop at step 1")
+            return kw
 
-    with pytest.raises(RuntimeError, match="stop at step 1"):
-        _run(sd15, ip_adapter_image=[_image(1), _image(2)], callback_on_step_end=boom)
+        with pytest.warns(RuntimeWarning, match=f"raised {error.__name__}; its \\d+ partial record"):
+            with pytest.raises(error, match="stop at step 1"):
+                _run(sd15, callback_on_step_end=boom, **kwargs)  # call 1: interrupted
+        assert sum(is_nw_processor(p) for p in sd15.unet.attn_processors.values()) > 0
+        assert sd15.nw_recorder is rec
+        assert {r["call"] for r in rec.to_records()} == {0}  # call 1's partial records dropped
+        assert all(name.startswith("call0/") for name in rec.maps())
+        inner = (m for m in sd15.unet.modules() if m is not sd15.unet)
+        assert not any(m._forward_hooks for m in inner)  # the per-call hooks are gone
+        _run(sd15, **kwargs)  # call 2 records again
+        assert {r["call"] for r in rec.to_records()} == {0, 2}
+    finally:
+        sd15.unset_ip_adapter_nw_processor()
     after = sd15.unet.attn_processors
     assert all(after[n] is before[n] for n in before)
     assert sd15.nw_recorder is None
