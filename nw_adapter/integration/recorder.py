@@ -344,7 +344,13 @@ class NWRecorder:
 
     def records(self, key_set: str | None = "ip") -> Records:
         """:meth:`to_records` as :class:`~nw_adapter.integration.records.Records` (summary, CSV, plot)."""
-        return Records(self.to_records(key_set))
+        records = Records(self.to_records(key_set))
+        if not records and not self._loaded and not self.config.record_statistics:
+            records.empty_reason = (
+                f"{self.config.mode} mode records no statistics unless asked; pass statistics=True to "
+                "set_ip_adapter_nw_processor / apply_nw_processor"
+            )
+        return records
 
     def summary(self, records: list[dict[str, Any]] | None = None) -> Summary:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.

@@ -181,12 +181,17 @@ _SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
 
 
 class Summary(list):
-    """The rows of :meth:`Records.summary`: a plain list of dicts that prints as a table."""
+    """The rows of :meth:`Records.summary`: a plain list of dicts that prints as a table.
+
+    ``empty_reason``: why there are no rows, when it is known (e.g. swap mode without statistics).
+    """
+
+    empty_reason: str | None = None
 
     def table(self) -> str:
         """The rows as an aligned text table (NaN as ``nan``); the main statistics only."""
         if not self:
-            return "(no records)"
+            return f"(no records: {self.empty_reason})" if self.empty_reason else "(no records)"
         columns = [(key, fmt) for key, fmt in _SUMMARY_COLUMNS if key in self[0]]
         cells = [[key for key, _ in columns]]
         for row in self:
@@ -308,17 +313,25 @@ def save_figure(fig: Any, path: str | os.PathLike) -> Path:
 class Records(list):
     """The records of a run (a list of dicts) with their summary, CSV, dataframe and figure.
 
+    Attributes:
+        empty_reason: why nothing was recorded, when the recorder knows (swap mode records no
+            statistics unless asked); the summary and the figure say it.
+
     Example:
         >>> records = rec.records()          # NWRecorder.records()
         >>> records.summary()                # a table at the REPL
         >>> records.to_csv("records.csv"); records.plot(path="rho.png")
     """
 
+    empty_reason: str | None = None
+
     def summary(self) -> Summary:
         """One row per (call, step, half): the means of :func:`aggregate` over layers, heads,
         adapters and images, with the step's timestep and noise level."""
         rows = aggregate(self, ("call", "step", "half"), step_columns=STEP_COLUMNS, optional_stats=True)
-        return Summary(rows)
+        summary = Summary(rows)
+        summary.empty_reason = self.empty_reason
+        return summary
 
     def csv_text(self) -> str:
         """The records as CSV text (:func:`csv_text`; an empty run: the header of every field)."""
@@ -338,13 +351,14 @@ class Records(list):
             import pandas
         except ImportError:
             raise ImportError(
-                "to_dataframe needs pandas (pip install pandas); without it use rec.to_csv(path)"
+                "to_dataframe needs pandas: pip install 'nw-adapter[dataframe]' (or pandas); "
+                "without it use rec.to_csv(path)"
             ) from None
         columns = list(self[0]) if self else [*RECORD_KEYS, *STAT_NAMES]
         return pandas.DataFrame.from_records(self, columns=columns)
 
     def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
-        """Figure of the mean rho per step against the timestep, with the band of its nulls.
+        """Figure of the mean rho per step against the timestep, beside each of its nulls.
 
         Args:
             half: CFG half to draw (default ``cond`` if recorded, else ``all``, else ``uncond``).
@@ -354,7 +368,8 @@ class Records(list):
             ValueError: nothing recorded.
         """
         if not self:
-            raise ValueError("plot: nothing recorded (run the pipeline first, or load a file)")
+            reason = self.empty_reason or "run the pipeline first, or load a file"
+            raise ValueError(f"plot: nothing recorded ({reason})")
         half = half or analysis_half(self)
         rows = aggregate(self, ("call", "step"), half=half)
         if not rows:

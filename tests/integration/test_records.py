@@ -115,3 +115,27 @@ def test_plot_draws_one_panel_per_half_and_refuses_nothing(tmp_path):
         Records().plot()
     with pytest.raises(ValueError, match="no records of half 'all'"):
         Records(_records()).plot(half="all")
+
+
+def test_swap_without_statistics_says_why_nothing_was_recorded():
+    from nw_adapter.integration.config import NWProcessorConfig
+    from nw_adapter.integration.recorder import NWRecorder
+
+    rec = NWRecorder(NWProcessorConfig(mode="swap"))
+    assert "swap mode records no statistics unless asked; pass statistics=True" in repr(rec.summary())
+    with pytest.raises(ValueError, match="swap mode records no statistics unless asked"):
+        rec.plot()
+    observe = NWRecorder(NWProcessorConfig(mode="observe"))  # nothing run yet: no such claim
+    assert repr(observe.summary()) == "(no records)"
+    with pytest.raises(ValueError, match="run the pipeline first"):
+        observe.plot()
+
+
+def test_to_dataframe_without_pandas_names_the_extra(monkeypatch):
+    import sys
+
+    from nw_adapter.integration.records import Records
+
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas then raises ImportError
+    with pytest.raises(ImportError, match=r"nw-adapter\[dataframe\]"):
+        Records([]).to_dataframe()
