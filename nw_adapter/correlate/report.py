@@ -195,32 +195,51 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def _monotonic_clause(result: dict) -> str:
-    """The rise clause of the verdict line, or n/a when a single step is reported."""
+    """The rise detail of the verdict, or n/a when a single step is reported."""
     count = result["reported_steps"]
     if count < 2:
         return "rise over steps: n/a (1 reported step; pass --all-steps or more --steps)"
     return f"rises monotonically over the {count} reported steps: {'yes' if result['monotonic'] else 'no'}"
 
 
+def _conclusion(result: dict) -> str:
+    """The verdict's one-line conclusion."""
+    missing = result.get("missing_nulls") or []
+    if missing:
+        return f"not evidence: the null(s) {', '.join(missing)} were not recorded (rho needs all three)"
+    if not result["clears_nulls"]:
+        return (
+            f"not evidence of NW-like attention: rho ({_fmt(result['rho_last'])}) does not clear its "
+            f"nulls by {NULL_MARGIN} (margin {_fmt(result['margin'], '+.3f')})"
+        )
+    rise = "and rises over denoising" if result["monotonic"] else "but does not rise over denoising"
+    return f"rho clears all its nulls by {NULL_MARGIN} (margin {_fmt(result['margin'], '+.3f')}) {rise}"
+
+
 def format_verdict(result: dict) -> str:
-    """The verdict of :func:`verdict` as one line."""
+    """The verdict of :func:`verdict`: one conclusion line, then one detail per line (indented)."""
     nulls = ", ".join(f"{NULL_LABELS[name]} {_fmt(result.get(name))}" for name in NULL_STATS)
     missing = result.get("missing_nulls") or []
     status = "yes" if result["clears_nulls"] else ("no: missing " + ", ".join(missing) if missing else "no")
-    return (
-        f"verdict: rho at the last step (t={_fmt(result['timestep'], '.0f')}) = {_fmt(result['rho_last'])}; "
-        f"{_monotonic_clause(result)}; clears all its nulls by {NULL_MARGIN} ({nulls}): "
-        f"{status} (margin {_fmt(result['margin'], '+.3f')}; q.k / key-norm spread ratio "
-        f"{_fmt(result.get('qk_spread_ratio'), '.2f')}, key-norm CV {_fmt(result.get('key_norm_cv'))})"
-        + _dropped_note(result.get("nonfinite") or {})
-    )
+    details = [
+        f"rho at the last step (t={_fmt(result['timestep'], '.0f')}): {_fmt(result['rho_last'])}",
+        f"nulls there: {nulls}; clears all by {NULL_MARGIN}: {status} "
+        f"(margin {_fmt(result['margin'], '+.3f')})",
+        _monotonic_clause(result),
+        "what rho is a function of: q.k / key-norm spread ratio "
+        f"{_fmt(result.get('qk_spread_ratio'), '.2f')}, key-norm CV {_fmt(result.get('key_norm_cv'))}",
+    ]
+    dropped = _dropped_note(result.get("nonfinite") or {})
+    if dropped:
+        details.append(dropped)
+    return "\n".join([f"verdict: {_conclusion(result)}", *(f"  {line}" for line in details)])
 
 
 def _dropped_note(nonfinite: dict[str, int]) -> str:
-    """``"; non-finite values left out of the means: kl 2, ..."`` (empty when none)."""
+    """``"non-finite values left out of the means: kl 2, ..."`` (empty when none)."""
     if not nonfinite:
         return ""
-    return "; non-finite values left out of the means: " + ", ".join(f"{k} {v}" for k, v in nonfinite.items())
+    return "non-finite values left out of the means: " + ", ".join(f"{k} {v}" for k, v in nonfinite.items())
 
 
 def package_versions() -> dict[str, str | None]:

@@ -74,11 +74,18 @@ class TerminalStringIO(io.StringIO):
         return True
 
 
+def verdict_start(lines: list[str]) -> int:
+    """Index of the verdict's conclusion line; its details follow, indented, to the end."""
+    index = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
+    assert all(line.startswith("  ") for line in lines[index + 1 :])
+    return index
+
+
 def printed_table(stdout: str) -> tuple[str, str]:
     lines = stdout.strip().splitlines()
     assert lines[0].startswith("attention vs NW weights")
-    assert lines[-1].startswith("verdict: ")
-    return "\n".join(lines[1:-1]), lines[-1]
+    index = verdict_start(lines)
+    return "\n".join(lines[1:index]), "\n".join(lines[index:])
 
 
 def key_of(report: dict, stem: str) -> str:
@@ -163,13 +170,13 @@ def test_captured_output_has_clean_lines_notes_and_no_library_noise(tmp_path, ph
     assert "\r" not in proc.stdout and "%|" not in proc.stdout
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("note: rgba.png: RGBA alpha channel composited")  # -q keeps the notes
-    assert lines[1].startswith("attention vs NW weights") and lines[-1].startswith("verdict: ")
+    assert lines[1].startswith("attention vs NW weights") and verdict_start(lines) > 1
     for noise in ("torchvision", "kept in float32", "Loading", "Writing model shards", "Warning"):
         assert noise not in proc.stdout
     stdout, stderr = io.StringIO(), TerminalStringIO()  # -qq: not even a note, not even on a terminal
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         assert main(argv[2:] + ["-qq"]) == 0
-    assert stderr.getvalue() == "" and stdout.getvalue().splitlines()[-1].startswith("verdict: ")
+    assert stderr.getvalue() == "" and verdict_start(stdout.getvalue().splitlines()) > 0
 
 
 def test_printed_table_equals_the_json(baseline) -> None:
@@ -346,7 +353,7 @@ def test_model_tiny_runs_the_shipped_trained_model(tmp_path, photos, monkeypatch
         ["--image", photos["flower"], "--model", "tiny", *BASE, "--quiet", "--out", out], capsys
     )
     assert code == 0 and err == ""  # --quiet: no progress bars, no notes
-    assert not (tmp_path / "cache").exists() and stdout.splitlines()[-1].startswith("verdict:")
+    assert not (tmp_path / "cache").exists() and verdict_start(stdout.splitlines()) > 0
     report = json.loads((out / "rho.json").read_text())
     assert report["config"]["model"]["model"] == "tiny" and report["config"]["model"]["ip_adapter"] == "tiny"
     key = key_of(report, "flower")

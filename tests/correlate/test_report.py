@@ -170,7 +170,11 @@ def test_verdict(rhos, nulls, monotonic, clears) -> None:
     assert result["monotonic"] is monotonic and result["clears_nulls"] is clears
     assert result["rho_last"] == rhos[-1] and result["timestep"] == 1
     assert result["margin"] == pytest.approx(rhos[-1] - max(nulls))
-    assert ("yes (margin" in format_verdict(result)) is clears
+    text = format_verdict(result)
+    assert ("clears all by 0.05: yes (margin" in text) is clears
+    conclusion = text.splitlines()[0]
+    assert conclusion.startswith("verdict: ") and len(conclusion) <= 120
+    assert conclusion.startswith("verdict: not evidence") is not clears
 
 
 @pytest.mark.parametrize("missing", NULL_STATS)
@@ -228,7 +232,7 @@ def test_build_report_schema_is_strict_json(tmp_path: Path) -> None:
     os.umask(mask)
     assert paths["json"].stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
     text = format_report(loaded)
-    assert format_table(loaded["table"]) in text and text.splitlines()[-1].startswith("verdict:")
+    assert format_table(loaded["table"]) in text and format_verdict(loaded["verdict"]) in text
 
 
 def test_records_csv_keeps_extra_keys() -> None:
