@@ -234,7 +234,12 @@ def remove_report(out_dir: Path) -> None:
 def write_outputs(report: dict, out_dir: Path) -> str:
     """Write ``rho.json``, ``rho.csv`` and ``rho.png`` of a report; return the text to print."""
     from nw_adapter.correlate.plotting import plot_rho
-    from nw_adapter.correlate.report import format_report, repeated_timestep_note, write_report_files
+    from nw_adapter.correlate.report import (
+        format_report,
+        random_weights_note,
+        repeated_timestep_note,
+        write_report_files,
+    )
 
     config = report.get("config", {})
     model = (config.get("model") or {}).get("model")
@@ -244,7 +249,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         out_dir / "rho.png",
         title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
         f"{len(report.get('images', []))} reference(s)",
-        note=repeated_timestep_note(report),
+        note="; ".join(n for n in (random_weights_note(report), repeated_timestep_note(report)) if n) or None,
     )
     return format_report(report)
 

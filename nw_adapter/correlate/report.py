@@ -298,6 +298,7 @@ def build_report(
             "steps": steps,
             "blocks": aggregate(records, ("block", "step"), half=half),
             "verdict": verdict(table),
+            "warning": random_weights_note({"config": config}),
             "records": list(records),
         }
     )
@@ -356,6 +357,18 @@ def repeated_timestep_note(report: dict) -> str | None:
     return f"{scheduler} calls the denoiser twice at one timestep ({'; '.join(parts)}): {count}"
 
 
+RANDOM_WEIGHT_MODELS: tuple[str, ...] = ("tiny-sd3", "tiny-flux")
+"""``--model`` values with random weights: stand-ins that exercise the code, not models."""
+
+
+def random_weights_note(report: dict) -> str | None:
+    """The warning every output of a random-weight tiny model carries (None for other models)."""
+    model = ((report.get("config") or {}).get("model") or {}).get("model")
+    if model not in RANDOM_WEIGHT_MODELS:
+        return None
+    return f"{model} has random weights: these numbers test the code and say nothing about any trained model"
+
+
 def format_report(report: dict) -> str:
     """What the command line prints: a context line, the table and the verdict line."""
     records = report["records"]
@@ -373,4 +386,8 @@ def format_report(report: dict) -> str:
     note = repeated_timestep_note(report)
     if note:
         context += f"; note: {note}"
-    return "\n".join([context, format_table(report["table"]), format_verdict(report["verdict"])])
+    lines = [context, format_table(report["table"]), format_verdict(report["verdict"])]
+    warning = random_weights_note(report)
+    if warning:
+        lines.insert(0, f"WARNING: {warning}")
+    return "\n".join(lines)

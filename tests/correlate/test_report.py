@@ -374,3 +374,16 @@ def test_rho_figure_draws_each_null_as_its_own_named_line() -> None:
     by_label = {line.get_label(): line for line in ax.get_lines()}
     for stat, label in zip(NULL_STATS, legend[1:], strict=True):
         np.testing.assert_allclose(by_label[label].get_ydata(), [r[stat] for r in rows])
+
+
+@pytest.mark.parametrize(("model", "warned"), [("tiny-sd3", True), ("tiny-flux", True), ("tiny", False)])
+def test_random_weight_models_say_their_numbers_mean_nothing(model, warned) -> None:
+    from nw_adapter.correlate.report import format_report
+
+    config = {"steps": 3, "model": {"model": model}}
+    report = build_report(make_records(timesteps=(981, 1)), config=config, images=[], versions={})
+    text = format_report(report)
+    assert (report["warning"] is not None) is warned
+    assert text.startswith(f"WARNING: {model} has random weights") is warned
+    if warned:
+        assert "say nothing about any trained model" in report["warning"]
