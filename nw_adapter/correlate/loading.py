@@ -202,33 +202,76 @@ SD15_FILES: tuple[str, ...] = (
 """The files of :data:`DEFAULT_MODEL` that ``DiffusionPipeline.from_pretrained`` reads (fp32 weights)."""
 
 
-def download_command(name: str, option: str, spec: ModelSpec | None = None) -> str:
-    """The ``hf download`` command that fetches only the files the job needs.
+GATED_MODELS: frozenset[str] = frozenset(
+    {
+        "stabilityai/stable-diffusion-3.5-large",
+        "stabilityai/stable-diffusion-3.5-large-turbo",
+        "stabilityai/stable-diffusion-3.5-medium",
+        "black-forest-labs/FLUX.1-dev",
+    }
+)
+"""Hub repositories that need their licence accepted on the Hub and a login (``hf auth login``)."""
 
-    The adapter: its weight file and its image encoder (``<subfolder>/image_encoder``); the
-    default model: :data:`SD15_FILES`; another pipeline: its configs, tokenizers and
-    safetensors weights without fp16/non-EMA variants or checkpoints.
+DIFFUSERS_FOLDER_PATTERNS: tuple[str, ...] = (
+    "--include 'model_index.json'",
+    "--include '*/*.json'",
+    "--include '*/*.txt'",
+    "--include '*/*.model'",
+    "--include '*/*.safetensors'",
+    "--exclude '*fp16*'",
+    "--exclude '*non_ema*'",
+    "--exclude 'text_encoders/*'",
+)
+"""``hf download`` filters that fetch a pipeline's diffusers-format component folders only: not
+the single-file checkpoint at the repository's root nor the non-diffusers ``text_encoders/``
+of SD 3.5 (tens of GB between them), nor fp16 / non-EMA variants."""
+
+IMAGE_ENCODER_FILES: tuple[str, ...] = ("config.json", "model.safetensors", "preprocessor_config.json")
+"""The files of an image-encoder repository that the SD 3.5 / Flux adapters' loaders read."""
+
+
+def tiny_stand_in(name: str) -> str:
+    """The offline tiny model of the family ``name`` (a Hub id) belongs to, guessed from the id."""
+    lowered = name.lower()
+    if "stable-diffusion-3" in lowered or "sd3" in lowered:
+        return "tiny-sd3"
+    return "tiny-flux" if "flux" in lowered else "tiny"
+
+
+def download_command(name: str, option: str, spec: ModelSpec | None = None) -> str:
+    """The ``hf download`` command(s) that fetch only the files the job needs.
+
+    The adapter: its weight file, and its image encoder (``<subfolder>/image_encoder`` in the
+    h94 layout; the separate encoder repository of the SD 3.5 / Flux adapters). The default
+    model: :data:`SD15_FILES`. Another pipeline: its diffusers-format folders only
+    (:data:`DIFFUSERS_FOLDER_PATTERNS`).
     """
     if option == "--ip-adapter" and spec is not None:
-        files = (
-            f"{spec.subfolder}/{spec.weight_name}",
-            f"{spec.subfolder}/image_encoder/config.json",
-            f"{spec.subfolder}/image_encoder/model.safetensors",
-        )
-        return f"hf download {name} {' '.join(files)}"
+        if spec.subfolder:
+            files = (
+                f"{spec.subfolder}/{spec.weight_name}",
+                f"{spec.subfolder}/image_encoder/config.json",
+                f"{spec.subfolder}/image_encoder/model.safetensors",
+            )
+            return f"hf download {name} {' '.join(files)}"
+        command = f"hf download {name} {spec.weight_name}"
+        encoder = getattr(spec, "image_encoder", None)
+        if encoder and not _is_local(encoder) and encoder != "tiny":
+            command += f" && hf download {encoder} {' '.join(IMAGE_ENCODER_FILES)}"
+        return command
     if name == DEFAULT_MODEL:
         return f"hf download {name} {' '.join(SD15_FILES)}"
-    return (
-        f"hf download {name} --include '*.json' --include '*.txt' --include '*.safetensors' "
-        "--exclude '*fp16*' --exclude '*non_ema*' --exclude '*.ckpt'"
-    )
+    return f"hf download {name} {' '.join(DIFFUSERS_FOLDER_PATTERNS)}"
 
 
 def _offline_hint(name: str, option: str, spec: ModelSpec | None = None) -> str:
+    login = " (gated: accept its licence on the Hub, then hf auth login)" if name in GATED_MODELS else ""
+    tiny = tiny_stand_in(spec.model if spec is not None else name)
+    stand_in = f"--model {tiny}" + ("" if tiny == "tiny" else " (random weights: it tests the code only)")
     return (
         f"{option} '{name}': not in the Hugging Face cache and the Hub cannot be reached (offline); "
-        f"download the needed files once with network ({download_command(name, option, spec)}), pass a "
-        f"local folder with {option} PATH, or run offline with --model tiny"
+        f"download the needed files once with network{login} ({download_command(name, option, spec)}), "
+        f"pass a local folder with {option} PATH, or run offline with {stand_in}"
     )
 
 

@@ -444,6 +444,29 @@ def test_download_hint_for_the_default_model_names_its_files_only() -> None:
     assert "--exclude '*fp16*'" in download_command("someone/other-model", "--model")
 
 
+def test_download_hints_fetch_diffusers_folders_only_and_say_what_is_gated() -> None:
+    """SD 3.5's repository also holds a single-file checkpoint at its root and non-diffusers text
+    encoders (tens of GB): the hint fetches the component folders only, says the model is gated,
+    and offers the matching tiny stand-in."""
+    from nw_adapter.correlate.loading import ModelSpec, _offline_hint, download_command
+
+    sd35 = "stabilityai/stable-diffusion-3.5-large"
+    command = download_command(sd35, "--model")
+    assert "--include '*/*.safetensors'" in command and "--include '*.safetensors'" not in command
+    assert "--exclude 'text_encoders/*'" in command and "--include 'model_index.json'" in command
+    hint = _offline_hint(sd35, "--model")
+    assert "gated: accept its licence on the Hub, then hf auth login" in hint
+    assert "--model tiny-sd3 (random weights" in hint and "--model tiny " not in hint
+    assert "--model tiny-flux" in _offline_hint("black-forest-labs/FLUX.1-dev", "--model")
+    assert "gated" not in _offline_hint("stable-diffusion-v1-5/stable-diffusion-v1-5", "--model")
+    encoder = "google/siglip-so400m-patch14-384"
+    spec = ModelSpec(sd35, "InstantX/SD3.5-Large-IP-Adapter", "", "ip-adapter.bin", image_encoder=encoder)
+    adapter = _offline_hint(spec.ip_adapter, "--ip-adapter", spec)
+    assert "hf download InstantX/SD3.5-Large-IP-Adapter ip-adapter.bin && hf download " in adapter
+    assert f"{encoder} config.json model.safetensors preprocessor_config.json" in adapter
+    assert "/image_encoder/" not in adapter and "--model tiny-sd3" in adapter
+
+
 def test_file_size_limit_while_writing_the_tiny_model_is_one_line(tmp_path: Path, good_image: Path) -> None:
     """A real write failure (RLIMIT_FSIZE, SIGXFSZ ignored), not a monkeypatch: EFBIG in safetensors."""
     code = (
