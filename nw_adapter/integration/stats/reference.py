@@ -202,8 +202,14 @@ def key_norm_cv(x: Softmax) -> torch.Tensor:
 
 
 def qk_spread_ratio(x: Softmax) -> torch.Tensor:
-    """``mean_rows std_i(q.k_i) / std_i(||k_i||^2 / 2)``: what rho is a function of."""
-    return metrics.qk_spread_ratio(x.q, x.k, x.key_valid)
+    """``mean_rows std_i(q.k_i) / std_i(||k_i||^2 / 2)``: what rho is a function of.
+
+    :func:`~nw_adapter.core.metrics.qk_spread_ratio` without a key mask; with one, its two
+    population standard deviations over the valid keys of each batch row.
+    """
+    if x.valid is None:
+        return metrics.qk_spread_ratio(x.q, x.k)
+    return metrics.masked_std(x.qk, x.row_valid).mean(-1) / metrics.masked_std(x.half_sq_norms, x.key_valid)
 
 
 # --- the table and the pooling over CFG halves ---------------------------------------------------
