@@ -31,8 +31,9 @@ EAGER_CASES = list(
         ("float", "tensor"),  # bandwidth
     )
 )
-#: Compiling costs tens of seconds per graph on 2 shared cores: two graphs, covering every option.
-COMPILED_CASES = [(4, False, 2, True, "tensor"), (16, True, 1, False, "float")]
+#: Compiling costs minutes per graph on 2 shared cores: one graph, the options that
+#: tests/integration/test_compile.py does not compile (it has 4 keys, no mask, 2 halves, nulls, 0-d h).
+COMPILED_CASES = [(16, True, 1, False, "tensor")]
 
 
 def _inputs(keys: int, masked: bool, nulls: bool, bandwidth: str, seed: int = 0):
