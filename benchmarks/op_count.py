@@ -34,8 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from nw_adapter.integration.config import NWProcessorConfig  # noqa: E402
 from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor  # noqa: E402
-from nw_adapter.integration.processors import nw_processor_for, side  # noqa: E402
+from nw_adapter.integration.processors import nw_processor_for  # noqa: E402
 from nw_adapter.integration.recorder import NWRecorder  # noqa: E402
+from nw_adapter.integration.stats import compiled as compiled_stats  # noqa: E402
 
 #: NW processor options of each non-stock variant.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -77,12 +78,12 @@ def count_ops(fn: Callable[[], Any], warmup: int = 1) -> OpCounter:
 
     A compiled side computation (``compile=True``) runs its graph with the counter suspended
     (dynamo does not run compiled graphs under a dispatch mode) and adds the kernels that graph
-    launches, read from inductor's generated code (``side.compiled_statistics().launches``).
+    launches, read from inductor's generated code (``stats.compiled_statistics().launches``).
     """
     with torch.no_grad():
         for _ in range(warmup):
             fn()
-        compiled = side.compiled_statistics() if side._COMPILED else None
+        compiled = compiled_stats.compiled_statistics() if compiled_stats._COMPILED else None
         real = compiled.function if compiled is not None else None
         with OpCounter() as counter:
             if compiled is not None and real is not None:
@@ -99,7 +100,7 @@ def _opaque(real: Callable[..., Any], counter: OpCounter, launches: dict[tuple, 
     """``real`` run with the counter suspended, counted as the kernels its graph launches."""
 
     def run(q, k, h, scale, valid, draws, halves):  # noqa: ANN001, ANN202
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device, valid is None, draws is None, halves)
+        key = compiled_stats.shape_key(q, k, valid, draws, halves)
         counter.ops["compiled graph kernels"] += launches.get(key, 0)
         with _disable_current_modes():
             return real(q, k, h, scale, valid, draws, halves)

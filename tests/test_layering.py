@@ -122,3 +122,42 @@ def _calls_print_or_exit(path: Path) -> list[str]:
 
 def test_integration_prints_nothing_and_never_exits():
     assert [hit for p in _modules("integration") for hit in _calls_print_or_exit(p)] == []
+
+
+# The statistics (nw_adapter/integration/stats) are pure math on torch: they import torch, the
+# standard library, nw_adapter.core, their own folder and the pure-Python names table, nothing of
+# the recorder, the processors, the config or diffusers (imports inside functions included).
+STATS_ALLOWED_PROJECT = ("nw_adapter.core", "nw_adapter.integration.stats", "nw_adapter.integration.schema")
+
+
+def _stats_violations(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        for name in _imports(path):
+            top = name.partition(".")[0]
+            if top == "nw_adapter":
+                allowed = any(name == p or name.startswith(p + ".") for p in STATS_ALLOWED_PROJECT)
+            else:
+                allowed = top in ("torch", "__future__") or top in sys.stdlib_module_names
+            if not allowed:
+                found.append(f"{path.name} imports {name}")
+    return found
+
+
+def test_the_statistics_import_only_torch_core_and_the_names_table():
+    paths = sorted((PACKAGE / "integration" / "stats").rglob("*.py"))
+    assert len(paths) >= 5
+    assert _stats_violations(paths) == []
+
+
+def test_the_statistics_checker_sees_a_lazy_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch\nfrom nw_adapter.core import metrics\n"
+        "def f():\n    from nw_adapter.integration.recorder import NWRecorder\n    import diffusers\n"
+    )
+    assert sorted(_stats_violations([bad])) == [
+        "bad.py imports diffusers",
+        "bad.py imports nw_adapter.integration.recorder",
+        "bad.py imports nw_adapter.integration.recorder.NWRecorder",
+    ]

@@ -14,9 +14,10 @@ import torch
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors import nw_processor_for, side
+from nw_adapter.integration.processors import nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
 from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.integration.stats import compiled
 
 C, HEADS, DIM, ROWS, TOKENS = 32, 2, 16, 36, 4
 
@@ -39,10 +40,10 @@ def _run(**options) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def compiled_records():
-    side._COMPILED.clear()
-    side.COMPILE_SECONDS.clear()
+    compiled._COMPILED.clear()
+    compiled.COMPILE_SECONDS.clear()
     records = _run(compile=True)
-    return records, dict(side.COMPILE_SECONDS), dict(side.compiled_statistics().launches)
+    return records, dict(compiled.COMPILE_SECONDS), dict(compiled.compiled_statistics().launches)
 
 
 def test_compiled_statistics_equal_eager(compiled_records):
@@ -71,7 +72,7 @@ def test_compile_falls_back_to_eager_with_one_warning(monkeypatch):
 
         return run
 
-    monkeypatch.setattr(side, "_COMPILED", {})
+    monkeypatch.setattr(compiled, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(
         UserWarning, match=r"torch.compile is unavailable here \(RuntimeError: no C\+\+ compiler"

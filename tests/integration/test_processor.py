@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor, IPAdapterAttnProcessor2_0
-from scipy.stats import rankdata
 
 from nw_adapter.core import bandwidth as bw
+from nw_adapter.core import metrics
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import (
     NWIPAdapterAttnProcessor,
@@ -27,6 +26,8 @@ from nw_adapter.integration.processors import (
 )
 from nw_adapter.integration.recorder import NWRecorder
 from nw_adapter.integration.schema import NULL_STATS, STAT_NAMES
+from nw_adapter.integration.stats import draw_nulls
+from nw_adapter.integration.stats.reference import pool_halves, reference_statistics
 
 B, C, CROSS, HEADS, DIM = 4, 32, 24, 2, 16
 STOCK = {"sdpa": IPAdapterAttnProcessor2_0, "classic": IPAdapterAttnProcessor}
@@ -246,66 +247,14 @@ def _captured_qk(attn, stock, x, ip):
     return q, ks
 
 
-def _rank_rows(x: np.ndarray) -> np.ndarray:
-    return rankdata(x, axis=-1)
+def reference_stats(q, k, h, s, gen=None, null_rows=None, halves=1) -> dict[str, torch.Tensor]:
+    """Every statistic ``[halves, H]`` by name, from the float64 reference (stats.reference).
 
-
-def _row_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a - a.mean(-1, keepdims=True)
-    b = b - b.mean(-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
-
-
-def _rho(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The paper's rho of two score arrays [..., n, m]: scipy average ranks, per-row Pearson, mean."""
-    return np.nanmean(_row_pearson(_rank_rows(a), _rank_rows(b)), -1)
-
-
-def reference_stats(q, k, h, s, gen=None, null_rows=None) -> dict[str, np.ndarray]:
-    """Every statistic per (batch, head) in float64 from q [B, H, N, d] and k [B, H, M, d].
-
-    Ranks come from the logits (scipy rankdata), divergences from the two log-softmaxes; the
-    nulls replay the processor's draws from ``gen`` (row subsample, key permutation, directions).
+    The nulls replay the processor's draws from ``gen`` (row subsample, key permutation, directions).
     """
-    qk = q @ k.transpose(-1, -2)
-    half_sq = 0.5 * k.square().sum(-1)
-    g = qk - half_sq[..., None, :]
-    la, lw = torch.log_softmax(qk * s, -1), torch.log_softmax(g / h[..., None, None] ** 2, -1)
-    A, W = la.exp(), lw.exp()
-    lr = torch.logaddexp(la, lw) - math.log(2)
-    kn = k.norm(dim=-1)
-    out = {
-        "bandwidth": h.numpy(),
-        "rho": _rho(qk.numpy(), g.numpy()),
-        "pearson": _row_pearson(A.flatten(-2).numpy(), W.flatten(-2).numpy()),
-        "kl": (A * (la - lw)).sum(-1).mean(-1).numpy(),
-        "js": (0.5 * (A * (la - lr)).sum(-1) + 0.5 * (W * (lw - lr)).sum(-1)).mean(-1).numpy(),
-        "neff_attn": (1 / (A**2).sum(-1)).mean(-1).numpy(),
-        "neff_nw": (1 / (W**2).sum(-1)).mean(-1).numpy(),
-        "top1": (qk.argmax(-1) == g.argmax(-1)).double().mean(-1).numpy(),
-        "q_norm": q.norm(dim=-1).mean(-1).numpy(),
-        "key_norm_cv": (kn.std(-1, unbiased=False) / kn.mean(-1)).numpy(),
-        "qk_spread_ratio": (qk.std(-1, unbiased=False).mean(-1) / half_sq.std(-1, unbiased=False)).numpy(),
-    }
-    if gen is not None:
-        n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        n0 = n if null_rows is None else min(n, null_rows)
-        rows = torch.randperm(n, generator=gen)[:n0]
-        gauss = torch.randn((*q.shape[:2], n0, m + d), generator=gen)
-        perm, z = gauss[..., :m].argsort(-1), gauss[..., m:].double()
-        qk_r, g_r = qk[..., rows, :], g[..., rows, :]
-        out["rho_perm_null"] = _rho(torch.gather(qk_r, -1, perm).numpy(), g_r.numpy())
-        q_null = z * (q[..., rows, :].norm(dim=-1, keepdim=True) / z.norm(dim=-1, keepdim=True))
-        qk_n = q_null @ k.transpose(-1, -2)
-        out["rho_norm_matched_null"] = _rho(qk_n.numpy(), (qk_n - half_sq[..., None, :]).numpy())
-        shuffled = torch.gather(half_sq[..., None, :].expand_as(qk_r), -1, perm)
-        out["rho_spread_null"] = _rho(qk_r.numpy(), (qk_r - shuffled).numpy())
-    return out
-
-
-def _half_mean(x: np.ndarray, halves: int) -> np.ndarray:
-    return np.nanmean(x.reshape(halves, -1, *x.shape[1:]), axis=1)
+    draws = None if gen is None else draw_nulls(q, k.shape[-2], null_rows, gen)
+    values = reference_statistics(q, k, scale=s, h=h, draws=draws, halves=halves)
+    return dict(zip(STAT_NAMES, values, strict=True))
 
 
 @pytest.mark.parametrize("rule", ["matched", "fitted", "median", "schedule", 1.7])
@@ -342,13 +291,12 @@ def test_statistics_match_brute_force(rule):
         d2 = ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1)
         W_ref = torch.softmax(-d2 / (2 * h[..., None, None] ** 2), -1)
         torch.testing.assert_close(W, W_ref, rtol=1e-4, atol=1e-5)
-        expected = reference_stats(q, k, h, 1 / math.sqrt(DIM), gen, null_rows=10)
+        expected = reference_stats(q, k, h, 1 / math.sqrt(DIM), gen, null_rows=10, halves=2)
         assert set(expected) == set(STAT_NAMES)
         # Pearson of the recorded float32 weights (W is nearly uniform where "fitted" hits h = 2000,
         # so its float64 recomputation differs by the weights' rounding)
-        expected["pearson"] = _row_pearson(A.flatten(-2).numpy(), W.flatten(-2).numpy())
-        for name, value in expected.items():
-            per_half = _half_mean(value, 2)
+        expected["pearson"] = pool_halves(metrics.pearson_raveled(A, W), 2, per_query_row=False)
+        for name, per_half in expected.items():
             for hi, half in enumerate(("uncond", "cond")):
                 for head in range(HEADS):
                     got = [
@@ -357,7 +305,8 @@ def test_statistics_match_brute_force(rule):
                         if r["adapter"] == j and r["half"] == half and r["head"] == head
                     ]
                     assert len(got) == 1
-                    assert got[0] == pytest.approx(per_half[hi, head], rel=2e-4, abs=2e-5), (name, half, head)
+                    want = float(per_half[hi, head])
+                    assert got[0] == pytest.approx(want, rel=2e-4, abs=2e-5), (name, half, head)
         rows = [r for r in records if r["adapter"] == j]
         assert all(r["timestep"] == 500.0 and r["h_schedule"] == pytest.approx(0.8 / 0.6) for r in rows)
 
@@ -416,7 +365,7 @@ def test_tiny_bandwidth_divergences_come_from_the_logits():
         for r in (r for r in rec.to_records() if r["adapter"] == j):
             for name in ("kl", "js"):
                 assert math.isfinite(r[name])
-                assert r[name] == pytest.approx(float(ref[name].mean(0)[r["head"]]), rel=1e-3, abs=1e-5)
+                assert r[name] == pytest.approx(float(ref[name][0, r["head"]]), rel=1e-3, abs=1e-5)
 
 
 def test_statistics_option():
@@ -523,7 +472,7 @@ def test_null_rows_subsample_is_reproduced():
     ref = reference_stats(q, k, h, 1 / math.sqrt(DIM), torch.Generator().manual_seed(7), null_rows=5)
     records = rec.to_records()
     for name in NULL_STATS:
-        assert [r[name] for r in records] == pytest.approx(ref[name].mean(0).tolist(), abs=1e-6)
+        assert [r[name] for r in records] == pytest.approx(ref[name][0].tolist(), abs=1e-6)
     rec_all = _install(attn, stock, null_rows=None, seed=7, cfg=False)
     attn(x, (text, ip))
     assert [r["rho_norm_matched_null"] for r in rec_all.to_records()] != [

@@ -1,23 +1,28 @@
-"""The statistics of one image-branch softmax (attention against NW weights).
+"""The statistics of one image-branch softmax: attention A against the NW weights W.
 
-Transitional entry point while the integration layer is redesigned (issue 18): the
-implementation still lives in :mod:`nw_adapter.integration.processors.side`; callers import
-from here, with the signature the redesigned folder keeps, so that the move does not touch
-them again.
+Layout of this folder (read in this order):
+
+- :mod:`.reference`: every statistic written plainly, one function each (the specification);
+- :mod:`.nulls`: the nulls' random numbers (:class:`NullDraws`, :func:`draw_nulls`), drawn once
+  and passed to either writing;
+- :mod:`.fast`: the optimised path (:func:`layer_statistics`), its column layout derived from
+  one table of producers and tested equal to the reference (tests/integration/test_stats_reference.py);
+- :mod:`.layout` (named columns, producer kinds), :mod:`.workspace` (eager / compiled writer),
+  :mod:`.compiled` (the ``torch.compile`` wrapper), :mod:`.precision`.
+
+Imports: torch, :mod:`nw_adapter.core` and the pure-Python names table
+(:mod:`nw_adapter.integration.schema`); nothing of diffusers, the recorder or the processors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nw_adapter.integration.processors.side import (
-    COMPILE_SECONDS,
-    NullDraws,
-    compiled_statistics,
-    draw_nulls,
-    full_precision_float32_matmuls,
-    layer_statistics,
-)
+from nw_adapter.integration.stats.compiled import COMPILE_SECONDS, compiled_statistics
+from nw_adapter.integration.stats.fast import layer_statistics
+from nw_adapter.integration.stats.nulls import NullDraws, draw_nulls
+from nw_adapter.integration.stats.precision import full_precision_float32_matmuls
+from nw_adapter.integration.stats.workspace import EagerWriter, f32
 
 __all__ = [
     "COMPILE_SECONDS",
@@ -51,11 +56,20 @@ def softmax_statistics(
         halves: 2 when the batch is [uncond; cond]. compile: one torch.compile'd graph per shape.
 
     Returns:
-        ``(stats [S, halves, H], A [B, H, N, M], W [B, H, N, M])``, stats in STAT_NAMES order.
+        ``(stats [S, halves, H], A [B, H, N, M], W [B, H, N, M])``, stats in STAT_NAMES order;
+        A and W belong to this call (no later call overwrites them).
+
+    Example:
+        >>> q, k = torch.randn(2, 8, 64, 40), torch.randn(2, 8, 4, 40)
+        >>> draws = draw_nulls(q, 4, 16, torch.Generator().manual_seed(0))
+        >>> stats, A, W = softmax_statistics(q, k, scale=40**-0.5, h=40**0.25, draws=draws, halves=2)
+        >>> stats.shape, A.shape
+        (torch.Size([14, 2, 8]), torch.Size([2, 8, 64, 4]))
     """
     function = compiled_statistics() if compile else layer_statistics
     if compile and not isinstance(h, torch.Tensor):
-        h = torch.tensor(float(h), dtype=torch.float32, device=q.device)
+        value = float(h)  # a 0-d tensor: one graph for every value of h (made once per value)
+        h = EagerWriter().constant(("h", value, q.device), lambda: f32(value, q.device))
     with full_precision_float32_matmuls():
         stats, weights = function(q, k, h, scale, valid, draws, halves)
     return stats, weights[0], weights[1]

@@ -1,4 +1,4 @@
-"""The stacked side computation on its own: padding keys, halves, and the nulls' draws."""
+"""The fast statistics on their own: padding keys, halves, workspaces, the returned weights, precision."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import math
 
 import torch
 
-from nw_adapter.integration.processors.side import NullDraws, layer_statistics
+from nw_adapter.integration import stats
 from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.integration.stats import NullDraws, layer_statistics
+
+torch.set_num_threads(1)
 
 
 def _data(seed: int = 0, keys: int = 4):
@@ -76,12 +79,20 @@ def test_statistics_do_not_depend_on_the_default_dtype():
     assert torch.allclose(stats, reference, equal_nan=True)
 
 
-def test_statistics_run_with_full_float32_matmuls_and_restore_the_setting(monkeypatch):
-    """A user's TF32 / "high" matmul precision would cost the KL and JS sums ~1e-3: the side
-    computation runs at "highest" and the user's setting comes back, after an exception too."""
-    from nw_adapter.integration.config import NWProcessorConfig
-    from nw_adapter.integration.processors import side
+def test_returned_weights_are_not_overwritten_by_the_next_call():
+    """A and W belong to their call: a second call of the same shape leaves the first call's weights."""
+    q, k, draws = _data()
+    _, first = layer_statistics(q, k, 1.0, 0.25, None, draws, 2)
+    kept = first.clone()
+    _, second = layer_statistics(q.flip(2), k * 2.0, 0.5, 0.25, None, draws, 2)
+    assert not torch.equal(second, kept)
+    assert torch.equal(first, kept)
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
 
+
+def test_statistics_run_with_full_float32_matmuls_and_restore_the_setting(monkeypatch):
+    """A user's TF32 / "high" matmul precision would cost the KL and JS sums ~1e-3: the statistics
+    run at "highest" and the user's setting comes back, after an exception too."""
     seen = []
 
     def spy(*args):
@@ -90,19 +101,20 @@ def test_statistics_run_with_full_float32_matmuls_and_restore_the_setting(monkey
             raise RuntimeError("boom")
         return layer_statistics(*args)
 
-    monkeypatch.setattr(side, "layer_statistics", spy)
+    monkeypatch.setattr(stats, "layer_statistics", spy)
     q, k, _ = _data()
-    config = NWProcessorConfig(nulls=False)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
-        side.softmax_statistics(q, k, scale=0.25, bandwidth=lambda a: 1.0, config=config, generator=None)
+        stats.softmax_statistics(q, k, scale=0.25, h=1.0)
         assert torch.get_float32_matmul_precision() == "high"
         try:
-            side.softmax_statistics(q, k, scale=0.25, bandwidth=lambda a: 1.0, config=config, generator=None)
+            stats.softmax_statistics(q, k, scale=0.25, h=1.0)
         except RuntimeError:
             pass
         assert torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(previous)
     assert seen == ["highest", "highest"]
+
+

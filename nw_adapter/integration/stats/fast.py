@@ -1,0 +1,407 @@
+"""The optimised statistics of one softmax: few dispatched operations, one compiled graph per shape.
+
+Computes what :mod:`.reference` specifies (and is tested equal to it) in three passes over
+stacked tensors, each with named columns derived from one table (:data:`PRODUCERS`, one
+producer per name of :data:`~nw_adapter.integration.schema.STAT_NAMES`):
+
+1. **Pairs** ``P [B, H, R, 2, M]``: for each compared pair of key rankings, the (attention,
+   NW) scores ``(q.k_i, q.k_i - ||k_i||^2 / 2)``; rows: the N observed queries, the n0
+   norm-matched queries ``q' = ||q|| z / ||z||`` (one product of the stacked queries ``[q; q']``
+   with the keys), then per null row r the q.k-spread null ``(q.k_i, q.k_i - ||k_pi(i)||^2 / 2)``
+   and the permutation null ``(q.k_pi(i), q.k_i - ||k_i||^2 / 2)`` (R = N + 3 n0).
+2. **Ranks** of every row at once, their per-row 2 x 2 Gram matrix, per row
+   ``(rho_r, c_r) = (G_ab / sqrt(G_aa G_bb), 1)`` (``(0, 0)`` for a constant row, left out),
+   and one product with a 0/1 pooling matrix: ``rho = sum rho_r / sum c_r`` per segment and
+   CFG half.
+3. **Weights** of the observed rows, ``Z [B, H, N, 7, M]`` with rows (a, b, c_A, c_B, l_A,
+   l_W, l_AW): the weights, the centred weights ``c = w - 1/M`` (Pearson), the log-weights and
+   ``log(a + b)``. One batched product ``Z[a, b, c_A, c_B] Z[c_A, c_B, l_A, l_W, l_AW]^T``
+   gives per row every inner product the divergences need (KL = a.l_A - a.l_W,
+   JS = (a.l_A + b.l_W - a.l_AW - b.l_AW) / 2 + log 2, n_eff = 1 / a.a with a.a = a.c_A + 1/M),
+   and one product with the row-mean matrix averages the per-row features into the
+   statistics (:class:`~.layout.RowMean`). The remaining statistics follow per (batch row,
+   head) (:class:`~.layout.PerHead`); one ``addcmul`` applies the gains and offsets.
+
+Eager, intermediate tensors are written with ``out=`` into per-thread workspaces; under
+``torch.compile`` the same code runs as plain operations (:mod:`.workspace`, chosen once per
+call). The weights A and W are returned as views of a tensor allocated by each call, never of
+a workspace. No random numbers and no host reads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from nw_adapter.core import metrics
+from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.integration.stats.layout import Bandwidth, Columns, PerHead, Producer, RankPool, RowMean
+from nw_adapter.integration.stats.nulls import NullDraws
+from nw_adapter.integration.stats.workspace import EagerWriter, f32, writer
+
+MASKED_LOGIT = -1e20
+"""Finite logit of a padding key: weight exactly 0, log-weight differences stay finite."""
+
+# --- named columns of the intermediate tensors -------------------------------------------------
+
+#: The two scores of a pair row of P (pass 1): attention ``q.k`` and NW ``q.k - ||k||^2 / 2``.
+PAIR = Columns(("attn", "nw"))
+#: Pair rows per null row r, after the N observed and n0 norm-matched rows (pass 1).
+NULL_PAIR_ROWS = ("rho_spread_null", "rho_perm_null")
+#: The slots of one null row: its pair rows x the pair's scores.
+NULL_SLOTS = Columns(f"{row}.{score}" for row in NULL_PAIR_ROWS for score in PAIR.names)
+#: The powers of the key norms (pass 1): ``||k||`` and ``||k||^2``.
+KEY = Columns(("norm", "sq_norm"))
+#: The per-row rank Gram matrix (pass 2) and the product of its diagonal.
+GRAM = Columns(("aa", "ab", "ba", "bb", "aa*bb"))
+#: The rows of Z (pass 3): weights, centred weights, log-weights, ``log(a + b)``.
+Z = Columns(("a", "b", "cA", "cB", "lA", "lW", "lAW"))
+#: The left and right rows of the per-row product of pass 3.
+LEFT, RIGHT = ("a", "b", "cA", "cB"), ("cA", "cB", "lA", "lW", "lAW")
+#: Products that hold a squared norm once 1/M is added (``a.c_A + 1/M = a.a``).
+SQUARES = {"a.cA": "a.a", "b.cB": "b.b"}
+PRODUCTS = tuple(SQUARES.get(f"{x}.{y}", f"{x}.{y}") for x in LEFT for y in RIGHT)
+#: Per-row features ``[B, H, N, F]`` (pass 3).
+ROW = Columns((*PRODUCTS, "1/a.a", "1/b.b", "top1", "q_norm", "qk_std"))
+
+
+class KeyNorms(NamedTuple):
+    """Key statistics of pass 1: ``||k||^2 [B, H, M]`` and std / mean ``[2, B, H]`` over the valid
+    keys of ``(||k||, ||k||^2)`` (rows :data:`KEY`)."""
+
+    sq: torch.Tensor
+    std: torch.Tensor
+    mean: torch.Tensor
+
+
+# --- the producer of every statistic ------------------------------------------------------------
+
+
+def _pearson(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
+    """Pearson of A and W over all rows and valid keys: ``cov / sqrt(var_A var_W)`` (row means)."""
+    moments = head[..., HEAD["var_a"]] * head[..., HEAD["var_b"]]
+    w.write(out, torch.mul, head[..., HEAD["cov_ab"]], torch.rsqrt(moments))
+
+
+def _key_norm_cv(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
+    """``std_i ||k_i|| / mean_i ||k_i||``."""
+    w.write(out, torch.div, keys.std[KEY["norm"]], keys.mean[KEY["norm"]])
+
+
+def _qk_spread_ratio(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
+    """``mean std_i(q.k_i) / std_i(||k_i||^2)``; its gain 2 makes the denominator ``std(||k||^2 / 2)``."""
+    w.write(out, torch.div, head[..., HEAD["mean_qk_std"]], keys.std[KEY["sq_norm"]])
+
+
+#: One producer per statistic, in STAT_NAMES order (:mod:`.layout`). Adding a statistic: its
+#: reference function (:mod:`.reference`) and one entry here.
+PRODUCERS: dict[str, Producer] = {
+    "bandwidth": Bandwidth(),
+    "rho": RankPool("rho"),
+    "rho_perm_null": RankPool("rho_perm_null"),
+    "rho_norm_matched_null": RankPool("rho_norm_matched_null"),
+    "rho_spread_null": RankPool("rho_spread_null"),
+    "pearson": PerHead(_pearson),
+    "kl": RowMean({"a.lA": 1.0, "a.lW": -1.0}),
+    "js": RowMean({"a.lA": 0.5, "b.lW": 0.5, "a.lAW": -0.5, "b.lAW": -0.5}, offset=math.log(2.0)),
+    "neff_attn": RowMean({"1/a.a": 1.0}),
+    "neff_nw": RowMean({"1/b.b": 1.0}),
+    "top1": RowMean({"top1": 1.0}),
+    "q_norm": RowMean({"q_norm": 1.0}),
+    "key_norm_cv": PerHead(_key_norm_cv),
+    "qk_spread_ratio": PerHead(_qk_spread_ratio, gain=2.0),
+}
+
+#: Row means the per-head producers read (after the statistics in the per-head tensor).
+HELPERS: dict[str, RowMean] = {
+    "mean_qk_std": RowMean({"qk_std": 1.0}),
+    "cov_ab": RowMean({"cA.cB": 1.0}),
+    "var_a": RowMean({"cA.cA": 1.0}),
+    "var_b": RowMean({"cB.cB": 1.0}),
+}
+
+#: Per-(batch row, head) values ``[B, H, C]``: the statistics, then the helpers.
+HEAD = Columns((*STAT_NAMES, *HELPERS))
+_ROW_MEANS = {name: p for name, p in {**PRODUCERS, **HELPERS}.items() if isinstance(p, RowMean)}
+#: The columns one matrix product writes: from the first row mean to the last (others get 0).
+ROW_MEAN_SPAN = slice(min(HEAD[n] for n in _ROW_MEANS), max(HEAD[n] for n in _ROW_MEANS) + 1)
+#: Rank segments in column order: rho's columns are consecutive, each filled by its segment.
+SEGMENTS = tuple(p.segment for p in PRODUCERS.values() if isinstance(p, RankPool))
+
+
+def _check_table() -> None:
+    """Every statistic has exactly one producer and every producer names known columns."""
+    assert tuple(PRODUCERS) == STAT_NAMES, "fast.PRODUCERS must list STAT_NAMES, in order"
+    assert not set(HELPERS) & set(STAT_NAMES), "a helper column shadows a statistic"
+    for name, producer in _ROW_MEANS.items():
+        unknown = set(producer.terms) - set(ROW.names)
+        assert not unknown, f"{name}: unknown per-row features {unknown}"
+    rank_columns = [HEAD[name] for name, p in PRODUCERS.items() if isinstance(p, RankPool)]
+    assert rank_columns == list(range(rank_columns[0], rank_columns[0] + len(rank_columns)))
+    assert SEGMENTS[0] == "rho" and set(SEGMENTS) == {"rho", "rho_norm_matched_null", *NULL_PAIR_ROWS}
+    assert sum(isinstance(p, Bandwidth) for p in PRODUCERS.values()) == 1
+
+
+_check_table()
+
+
+# --- the computation ----------------------------------------------------------------------------
+
+
+def layer_statistics(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    h: torch.Tensor | float,
+    scale: float,
+    valid: torch.Tensor | None = None,
+    draws: NullDraws | None = None,
+    halves: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All statistics of one softmax of the image branch (see the module docstring).
+
+    Args:
+        q: queries ``[B, H, N, d]`` (any float dtype; computed in float32).
+        k: image keys ``[B, H, M, d]``.
+        h: NW bandwidth, a float or a ``[B, H]`` (or 0-d) tensor.
+        scale: the stock softmax scale s.
+        valid: optional bool ``[B, M]`` mask of the keys that take part (padding keys: False).
+        draws: the nulls' random numbers (:func:`~.nulls.draw_nulls`); None = nulls recorded as NaN.
+        halves: 2 when the batch is [uncond; cond]: rho and its nulls are pooled over the query
+            rows of each half's batch rows (constant rows left out), the other statistics
+            averaged over them.
+
+    Returns:
+        ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in STAT_NAMES order
+        and A, W (views of a tensor of this call, not of a workspace: safe to keep).
+    """
+    w = writer()
+    k = k.to(torch.float32, memory_format=torch.contiguous_format)
+    n = q.shape[2]
+    n0 = 0 if draws is None else draws.rows.shape[0]
+    valid_rows = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
+    keys = _key_norms(w, k, valid)
+    feats = w.workspace("row features", (*q.shape[:3], len(ROW)), q.device)
+    pairs = _pairs(w, q, k, keys, feats, draws, valid_rows)
+    rho_sums = _pooled_rank_correlations(w, pairs, valid_rows, halves, n, n0)
+    weights = _weights_and_row_features(w, pairs[:, :, :n], scale, h, valid_rows, feats)
+    head = _per_head(w, feats, keys, h, halves)
+    return _statistics(w, head, rho_sums, h, draws is not None), weights.movedim(-2, 0)
+
+
+def _key_norms(w: EagerWriter, k: torch.Tensor, valid: torch.Tensor | None) -> KeyNorms:
+    """``||k||^2`` and the spreads of ``||k||`` and ``||k||^2`` over the valid keys."""
+    powers = w.constant(("key powers", k.device), lambda: f32([[[[1.0]]], [[[2.0]]]], k.device))
+    norms = torch.pow(torch.linalg.vector_norm(k, dim=-1), powers)  # [2, B, H, M]
+    if valid is None:
+        std, mean = torch.std_mean(norms, dim=-1, correction=0)
+    else:
+        weight = valid[:, None, :].to(torch.float32)
+        mean = (norms * weight).sum(-1) / weight.sum(-1)
+        std = metrics.masked_std(norms, valid[:, None, :])
+    return KeyNorms(norms[KEY["sq_norm"]], std, mean)
+
+
+def _pairs(
+    w: EagerWriter,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    keys: KeyNorms,
+    feats: torch.Tensor,
+    draws: NullDraws | None,
+    valid_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """Pass 1: the pairs ``[B, H, N + 3 n0, 2, M]`` (rows: observed, norm-matched, per null row
+    its :data:`NULL_PAIR_ROWS`); writes ``||q||`` into the row features."""
+    b, nh, n, d = q.shape
+    m = k.shape[-2]
+    n0 = 0 if draws is None else draws.rows.shape[0]
+    queries = w.workspace("queries", (b, nh, n + n0, d), q.device)
+    queries[:, :, :n].copy_(q)
+    q_norm = w.write(feats[..., ROW["q_norm"]], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
+    if draws is not None:
+        ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
+        w.write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
+    logits = queries @ k.transpose(-1, -2)  # [B, H, N + n0, M]: q.k of [q; q']
+    pairs = w.workspace("pairs", (b, nh, n + 3 * n0, len(PAIR), m), q.device)
+    shift = w.constant(("pair shift", q.device), lambda: f32([[0.0], [-0.5]], q.device))  # PAIR order
+    w.write(pairs[:, :, : n + n0], torch.addcmul, logits[..., None, :], shift, keys.sq[..., None, None, :])
+    if draws is None:
+        return pairs
+    slot = pairs[:, :, n + n0 :].view(b, nh, n0, len(NULL_SLOTS), m)  # per null row r
+    spread_qk = slot[..., NULL_SLOTS["rho_spread_null.attn"], :]
+    # the observed pair (q.k_r, q.k_r - ||k||^2 / 2) is both the spread null's attention and the
+    # permutation null's NW scores: one index_select fills both slots
+    observed_into = NULL_SLOTS.slice("rho_spread_null.attn", "rho_perm_null.nw")
+    w.write(slot[..., observed_into, :], torch.index_select, pairs[:, :, :n], 2, draws.rows)
+    perm = metrics.valid_permutation(draws.noise, valid_rows)
+    w.write(slot[..., NULL_SLOTS["rho_perm_null.attn"], :], torch.gather, spread_qk, -1, perm)
+    shuffled_sq = torch.gather(keys.sq[..., None, :].expand(b, nh, n0, m), -1, perm)
+    w.write(slot[..., NULL_SLOTS["rho_spread_null.nw"], :], torch.sub, spread_qk, shuffled_sq, alpha=0.5)
+    return pairs
+
+
+def _pooled_rank_correlations(
+    w: EagerWriter, pairs: torch.Tensor, valid_rows: torch.Tensor | None, halves: int, n: int, n0: int
+) -> torch.Tensor:
+    """Pass 2: ``[H, halves * segments, 2]`` = (sum of per-row Spearman, non-constant rows)."""
+    b, nh, rows = pairs.shape[:3]
+    valid5 = None if valid_rows is None else valid_rows[..., None, :]
+    ranks = w.ranks(pairs, valid5, w.workspace("ranks", tuple(pairs.shape), pairs.device))
+    gram = w.workspace("rank gram", (b, nh, rows, len(GRAM)), pairs.device)
+    w.products(gram[..., GRAM.slice("aa", "ab", "ba", "bb")].unflatten(-1, (2, 2)), ranks, ranks)
+    w.write(gram[..., GRAM["aa*bb"]], torch.prod, gram[..., GRAM.slice("aa", "bb")], -1)  # 0: constant
+    num_den = gram[..., GRAM.slice("ab", "aa*bb")]  # per row: (G_ab, G_aa G_bb)
+    powers = w.constant(("rho powers", pairs.device), lambda: f32([0.5, 1.0], pairs.device))
+    per_row = w.workspace("rho rows", (nh, b, rows, 2), pairs.device)  # head-major: one pooling product
+    w.write(per_row.permute(1, 0, 2, 3), torch.div, num_den, num_den[..., 1:].clamp_min(0.5).pow(powers))
+    key = ("pool", b, halves, n, n0, pairs.device)
+    pool = w.constant(key, lambda: _pool_matrix(b, halves, n, n0, pairs.device))
+    return pool.T @ per_row.view(nh, b * rows, 2)
+
+
+def _weights_and_row_features(
+    w: EagerWriter,
+    observed: torch.Tensor,
+    scale: float,
+    h: torch.Tensor | float,
+    valid_rows: torch.Tensor | None,
+    feats: torch.Tensor,
+) -> torch.Tensor:
+    """Pass 3: Z of the observed pairs ``[B, H, N, 2, M]`` and the per-row features; returns
+    the weights (A, W) ``[B, H, N, 2, M]``."""
+    b, nh, n, _, m = observed.shape
+    qk = observed[..., PAIR["attn"], :]
+    valid5 = None if valid_rows is None else valid_rows[..., None, :]
+    if valid5 is not None:
+        observed = observed.masked_fill(~valid5, MASKED_LOGIT)
+    z = torch.empty((b, nh, n, len(Z), m), dtype=torch.float32, device=observed.device)  # fresh: returned
+    coefficients = _logit_coefficients(w, scale, h, observed)  # s, 1/h^2
+    log_w = w.write(z[..., Z.slice("lA", "lW"), :], torch.mul, observed, coefficients)
+    log_w.sub_(torch.logsumexp(log_w, -1, keepdim=True))
+    weights = w.write(z[..., Z.slice("a", "b"), :], torch.exp, log_w)
+    w.write(z[..., Z["lAW"], :], torch.logaddexp, log_w[..., 0, :], log_w[..., 1, :])
+    centred = z[..., Z.slice("cA", "cB"), :]
+    if valid5 is None:
+        inv_count: torch.Tensor | float = 1.0 / m
+        w.write(centred, torch.sub, weights, inv_count)
+    else:
+        weight = valid5.to(torch.float32)
+        inv_count = weight.sum(-1, keepdim=True).reciprocal()  # [B, 1, 1, 1, 1]: 1/M'
+        w.write(centred, torch.sub, weights, inv_count).mul_(weight)
+    top = observed.argmax(-1)  # [B, H, N, 2]
+    w.write(feats[..., ROW["top1"]], torch.eq, top[..., PAIR["attn"]], top[..., PAIR["nw"]])
+    products = feats[..., ROW.slice(*PRODUCTS)].unflatten(-1, (len(LEFT), len(RIGHT)))
+    w.biased_products(
+        products, _square_bias(w, inv_count, observed), z[..., Z.slice(*LEFT), :], z[..., Z.slice(*RIGHT), :]
+    )
+    w.write(feats[..., ROW.slice("1/a.a", "1/b.b")], torch.reciprocal, feats[..., ROW.slice("a.a", "b.b")])
+    if valid_rows is None:
+        w.write(feats[..., ROW["qk_std"]], torch.std, qk, -1, correction=0)
+    else:
+        feats[..., ROW["qk_std"]].copy_(metrics.masked_std(qk, valid_rows))
+    return weights
+
+
+def _per_head(
+    w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float, halves: int
+) -> torch.Tensor:
+    """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`), averaged per CFG half ``[halves, H, C]``."""
+    b, nh, n, _ = feats.shape
+    tensor_h = isinstance(h, torch.Tensor)
+    # never written: the columns of rho (gain 0) and of a float h (gain 0, offset h); a float h has
+    # its own workspace so that a tensor h (even NaN) of an earlier call cannot leak into it
+    buffer = "head statistics, tensor h" if tensor_h else "head statistics"
+    head = w.workspace(buffer, (b, nh, len(HEAD)), feats.device, zero=True)
+    matrix = w.constant(("row means", n, feats.device), lambda: _row_mean_matrix(n, feats.device))
+    w.products(head.view(b * nh, 1, -1)[..., ROW_MEAN_SPAN], feats.view(b * nh, 1, -1), matrix)
+    for name, producer in PRODUCERS.items():
+        if isinstance(producer, PerHead):
+            producer.write(w, head[..., HEAD[name]], head, keys)
+    if tensor_h:
+        head[..., HEAD["bandwidth"]].copy_(h.expand(b, nh))
+    if b == halves:
+        return head.view(halves, nh, -1)
+    return head.view(halves, b // halves, nh, -1).mean(1)
+
+
+def _statistics(
+    w: EagerWriter, head: torch.Tensor, rho_sums: torch.Tensor, h: torch.Tensor | float, nulls: bool
+) -> torch.Tensor:
+    """``[S, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls written."""
+    halves, nh = head.shape[:2]
+    h_offset = None if isinstance(h, torch.Tensor) else float(h)
+    key = ("affine", h_offset, nulls, head.device)
+    gain_offset = w.constant(key, lambda: _affine(h_offset, nulls, head.device))
+    out = torch.addcmul(gain_offset[1], head, gain_offset[0])  # [halves, H, C]
+    segments = len(SEGMENTS) if nulls else 1
+    sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
+    w.write(out[..., HEAD.slice(*SEGMENTS[:segments])], torch.div, sums[..., 0], sums[..., 1])
+    return out[..., : len(STAT_NAMES)].permute(2, 0, 1)
+
+
+# --- constants derived from the table -----------------------------------------------------------
+
+
+def _segment_of_rows(n: int, n0: int) -> list[str]:
+    """The rank segment of each pair row (pass 1's order)."""
+    nulls = [NULL_PAIR_ROWS[r % len(NULL_PAIR_ROWS)] for r in range(len(NULL_PAIR_ROWS) * n0)]
+    return ["rho"] * n + ["rho_norm_matched_null"] * n0 + nulls
+
+
+def _pool_matrix(batch: int, halves: int, n: int, n0: int, device: torch.device) -> torch.Tensor:
+    """``[B * R, halves * segments]`` 0/1: row r of batch row b -> (CFG half of b, segment of r)."""
+    segments = SEGMENTS if n0 else SEGMENTS[:1]
+    segment = torch.tensor([segments.index(s) for s in _segment_of_rows(n, n0)], device=device)
+    half = torch.arange(batch, device=device) // (batch // halves)
+    column = (half[:, None] * len(segments) + segment[None, :]).reshape(-1)
+    return (column[:, None] == torch.arange(halves * len(segments), device=device)).float()
+
+
+def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """``[C', N * F]``: the row features ``[N, F]`` (flattened) -> the row-mean columns of HEAD."""
+    columns = HEAD.names[ROW_MEAN_SPAN]
+    matrix = torch.zeros(len(columns), len(ROW), dtype=torch.float32)
+    for c, name in enumerate(columns):
+        for feature, coefficient in getattr(_ROW_MEANS.get(name), "terms", {}).items():
+            matrix[c, ROW[feature]] = coefficient / n
+    return matrix.repeat(1, n).to(device)
+
+
+def _affine(h: float | None, nulls: bool, device: torch.device) -> torch.Tensor:
+    """``[2, C]`` (gain, offset) of every HEAD column, from the producers."""
+    gain, offset = [0.0] * len(HEAD), [0.0] * len(HEAD)
+    for name, producer in PRODUCERS.items():
+        i = HEAD[name]
+        if isinstance(producer, RowMean | PerHead):
+            gain[i], offset[i] = getattr(producer, "gain", 1.0), producer.offset
+        elif isinstance(producer, Bandwidth):
+            gain[i], offset[i] = (1.0, 0.0) if h is None else (0.0, h)
+        elif not nulls and producer.segment != "rho":
+            offset[i] = math.nan  # RankPool: written afterwards; a null without draws stays NaN
+    return f32([gain, offset], device)
+
+
+def _logit_coefficients(
+    w: EagerWriter, scale: float, h: torch.Tensor | float, like: torch.Tensor
+) -> torch.Tensor:
+    """Multipliers of the pairs into logits: s and 1/h^2, ``[2, 1]`` (``[B, H, 1, 2, 1]`` for a
+    ``[B, H]`` h)."""
+    if isinstance(h, torch.Tensor):
+        inv_h2 = h.float().reciprocal().square()  # [] or [B, H]
+        coef = torch.stack([torch.full_like(inv_h2, scale), inv_h2], -1)
+        return coef.view(2, 1) if inv_h2.dim() == 0 else coef.view(*inv_h2.shape, 1, 2, 1)
+    key = ("coef", scale, float(h), like.device)
+    return w.constant(key, lambda: f32([[scale], [float(h) ** -2]], like.device))
+
+
+def _square_bias(w: EagerWriter, inv_count: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """``[len(LEFT), len(RIGHT)]`` (``[B, 1, 1, ., .]`` with a mask): 1/M at the :data:`SQUARES` products."""
+
+    def indicator() -> torch.Tensor:
+        return f32([[float(f"{x}.{y}" in SQUARES) for y in RIGHT] for x in LEFT], like.device)
+
+    if isinstance(inv_count, float):
+        return w.constant(("square bias", inv_count, like.device), lambda: indicator() * inv_count)
+    return indicator() * inv_count

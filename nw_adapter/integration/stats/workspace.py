@@ -1,0 +1,120 @@
+"""Where the fast path's intermediate tensors live: one writer object per call, eager or compiled.
+
+Eager, the fast path writes its intermediate results with ``out=`` into per-thread workspace
+buffers (one set per layer shape) and reads constants from a cache: no allocation and no
+concatenation per layer call. Under :func:`torch.compile` none of that applies (dynamo does not
+trace ``out=`` into views, and inductor plans its own buffers), so the same calls become plain
+operations whose results are copied into fresh tensors (inductor fuses the copies). The choice
+is made once per call (:func:`writer`), not inside every helper.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nw_adapter.core.metrics import rank_sign_sums
+
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+_BUFFERS = threading.local()
+
+
+def f32(values: Any, device: torch.device | None) -> torch.Tensor:
+    """A float32 constant (never the default dtype, which a user may have changed)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+class EagerWriter:
+    """Eager mode: results written with ``out=``, workspaces and constants cached."""
+
+    def write(
+        self, out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """``op(*args, **kwargs)`` written into ``out`` (a slice of a workspace); returns ``out``."""
+        return op(*args, **kwargs, out=out)
+
+    def products(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``out = x y^T`` for ``x [..., P, K]``, ``y [..., Q, K]`` (``out [..., P, Q]``): one product."""
+        return torch.matmul(x, y.transpose(-1, -2), out=out)
+
+    def biased_products(
+        self, out: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """``out = bias + x y^T`` for ``x [..., P, K]``, ``y [..., Q, K]``, ``bias`` broadcastable to
+        ``out [..., P, Q]``: one ``baddbmm`` over the flattened leading dims (``out`` must allow a view)."""
+        p, q = x.shape[-2], y.shape[-2]
+        flat_bias = bias.expand(*out.shape).reshape(-1, p, q)
+        flat_y = y.reshape(-1, q, y.shape[-1]).transpose(-1, -2)
+        return torch.baddbmm(flat_bias, x.reshape(-1, p, x.shape[-1]), flat_y, out=out.view(-1, p, q))
+
+    def ranks(self, scores: torch.Tensor, valid: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank sign sums of ``scores`` along the last dim (:func:`~nw_adapter.core.metrics.rank_sign_sums`),
+        written into ``out``."""
+        return rank_sign_sums(scores, valid, out=out)
+
+    def workspace(
+        self, name: str, shape: tuple[int, ...], device: torch.device, zero: bool = False
+    ) -> torch.Tensor:
+        """A float32 scratch tensor of ``shape``, reused by every call with that shape on this thread.
+
+        ``zero``: filled with zeros when made (columns never written stay 0). Whatever a call
+        writes into it, the next call of the same shape overwrites: never return a view of it.
+        """
+        buffers = _BUFFERS.__dict__.setdefault("buffers", {})
+        key = (name, shape, device)
+        if key not in buffers:
+            if len(buffers) > 64:
+                buffers.clear()
+            buffers[key] = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
+        return buffers[key]
+
+    def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A constant tensor made once per key (no host-to-device copy after the first call)."""
+        if key not in _CONSTANTS:
+            if len(_CONSTANTS) > 256:
+                _CONSTANTS.clear()
+            _CONSTANTS[key] = make()
+        return _CONSTANTS[key]
+
+
+class CompiledWriter(EagerWriter):
+    """Under :func:`torch.compile`: plain operations, fresh tensors, constants made in the graph."""
+
+    def write(
+        self, out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """``out.copy_(op(*args, **kwargs))`` (inductor fuses the copy into the producing kernel)."""
+        return out.copy_(op(*args, **kwargs))
+
+    def products(self, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The broadcast product summed over K: fuses with the kernels around it (a matrix product
+        is an extern kernel inductor cannot fuse, one more launch per call)."""
+        return out.copy_((x[..., :, None, :] * y[..., None, :, :]).sum(-1))
+
+    def biased_products(
+        self, out: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """``bias +`` the broadcast product summed over K (see :meth:`products`)."""
+        return out.copy_(bias + (x[..., :, None, :] * y[..., None, :, :]).sum(-1))
+
+    def ranks(self, scores: torch.Tensor, valid: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank sign sums as a fresh tensor (``out`` is not used)."""
+        return rank_sign_sums(scores, valid)
+
+    def workspace(
+        self, name: str, shape: tuple[int, ...], device: torch.device, zero: bool = False
+    ) -> torch.Tensor:
+        """A fresh tensor (the compiler plans its own buffers)."""
+        return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
+
+    def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The constant made in the graph (the compiler folds it)."""
+        return make()
+
+
+def writer() -> EagerWriter:
+    """The writer of this call: :class:`CompiledWriter` while dynamo traces, else :class:`EagerWriter`."""
+    return CompiledWriter() if torch.compiler.is_compiling() else EagerWriter()

@@ -1,0 +1,108 @@
+"""The fast statistics equal the plain reference, statistic by statistic, on the same null draws.
+
+The reference (:mod:`nw_adapter.integration.stats.reference`) runs in float64 on the float32
+inputs the fast path sees; every column of the fast path is compared by name, so a column
+moved, swapped or fed by the wrong producer fails here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.integration.stats import draw_nulls, fast, softmax_statistics
+from nw_adapter.integration.stats.layout import Columns
+from nw_adapter.integration.stats.reference import reference_statistics
+
+torch.set_num_threads(1)
+
+BATCH, HEADS, ROWS, DIM, NULL_ROWS = 2, 3, 24, 16, 8
+
+EAGER_CASES = list(
+    itertools.product(
+        (4, 16),  # keys: pairwise ranks (base adapter) and sorted ranks (Plus)
+        (False, True),  # key mask
+        (1, 2),  # CFG halves
+        (True, False),  # nulls
+        ("float", "tensor"),  # bandwidth
+    )
+)
+#: Compiling costs minutes per graph on 2 shared cores: one graph, the options that
+#: tests/integration/test_compile.py does not compile (it has 4 keys, no mask, 2 halves, nulls, 0-d h).
+COMPILED_CASES = [(16, True, 1, False, "tensor")]
+
+
+def _inputs(keys: int, masked: bool, nulls: bool, bandwidth: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, ROWS, DIM, generator=g) * 1.5
+    norms = 1.0 + torch.rand(BATCH, HEADS, keys, 1, generator=g)  # key norms that vary: W differs from A
+    k = torch.randn(BATCH, HEADS, keys, DIM, generator=g) * norms
+    valid = None
+    if masked:  # a different subset of keys per batch row, at least 3 valid
+        valid = torch.rand(BATCH, keys, generator=g) < 0.6
+        valid[:, :3] = True
+        valid = valid[:, torch.randperm(keys, generator=g)]
+    draws = draw_nulls(q, keys, NULL_ROWS, g) if nulls else None
+    h = 1.3 if bandwidth == "float" else 0.8 + torch.rand(BATCH, HEADS, generator=g)
+    return q, k, valid, draws, h
+
+
+def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile):
+    q, k, valid, draws, h = _inputs(keys, masked, nulls, bandwidth)
+    scale = 1 / math.sqrt(DIM)
+    got, attn, nw = softmax_statistics(
+        q, k, scale=scale, h=h, draws=draws, valid=valid, halves=halves, compile=compile
+    )
+    h64 = h if isinstance(h, float) else h.double()
+    want = reference_statistics(
+        q.double(), k.double(), scale=scale, h=h64, draws=draws, valid=valid, halves=halves
+    )
+    assert got.shape == want.shape == (len(STAT_NAMES), halves, HEADS)
+    for i, name in enumerate(STAT_NAMES):
+        message = lambda m, n=name: f"{n}: {m}"  # noqa: E731
+        torch.testing.assert_close(
+            got[i].double(), want[i], rtol=1e-4, atol=2e-5, equal_nan=True, msg=message
+        )
+    assert bool(got[STAT_NAMES.index("rho_spread_null")].isnan().all()) != nulls
+    # the returned weights are A and W (padding keys: 0)
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
+    torch.testing.assert_close(attn.double(), torch.softmax(logits, -1), rtol=1e-5, atol=1e-6)
+    assert nw.shape == attn.shape
+
+
+@pytest.mark.parametrize(("keys", "masked", "halves", "nulls", "bandwidth"), EAGER_CASES)
+def test_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth):
+    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile=False)
+
+
+@pytest.mark.parametrize(("keys", "masked", "halves", "nulls", "bandwidth"), COMPILED_CASES)
+def test_compiled_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth, recwarn):
+    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile=True)
+    # a fallback to eager (one warning) would test the eager path twice
+    assert not [w for w in recwarn if "torch.compile is unavailable" in str(w.message)]
+
+
+def test_every_statistic_has_exactly_one_producer(monkeypatch):
+    fast._check_table()
+    producers = dict(fast.PRODUCERS)
+    del producers["kl"]
+    monkeypatch.setattr(fast, "PRODUCERS", producers)
+    with pytest.raises(AssertionError, match="STAT_NAMES"):
+        fast._check_table()
+
+
+def test_named_columns_refuse_what_a_slice_cannot_select():
+    cols = Columns(("a", "b", "c", "d"))
+    assert (cols["c"], cols.slice("a", "c"), cols.slice("d")) == (2, slice(0, 3, 2), slice(3, 4, 1))
+    with pytest.raises(ValueError, match="not equally spaced"):
+        cols.slice("a", "b", "d")
+    with pytest.raises(ValueError, match="not equally spaced"):
+        cols.slice("b", "a")
+    with pytest.raises(KeyError, match="no column 'e'"):
+        cols["e"]
