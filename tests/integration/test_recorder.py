@@ -196,14 +196,16 @@ def test_tidy_exports_dataframe_or_csv(observed, tmp_path, monkeypatch):
         observed.to_dataframe()
 
 
-def test_plot_draws_rho_and_the_null_band(observed, tmp_path):
+def test_plot_draws_rho_beside_each_null(observed, tmp_path):
     from PIL import Image
 
     fig = observed.plot(path=tmp_path / "rho.png")
     ax = fig.axes[0]
     cond = [r for r in observed.summary() if r["half"] == "cond"]
-    line = ax.get_lines()[0]
-    assert list(line.get_ydata()) == pytest.approx([r["rho"] for r in cond])
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert list(lines["rho (attention vs NW)"].get_ydata()) == pytest.approx([r["rho"] for r in cond])
+    spread = lines["q.k-spread null (key norms shuffled)"]
+    assert list(spread.get_ydata()) == pytest.approx([r["rho_spread_null"] for r in cond])
     with Image.open(tmp_path / "rho.png") as img:
         assert img.format == "PNG"
     with pytest.raises(ValueError, match="nothing recorded"):
