@@ -6,8 +6,6 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
-
 from nw_adapter.correlate.cli import main, parse_args
 from nw_adapter.correlate.loading import ModelSpec, resolve_spec
 
@@ -88,8 +86,46 @@ def test_the_defaults_written_out_are_the_defaults() -> None:
     assert b.scheduler is None and b.store_maps is False  # the model's own scheduler; maps off
 
 
-@pytest.mark.parametrize("folder", ["out_tiny", "out_sd15", "correlate_out", "sweep", "runs"])
-def test_gitignore_covers_the_readme_output_folders(folder: str) -> None:
-    assert f"--out {folder}" in README or folder == "correlate_out"
-    ignored = (REPO / ".gitignore").read_text().split()
-    assert f"/{folder}/" in ignored
+def _out_folders() -> set[str]:
+    """The top-level folder of every ``--out`` (and ``--replot``) of the README and docs/."""
+    texts = [README, *(path.read_text() for path in (REPO / "docs").glob("*.md"))]
+    folders = set()
+    for text in texts:
+        for command in shell_commands(text):
+            words = command.split()
+            for flag in ("--out", "--replot"):
+                if flag in words and words.index(flag) + 1 < len(words):
+                    folders.add(words[words.index(flag) + 1].split("/")[0])
+    return folders
+
+
+def test_gitignore_covers_every_output_folder_the_docs_write() -> None:
+    folders = _out_folders()
+    assert {"out_tiny", "out_digits", "out_sd15", "sweep", "runs"} <= folders  # the parser sees them
+    ignored = set((REPO / ".gitignore").read_text().split())
+    assert {f for f in folders if f"/{f}/" not in ignored} == set()
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_readme_python_blocks_run_offline_as_written(tmp_path: Path, monkeypatch) -> None:
+    """Every Python block of the README, in order, in one namespace: every name is defined there
+    and nothing needs the network (the blocks use the shipped tiny model)."""
+    import matplotlib.figure
+    import torch
+
+    torch.set_num_threads(1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    blocks = python_blocks(README)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    assert isinstance(namespace["fig"], matplotlib.figure.Figure)
+    assert isinstance(namespace["overlay"], matplotlib.figure.Figure)
+    assert namespace["maps"].steps == (24,)
+    assert namespace["records"] and set(namespace["readings"]) >= {"rho", "nw_gain", "r2_key", "h_eff"}
+    assert namespace["pipe"].nw_recorder is None  # the README's last call restores the processors
