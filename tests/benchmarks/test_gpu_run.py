@@ -182,14 +182,15 @@ def test_roofline_arithmetic() -> None:
     assert entry["results"]["nw_mean"]["x_floor"] == pytest.approx(500.0)
 
 
-def test_floor_verdict_fails_where_a_size_is_above_target() -> None:
+def test_floor_line_states_the_target_and_the_measured_sizes_above_it() -> None:
     def case(n: int, x: float, cpu: float | None = None) -> dict:
         result = {"x_floor": x} | ({} if cpu is None else {"x_floor_cpu": cpu})
         return {"n": n, "m": 8, "d": 4, "results": {"nw_mean": result}}
 
-    assert run.floor_verdict([case(1, 1.1), case(2, 1.25)], 1.25).endswith("met")
+    assert run.floor_verdict([case(1, 1.1), case(2, 1.25)], 1.25).endswith("measured: within it at every size")
     line = run.floor_verdict([case(1, 1.1), case(2, 3.0)], 1.25)
-    assert "missed" in line and "n=2" in line and "n=1 " not in line
+    assert line.startswith("target: nw_mean <= 1.25x") and "missed" not in line
+    assert "measured above it at" in line and "n=2" in line and "n=1 " not in line
     # CPU-time ratios, where every case has them, decide (a loaded machine inflates the wall clock)
     line = run.floor_verdict([case(1, 2.0, 1.1), case(2, 3.0, 1.3)], 1.25)
     assert "CPU time" in line and "n=2" in line and "n=1 " not in line
