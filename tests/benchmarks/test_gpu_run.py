@@ -187,7 +187,8 @@ def test_floor_line_states_the_target_and_the_measured_sizes_above_it() -> None:
         result = {"x_floor": x} | ({} if cpu is None else {"x_floor_cpu": cpu})
         return {"n": n, "m": 8, "d": 4, "results": {"nw_mean": result}}
 
-    assert run.floor_verdict([case(1, 1.1), case(2, 1.25)], 1.25).endswith("measured: within it at every size")
+    met = run.floor_verdict([case(1, 1.1), case(2, 1.25)], 1.25)
+    assert met.endswith("measured: within it at every size")
     line = run.floor_verdict([case(1, 1.1), case(2, 3.0)], 1.25)
     assert line.startswith("target: nw_mean <= 1.25x") and "missed" not in line
     assert "measured above it at" in line and "n=2" in line and "n=1 " not in line
