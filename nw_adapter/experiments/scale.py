@@ -77,8 +77,8 @@ class Scale:
     digits_targets: int = 120
     digits_tasks_per_class: int = 5
     grid_points: int = 100
-    dims: tuple[int, ...] = (2, 4, 8, 16)
-    shell_dims: tuple[int, ...] = (8, 16, 32)
+    dims: tuple[int, ...] = (2, 16)
+    shell_dims: tuple[int, ...] = (8, 32)
     support_sizes: tuple[int, ...] = (1, 2, 5, 10, 25, 50)
     head_times: tuple[float, ...] = (0.05, 0.2, 0.4, 0.56, 0.7, 0.85, 0.95, 0.99)
     head_tasks: int = 8
