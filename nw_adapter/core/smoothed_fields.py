@@ -196,22 +196,29 @@ def local_covariances(
     return evecs, evals * keep[..., None, :]
 
 
-def _local_logdensity(points: Tensor, support: Tensor, dirs: Tensor, lam: Tensor, tau2: Tensor) -> Tensor:
-    """``log N(y_j; s_i, U_i diag(lam_i) U_i^T + tau^2 I)`` for all pairs: ``[..., G, n, m]``.
+def _local_loo_loglik(s: Tensor, dirs: Tensor, lam: Tensor, tau2: Tensor) -> Tensor:
+    """Leave-one-out log-likelihood ``sum_i log((1/(m-1)) sum_{j != i} N(s_i; s_j, Sigma_j + tau^2 I))``.
 
-    ``points [..., n, d]``, ``support [..., m, d]``, ``dirs [..., m, d, R]``, ``lam [..., m, R]``,
-    ``tau2 [..., G]`` (a grid of tau^2). Woodbury with orthonormal ``U_i``.
+    ``s [..., m, d]``, ``dirs [..., m, d, R]``, ``lam [..., m, R]``, ``tau2 [..., G]`` (a grid of
+    tau^2); returns ``[..., G]``. Woodbury with orthonormal ``U_j``; distances from ``torch.cdist``
+    and projections ``U_j^T (s_i - s_j) = U_j^T s_i - U_j^T s_j`` (no ``[m, m, d]`` tensor; one
+    ``[..., m, m, R]`` per grid value).
     """
-    d = support.shape[-1]
-    r = points[..., :, None, :] - support[..., None, :, :]  # [..., n, m, d]
-    p = torch.einsum("...nmd,...mdr->...nmr", r, dirs)  # [..., n, m, R]
-    t2 = tau2[..., :, None, None, None]  # [..., G, 1, 1, 1]
-    lam_ = lam[..., None, None, :, :]  # [..., 1, 1, m, R]
-    quad = r.square().sum(-1)[..., None, :, :] / t2[..., 0] - (
-        lam_ / (t2 * (lam_ + t2)) * p[..., None, :, :, :].square()
-    ).sum(-1)
-    logdet = d * torch.log(t2[..., 0]) + torch.log1p(lam_ / t2).sum(-1)
-    return -0.5 * (quad + logdet + d * math.log(2 * math.pi))
+    m, d = s.shape[-2], s.shape[-1]
+    d2 = _pairwise_sq(s)  # [..., i, j]
+    proj = torch.einsum("...id,...jdr->...ijr", s, dirs)  # U_j^T s_i
+    p = proj - torch.diagonal(proj, dim1=-3, dim2=-2).transpose(-1, -2)[..., None, :, :]  # [..., i, j, R]
+    p2 = p.square()
+    off = ~torch.eye(m, dtype=torch.bool, device=s.device)
+    out = []
+    for g in range(tau2.shape[-1]):
+        t2 = tau2[..., g, None, None]  # [..., 1, 1]
+        lam_ = lam[..., None, :, :]  # [..., 1, j, R]
+        quad = d2 / t2 - (lam_ / (t2[..., None] * (lam_ + t2[..., None])) * p2).sum(-1)
+        logdet = d * torch.log(t2) + torch.log1p(lam_ / t2[..., None]).sum(-1)
+        logp = -0.5 * (quad + logdet + d * math.log(2 * math.pi))
+        out.append(torch.logsumexp(torch.where(off, logp, -math.inf), -1).sum(-1))
+    return torch.stack(out, -1) - m * math.log(m - 1)
 
 
 def loo_tau_local(support: Tensor, dirs: Tensor, lam: Tensor) -> Tensor:
@@ -228,9 +235,7 @@ def loo_tau_local(support: Tensor, dirs: Tensor, lam: Tensor) -> Tensor:
     if m == 1:
         return s.new_zeros(s.shape[:-2])
     grid = tau_grid(_median_nn(s).clamp_min(torch.finfo(s.dtype).tiny))  # [..., G]
-    logp = _local_logdensity(s, s, dirs.to(s.dtype), lam.to(s.dtype), grid.square())  # [..., G, m, m]
-    off = ~torch.eye(m, dtype=torch.bool, device=s.device)
-    ll = torch.logsumexp(torch.where(off, logp, -math.inf), -1).sum(-1)  # [..., G]
+    ll = _local_loo_loglik(s, dirs.to(s.dtype), lam.to(s.dtype), grid.square())  # [..., G]
     return torch.gather(grid, -1, ll.argmax(-1, keepdim=True))[..., 0]
 
 
@@ -478,7 +483,7 @@ class LocalCovarianceField(_MixtureField):
         U_flat = U.permute(*range(U.dim() - 3), -3, -1, -2).reshape(*U.shape[:-3], m * R, d)  # [..., mR, d]
         sU = torch.einsum("...md,...mdr->...mr", sc, U)  # [..., m, R]
         s_sq = sc.square().sum(-1)  # [..., m]
-        rows = self.chunk_size or _rows_per_chunk(lead, m * (R + 2), ELEMENT_BUDGET)
+        rows = self.chunk_size or _rows_per_chunk(lead, 4 * m * (R + 2), ELEMENT_BUDGET)
         out = torch.empty_like(xc)
         for i in range(0, n, rows):
             xi, ai, bi = xc[..., i : i + rows, :], a[..., i : i + rows], b[..., i : i + rows]
