@@ -2,10 +2,11 @@
 
 The paper trains d_model 128 / H 4 / L 3 for 100k steps on 256 tasks x 256 targets and
 evaluates 100 tasks x 500 points. Two CPU cores allow far less; ``QUICK`` (< 5 minutes) and
-``FULL`` (about 20 CPU-minutes; 40-70 minutes of wall time on a loaded 2-core machine) are the documented compromises. Both run the
-headline settings of each regime only (mixtures d = 2, 16; shells d = 8, 32; every m on features),
-with learned ON and OFF models everywhere and the training-free fields beside them (the fix x
-regime matrix). Every field can be overridden (``--dims 2,4,8,16`` restores the full sweep).
+``FULL`` (about 20 CPU-minutes; 40-70 minutes of wall time on a loaded 2-core machine) are the
+documented compromises. Both run the headline settings of each regime only (mixtures d = 2, 16;
+shells d = 8, 32; every m on features), with learned ON and OFF models everywhere and the
+training-free fields beside them (the fix x regime matrix). Every field can be overridden
+(``--dims 2,4,8,16`` restores the full sweep).
 """
 
 from __future__ import annotations
