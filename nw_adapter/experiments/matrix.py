@@ -180,6 +180,9 @@ def aggregate_matrix(results: dict, scale: Scale) -> dict:
                 "setting": col["setting"],
                 "mmd2_plugin": float(col["plugin"].mean()),
                 "mmd2_off": float(col["off"].mean()),
+                "mmd2_on": float(col["methods"]["learned_on"].mean())
+                if "learned_on" in col["methods"]
+                else None,
                 "gap": gap,
                 "gap_ci": gap_ci,
                 "has_gap": has_gap,

@@ -246,8 +246,10 @@ def matrix_lines(summary: dict) -> list[str]:
         "",
         f"| method | {head} |",
         "|---" * (len(cols) + 1) + "|",
-        "| MMD^2 plug-in / learned OFF | "
-        + " | ".join(f"{_fmt(c['mmd2_plugin'])} / {_fmt(c['mmd2_off'])}" for c in cols)
+        "| MMD^2 plug-in / learned OFF / learned ON | "
+        + " | ".join(
+            f"{_fmt(c['mmd2_plugin'])} / {_fmt(c['mmd2_off'])} / {_fmt(c.get('mmd2_on'))}" for c in cols
+        )
         + " |",
         "| gap: OFF gain over plug-in | "
         + " | ".join(f"{_pct(c['gap'])} {_pct_ci(c['gap_ci'])}" for c in cols)
@@ -284,6 +286,8 @@ def matrix_lines(summary: dict) -> list[str]:
         "0, and no other regime's):",
         "",
         *_verdict_lines(mat.get("verdicts", [])),
+        "",
+        "![matrix](matrix.png)",
         "",
     ]
     return lines
@@ -369,6 +373,40 @@ def _save_fig(fig, path: Path) -> None:
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
 
 
+def _matrix_plot(mat: dict, out_dir: Path, plt) -> None:
+    """Heat map of the gap shares (rows: fields and learned ON; columns: settings); grey = no gap."""
+    from nw_adapter.experiments.matrix import ROWS
+
+    cols = mat["columns"]
+    rows = [r for r in ROWS if any(mat["cells"].get(r, []))]
+    share = np.full((len(rows), len(cols)), np.nan)
+    for i, r in enumerate(rows):
+        for j, cell in enumerate(mat["cells"][r]):
+            if cell is not None and cols[j]["has_gap"]:
+                share[i, j] = 100 * cell["share"]
+    fig, ax = plt.subplots(figsize=(1.25 * len(cols) + 3.2, 0.55 * len(rows) + 1.6))
+    cmap = plt.get_cmap("RdBu").copy()
+    cmap.set_bad("0.85")
+    img = ax.imshow(np.clip(share, -150, 150), cmap=cmap, vmin=-150, vmax=150, aspect="auto")
+    for i, r in enumerate(rows):
+        for j, cell in enumerate(mat["cells"][r]):
+            if cell is None:
+                continue
+            if not cols[j]["has_gap"]:
+                text = f"no gap\n({100 * cell['gain_vs_plugin']:+.0f}% vs plug-in)"
+            else:
+                lo, hi = cell["share_ci"]
+                text = f"{share[i, j]:+.0f}%\n[{100 * lo:+.0f}, {100 * hi:+.0f}]"
+            dark = np.isfinite(share[i, j]) and abs(share[i, j]) > 90
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    ax.set_xticks(range(len(cols)), [f"{c['regime']}\n{c['setting']}" for c in cols], fontsize=8)
+    ax.set_yticks(range(len(rows)), [ROW_LABELS[r] for r in rows], fontsize=8)
+    ax.set_title("share of the plug-in -> learned OFF gap closed (100% = learned OFF)", fontsize=9)
+    fig.colorbar(img, ax=ax, label="share closed (%)", shrink=0.8)
+    _save_fig(fig, out_dir / "matrix.png")
+    plt.close(fig)
+
+
 def _plots(summary: dict, out_dir: Path) -> list[str]:
     import matplotlib
 
@@ -427,6 +465,9 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         _save_fig(fig, out_dir / "digits.png")
         plt.close(fig)
         written.append("digits.png")
+    if summary.get("matrix", {}).get("columns"):
+        _matrix_plot(summary["matrix"], out_dir, plt)
+        written.append("matrix.png")
     head_sets = _head_sets(summary)
     if head_sets:
         fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
