@@ -168,11 +168,17 @@ def fix_closes_its_gap(row: str, regime: str, columns: list[dict], cells: list[d
         )
     if elsewhere:
         reasons.append("it also closes " + ", ".join(f"{c['regime']} {c['setting']}" for c, _ in elsewhere))
-    beats = [f"{c['regime']} {c['setting']}" for c, x in pairs if x["share_ci"][0] > 1]
+    beats = [
+        f"{c['regime']} {c['setting']}"
+        for c, x in zip(columns, cells, strict=True)
+        if x is not None and x.get("beats_learned")
+    ]
     evidence = "own: " + ("; ".join(_share(c, x) for c, x in own) or "none") + ". others: "
     evidence += ("; ".join(_share(c, x) for c, x in other) or "none") + "."
     if beats:
-        evidence += f" It beats the learned OFF model (share interval above 100%) at {', '.join(beats)}."
+        evidence += (
+            f" It beats the learned OFF model (gain over OFF, interval above 0) at {', '.join(beats)}."
+        )
     if reasons:
         evidence += f" ({'; '.join(reasons)})."
     return {
