@@ -440,7 +440,8 @@ class LocalCovarianceField(_MixtureField):
         g_ik    = (lam_ik + tau^2) / (A_ik + v) - tau^2 / v.
 
     ``||r_i||^2`` uses the expanded form on centred data (as the plug-in's SDPA form), the rest is
-    chunked over query rows (peak extra memory ``O(rows x m x R)``).
+    chunked over query rows: ``2**24 / (16 m (R + 2))`` rows by default, so each ``[rows, m, R]``
+    temporary holds at most 2**20 elements and the peak does not grow with the number of queries.
 
     Args:
         support: ``[..., m, d]``.
@@ -483,7 +484,7 @@ class LocalCovarianceField(_MixtureField):
         U_flat = U.permute(*range(U.dim() - 3), -3, -1, -2).reshape(*U.shape[:-3], m * R, d)  # [..., mR, d]
         sU = torch.einsum("...md,...mdr->...mr", sc, U)  # [..., m, R]
         s_sq = sc.square().sum(-1)  # [..., m]
-        rows = self.chunk_size or _rows_per_chunk(lead, 4 * m * (R + 2), ELEMENT_BUDGET)
+        rows = self.chunk_size or _rows_per_chunk(lead, 16 * m * (R + 2), ELEMENT_BUDGET)
         out = torch.empty_like(xc)
         for i in range(0, n, rows):
             xi, ai, bi = xc[..., i : i + rows, :], a[..., i : i + rows], b[..., i : i + rows]
