@@ -94,6 +94,16 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     assert len(matrix["verdicts"]) == 4 and "fix x regime matrix" in report
     assert any(p["where"].startswith("matrix ") for p in summary["p_values"])  # in the Holm family
     assert {r["variant"] for r in summary["baseline"]} == {"OFF", "ON"}
+    # the amortised tau is fitted on TRAINING tasks of the family, never on the test tasks
+    from nw_adapter.core.smoothed_fields import fit_shared_tau
+    from nw_adapter.experiments.tasks import GaussianMixtureFamily, split_generator
+    from nw_adapter.experiments.units import AMORTISE_HELDOUT, AMORTISE_TASKS
+
+    train = GaussianMixtureFamily(2).sample(
+        AMORTISE_TASKS, 50, AMORTISE_HELDOUT, generator=split_generator(0, "train")
+    )
+    fields = json.loads((out / "results" / "dims-d2-fields.json").read_text())
+    assert fields["amortised_tau"] == fit_shared_tau(train.support, train.target)
     assert len(summary["p_values"]) >= 1 and "Multiple comparisons" in report
     off = json.loads((out / "results" / "dims-d2-s0-off.json").read_text())
     assert len(off["heads_untrained"]) == len(off["heads"]) > 0
