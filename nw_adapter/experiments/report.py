@@ -388,8 +388,7 @@ def _matrix_plot(mat: dict, out_dir: Path, plt) -> None:
             if cell is not None and cols[j]["has_gap"]:
                 share[i, j] = 100 * cell["share"]
     fig, ax = plt.subplots(figsize=(1.25 * len(cols) + 3.2, 0.55 * len(rows) + 1.6))
-    cmap = plt.get_cmap("RdBu").copy()
-    cmap.set_bad("0.85")
+    cmap = plt.get_cmap("RdBu").with_extremes(bad="0.85")
     img = ax.imshow(np.clip(share, -150, 150), cmap=cmap, vmin=-150, vmax=150, aspect="auto")
     for i, r in enumerate(rows):
         for j, cell in enumerate(mat["cells"][r]):
