@@ -296,8 +296,9 @@ class _MixtureField:
         if validate and not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or inf values")
         dtype = compute_dtype(x, self.support)
-        a = torch.as_tensor(self.path.alpha(t, validate=validate)).to(device=x.device, dtype=dtype)
-        b = torch.as_tensor(self.path.sigma(t, validate=False)).to(device=x.device, dtype=dtype)
+        # as_tensor with the dtype: a Python float must not pass through float32 on its way to float64
+        a = torch.as_tensor(self.path.alpha(t, validate=validate), dtype=dtype, device=x.device)
+        b = torch.as_tensor(self.path.sigma(t, validate=False), dtype=dtype, device=x.device)
         try:
             a, b = a.expand(x.shape[:-1]), b.expand(x.shape[:-1])
         except RuntimeError as err:
@@ -485,6 +486,8 @@ class LocalCovarianceField(_MixtureField):
         sU = torch.einsum("...md,...mdr->...mr", sc, U)  # [..., m, R]
         s_sq = sc.square().sum(-1)  # [..., m]
         rows = self.chunk_size or _rows_per_chunk(lead, 16 * m * (R + 2), ELEMENT_BUDGET)
+        # one time for every row (an ODE step): the per-component coefficients are [..., 1, m, R]
+        uniform = bool((a == a[..., :1]).all() and (b == b[..., :1]).all())
         out = torch.empty_like(xc)
         for i in range(0, n, rows):
             xi, ai, bi = xc[..., i : i + rows, :], a[..., i : i + rows], b[..., i : i + rows]
@@ -496,11 +499,12 @@ class LocalCovarianceField(_MixtureField):
                 + ai_.square() * s_sq[..., None, :]
             ).clamp_min(0)  # [..., q, m]
             p = (xi @ U_flat.transpose(-1, -2)).unflatten(-1, (m, R)) - ai_[..., None] * sU[..., None, :, :]
-            A = ai_[..., None].square() * lam[..., None, :, :]  # [..., q, m, R]
-            vv = v_[..., None]
-            logits = -0.5 * (
-                r2 / v_ - (A / (vv * (A + vv)) * p.square()).sum(-1) + torch.log1p(A / vv).sum(-1)
-            )
+            ac, vc = (ai_[..., :1, :], v_[..., :1, :]) if uniform else (ai_, v_)  # [..., q or 1, 1]
+            A = ac[..., None].square() * lam[..., None, :, :]  # [..., q or 1, m, R]
+            vv = vc[..., None]
+            quad_coef = A / (vv * (A + vv))
+            logdet = torch.log1p(A / vv).sum(-1)  # [..., q or 1, m]
+            logits = -0.5 * (r2 / v_ - (quad_coef * p.square()).sum(-1) + logdet)
             w = torch.softmax(logits, -1)  # [..., q, m]
             ms = w @ sc  # [..., q, d]
             g = (lam[..., None, :, :] + tau2[..., None, None]) / (A + vv) - tau2[..., None, None] / vv

@@ -288,3 +288,13 @@ def test_local_loo_likelihood_matches_dense_gaussians() -> None:
             ]
             total += float(torch.logsumexp(torch.stack(logs), 0)) - math.log(5)
         assert float(fast[g]) == pytest.approx(total, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("cls", [SmoothedSupportField, ProjectedField, LocalCovarianceField])
+def test_scalar_time_equals_the_same_time_per_sample(cls) -> None:
+    supports = torch.stack([support_set(i) for i in range(2)])
+    x = 2 * torch.randn(2, 40, D, dtype=F64)
+    for path in (OTPath(0.01), VPPath(sd15_alphas_cumprod(), "v_prediction")):
+        field = cls(supports, path)
+        t = 0.7 if isinstance(path, OTPath) else 300
+        torch.testing.assert_close(field(x, t), field(x, torch.full((2, 40), t, dtype=F64)))
