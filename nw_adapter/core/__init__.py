@@ -5,6 +5,8 @@
 - :mod:`~nw_adapter.core.bandwidth`: matched / fitted / median / schedule bandwidth rules;
 - :mod:`~nw_adapter.core.paths`: probability paths (OT, rectified flow, constant noise, VP,
   sigma flow) and :class:`~nw_adapter.core.paths.NWVelocityField`;
+- :mod:`~nw_adapter.core.smoothed_fields`: training-free fields exact for smoothed targets (smoothed
+  support, local covariance / manifold Parzen, projected NW), one per lesson of THEORY.md 5;
 - :mod:`~nw_adapter.core.sampling`: time grids and ODE samplers;
 - :mod:`~nw_adapter.core.metrics`: rank and divergence statistics, nulls, MMD^2;
 - :mod:`~nw_adapter.core.readings`: key-prior vs NW-smoother readings of one head (r2_key, r2_nw,

@@ -18,6 +18,7 @@ import numpy as np
 
 from nw_adapter.experiments.evaluation import benefit, paired_tests
 from nw_adapter.experiments.inference import cluster_means, gain_interval, holm, ratio_interval
+from nw_adapter.experiments.matrix import aggregate_matrix, baseline_rows
 from nw_adapter.experiments.scale import PAPER, REGIMES, Scale
 from nw_adapter.experiments.verdicts import (
     benefit_vanishes,
@@ -160,6 +161,7 @@ def _aggregate_shells(results: dict, scale: Scale) -> dict:
         plug = results.get(f"shells-d{d}-plugin")
         learned = _seed_stack(results, f"shells-d{d}-s", "-off", "mmd2_median")
         learned_f = _seed_stack(results, f"shells-d{d}-s", "-off", "mmd2_fixed")
+        learned_on = _seed_stack(results, f"shells-d{d}-s", "-on", "mmd2_median")
         if plug is None or learned.size == 0:
             continue
         pm_tasks = np.asarray(plug["mmd2_median"], dtype=np.float64)
@@ -169,6 +171,7 @@ def _aggregate_shells(results: dict, scale: Scale) -> dict:
                 "d": d,
                 "mmd2_learned": lm,
                 "mmd2_plugin": pm,
+                "mmd2_on": float(learned_on.mean()) if learned_on.size else math.nan,
                 "ratio": _ratio(pm, lm),
                 "ratio_ci": ratio_interval(pm_tasks, learned),
                 "ratio_fixed": _ratio(_mean(plug["mmd2_fixed"]), float(learned_f.mean())),
@@ -205,7 +208,7 @@ def _aggregate_shells(results: dict, scale: Scale) -> dict:
 
 def _aggregate_digits(results: dict, scale: Scale) -> dict:
     plug = results.get("digits-plugin")
-    learned = [r for uid, r in sorted(results.items()) if uid.startswith("digits-s")]
+    learned = [r for uid, r in sorted(results.items()) if uid.startswith("digits-s") and uid.endswith("-off")]
     rows = []
     classes = None if plug is None else plug.get("task_classes")
     if plug is not None and learned:
@@ -269,6 +272,8 @@ def _p_values(summary: dict) -> list[dict]:
                 p = row.get(field, {}).get(key, math.nan)
                 if math.isfinite(p):
                     found.append({"where": where, "test": name, "n": row[field]["n"], "p": p})
+    for test in summary.get("matrix", {}).get("tests", []):
+        found.append(dict(test))
     adjusted = holm([f["p"] for f in found])
     for f, a in zip(found, adjusted, strict=True):
         f["p_holm"] = float(a)
@@ -286,6 +291,8 @@ def aggregate(out_dir: str | Path, scale: Scale, regimes: tuple[str, ...] = REGI
         summary["shells"] = _aggregate_shells(results, scale)
     if "digits" in regimes:
         summary["digits"] = _aggregate_digits(results, scale)
+    summary["matrix"] = aggregate_matrix(results, scale)
+    summary["baseline"] = baseline_rows(results, scale)
     summary["p_values"] = _p_values(summary)
     summary["cpu_s_train"] = sum(r.get("train", {}).get("cpu_s", 0.0) for r in results.values())
     summary["cpu_s_eval"] = sum(r.get("eval_cpu_s", 0.0) for r in results.values())

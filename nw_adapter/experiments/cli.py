@@ -158,5 +158,8 @@ def main(
     except KeyboardInterrupt:
         print(f"interrupted; rerun the same command to resume from {args.out}", file=sys.stderr)
         return 130
+    matrix = report.parent / "matrix.md"
+    if matrix.exists() and matrix.read_text().strip():
+        print(matrix.read_text())
     print(f"report: {report} ({time.time() - t0:.0f} s)")
     return 0

@@ -114,13 +114,13 @@ def _markdown(summary: dict, scale: Scale) -> str:
             "Ratio interval: 95% bootstrap (tasks and seeds resampled). p seeds: paired t-test of the "
             "plug-in's mean against each seed's (n = seeds); p tasks: Wilcoxon signed-rank over tasks.",
             "",
-            "| d | MMD^2 learned | MMD^2 plug-in | plug-in / learned | 95% interval | same, fixed sigma "
-            "| paper ratio | n_eff | p seeds (t) | p tasks (Wilcoxon) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| d | MMD^2 learned | MMD^2 learned ON | MMD^2 plug-in | plug-in / learned | 95% interval "
+            "| same, fixed sigma | paper ratio | n_eff | p seeds (t) | p tasks (Wilcoxon) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in summary["shells"]["rows"]:
             lines.append(
-                f"| {r['d']} | {_fmt(r['mmd2_learned'])} | "
+                f"| {r['d']} | {_fmt(r['mmd2_learned'])} | {_fmt(r.get('mmd2_on'))} | "
                 f"{_fmt(r['mmd2_plugin'])} | {_fmt(r['ratio'], '.1f')}x | "
                 f"[{_fmt(r['ratio_ci'][0], '.1f')}, {_fmt(r['ratio_ci'][1], '.1f')}] | "
                 f"{_fmt(r['ratio_fixed'], '.1f')}x | "
@@ -161,6 +161,8 @@ def _markdown(summary: dict, scale: Scale) -> str:
                 f"{_p(r.get('test_classes'), 't_p')} | {_p(r['test_seeds'], 't_p')} |"
             )
         lines += ["", *_verdict_lines(summary["digits"]["verdicts"]), "", "![digits](digits.png)", ""]
+    lines += matrix_lines(summary)
+    lines += baseline_lines(summary, scale)
     head_sets = _head_sets(summary)
     if head_sets:
         lines += [
@@ -196,6 +198,143 @@ def _markdown(summary: dict, scale: Scale) -> str:
         lines += ["", "![heads](heads.png)", ""]
     lines += _p_value_section(summary.get("p_values", []))
     return "\n".join(lines) + "\n"
+
+
+ROW_LABELS = {
+    "smoothed": "smoothed support, LOO tau (scarcity)",
+    "local_cov": "local covariance / manifold Parzen (geometry)",
+    "projected": "projected NW + Gaussian complement (collapse)",
+    "amortised": "smoothed support, amortised tau (scarcity)",
+    "learned_on": "learned ON (exact NW head as input)",
+}
+
+
+def _share_cell(col: dict, cell: dict | None, own: bool) -> str:
+    if cell is None:
+        return "-"
+    beats = f", beats learned OFF by {_pct(cell['gain_vs_off'])} {_pct_ci(cell['gain_vs_off_ci'])}"
+    if not col["has_gap"]:
+        return f"no gap ({_pct(cell['gain_vs_plugin'])} vs plug-in{beats if cell['beats_learned'] else ''})"
+    lo, hi = cell["share_ci"]
+    text = f"{100 * cell['share']:+.0f}% [{_fmt(100 * lo, '+.0f')}, {_fmt(100 * hi, '+.0f')}]"
+    if cell["beats_learned"]:
+        text += beats
+    return f"**{text}**" if own else text
+
+
+def matrix_lines(summary: dict) -> list[str]:
+    """The fix x regime matrix section (empty when no training-free field was run)."""
+    from nw_adapter.experiments.matrix import REGIME_OF_ROW, ROWS
+
+    mat = summary.get("matrix") or {}
+    cols = mat.get("columns", [])
+    if not cols:
+        return []
+    head = " | ".join(f"{c['regime']} {c['setting']}" for c in cols)
+    lines = [
+        "## Training-free fixes: the fix x regime matrix",
+        "",
+        "Each field is the exact field of a smoothed target built from the support alone "
+        "(nw_adapter.core.smoothed_fields; THEORY.md section 5): one lesson of the paper each. Cell = share "
+        "of the plug-in -> learned gap the method closes, (MMD^2 plug-in - MMD^2 method) / (MMD^2 plug-in - "
+        "MMD^2 learned OFF): 0% = no better than the plug-in, 100% = as good as the learned OFF model, "
+        "> 100% = better; 'beats learned OFF' = the method's MMD^2 gain over the OFF model has its interval "
+        "above 0 (also shown where there is no gap). 95% percentile bootstrap interval resampling the "
+        "independent units jointly for "
+        "all methods (tasks on synthetic families, classes on features; and training seeds). Bold = the "
+        "regime the fix is meant for. 'no gap' = the learned OFF model is not significantly better than "
+        "the plug-in there (its gain interval reaches 0), so no share is defined; the field's relative "
+        "MMD^2 gain over the plug-in is shown instead. Same tasks and the same initial noise for every "
+        "method (paired).",
+        "",
+        f"| method | {head} |",
+        "|---" * (len(cols) + 1) + "|",
+        "| MMD^2 plug-in / learned OFF / learned ON | "
+        + " | ".join(
+            f"{_fmt(c['mmd2_plugin'])} / {_fmt(c['mmd2_off'])} / {_fmt(c.get('mmd2_on'))}" for c in cols
+        )
+        + " |",
+        "| gap: OFF gain over plug-in | "
+        + " | ".join(f"{_pct(c['gap'])} {_pct_ci(c['gap_ci'])}" for c in cols)
+        + " |",
+    ]
+    for row in ROWS:
+        cells = mat["cells"].get(row, [])
+        if not any(cells):
+            continue
+        own = REGIME_OF_ROW[row]
+        lines.append(
+            f"| {ROW_LABELS[row]} | "
+            + " | ".join(_share_cell(c, x, c["regime"] == own) for c, x in zip(cols, cells, strict=True))
+            + " |"
+        )
+    lines.append(
+        "| MMD^2 of each field (smoothed / local / projected / amortised) | "
+        + " | ".join(
+            " / ".join(_fmt((mat["cells"][r][i] or {}).get("mmd2", math.nan)) for r in ROWS[:4])
+            for i in range(len(cols))
+        )
+        + " |"
+    )
+    lines.append(
+        "| tau: LOO (mean over tasks) / amortised | "
+        + " | ".join(f"{_fmt(c['loo_tau_mean'], '.3f')} / {_fmt(c['amortised_tau'], '.3f')}" for c in cols)
+        + " |"
+    )
+    lines += [
+        "",
+        "Each cell's paired test of the method against the plug-in (Wilcoxon signed-rank over tasks on "
+        "synthetic families, paired t over class means on features) is in report.json and in the Holm "
+        "family below. Verdicts (one per fix: it must close part of its own regime's gap, interval above "
+        "0, and no other regime's):",
+        "",
+        *_verdict_lines(mat.get("verdicts", [])),
+        "",
+        "![matrix](matrix.png)",
+        "",
+    ]
+    return lines
+
+
+def baseline_lines(summary: dict, scale: Scale) -> list[str]:
+    """The learned baseline's convergence table."""
+    rows = summary.get("baseline") or []
+    if not rows:
+        return []
+    lines = [
+        "## The learned baseline: convergence",
+        "",
+        "Criterion (nw_adapter.experiments.training.loss_plateau): every step draws new tasks, so the "
+        "per-step loss is a held-out loss; over the last 20% of steps a least-squares line is fitted, "
+        "and the model counts as converged when its fitted decrease over that window is within 2 "
+        "standard errors of 0 or below 1% of the loss. 'drop' = that fitted decrease relative to the "
+        "mean loss (+ = still falling), +- 2 standard errors, per seed.",
+        "",
+        "| regime | setting | variant | steps | seeds converged | drop per seed (+- 2 se) | final loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        drops = ", ".join(
+            f"{100 * d:+.1f}% +- {200 * e:.1f}%" if math.isfinite(d) else "n/a"
+            for d, e in zip(r["drop"], r["drop_se"], strict=True)
+        )
+        lines.append(
+            f"| {r['regime']} | {r['setting']} | {r['variant']} | {r['steps']} | {r['converged']} / "
+            f"{r['seeds']} | {drops} | {_fmt(r['loss_last'], '.4f')} |"
+        )
+    bad = [f"{r['regime']} {r['setting']} {r['variant']}" for r in rows if r["converged"] < r["seeds"]]
+    lines += [
+        "",
+        (
+            "The criterion does not hold for every seed at: " + "; ".join(bad) + ". "
+            if bad
+            else "The criterion holds for every model. "
+        )
+        + f"Paper: 100k steps of 256 tasks x 256 targets; here {scale.steps} steps "
+        f"({scale.digits_steps} on features) of {scale.tasks_per_batch} x {scale.targets_per_task}.",
+        "",
+    ]
+    return lines
 
 
 def _p_value_section(found: list[dict]) -> list[str]:
@@ -235,6 +374,41 @@ def _head_sets(summary: dict) -> list[tuple[str, list[dict]]]:
 
 def _save_fig(fig, path: Path) -> None:
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
+
+
+def _matrix_plot(mat: dict, out_dir: Path, plt) -> None:
+    """Heat map of the gap shares (rows: fields and learned ON; columns: settings); grey = no gap."""
+    from nw_adapter.experiments.matrix import ROWS
+
+    cols = mat["columns"]
+    rows = [r for r in ROWS if any(mat["cells"].get(r, []))]
+    share = np.full((len(rows), len(cols)), np.nan)
+    for i, r in enumerate(rows):
+        for j, cell in enumerate(mat["cells"][r]):
+            if cell is not None and cols[j]["has_gap"]:
+                share[i, j] = 100 * cell["share"]
+    fig, ax = plt.subplots(figsize=(1.25 * len(cols) + 3.2, 0.55 * len(rows) + 1.6))
+    cmap = plt.get_cmap("RdBu").with_extremes(bad="0.85")
+    img = ax.imshow(np.clip(share, -150, 150), cmap=cmap, vmin=-150, vmax=150, aspect="auto")
+    for i, r in enumerate(rows):
+        for j, cell in enumerate(mat["cells"][r]):
+            if cell is None:
+                continue
+            if not cols[j]["has_gap"]:
+                text = f"no gap\n({100 * cell['gain_vs_plugin']:+.0f}% vs plug-in)"
+                if cell["beats_learned"]:
+                    text += "\nbeats learned"
+            else:
+                lo, hi = cell["share_ci"]
+                text = f"{share[i, j]:+.0f}%\n[{100 * lo:+.0f}, {100 * hi:+.0f}]"
+            dark = np.isfinite(share[i, j]) and abs(share[i, j]) > 90
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+    ax.set_xticks(range(len(cols)), [f"{c['regime']}\n{c['setting']}" for c in cols], fontsize=8)
+    ax.set_yticks(range(len(rows)), [ROW_LABELS[r] for r in rows], fontsize=8)
+    ax.set_title("share of the plug-in -> learned OFF gap closed (100% = learned OFF)", fontsize=9)
+    fig.colorbar(img, ax=ax, label="share closed (%)", shrink=0.8)
+    _save_fig(fig, out_dir / "matrix.png")
+    plt.close(fig)
 
 
 def _plots(summary: dict, out_dir: Path) -> list[str]:
@@ -295,6 +469,9 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         _save_fig(fig, out_dir / "digits.png")
         plt.close(fig)
         written.append("digits.png")
+    if summary.get("matrix", {}).get("columns"):
+        _matrix_plot(summary["matrix"], out_dir, plt)
+        written.append("matrix.png")
     head_sets = _head_sets(summary)
     if head_sets:
         fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
@@ -323,6 +500,7 @@ def write_report(out_dir: str | Path, scale: Scale, regimes: tuple[str, ...] = R
     for name, text in (
         ("report.json", json.dumps(summary, indent=1)),
         ("report.md", _markdown(summary, scale)),
+        ("matrix.md", "\n".join(matrix_lines(summary) + baseline_lines(summary, scale)) + "\n"),
     ):
         atomic_write_text(out_dir / name, text)
     return out_dir / "report.md"

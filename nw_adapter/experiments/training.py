@@ -40,7 +40,14 @@ __all__ = [
     "train",
     "save_checkpoint",
     "load_checkpoint",
+    "loss_plateau",
+    "PLATEAU_WINDOW",
 ]
+
+#: Share of the last training steps over which the convergence criterion looks for a trend.
+PLATEAU_WINDOW = 0.2
+#: A fitted decrease over the window below this share of the loss level counts as flat.
+PLATEAU_TOLERANCE = 0.01
 
 
 @dataclass
@@ -283,3 +290,49 @@ def train(
             save_checkpoint(checkpoint_dir, model, optimizer, done, config, losses)
     model.eval()
     return TrainResult(model=model, losses=losses, step=max(start, config.steps), resumed_from=resumed_from)
+
+
+def loss_plateau(losses: list[float], window: float = PLATEAU_WINDOW) -> dict:
+    """Convergence criterion: the held-out loss is flat within its noise over the last ``window`` of steps.
+
+    Every step draws new tasks, noise and times (:func:`step_generator`), so each step's loss is
+    measured on data the model has never seen: the per-step losses are a held-out loss curve.
+    Over the last ``window`` share of steps (at least 10) an ordinary least-squares line
+    ``loss ~ step`` is fitted; its predicted decrease over the window is ``drop = -slope x length``
+    with standard error ``se`` (from the residual scatter; steps are independent draws).
+
+    Converged iff the decrease is not significant (``drop <= 2 se``) OR is practically nil
+    (``drop <= 1%`` of the window's mean loss): training longer at this learning rate would not
+    lower the loss by more than its noise.
+
+    Args:
+        losses: per-step training losses (fresh tasks each step).
+        window: share of the last steps examined, in (0, 1].
+
+    Returns:
+        ``{"converged", "drop" (relative to the mean loss), "drop_se" (relative), "steps_examined"}``;
+        ``converged`` is False with NaNs when fewer than 10 steps exist.
+    """
+    import numpy as np
+
+    if not 0.0 < window <= 1.0:
+        raise ValueError(f"window must lie in (0, 1], got {window!r}")
+    y = np.asarray(losses, dtype=np.float64)
+    k = max(10, int(round(window * y.size)))
+    if y.size < 10 or not np.isfinite(y[-k:]).all():
+        return {
+            "converged": False,
+            "drop": math.nan,
+            "drop_se": math.nan,
+            "steps_examined": int(min(k, y.size)),
+        }
+    y = y[-k:]
+    x = np.arange(k, dtype=np.float64)
+    xc = x - x.mean()
+    slope = float(xc @ (y - y.mean()) / (xc @ xc))
+    resid = y - y.mean() - slope * xc
+    se_slope = math.sqrt(float(resid @ resid) / (k - 2) / float(xc @ xc))
+    level = float(y.mean())
+    drop, se = -slope * (k - 1) / level, se_slope * (k - 1) / level
+    converged = drop <= 2 * se or drop <= PLATEAU_TOLERANCE
+    return {"converged": bool(converged), "drop": drop, "drop_se": se, "steps_examined": k}

@@ -4,11 +4,14 @@ Units (ids in brackets):
 
 - dimension sweep, Gaussian mixtures in d: a learned model per (d, seed, variant OFF/ON)
   [``dims-d<d>-s<seed>-<off|on>``] and the plug-in field per d [``dims-d<d>-plugin``];
-- shells in d: a learned model (OFF) per (d, seed) [``shells-d<d>-s<seed>-off``] and the
-  plug-in per d [``shells-d<d>-plugin``];
-- support-size sweep on real features: one learned model per seed trained on ragged m in
-  [1, max m] [``digits-s<seed>-learned``], and the plug-in [``digits-plugin``], both scored at
-  every m of the sweep on nested supports of the same test tasks.
+- shells in d: a learned model per (d, seed, variant OFF/ON) [``shells-d<d>-s<seed>-<off|on>``]
+  and the plug-in per d [``shells-d<d>-plugin``];
+- support-size sweep on real features: one learned model per (seed, variant) trained on ragged m
+  in [1, max m] [``digits-s<seed>-<off|on>``], and the plug-in [``digits-plugin``], all scored at
+  every m of the sweep on nested supports of the same test tasks;
+- the training-free fields of :mod:`nw_adapter.core.smoothed_fields` on the same tasks and noise
+  [``dims-d<d>-fields``, ``shells-d<d>-fields``, ``digits-fields``]; the amortised tau is fitted
+  on training tasks of the family (of each m on features) before any test task is seen.
 
 Evaluation tasks depend on the regime and d only (never on the training seed or the method),
 and all methods start from the same noise, so comparisons are paired by task and by seed.
@@ -21,8 +24,9 @@ import time
 from pathlib import Path
 
 from nw_adapter.atomic import atomic_write_json
+from nw_adapter.core.smoothed_fields import fit_shared_tau, loo_tau
 from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
-from nw_adapter.experiments.fields import model_field, plugin_field
+from nw_adapter.experiments.fields import model_field, plugin_field, training_free_builders
 from nw_adapter.experiments.heads import analyse_heads
 from nw_adapter.experiments.model import ICFMConfig, ICFMModel
 from nw_adapter.experiments.scale import Scale
@@ -37,13 +41,15 @@ from nw_adapter.experiments.tasks import (
     make_feature_splits,
     split_generator,
 )
-from nw_adapter.experiments.training import TrainConfig, build_model, train
+from nw_adapter.experiments.training import TrainConfig, build_model, loss_plateau, train
 
 __all__ = ["plan_units", "run_unit", "write_json_atomic", "SIGMA_MIN", "EVAL_SEED"]
 
 SIGMA_MIN = 0.01
 EVAL_SEED = 0
 ROTATE_TRAIN = True
+#: Training tasks and held-out points per task on which the amortised tau is fitted.
+AMORTISE_TASKS, AMORTISE_HELDOUT = 64, 200
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -57,6 +63,7 @@ def plan_units(scale: Scale, regimes: tuple[str, ...]) -> list[dict]:
     if "dims" in regimes:
         for d in scale.dims:
             units.append({"id": f"dims-d{d}-plugin", "regime": "dims", "d": d, "method": "plugin"})
+            units.append({"id": f"dims-d{d}-fields", "regime": "dims", "d": d, "method": "fields"})
             for seed in range(scale.seeds):
                 for variant in ("off", "on"):
                     units.append(
@@ -71,20 +78,26 @@ def plan_units(scale: Scale, regimes: tuple[str, ...]) -> list[dict]:
     if "shells" in regimes:
         for d in scale.shell_dims:
             units.append({"id": f"shells-d{d}-plugin", "regime": "shells", "d": d, "method": "plugin"})
+            units.append({"id": f"shells-d{d}-fields", "regime": "shells", "d": d, "method": "fields"})
             for seed in range(scale.seeds):
-                units.append(
-                    {
-                        "id": f"shells-d{d}-s{seed}-off",
-                        "regime": "shells",
-                        "d": d,
-                        "seed": seed,
-                        "method": "off",
-                    }
-                )
+                for variant in ("off", "on"):
+                    units.append(
+                        {
+                            "id": f"shells-d{d}-s{seed}-{variant}",
+                            "regime": "shells",
+                            "d": d,
+                            "seed": seed,
+                            "method": variant,
+                        }
+                    )
     if "digits" in regimes:
         units.append({"id": "digits-plugin", "regime": "digits", "method": "plugin"})
+        units.append({"id": "digits-fields", "regime": "digits", "method": "fields"})
         for seed in range(scale.seeds):
-            units.append({"id": f"digits-s{seed}-learned", "regime": "digits", "seed": seed, "method": "off"})
+            for variant in ("off", "on"):
+                units.append(
+                    {"id": f"digits-s{seed}-{variant}", "regime": "digits", "seed": seed, "method": variant}
+                )
     return units
 
 
@@ -163,6 +176,7 @@ def _train_unit(
         "loss_first": sum(losses[:k]) / k,
         "loss_last": sum(losses[-k:]) / k,
         "loss_curve": losses[:: max(1, len(losses) // 50)],
+        "plateau": loss_plateau(losses),
         "cpu_s": time.process_time() - t0,
     }
     return result.model, info
@@ -202,6 +216,20 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
             payload.update(
                 _lists(res, "plugin"), neff=res["neff"].tolist(), sigma_fixed=res["sigma_fixed"].tolist()
             )
+        elif unit["method"] == "fields":
+            train_tasks = family.sample(
+                AMORTISE_TASKS,
+                scale.num_support,
+                AMORTISE_HELDOUT,
+                generator=split_generator(EVAL_SEED, "train"),
+            )
+            tau = fit_shared_tau(train_tasks.support, train_tasks.target)
+            t0 = time.process_time()
+            builders = training_free_builders(tau, sigma_min=SIGMA_MIN)
+            res = evaluate_methods(builders, tasks, ecfg)
+            payload["fields"] = {name: _lists(res, name) for name in builders}
+            payload["amortised_tau"] = tau
+            payload["loo_tau_mean"] = float(loo_tau(tasks.support).mean())
         else:
             model, payload["train"] = _train_unit(
                 unit, scale, family, scale.steps, scale.num_support, ckpt_dir, progress
@@ -235,17 +263,32 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
         payload["train_classes"], payload["test_classes"] = splits.train.classes, splits.test.classes
         if unit["method"] == "plugin":
             methods = {"plugin": lambda s, mk: plugin_field(s, mk, sigma_min=SIGMA_MIN)}
-            name = "plugin"
+        elif unit["method"] == "fields":
+            methods = None
         else:
             model, payload["train"] = _train_unit(
                 unit, scale, splits.train, scale.digits_steps, (1, m_max), ckpt_dir, progress
             )
             methods = {"model": lambda s, mk: model_field(model, s, mk)}
-            name = "model"
         t0 = time.process_time()
         per_m = {}
         for m in scale.support_sizes:
-            res = evaluate_methods(methods, TaskBatch(base.support[:, :m], base.target), ecfg)
+            batch = TaskBatch(base.support[:, :m], base.target)
+            if unit["method"] == "fields":
+                train_tasks = splits.train.sample(
+                    AMORTISE_TASKS, m, scale.digits_targets, generator=split_generator(EVAL_SEED, "train")
+                )
+                tau = fit_shared_tau(train_tasks.support, train_tasks.target)
+                builders = training_free_builders(tau, sigma_min=SIGMA_MIN)
+                res = evaluate_methods(builders, batch, ecfg)
+                per_m[str(m)] = {
+                    "fields": {name: _lists(res, name) for name in builders},
+                    "amortised_tau": tau,
+                    "loo_tau_mean": float(loo_tau(batch.support).mean()),
+                }
+                continue
+            res = evaluate_methods(methods, batch, ecfg)
+            name = next(iter(methods))
             per_m[str(m)] = {**_lists(res, name), "neff": res["neff"].tolist()}
         payload["per_m"] = per_m
         payload["eval_cpu_s"] = time.process_time() - t0

@@ -20,7 +20,14 @@ from scipy import stats
 
 from nw_adapter.experiments.inference import holm
 
-__all__ = ["neff_falls", "benefit_vanishes", "learned_wins_small_m", "plugin_catches_up", "plugin_worse"]
+__all__ = [
+    "neff_falls",
+    "benefit_vanishes",
+    "learned_wins_small_m",
+    "plugin_catches_up",
+    "plugin_worse",
+    "fix_closes_its_gap",
+]
 
 SMALL_M = 10
 RATIO_THRESHOLD = 2.0
@@ -221,4 +228,63 @@ def plugin_worse(rows: list[dict], threshold: float = RATIO_THRESHOLD) -> dict:
             f"d={r['d']}: {r['ratio']:.1f}x [{r['ratio_ci'][0]:.1f}, {r['ratio_ci'][1]:.1f}]" for r in rows
         )
         + ".",
+    }
+
+
+def _share(col: dict, cell: dict) -> str:
+    lo, hi = cell["share_ci"]
+    return (
+        f"{col['regime']} {col['setting']}: {100 * cell['share']:+.0f}% [{100 * lo:+.0f}%, {100 * hi:+.0f}%]"
+    )
+
+
+def fix_closes_its_gap(row: str, regime: str, columns: list[dict], cells: list[dict | None]) -> dict:
+    """A training-free fix closes part of its own regime's gap, and no other regime's.
+
+    Appeared iff (1) its own regime has at least one setting with a gap (the learned OFF model
+    significantly better than the plug-in) and at every such setting the share of the gap closed
+    has its 95% interval above 0, and (2) at no setting of another regime with a gap does the
+    share's interval lie above 0. A field no better than the plug-in (share ~0) does not appear.
+
+    Args:
+        row: The field's name.
+        regime: The regime whose gap the field is meant to close.
+        columns: Matrix columns (``regime``, ``setting``, ``has_gap``).
+        cells: The field's cells, one per column (``share``, ``share_ci``) or None.
+    """
+    pairs = [(c, x) for c, x in zip(columns, cells, strict=True) if x is not None and c["has_gap"]]
+    own = [(c, x) for c, x in pairs if c["regime"] == regime]
+    other = [(c, x) for c, x in pairs if c["regime"] != regime]
+    closes_own = bool(own) and all(x["share_ci"][0] > 0 for _, x in own)
+    elsewhere = [(c, x) for c, x in other if x["share_ci"][0] > 0]
+    reasons = []
+    if not own:
+        reasons.append(f"no setting of {regime} has a gap to close")
+    elif not closes_own:
+        reasons.append(
+            "its own-regime interval reaches 0 or below at "
+            + ", ".join(f"{c['setting']}" for c, x in own if not x["share_ci"][0] > 0)
+        )
+    if elsewhere:
+        reasons.append("it also closes " + ", ".join(f"{c['regime']} {c['setting']}" for c, _ in elsewhere))
+    beats = [
+        f"{c['regime']} {c['setting']}"
+        for c, x in zip(columns, cells, strict=True)
+        if x is not None and x.get("beats_learned")
+    ]
+    evidence = "own: " + ("; ".join(_share(c, x) for c, x in own) or "none") + ". others: "
+    evidence += ("; ".join(_share(c, x) for c, x in other) or "none") + "."
+    if beats:
+        evidence += (
+            f" It beats the learned OFF model (gain over OFF, interval above 0) at {', '.join(beats)}."
+        )
+    if reasons:
+        evidence += f" ({'; '.join(reasons)})."
+    return {
+        "trend": f"{row} closes part of the plug-in -> learned gap in its own regime ({regime}) "
+        "and in no other",
+        "appeared": bool(closes_own and not elsewhere),
+        "closes_own": bool(closes_own),
+        "closes_elsewhere": [f"{c['regime']} {c['setting']}" for c, _ in elsewhere],
+        "evidence": evidence,
     }

@@ -23,7 +23,7 @@ if ROOT not in sys.path:  # `benchmarks/` is not installed: make it importable u
 
 from benchmarks.attention import DEFAULT_VARIANTS, bench_attention_layer, bench_unet_step  # noqa: E402
 from benchmarks.models import TOY_UNET_CONFIG, build_unet, unet_inputs  # noqa: E402
-from benchmarks.nw_field import IMPLEMENTATIONS, bench_nw_field, measure_peak_here  # noqa: E402
+from benchmarks.nw_field import IMPLEMENTATIONS, SMOOTHED, bench_nw_field, measure_peak_here  # noqa: E402
 from benchmarks.recorder_memory import bench_recorder_memory, tensor_bytes  # noqa: E402
 from benchmarks.run import main, table  # noqa: E402
 from benchmarks.timing import add_ratios, quantiles, time_interleaved  # noqa: E402
@@ -86,6 +86,9 @@ def test_nw_field_implementations_agree_and_memory_is_measured() -> None:
     results = rows[0]["results"]
     assert set(results) == set(IMPLEMENTATIONS)
     for name, r in results.items():
+        if name in SMOOTHED:  # a smoothed target's field: checked against itself in float64
+            assert r["max_abs_diff_vs_float64"] < 1e-4, name
+            continue
         assert r["max_abs_diff_vs_naive"] < 1e-4, name
         assert r["x_floor"] == pytest.approx(r["median"] / rows[0]["floor_s"])
     assert rows[0]["gemm"]["size"] == 32 and rows[0]["gemm"]["gflops"] > 0

@@ -63,10 +63,13 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
         "digits.png",
         "heads.png",
         "config.json",
+        "matrix.md",
     ):
         assert (out / name).is_file(), name
     results = sorted(p.name for p in (out / "results").glob("*.json"))
-    assert len(results) == 2 * 3 + 2 + 2  # dims: (plugin, off, on) x 2 d; shells: plugin, off; digits: 2
+    assert len(results) == 4 * 2 + 4 + 4  # (plugin, fields, off, on): dims x 2 d, shells x 1 d, digits
+    printed = capsys.readouterr().out
+    assert "fix x regime matrix" in printed and "amortised tau" in printed  # the CLI prints the matrix
     report = (out / "report.md").read_text()
     for heading in ("Nearest-neighbour collapse", "Geometry mismatch", "Support scarcity", "heads as NW"):
         assert heading in report
@@ -80,6 +83,27 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     assert digits["task_classes"] == sorted(digits["test_classes"])
     assert all(r["test_classes"]["n"] == len(digits["test_classes"]) for r in summary["digits"]["rows"])
     assert "test_tasks" not in summary["digits"]["rows"][0]  # no pseudo-replicated test over tasks
+    matrix = summary["matrix"]
+    assert [(c["regime"], c["setting"]) for c in matrix["columns"]] == [
+        ("dims", "d=2"),
+        ("dims", "d=3"),
+        ("shells", "d=4"),
+        ("digits", "m=1"),
+    ]
+    assert set(matrix["cells"]) == {"smoothed", "local_cov", "projected", "amortised", "learned_on"}
+    assert len(matrix["verdicts"]) == 4 and "fix x regime matrix" in report
+    assert any(p["where"].startswith("matrix ") for p in summary["p_values"])  # in the Holm family
+    assert {r["variant"] for r in summary["baseline"]} == {"OFF", "ON"}
+    # the amortised tau is fitted on TRAINING tasks of the family, never on the test tasks
+    from nw_adapter.core.smoothed_fields import fit_shared_tau
+    from nw_adapter.experiments.tasks import GaussianMixtureFamily, split_generator
+    from nw_adapter.experiments.units import AMORTISE_HELDOUT, AMORTISE_TASKS
+
+    train = GaussianMixtureFamily(2).sample(
+        AMORTISE_TASKS, 50, AMORTISE_HELDOUT, generator=split_generator(0, "train")
+    )
+    fields = json.loads((out / "results" / "dims-d2-fields.json").read_text())
+    assert fields["amortised_tau"] == fit_shared_tau(train.support, train.target)
     assert len(summary["p_values"]) >= 1 and "Multiple comparisons" in report
     off = json.loads((out / "results" / "dims-d2-s0-off.json").read_text())
     assert len(off["heads_untrained"]) == len(off["heads"]) > 0
