@@ -115,22 +115,6 @@ def panels_from_maps(
     return panels
 
 
-def _map_panel(ax, grey: np.ndarray, data: np.ndarray, centre: float, spread: float, alpha: float):
-    """``data`` (bilinearly resized) over the grey ``grey`` on ``ax``, a diverging scale
-    ``centre +- spread``; returns the mappable for a colour bar."""
-    from nw_adapter.integration.heatmaps import TokenHeatMaps
-
-    resized = TokenHeatMaps("attn", data[None], (), (), centre).resized(grey.shape)[0]
-    ax.imshow(grey, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
-    mappable = ax.imshow(
-        resized, cmap="RdBu_r", vmin=centre - spread, vmax=centre + spread, alpha=alpha,
-        interpolation="nearest",
-    )
-    ax.set_xticks([])
-    ax.set_yticks([])
-    return mappable
-
-
 def plot_attention_maps(
     generated,
     panels: Sequence[MapPanel],
@@ -160,7 +144,7 @@ def plot_attention_maps(
     """
     from matplotlib.figure import Figure
 
-    from nw_adapter.integration.heatmaps import _grey
+    from nw_adapter.integration.heatmaps import draw_overlay, grey_image, resize_map
 
     if not panels:
         raise ValueError("panels: no stored maps to draw; run with --store-maps on at least one step")
@@ -175,7 +159,7 @@ def plot_attention_maps(
         row_panels = per_step[step]
         label = f"step {step}, t={row_panels[0].timestep:.0f}"
         beneath = previews.get(step, generated)
-        grey = _grey(beneath)
+        grey = grey_image(beneath)
         first = axes[row][0]
         first.imshow(np.asarray(beneath.convert("RGB")))
         caption = f"x0 estimate\n{label}" if step in previews else f"final image\n({label} maps)"
@@ -194,7 +178,9 @@ def plot_attention_maps(
                 ("A - NW", diff, 0.0, diff_spread),
             )
             for ax, (name, data, centre, width) in zip(cells, kinds, strict=True):
-                mappable = _map_panel(ax, grey, data, centre, width, alpha)
+                mappable = draw_overlay(
+                    ax, grey, resize_map(data, grey.shape), centre=centre, spread=width, alpha=alpha
+                )
                 ax.set_title(f"{name}, token {panel.token}", fontsize=8)
                 if name != "A":
                     bar = fig.colorbar(mappable, ax=ax, fraction=0.06, pad=0.02)

@@ -232,11 +232,7 @@ class TokenHeatMaps:
 
     def resized(self, hw: tuple[int, int]) -> np.ndarray:
         """``[tokens, H, W]``: the maps bilinearly resized to an image's pixels (for overlays)."""
-        import torch
-        import torch.nn.functional as F
-
-        grid = torch.from_numpy(self.values)[None]
-        return F.interpolate(grid, size=hw, mode="bilinear", align_corners=False)[0].numpy()
+        return resize_map(self.values, hw)
 
     def plot_overlay(
         self,
@@ -273,7 +269,7 @@ class TokenHeatMaps:
 
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        grey = _grey(image)
+        grey = grey_image(image)
         chosen = list(range(self.num_tokens)) if tokens is None else [int(k) for k in tokens]
         for k in chosen:
             self.token(k)
@@ -288,13 +284,7 @@ class TokenHeatMaps:
         for ax, k in zip(axes.flat, chosen, strict=False):
             data = heat[k]
             spread = float(np.abs(data - centre).max()) or 1e-12
-            ax.imshow(grey, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
-            shown = ax.imshow(
-                data, cmap="RdBu_r", vmin=centre - spread, vmax=centre + spread, alpha=alpha,
-                interpolation="bilinear",
-            )
-            ax.set_xticks([])
-            ax.set_yticks([])
+            shown = draw_overlay(ax, grey, data, centre=centre, spread=spread, alpha=alpha)
             ax.set_title(f"token {k}", fontsize=9)
             bar = fig.colorbar(shown, ax=ax, fraction=0.05, pad=0.03)
             bar.set_ticks([centre - spread, centre, centre + spread])
@@ -317,7 +307,30 @@ def _span(steps: tuple[int, ...]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]} ({len(steps)})"
 
 
-def _grey(image: Any) -> np.ndarray:
+def draw_overlay(ax: Any, grey: np.ndarray, data: np.ndarray, *, centre: float, spread: float, alpha: float):
+    """Draw ``data`` ``[H, W]`` (already at the image's pixels) over the grey image ``grey``
+    ``[H, W]`` on the matplotlib axes ``ax``: a diverging map ``centre +- spread`` (white = centre)
+    at opacity ``alpha``, no ticks. Returns the mappable, for a colour bar."""
+    ax.imshow(grey, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
+    shown = ax.imshow(
+        data, cmap="RdBu_r", vmin=centre - spread, vmax=centre + spread, alpha=alpha, interpolation="nearest"
+    )
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return shown
+
+
+def resize_map(data: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """``[..., h, w]`` -> ``[..., H, W]``: bilinear resizing of maps to an image's pixels."""
+    import torch
+    import torch.nn.functional as F
+
+    grid = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float64)).reshape(-1, 1, *data.shape[-2:])
+    out = F.interpolate(grid, size=hw, mode="bilinear", align_corners=False)
+    return out.reshape(*data.shape[:-2], *hw).numpy()
+
+
+def grey_image(image: Any) -> np.ndarray:
     """``[H, W]`` in [0, 1] from a PIL image or an array (uint8 or float, grey or colour)."""
     array = np.asarray(image.convert("L") if hasattr(image, "convert") else image, dtype=np.float64)
     if array.ndim == 3:
