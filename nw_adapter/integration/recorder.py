@@ -266,7 +266,7 @@ class NWRecorder:
         return len(self._entries), len(self.map_store)
 
     def skip(self, layer: str, error: BaseException, *, rollback: tuple[int, int] | None = None) -> None:
-        """Count a (step, layer) pair whose side computation failed (the layer kept the stock output).
+        """Count a (step, layer) pair whose side computation failed (the layer kept its output).
 
         Warns once per recorder (``warnings.warn``, RuntimeWarning); every pair is counted in
         :meth:`skipped` and exported by :meth:`to_json`.

@@ -63,8 +63,9 @@ STAT_NAMES: tuple[str, ...] = (
 #: The statistics in reporting order (rho first, the bandwidth used last).
 SUMMARY_STATS: tuple[str, ...] = tuple(s for s in STAT_NAMES if s != "bandwidth") + ("bandwidth",)
 
-#: Top-level export field of the (call, step, layer) pairs whose side computation failed in
-#: observe mode (the layer returned the stock output): ``{"count", "by_reason", "pairs"}``.
+#: Top-level export field of the (call, step, layer) pairs whose side computation failed (the
+#: layer kept its output: diffusers' in observe, the NW head's in swap): ``{"count", "by_reason",
+#: "pairs"}``.
 SKIPPED_FIELD = "skipped"
 
 #: The nulls rho must clear to count as evidence (all of them, each present).
