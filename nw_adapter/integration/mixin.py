@@ -25,6 +25,8 @@ restores the original processors on exit, exceptions included.
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +209,25 @@ def nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **options: 
         remove_nw_processor(pipe)
 
 
+_WARNED_ABOUT_INTERRUPTS: weakref.WeakSet[NWRecorder] = weakref.WeakSet()
+
+
+def _discard_interrupted_call(recorder: NWRecorder, error: BaseException, *, where: str) -> int:
+    """Drop the current call's partial records after ``error`` stopped it; the first time per
+    recorder a RuntimeWarning says so (``where``: who saw it, e.g. the pipeline class)."""
+    dropped = recorder.discard_call()
+    if recorder not in _WARNED_ABOUT_INTERRUPTS:
+        _WARNED_ABOUT_INTERRUPTS.add(recorder)
+        warnings.warn(
+            f"{where}: the pipeline call raised {type(error).__name__}; its {dropped} partial record(s) "
+            "were dropped and the NW processors stay installed (pipe.unset_ip_adapter_nw_processor() "
+            "removes them)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return dropped
+
+
 class NWIPAdapterMixin:
     """Pipeline mixin: ``set_ip_adapter_nw_processor`` / ``unset_ip_adapter_nw_processor``.
 
@@ -259,5 +280,5 @@ class NWIPAdapterMixin:
         except BaseException as error:
             recorder = active_recorder(self)
             if recorder is not None:
-                recorder.discard_interrupted_call(error, where=type(self).__name__)
+                _discard_interrupted_call(recorder, error, where=type(self).__name__)
             raise

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,15 +28,13 @@ from nw_adapter.atomic import atomic_write_text
 from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.maps import MapStore
 from nw_adapter.integration.records import Records, Summary, block_of
-from nw_adapter.integration.schema import LEGACY_NAMES, SKIPPED_FIELD, STAT_NAMES
+from nw_adapter.integration.records_file import RECORDS_SCHEMA, read_records_file, records_document
+from nw_adapter.integration.schema import STAT_NAMES
 from nw_adapter.integration.skips import SkipLedger
 from nw_adapter.integration.steps import StepState, StepTracker
-from nw_adapter.integration.validation import check_records_file
 
 __all__ = ["RECORDS_SCHEMA", "STAT_NAMES", "NWRecorder", "StepState", "Summary", "block_of"]
 
-RECORDS_SCHEMA = "nw-adapter/records"
-"""``schema`` of :meth:`NWRecorder.to_json` files."""
 
 
 @dataclass
@@ -54,12 +51,6 @@ class _Entry:
     stats: torch.Tensor  # [num_stats, num_halves, num_heads], float32, on the model's device
     key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
     ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
@@ -144,7 +135,6 @@ class NWRecorder:
         self._generators_serial = -1  # the tracker's call_serial the generators were seeded for
         self._loaded: list[dict[str, Any]] = []  # records read by from_json
         self.source: dict[str, Any] | None = None
-        self._interrupt_warned = False
 
     # ------------------------------------------------------------------ steps (the tracker's)
     @property
@@ -303,21 +293,6 @@ class NWRecorder:
         self.map_store.drop_call(call)
         return dropped
 
-    def discard_interrupted_call(self, error: BaseException, *, where: str) -> int:
-        """:meth:`discard_call` of the current call after ``error`` stopped it; the first time per
-        recorder a RuntimeWarning says so (``where``: who saw it, e.g. the pipeline class)."""
-        dropped = self.discard_call()
-        if not self._interrupt_warned:
-            self._interrupt_warned = True
-            warnings.warn(
-                f"{where}: the pipeline call raised {type(error).__name__}; its {dropped} partial "
-                "record(s) were dropped and the NW processors stay installed "
-                "(pipe.unset_ip_adapter_nw_processor() removes them)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return dropped
-
     def clear(self) -> None:
         """Drop all recorded statistics, maps and skipped pairs (step tracking continues)."""
         self._entries.clear()
@@ -378,58 +353,24 @@ class NWRecorder:
         return self.records().plot(half=half, path=path)
 
     def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the records file atomically (NaN -> null); read it back with :meth:`from_json`.
-
-        The document is ``{"schema": "nw-adapter/records", "schema_version": 1, "config",
-        "records", "summary", "skipped"}``; suggested name ``records.json`` (the command line's
-        report is ``rho.json``, schema ``nw-adapter/rho``, and holds the same ``records``).
-        """
-        records = self.records()
-        payload = {
-            "schema": RECORDS_SCHEMA,
-            "schema_version": 1,
-            "config": self.config.to_dict(),
-            "records": [{k: _json_safe(v) for k, v in r.items()} for r in records],
-            "summary": [{k: _json_safe(v) for k, v in r.items()} for r in records.summary()],
-            SKIPPED_FIELD: self.skipped(),
-        }
-        return atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False))
+        """Write the records file atomically (NaN -> null); read it back with :meth:`from_json`
+        (the layout: :func:`~nw_adapter.integration.records_file.records_document`)."""
+        return atomic_write_text(path, json.dumps(records_document(self), indent=1, allow_nan=False))
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> NWRecorder:
-        """A recorder holding the records of a saved run, for summaries, tables and plots.
-
-        Reads a :meth:`to_json` file or the command line's ``rho.json`` (its ``records``; the
-        ``reference`` key of each record is kept). Nothing is recomputed; the loaded recorder has
-        no maps and records nothing new until it is attached to a pipeline.
+        """A recorder holding the records of a saved run (a :meth:`to_json` file or the command
+        line's ``rho.json``), for summaries, tables and plots. Nothing is recomputed; the loaded
+        recorder has no maps and records nothing new until it is attached to a pipeline.
 
         Raises:
-            ValueError: Not a records file or a ``rho.json`` (the message names the file).
+            ValueError: not a records file or a ``rho.json``, or a malformed record (one line
+                naming the file, the record and the field).
         """
-        path = Path(path)
-        try:
-            document = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"NWRecorder.from_json: cannot read '{path}' ({exc}); pass a records file"
-            ) from None
-        check_records_file(document, source=f"NWRecorder.from_json: '{path}'")  # one line per malformed field
-        schema = document.get("schema") if isinstance(document, dict) else None
-        if schema not in (RECORDS_SCHEMA, "nw-adapter/rho") or not isinstance(document.get("records"), list):
-            raise ValueError(
-                f"NWRecorder.from_json: '{path}' is not an nw-adapter records file (schema {schema!r}); "
-                "pass a file written by NWRecorder.to_json or correlate.py's rho.json"
-            )
-        config = NWProcessorConfig()
-        if schema == RECORDS_SCHEMA and isinstance(document.get("config"), dict):
-            known = NWProcessorConfig.field_names()  # options of another version are left out
-            config = NWProcessorConfig(**{k: v for k, v in document["config"].items() if k in known})
-        recorder = cls(config)
-        renamed = ({LEGACY_NAMES.get(k, k): v for k, v in r.items()} for r in document["records"])
-        recorder._loaded = [
-            {k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()} for r in renamed
-        ]
-        recorder.source = {"path": str(path), "schema": schema, "config": document.get("config")}
+        saved = read_records_file(path)
+        recorder = cls(saved.config)
+        recorder._loaded = saved.records
+        recorder.source = saved.source
         return recorder
 
     def maps(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,79 @@
+"""The records file of :meth:`NWRecorder.to_json` / :meth:`NWRecorder.from_json`.
+
+``to_json`` writes ``{"schema": "nw-adapter/records", "schema_version": 1, "config", "records",
+"summary", "skipped"}`` (strict JSON: NaN is ``null``); suggested name ``records.json``. The
+command line's report ``rho.json`` (schema ``nw-adapter/rho``) holds the same ``records`` and
+is read back the same way. Every record is checked on reading
+(:func:`~nw_adapter.integration.validation.check_records_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.schema import LEGACY_NAMES, SKIPPED_FIELD, STAT_NAMES
+from nw_adapter.integration.validation import RECORDS_SCHEMA, REPORT_SCHEMA, check_records_file
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def records_document(recorder: Any) -> dict[str, Any]:
+    """The JSON document of ``recorder`` (an :class:`NWRecorder`): options, records, summary, skips."""
+    records = recorder.records()
+    return {
+        "schema": RECORDS_SCHEMA,
+        "schema_version": 1,
+        "config": recorder.config.to_dict(),
+        "records": [{k: _json_safe(v) for k, v in r.items()} for r in records],
+        "summary": [{k: _json_safe(v) for k, v in r.items()} for r in records.summary()],
+        SKIPPED_FIELD: recorder.skipped(),
+    }
+
+
+@dataclass(frozen=True)
+class SavedRecords:
+    """What a records file holds: the options (those this version knows), the records (legacy
+    names renamed, ``null`` statistics as NaN) and where they came from."""
+
+    config: NWProcessorConfig
+    records: list[dict[str, Any]]
+    source: dict[str, Any]
+
+
+def read_records_file(path: str | os.PathLike) -> SavedRecords:
+    """Read and check a records file or a ``rho.json``.
+
+    Raises:
+        ValueError: unreadable, not one of the two schemas, or a malformed record (one line
+            naming the file, the record and the field).
+    """
+    path = Path(path)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"NWRecorder.from_json: cannot read '{path}' ({exc}); pass a records file") from None
+    check_records_file(document, source=f"NWRecorder.from_json: '{path}'")
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if schema not in (RECORDS_SCHEMA, REPORT_SCHEMA) or not isinstance(document.get("records"), list):
+        raise ValueError(
+            f"NWRecorder.from_json: '{path}' is not an nw-adapter records file (schema {schema!r}); "
+            "pass a file written by NWRecorder.to_json or correlate.py's rho.json"
+        )
+    config = NWProcessorConfig()
+    if schema == RECORDS_SCHEMA and isinstance(document.get("config"), dict):
+        known = NWProcessorConfig.field_names()  # options of another version are left out
+        config = NWProcessorConfig(**{k: v for k, v in document["config"].items() if k in known})
+    renamed = ({LEGACY_NAMES.get(k, k): v for k, v in r.items()} for r in document["records"])
+    records = [{k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()} for r in renamed]
+    source = {"path": str(path), "schema": schema, "config": document.get("config")}
+    return SavedRecords(config, records, source)
