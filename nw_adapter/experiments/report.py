@@ -422,7 +422,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
     if summary.get("dims", {}).get("rows"):
         rows = summary["dims"]["rows"]
         ds = [r["d"] for r in rows]
-        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
         ax[0].plot(ds, [r["neff"] for r in rows], "o-", label="ours")
         ax[0].plot(list(PAPER["dims"]["neff"]), list(PAPER["dims"]["neff"].values()), "s--", label="paper")
         ax[0].set(xlabel="d", ylabel="n_eff at t = 0.56", title="nearest-neighbour collapse")
@@ -474,7 +474,7 @@ def _plots(summary: dict, out_dir: Path) -> list[str]:
         written.append("matrix.png")
     head_sets = _head_sets(summary)
     if head_sets:
-        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True, layout="constrained")
         for i, (label, rows) in enumerate(head_sets):
             ts, colour = [h["t"] for h in rows], f"C{i % 10}"
             ax[0].plot(ts, [h["rho_head"] for h in rows], "o-", color=colour, label=label)
