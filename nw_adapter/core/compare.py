@@ -5,8 +5,9 @@ its weights ``A = softmax(scale q k^T)`` and compares them with the NW weights i
 q/k space, ``NW = softmax(-||q - k_i||^2 / 2h^2)``, per (batch row, head): the rank statistics
 and their three nulls (:mod:`nw_adapter.core.metrics`), the divergences, effective sample sizes,
 and the readings that split the attention into a key prior and an NW smoother of the query
-(:mod:`nw_adapter.core.readings`). It is the plain reference of these statistics, float64
-capable; the processors compute the same numbers on the fly.
+(:mod:`nw_adapter.core.readings`). It is a plain reference of these statistics, float64
+capable. The processors record the rank statistics, divergences and effective sample sizes on
+the fly; the key-prior readings (``r2_key`` ... ``h_eff``) are not recorded per step yet.
 
 A reading is evidence only against a control with the same algebra but not the learning (the
 same queries against an untrained adapter's keys, or the nulls): a random head already has
