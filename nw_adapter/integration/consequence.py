@@ -7,7 +7,10 @@ image per bandwidth rule, all from the same seed and call arguments, and measure
 rule):
 
 - ``abs_diff``: the mean absolute pixel difference ``mean |x_swap - x_stock|`` over pixels and
-  channels, images as floats in ``[0, 1]``;
+  channels, images as floats in ``[0, 1]``; its control ``abs_diff_other_seed`` is the same
+  difference between two stock generations of the reference from different seeds (``seed + i`` and
+  ``seed + n + i`` for ``n`` references): a swap difference well below it changes less than a new
+  seed does;
 - ``clip_i_stock`` / ``clip_i_swap``: CLIP-I, the cosine similarity
   ``<e(x), e(ref)> / (|e(x)| |e(ref)|)`` of the generation and the reference in the pipeline's own
   image-encoder space ``e`` (the IP-Adapter paper's image-fidelity metric);
@@ -41,7 +44,7 @@ __all__ = ["DEFAULT_RULES", "SwapComparison", "compare_swap", "encode_images", "
 
 DEFAULT_RULES = ("matched", "fitted", "schedule", "median")
 CONFIDENCE = 0.95
-_MEAN_COLUMNS = ("abs_diff", "clip_i_stock", "clip_i_swap", "clip_i_change")
+_MEAN_COLUMNS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
@@ -79,6 +82,7 @@ class SwapComparison:
     Attributes:
         rules: The bandwidth rules compared with stock, in order (names or floats).
         per_reference: One dict per (reference, rule): ``reference`` (index), ``rule``, ``abs_diff``,
+            ``abs_diff_other_seed`` (stock vs stock from another seed: the control),
             ``clip_i_stock``, ``clip_i_swap``, ``clip_i_change`` (swap minus stock), and with a judge
             ``label``, ``stock_label``, ``swap_label``, ``stock_keeps``, ``swap_keeps``.
         embedding: Which image-encoder output CLIP-I used: ``"image_embeds"``, ``"pooler_output"``
@@ -137,7 +141,15 @@ class SwapComparison:
                 f"[{row[arm + '_kept_low']:.0%}, {row[arm + '_kept_high']:.0%}]"
             )
 
-        header = ["rule", "n", "|swap - stock| px", "CLIP-I stock", "CLIP-I swap", "CLIP-I change"]
+        header = [
+            "rule",
+            "n",
+            "|swap - stock| px",
+            "|stock - other seed| px",
+            "CLIP-I stock",
+            "CLIP-I swap",
+            "CLIP-I change",
+        ]
         if self.judged:
             header += ["stock keeps class", "swap keeps class"]
         lines = [header]
@@ -270,8 +282,8 @@ def compare_swap(
 
     Reference ``i`` is generated with ``torch.Generator(pipe.device).manual_seed(seed + i)`` once
     stock and once per rule inside ``nw_processor(pipe, mode="swap", bandwidth=rule,
-    statistics=False)``; every call gets the same arguments. See the module docstring for the
-    metrics.
+    statistics=False)``, and once more stock with seed ``seed + n + i`` (the seed control); every
+    call gets the same arguments. See the module docstring for the metrics.
 
     Args:
         pipe: A diffusers pipeline with an IP-Adapter loaded (``ip_adapter_image=`` in its call).
@@ -308,6 +320,8 @@ def compare_swap(
     swap_images: dict[Any, list[np.ndarray]] = {name: [] for name in names}
     for index, reference in enumerate(references):
         stock = _generate(pipe, reference, seed + index, arguments)
+        other_seed = _generate(pipe, reference, seed + len(references) + index, arguments)
+        seed_difference = float(np.abs(other_seed - stock).mean())
         swaps = {}
         for name in names:
             with nw_processor(pipe, mode="swap", bandwidth=name, statistics=False):
@@ -321,6 +335,7 @@ def compare_swap(
                 "reference": index,
                 "rule": name,
                 "abs_diff": float(np.abs(swaps[name] - stock).mean()),
+                "abs_diff_other_seed": seed_difference,
                 "clip_i_stock": similarity[0],
                 "clip_i_swap": similarity[position],
                 "clip_i_change": similarity[position] - similarity[0],

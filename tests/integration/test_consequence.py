@@ -61,17 +61,26 @@ def test_shapes_of_the_result(result):
     assert len(result.stock_images) == len(DIGITS) and result.stock_images[0].shape == (32, 32, 3)
 
 
+def _plain_call(pipe, reference, seed):
+    return pipe(
+        prompt="a photograph",
+        ip_adapter_image=reference,
+        num_inference_steps=STEPS,
+        guidance_scale=7.5,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+    ).images[0]
+
+
 def test_stock_generation_is_bit_identical_to_a_plain_call(pipe, references, result):
     for index, reference in enumerate(references):
-        own = pipe(
-            prompt="a photograph",
-            ip_adapter_image=reference,
-            num_inference_steps=STEPS,
-            guidance_scale=7.5,
-            generator=torch.Generator().manual_seed(5 + index),
-            output_type="np",
-        ).images[0]
-        np.testing.assert_array_equal(result.stock_images[index], np.clip(own, 0.0, 1.0))
+        own = np.clip(_plain_call(pipe, reference, 5 + index), 0.0, 1.0)
+        np.testing.assert_array_equal(result.stock_images[index], own)
+        # the seed control: the same reference from seed + n + i
+        other = np.clip(_plain_call(pipe, reference, 5 + len(references) + index), 0.0, 1.0)
+        row = result.per_reference[index * len(RULES)]
+        assert row["abs_diff_other_seed"] == pytest.approx(float(np.abs(other - own).mean()))
+        assert row["abs_diff_other_seed"] > 0
 
 
 def test_swap_differs_from_stock_and_the_difference_is_the_stored_one(result):
