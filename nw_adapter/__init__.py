@@ -41,6 +41,7 @@ _LAZY = {
     "load_tiny_flux": "nw_adapter.models.loaders",
     "tiny_digit_image": "nw_adapter.models.loaders",
     "compare_attention": "nw_adapter.core.compare",
+    "compare_swap": "nw_adapter.integration.consequence",
 }
 
 __all__ = ["__version__", *_LAZY]

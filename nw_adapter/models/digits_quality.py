@@ -23,6 +23,7 @@ from nw_adapter.models.digits_data import DigitSplit, digit_features
 __all__ = [
     "AgreementResult",
     "caption_epsilon_losses",
+    "digit_judge",
     "fit_judge",
     "generate_from_references",
     "measure_agreement",
@@ -71,6 +72,29 @@ def fit_judge(judge: DigitSplit):
     from sklearn.svm import SVC
 
     return make_pipeline(StandardScaler(), SVC()).fit(digit_features(judge.images), judge.labels)
+
+
+def digit_judge():
+    """The judge as a callable on PIL images (what :func:`nw_adapter.integration.consequence.compare_swap`
+    takes): fitted by :func:`fit_judge` on the held-out ``judge`` split.
+
+    Returns:
+        A function: list of ``N`` PIL images (32 x 32, RGB) -> list of ``N`` predicted digits (int).
+
+    Example:
+        >>> judge = digit_judge()  # doctest: +SKIP
+        >>> judge([tiny_digit_image(3)])  # doctest: +SKIP
+        [3]
+    """
+    from nw_adapter.models.digits_data import load_digit_splits
+
+    classifier = fit_judge(load_digit_splits()["judge"])
+
+    def judge(images) -> list[int]:
+        arrays = np.stack([np.asarray(image.convert("RGB"), dtype=np.uint8) for image in images])
+        return [int(label) for label in classifier.predict(digit_features(arrays))]
+
+    return judge
 
 
 def generate_from_references(

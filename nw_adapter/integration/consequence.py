@@ -1,0 +1,370 @@
+"""The swap consequence: does the exact NW head, put in place of the image branch, keep what it does?
+
+If the IP-Adapter's image-branch attention computes a kernel smoother, replacing its dot-product
+softmax with the exact Nadaraya-Watson head (``mode="swap"``) should leave the generation close
+to stock. :func:`compare_swap` generates, for every reference image, one stock image and one swap
+image per bandwidth rule, all from the same seed and call arguments, and measures per (reference,
+rule):
+
+- ``abs_diff``: the mean absolute pixel difference ``mean |x_swap - x_stock|`` over pixels and
+  channels, images as floats in ``[0, 1]``; its control ``abs_diff_other_seed`` is the same
+  difference between two stock generations of the reference from different seeds (``seed + i`` and
+  ``seed + n + i`` for ``n`` references): a swap difference well below it changes less than a new
+  seed does;
+- ``clip_i_stock`` / ``clip_i_swap``: CLIP-I, the cosine similarity
+  ``<e(x), e(ref)> / (|e(x)| |e(ref)|)`` of the generation and the reference in the pipeline's own
+  image-encoder space ``e`` (the IP-Adapter paper's image-fidelity metric);
+- with a ``judge`` (list of PIL images -> list of labels) and the references' ``labels``: whether
+  the stock and the swap generations keep the reference's label.
+
+The unit of every interval is the reference (one reference, one seed, one generation per
+arm): means carry a Student t 95% interval over references, agreement counts an exact
+Clopper-Pearson 95% interval.
+
+Example:
+    >>> result = compare_swap(pipe, [ref0, ref1], rules=("matched", "fitted"))  # doctest: +SKIP
+    >>> print(result.table())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.errors import NWConfigError
+from nw_adapter.integration.mixin import nw_processor
+
+__all__ = ["DEFAULT_RULES", "SwapComparison", "compare_swap", "encode_images", "t_interval"]
+
+DEFAULT_RULES = ("matched", "fitted", "schedule", "median")
+CONFIDENCE = 0.95
+_MEAN_COLUMNS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """Mean and Student t interval of independent values: ``mean +- t_{n-1} * s / sqrt(n)``.
+
+    Args:
+        values: ``(n,)`` one value per independent unit (here a reference).
+        confidence: two-sided coverage.
+
+    Returns:
+        ``(mean, low, high)``; the interval is ``(nan, nan)`` for ``n < 2`` and ``(mean, mean)`` when
+        every value is equal.
+    """
+    from scipy.stats import t as student_t
+
+    data = np.asarray(values, dtype=np.float64)
+    mean = float(data.mean())
+    if len(data) < 2:
+        return mean, math.nan, math.nan
+    half = float(student_t.ppf(0.5 + confidence / 2, len(data) - 1) * data.std(ddof=1) / math.sqrt(len(data)))
+    return mean, mean - half, mean + half
+
+
+def _clopper_pearson(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    from scipy.stats import binomtest
+
+    interval = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="exact")
+    return float(interval.low), float(interval.high)
+
+
+@dataclass(frozen=True)
+class SwapComparison:
+    """What :func:`compare_swap` measured.
+
+    Attributes:
+        rules: The bandwidth rules compared with stock, in order (names or floats).
+        per_reference: One dict per (reference, rule): ``reference`` (index), ``rule``, ``abs_diff``,
+            ``abs_diff_other_seed`` (stock vs stock from another seed: the control),
+            ``clip_i_stock``, ``clip_i_swap``, ``clip_i_change`` (swap minus stock), and with a judge
+            ``label``, ``stock_label``, ``swap_label``, ``stock_keeps``, ``swap_keeps``.
+        embedding: Which image-encoder output CLIP-I used: ``"image_embeds"``, ``"pooler_output"``
+            or ``"last_hidden_state mean"``.
+        settings: The generation settings (prompt, steps, guidance, seed, extra call arguments).
+        stock_images: ``(H, W, 3)`` float32 stock generations in ``[0, 1]``, one per reference
+            (empty when ``keep_images=False``).
+        swap_images: rule -> list of ``(H, W, 3)`` float32 swap generations, one per reference.
+    """
+
+    rules: tuple
+    per_reference: list[dict[str, Any]]
+    embedding: str
+    settings: dict[str, Any]
+    stock_images: list[np.ndarray] = field(default_factory=list, repr=False)
+    swap_images: dict[Any, list[np.ndarray]] = field(default_factory=dict, repr=False)
+
+    @property
+    def judged(self) -> bool:
+        """Whether class agreement was measured (a judge and labels were given)."""
+        return bool(self.per_reference) and "swap_keeps" in self.per_reference[0]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per rule, over references (the unit).
+
+        Returns:
+            Dicts with ``rule``, ``n`` and for every per-reference metric ``<metric>``,
+            ``<metric>_low``, ``<metric>_high`` (mean and Student t 95% interval); with a judge also
+            ``stock_kept`` / ``swap_kept`` (counts) with their Clopper-Pearson 95% intervals of the
+            proportion (``*_low``, ``*_high``).
+        """
+        rows = []
+        for rule in self.rules:
+            mine = [row for row in self.per_reference if row["rule"] == rule]
+            summary: dict[str, Any] = {"rule": rule, "n": len(mine)}
+            for column in _MEAN_COLUMNS:
+                mean, low, high = t_interval([row[column] for row in mine])
+                summary.update({column: mean, f"{column}_low": low, f"{column}_high": high})
+            if self.judged:
+                for arm in ("stock", "swap"):
+                    kept = sum(bool(row[f"{arm}_keeps"]) for row in mine)
+                    low, high = _clopper_pearson(kept, len(mine))
+                    summary.update({f"{arm}_kept": kept, f"{arm}_kept_low": low, f"{arm}_kept_high": high})
+            rows.append(summary)
+        return rows
+
+    def table(self) -> str:
+        """The summary as fixed-width text: means [t 95% interval]; kept counts [Clopper-Pearson 95%]."""
+
+        def mean_cell(row: dict, column: str) -> str:
+            return f"{row[column]:.3f} [{row[column + '_low']:.3f}, {row[column + '_high']:.3f}]"
+
+        def count_cell(row: dict, arm: str) -> str:
+            return (
+                f"{row[arm + '_kept']}/{row['n']} "
+                f"[{row[arm + '_kept_low']:.0%}, {row[arm + '_kept_high']:.0%}]"
+            )
+
+        header = [
+            "rule",
+            "n",
+            "|swap - stock| px",
+            "|stock - other seed| px",
+            "CLIP-I stock",
+            "CLIP-I swap",
+            "CLIP-I change",
+        ]
+        if self.judged:
+            header += ["stock keeps class", "swap keeps class"]
+        lines = [header]
+        for row in self.summary():
+            cells = [str(row["rule"]), str(row["n"]), *(mean_cell(row, c) for c in _MEAN_COLUMNS)]
+            if self.judged:
+                cells += [count_cell(row, "stock"), count_cell(row, "swap")]
+            lines.append(cells)
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        text = [
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines
+        ]
+        note = (
+            f"Means over references with Student t {CONFIDENCE:.0%} intervals; CLIP-I from the image "
+            f"encoder's {self.embedding}"
+        )
+        if self.judged:
+            note += f"; class agreement with Clopper-Pearson {CONFIDENCE:.0%} intervals"
+        return "\n".join([*(line.rstrip() for line in text), note + "."])
+
+    def to_dataframe(self):
+        """``per_reference`` as a ``pandas.DataFrame`` (one row per reference and rule)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.per_reference)
+
+
+def _rule_name(rule: Any) -> Any:
+    """Validate one rule through the processor config; returns it as the config stores it."""
+    try:
+        return NWProcessorConfig(mode="swap", bandwidth=rule, statistics=False).bandwidth
+    except NWConfigError as error:
+        raise ValueError(f"compare_swap: unknown rule {rule!r} ({error})") from None
+
+
+def _validate(references: Any, rules: Any, judge: Any, labels: Any) -> tuple[list, tuple]:
+    from PIL import Image
+
+    if isinstance(rules, (str, int, float)):
+        rules = (rules,)
+    references = list(references) if references is not None else []
+    if not references:
+        raise ValueError("compare_swap: no references; pass a list of one or more PIL images")
+    for index, reference in enumerate(references):
+        if not isinstance(reference, Image.Image):
+            raise ValueError(
+                f"compare_swap: reference {index} is a {type(reference).__name__}, not a PIL image; "
+                "pass PIL images (e.g. PIL.Image.open(path).convert('RGB'))"
+            )
+    if not rules:
+        raise ValueError(f"compare_swap: no rules; pass one or more of {DEFAULT_RULES} or a float bandwidth")
+    names = tuple(_rule_name(rule) for rule in rules)
+    if len(set(names)) != len(names):
+        raise ValueError(f"compare_swap: repeated rule in {rules!r}; pass each rule once")
+    if labels is not None and judge is None:
+        raise ValueError("compare_swap: labels without a judge; pass judge= (list of PIL images -> labels)")
+    if judge is not None and labels is None:
+        raise ValueError("compare_swap: a judge without labels; pass labels= (one per reference)")
+    if labels is not None and len(labels) != len(references):
+        raise ValueError(
+            f"compare_swap: {len(labels)} labels for {len(references)} references; "
+            "pass one label per reference"
+        )
+    return references, names
+
+
+@torch.no_grad()
+def encode_images(pipe: Any, images: Sequence[Any]) -> tuple[torch.Tensor, str]:
+    """Embed images with the pipeline's own feature extractor and image encoder.
+
+    Args:
+        pipe: A pipeline with ``feature_extractor`` and ``image_encoder`` (loaded with the IP-Adapter).
+        images: PIL images.
+
+    Returns:
+        ``((N, D) float32 embeddings on the CPU, which output was used)``: ``image_embeds`` when the
+        encoder has a projection, else ``pooler_output``, else the mean of ``last_hidden_state``
+        over tokens.
+    """
+    extractor = getattr(pipe, "feature_extractor", None)
+    encoder = getattr(pipe, "image_encoder", None)
+    if extractor is None or encoder is None:
+        raise ValueError(
+            "compare_swap: the pipeline has no feature_extractor / image_encoder; load an IP-Adapter "
+            "with its image encoder (pipe.load_ip_adapter(...)) first"
+        )
+    pixels = extractor(images=list(images), return_tensors="pt").pixel_values
+    output = encoder(pixels.to(device=encoder.device, dtype=encoder.dtype))
+    for name in ("image_embeds", "pooler_output"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value.float().cpu(), name
+    return output.last_hidden_state.float().mean(dim=1).cpu(), "last_hidden_state mean"
+
+
+def _to_pil(image: np.ndarray) -> Any:
+    from PIL import Image
+
+    return Image.fromarray((image * 255.0).round().astype(np.uint8))
+
+
+def _generate(pipe: Any, reference: Any, seed: int, arguments: dict[str, Any]) -> np.ndarray:
+    """One generation as an ``(H, W, 3)`` float32 array in ``[0, 1]``."""
+    generator = torch.Generator(pipe.device).manual_seed(seed)
+    output = pipe(ip_adapter_image=reference, generator=generator, **arguments).images[0]
+    if not isinstance(output, np.ndarray):  # a pipeline that ignored output_type="np"
+        output = np.asarray(output.convert("RGB"), dtype=np.float32) / 255.0
+    return np.clip(np.asarray(output, dtype=np.float32), 0.0, 1.0)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a[None], b[None]).clamp(-1.0, 1.0))
+
+
+def compare_swap(
+    pipe: Any,
+    references: Sequence[Any],
+    *,
+    rules: Sequence[str | float] = DEFAULT_RULES,
+    prompt: str = "a photograph",
+    num_inference_steps: int = 25,
+    guidance_scale: float = 7.5,
+    seed: int = 0,
+    judge: Callable[[list[Any]], Sequence[Any]] | None = None,
+    labels: Sequence[Any] | None = None,
+    keep_images: bool = True,
+    **call_kwargs: Any,
+) -> SwapComparison:
+    """Generate stock and swap images from every reference and measure how far the swap moves them.
+
+    Reference ``i`` is generated with ``torch.Generator(pipe.device).manual_seed(seed + i)`` once
+    stock and once per rule inside ``nw_processor(pipe, mode="swap", bandwidth=rule,
+    statistics=False)``, and once more stock with seed ``seed + n + i`` (the seed control); every
+    call gets the same arguments. See the module docstring for the metrics.
+
+    Args:
+        pipe: A diffusers pipeline with an IP-Adapter loaded (``ip_adapter_image=`` in its call).
+        references: PIL reference images.
+        rules: Bandwidth rules (``"matched"``, ``"fitted"``, ``"schedule"``, ``"median"``) or
+            positive float bandwidths h.
+        prompt: Text prompt of every call.
+        num_inference_steps: Denoising steps.
+        guidance_scale: Classifier-free guidance.
+        seed: Seed of reference 0; reference ``i`` uses ``seed + i``.
+        judge: Optional classifier: list of PIL images -> list of labels.
+        labels: The references' true labels (needs ``judge``).
+        keep_images: Keep the generations in the result (``stock_images``, ``swap_images``).
+        **call_kwargs: Further pipeline call arguments (e.g. ``height``, ``negative_prompt``).
+
+    Returns:
+        The :class:`SwapComparison`.
+
+    Raises:
+        ValueError: No references, a reference that is not a PIL image, an unknown or repeated rule,
+            labels without a judge (or the reverse), or as many labels as references not given.
+    """
+    references, names = _validate(references, rules, judge, labels)
+    arguments = {
+        "prompt": prompt,
+        "num_inference_steps": num_inference_steps,
+        "guidance_scale": guidance_scale,
+        "output_type": "np",
+        **call_kwargs,
+    }
+    reference_embeds, embedding = encode_images(pipe, references)
+    rows: list[dict[str, Any]] = []
+    stock_images: list[np.ndarray] = []
+    swap_images: dict[Any, list[np.ndarray]] = {name: [] for name in names}
+    for index, reference in enumerate(references):
+        stock = _generate(pipe, reference, seed + index, arguments)
+        other_seed = _generate(pipe, reference, seed + len(references) + index, arguments)
+        seed_difference = float(np.abs(other_seed - stock).mean())
+        swaps = {}
+        for name in names:
+            with nw_processor(pipe, mode="swap", bandwidth=name, statistics=False):
+                swaps[name] = _generate(pipe, reference, seed + index, arguments)
+        generated = [_to_pil(stock), *(_to_pil(swaps[name]) for name in names)]
+        embeds, _ = encode_images(pipe, generated)
+        similarity = [_cosine(embed, reference_embeds[index]) for embed in embeds]
+        predicted = list(judge(generated)) if judge is not None else None
+        for position, name in enumerate(names, start=1):
+            row: dict[str, Any] = {
+                "reference": index,
+                "rule": name,
+                "abs_diff": float(np.abs(swaps[name] - stock).mean()),
+                "abs_diff_other_seed": seed_difference,
+                "clip_i_stock": similarity[0],
+                "clip_i_swap": similarity[position],
+                "clip_i_change": similarity[position] - similarity[0],
+            }
+            if predicted is not None:
+                row.update(
+                    label=labels[index],
+                    stock_label=predicted[0],
+                    swap_label=predicted[position],
+                    stock_keeps=bool(predicted[0] == labels[index]),
+                    swap_keeps=bool(predicted[position] == labels[index]),
+                )
+            rows.append(row)
+        if keep_images:
+            stock_images.append(stock)
+            for name in names:
+                swap_images[name].append(swaps[name])
+    settings = {
+        "prompt": prompt,
+        "num_inference_steps": num_inference_steps,
+        "guidance_scale": guidance_scale,
+        "seed": seed,
+        "call_kwargs": {key: repr(value) for key, value in call_kwargs.items()},
+    }
+    return SwapComparison(
+        rules=names,
+        per_reference=rows,
+        embedding=embedding,
+        settings=settings,
+        stock_images=stock_images,
+        swap_images=swap_images,
+    )
