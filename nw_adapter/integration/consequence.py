@@ -38,7 +38,7 @@ import torch
 
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.errors import NWConfigError
-from nw_adapter.integration.mixin import nw_processor
+from nw_adapter.integration.mixin import active_recorder, nw_processor
 
 __all__ = ["DEFAULT_RULES", "SwapComparison", "compare_swap", "encode_images", "t_interval"]
 
@@ -304,9 +304,15 @@ def compare_swap(
 
     Raises:
         ValueError: No references, a reference that is not a PIL image, an unknown or repeated rule,
-            labels without a judge (or the reverse), or as many labels as references not given.
+            labels without a judge (or the reverse), or as many labels as references not given;
+            NW processors already installed on ``pipe``.
     """
     references, names = _validate(references, rules, judge, labels)
+    if active_recorder(pipe) is not None:
+        raise ValueError(
+            "compare_swap: NW processors are installed on this pipeline (its stock images would not be "
+            "stock); call pipe.unset_ip_adapter_nw_processor() or remove_nw_processor(pipe) first"
+        )
     arguments = {
         "prompt": prompt,
         "num_inference_steps": num_inference_steps,

@@ -186,3 +186,24 @@ def test_bad_input_raises_one_line(pipe, kwargs, message):
 
 def test_lazy_export():
     assert nw_adapter.compare_swap is compare_swap
+
+
+def test_installed_processors_are_refused_not_silently_removed():
+    from nw_adapter import (
+        apply_nw_processor,
+        compare_swap,
+        load_tiny_digits,
+        remove_nw_processor,
+        tiny_digit_image,
+    )
+
+    pipe = load_tiny_digits()
+    rec = apply_nw_processor(pipe, mode="observe")
+    try:
+        with pytest.raises(ValueError, match="NW processors are installed on this pipeline"):
+            compare_swap(pipe, [tiny_digit_image(1)], rules=("matched",), num_inference_steps=1)
+        from nw_adapter.integration.mixin import active_recorder
+
+        assert active_recorder(pipe) is rec  # the user's installation is untouched
+    finally:
+        remove_nw_processor(pipe)
