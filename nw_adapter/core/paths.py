@@ -362,6 +362,17 @@ def _per_sample_nw_mean(
     return out
 
 
+def check_points(x: Tensor, support: Tensor, validate: bool) -> None:
+    """Check the points ``x`` ``[..., n, d]`` a field of ``support`` ``[..., m, d]`` is evaluated at
+    (a tensor, the support's d; finite when ``validate``), with one-line ValueErrors."""
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        raise ValueError("x must be a tensor [..., n, d]")
+    if x.shape[-1] != support.shape[-1]:
+        raise ValueError(f"x must have d = {support.shape[-1]} features, got shape {tuple(x.shape)}")
+    if validate and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or inf values")
+
+
 class NWVelocityField:
     """The exact field of ``path`` for the empirical target on a support set (plug-in NW field).
 
@@ -426,12 +437,7 @@ class NWVelocityField:
     def mean(self, x: Tensor, t: TimeLike, *, validate: bool | None = None) -> Tensor:
         """NW mean ``m = E[X_1 | X_t = x]``: ``[..., n, d]`` (same leading dims as the output)."""
         validate = self.validate if validate is None else validate
-        if not isinstance(x, Tensor) or x.dim() < 2:
-            raise ValueError("x must be a tensor [..., n, d]")
-        if x.shape[-1] != self.support.shape[-1]:
-            raise ValueError(f"x must have d = {self.support.shape[-1]} features, got shape {tuple(x.shape)}")
-        if validate and not bool(torch.isfinite(x).all()):
-            raise ValueError("x contains NaN or inf values")
+        check_points(x, self.support, validate)
         dtype = compute_dtype(x, self.support)
         a = self.path.alpha(t, validate=validate)
         b = self.path.sigma(t, validate=False)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from nw_adapter.core.kernels import ELEMENT_BUDGET, _check_finite, _rows_per_chunk, compute_dtype, no_autocast
-from nw_adapter.core.paths import ProbabilityPath, TimeLike, _per_sample_nw_mean
+from nw_adapter.core.paths import ProbabilityPath, TimeLike, _per_sample_nw_mean, check_points
 
 __all__ = [
     "EXPLAINED_VARIANCE",
@@ -289,12 +289,7 @@ class _MixtureField:
         return self.path.contains(t)
 
     def _coefficients(self, x: Tensor, t: TimeLike, validate: bool) -> tuple[Tensor, Tensor, Tensor]:
-        if not isinstance(x, Tensor) or x.dim() < 2:
-            raise ValueError("x must be a tensor [..., n, d]")
-        if x.shape[-1] != self.support.shape[-1]:
-            raise ValueError(f"x must have d = {self.support.shape[-1]} features, got shape {tuple(x.shape)}")
-        if validate and not bool(torch.isfinite(x).all()):
-            raise ValueError("x contains NaN or inf values")
+        check_points(x, self.support, validate)
         dtype = compute_dtype(x, self.support)
         # as_tensor with the dtype: a Python float must not pass through float32 on its way to float64
         a = torch.as_tensor(self.path.alpha(t, validate=validate), dtype=dtype, device=x.device)
