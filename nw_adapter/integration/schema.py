@@ -34,8 +34,47 @@ RECORD_KEYS: tuple[str, ...] = (
 #: and "joint" (SD3: the image's own keys and the IP keys of its one image-branch softmax).
 KEY_SETS: tuple[str, ...] = ("ip", "joint")
 
-#: Statistics recorded by some families only (SD3: the joint softmax's mass on the IP keys).
-OPTIONAL_STATS: tuple[str, ...] = ("ip_mass",)
+#: Readings that split the attention into a key prior and an NW smoother of the query
+#: (:mod:`nw_adapter.core.readings`, THEORY.md section 4): ``r2_key`` (share of the row-centred
+#: logit variance explained by a query-blind key bias), ``r2_nw`` (by one NW term),
+#: ``kl_nw_fit`` = KL(A || NW at the fitted bandwidth ``h_eff``), ``kl_key_prior`` = KL(A || the
+#: query-averaged attention), ``nw_gain`` = kl_key_prior - kl_nw_fit, ``h_eff`` with ``h_eff_se``
+#: (its standard error from fitting on ``fit_rows`` query rows, 0 when every row was used).
+READING_STATS: tuple[str, ...] = (
+    "r2_key",
+    "r2_nw",
+    "kl_nw_fit",
+    "kl_key_prior",
+    "nw_gain",
+    "h_eff",
+    "h_eff_se",
+    "fit_rows",
+)
+
+#: Suffix of a statistic computed for the untrained-adapter control (THEORY.md section 4): the
+#: same queries against the keys of the IP-Adapter training recipe's initialisation.
+UNTRAINED_SUFFIX = "_untrained"
+
+#: The statistics recorded for the untrained-adapter control too (as ``name + UNTRAINED_SUFFIX``).
+UNTRAINED_OF: tuple[str, ...] = (
+    "rho",
+    "kl",
+    "key_norm_cv",
+    "qk_spread_ratio",
+    "r2_key",
+    "r2_nw",
+    "kl_nw_fit",
+    "kl_key_prior",
+    "nw_gain",
+    "h_eff",
+)
+
+#: The untrained-adapter control's columns, in :data:`UNTRAINED_OF` order.
+UNTRAINED_STATS: tuple[str, ...] = tuple(name + UNTRAINED_SUFFIX for name in UNTRAINED_OF)
+
+#: Statistics recorded by some runs only (SD3: the joint softmax's mass on the IP keys; the
+#: untrained-adapter control's columns when the control is on).
+OPTIONAL_STATS: tuple[str, ...] = ("ip_mass", *UNTRAINED_STATS)
 
 #: Statistics of one (layer, head, half, adapter, image), in the order of the processor's stats tensor.
 #: The three nulls of rho: ``rho_perm_null`` (NW scores shuffled across keys, ~0),
