@@ -22,6 +22,7 @@ Example:
     $ python scripts/correlate.py --image ref.png            # SD 1.5 + h94/IP-Adapter
     $ accelerate launch --multi_gpu --num_processes 2 scripts/correlate.py --image-dir refs/
     $ python scripts/correlate.py --replot correlate_out
+    $ python scripts/correlate.py --compare-swap --image-dir refs/ --model tiny   # stock vs NW head
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ One reference runs too, but its table has no intervals (a Student t interval nee
 references) and says so. Resuming is all or nothing: the comparison pairs reference ``i`` with
 seeds ``seed + i`` and ``seed + n + i``, so its rows only mean something as one run; a finished
 ``compare_swap.json`` is reused (nothing is generated) only when it is an intact document of this
-tool with the same fingerprint (options, model, rules, labels, and every reference's SHA-256 in
-order); anything else is recomputed from the start, with a note saying why.
+tool (its content digest intact), with the same fingerprint (options, model, rules, labels) and
+the same references (key and SHA-256, in order); anything else is recomputed from the start, with
+a note saying why.
 """
 
 from __future__ import annotations
@@ -507,21 +508,17 @@ def run(
             "--compare-swap runs in one process (its rows pair references with consecutive seeds); run it "
             "without accelerate launch / torchrun"
         )
+    labels, label_source = reference_labels(args, infos)  # before the model: its errors cost nothing
     device = resolve_device(args.device)
     spec = resolve_spec(
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
     check_true_cfg(args, families.family_of_model(spec.model))
-    labels, label_source = reference_labels(args, infos)
     dtype = resolve_dtype(args.dtype, device)
     shown = families.shown_spec(args.model, args.ip_adapter, args.image_encoder, spec)
     config = run_config(args, shown, device, str(dtype).removeprefix("torch."), label_source)
-    identity = {
-        **config,
-        "resolved_model": spec.to_dict(),
-        "label_values": labels,
-        "images": [[info.key, info.sha256] for info in infos],
-    }
+    # the references are checked on their own (document_problem), so the note can say which changed
+    identity = {**config, "resolved_model": spec.to_dict(), "label_values": labels}
     expected = fingerprint(identity)
     with OutputLock(out_dir):
         atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
