@@ -420,6 +420,13 @@ def rows_csv(document: dict) -> str:
     return csv_text(document["per_reference"], order=ROW_COLUMNS)
 
 
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
+
+
 def _remove_outputs(out_dir: Path) -> None:
     """Remove a previous run's files, the JSON (the marker of a finished run) first."""
     for name in SWAP_FILES:
@@ -523,9 +530,7 @@ def run(
     with OutputLock(out_dir):
         atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
         document, why = reusable_document(out_dir, expected, infos)
-        if document is not None:
-            _note(args, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
-        else:
+        if document is None:
             if why:
                 _note(args, f"{why}; computing it again")
             _remove_outputs(out_dir)
@@ -534,7 +539,11 @@ def run(
             )
             config["scheduler_class"] = scheduler_class
             document = build_document(result, config=config, infos=infos, labels=labels, fingerprint=expected)
-        atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
-        write_json(out_dir / JSON_NAME, document)
+            atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
+            write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
+        else:
+            _note(args, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
+            if _read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
+                atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
     print(format_document(document))
     return 0

@@ -106,13 +106,14 @@ def test_json_values_equal_the_functions(finished, direct):
 def test_resume_reuses_without_generating(finished, capsys, monkeypatch, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(finished["out"], out)
-    before = (out / JSON_NAME).read_text()
+    before, rows = (out / JSON_NAME).read_text(), (out / CSV_NAME).read_text()
+    (out / CSV_NAME).unlink()  # the rows file is written again from the JSON
     (out / ".compare_swap.abcd1234.tmp.json").write_text("{")  # a killed write's leftover
     calls = []
     monkeypatch.setattr(consequence, "compare_swap", lambda *a, **k: calls.append(a))
     code, printed, err = run([*BASE, *images_args(), "--out", out], capsys)
     assert code == 0 and not calls and "resumed" in err
-    assert (out / JSON_NAME).read_text() == before
+    assert (out / JSON_NAME).read_text() == before and (out / CSV_NAME).read_text() == rows
     assert not (out / ".compare_swap.abcd1234.tmp.json").exists()
     assert comparison_of(json.loads(before)).table() in printed
 
