@@ -242,3 +242,16 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
     assert code == 2 and not printed
     assert err.startswith("correlate.py: error: ") and err.count("\n") == 1 and message in err
     assert not out.exists()
+
+
+def test_the_readme_command_is_a_valid_compare_swap_run():
+    from nw_adapter.correlate.cli import build_parser, parse_args
+    from nw_adapter.correlate.swap_cli import check_options, given_options
+    from tests.test_readme import README, correlate_argv, shell_commands
+
+    (command,) = [c for c in shell_commands(README) if "--compare-swap" in c]
+    argv = correlate_argv(command)
+    args = parse_args(argv)
+    check_options(args, given_options(build_parser(), argv))
+    assert args.compare_swap and args.model == "tiny" and args.steps == 25 and args.swap_rules is None
+    assert [Path(folder).resolve() for folder in args.image_dir] == [example_image_path(0).parent]
