@@ -255,3 +255,17 @@ def test_the_readme_command_is_a_valid_compare_swap_run():
     check_options(args, given_options(build_parser(), argv))
     assert args.compare_swap and args.model == "tiny" and args.steps == 25 and args.swap_rules is None
     assert [Path(folder).resolve() for folder in args.image_dir] == [example_image_path(0).parent]
+
+
+def test_flux_runs_without_a_judge_and_checks_true_cfg(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
+    argv = ["--compare-swap", "--model", "tiny-flux", "--steps", "1", "--swap-rules", "0.5", *images_args()]
+    code, _, err = run([*argv, "--true-cfg-scale", "2", "--out", tmp_path / "bad"], capsys)
+    assert code == 2 and "needs --negative-prompt" in err and err.count("\n") == 1
+    code, printed, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+    document = json.loads((tmp_path / "out" / JSON_NAME).read_text())
+    assert document["config"]["model"]["model"] == "tiny-flux" and document["rules"] == [0.5]
+    assert [row["rule"] for row in document["per_reference"]] == [0.5, 0.5]
+    assert "swap_keeps" not in document["per_reference"][0] and document["config"]["judge"] is None
+    assert printed.startswith("WARNING: tiny-flux has random weights") and "only --model tiny" in printed
