@@ -683,8 +683,12 @@ def _compare_swap(args: argparse.Namespace) -> int:
     out_dir = check_output_dir(args.out)
     bars = show_progress_bars(args)
     _quiet_libraries(verbose=args.verbose, bars=bars)
-    with _library_output(verbose=args.verbose, bars=bars):
-        return swap_cli.run(args, infos, out_dir, bars=bars, check_true_cfg=_check_true_cfg)
+    try:
+        with _library_output(verbose=args.verbose, bars=bars):
+            return swap_cli.run(args, infos, out_dir, bars=bars, check_true_cfg=_check_true_cfg)
+    except KeyboardInterrupt:  # unlike the rho run, nothing of an unfinished comparison is kept
+        print(f"{PROG}: interrupted; an unfinished comparison is not kept, rerun it", file=sys.stderr)
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -269,3 +269,18 @@ def test_flux_runs_without_a_judge_and_checks_true_cfg(capsys, monkeypatch, tmp_
     assert [row["rule"] for row in document["per_reference"]] == [0.5, 0.5]
     assert "swap_keeps" not in document["per_reference"][0] and document["config"]["judge"] is None
     assert printed.startswith("WARNING: tiny-flux has random weights") and "only --model tiny" in printed
+
+
+def test_an_interrupted_comparison_leaves_nothing_finished_looking(
+    finished, capsys, monkeypatch, tmp_path
+):
+    out = tmp_path / "out"
+    shutil.copytree(finished["out"], out)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(consequence, "compare_swap", interrupted)
+    code, printed, err = run([*BASE, *images_args(), "--seed", "3", "--out", out], capsys)
+    assert code == 130 and not printed and "an unfinished comparison is not kept" in err
+    assert not (out / JSON_NAME).exists() and not (out / CSV_NAME).exists()  # the old run's files are gone
