@@ -10,7 +10,8 @@ seeds), prints the table and writes, atomically, into ``--out``:
   with the values :func:`compare_swap` returned, the per-rule summary (means with Student t 95%
   intervals over references, kept-class counts with Clopper-Pearson 95% intervals), the options'
   fingerprint and the SHA-256 of its own content (``digest``);
-- ``compare_swap.csv``: the per-reference rows (written from the JSON document).
+- ``compare_swap.csv``: the per-reference rows, written from the JSON document (both files:
+  :mod:`~nw_adapter.correlate.swap_files`).
 
 It generates no rho statistics: someone asking whether the NW head can stand in for the image
 branch wants generations, not a second observe run (and the observe run's options, ``--mode``,
@@ -35,7 +36,6 @@ a note saying why.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -47,9 +47,6 @@ from nw_adapter.integration.config import BANDWIDTH_RANGE
 from nw_adapter.integration.consequence import DEFAULT_RULES
 
 __all__ = [
-    "CSV_NAME",
-    "JSON_NAME",
-    "SCHEMA",
     "CompareSwapError",
     "add_arguments",
     "check_options",
@@ -57,29 +54,9 @@ __all__ = [
     "run",
 ]
 
-SCHEMA = "nw-adapter/compare-swap"
-SCHEMA_VERSION = 1
-JSON_NAME = "compare_swap.json"
-CSV_NAME = "compare_swap.csv"
-SWAP_FILES = (JSON_NAME, CSV_NAME)
 JUDGE = "nw_adapter.models.digits_quality.digit_judge (RBF SVM fitted on the held-out judge split)"
 DIGIT_SIZE = 32
-ROW_COLUMNS = (
-    "key",
-    "reference",
-    "rule",
-    "abs_diff",
-    "abs_diff_other_seed",
-    "clip_i_stock",
-    "clip_i_swap",
-    "clip_i_change",
-    "label",
-    "stock_label",
-    "swap_label",
-    "stock_keeps",
-    "swap_keeps",
-)
-_METRICS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
+
 _RHO_RUN_OPTIONS = {
     "bandwidth": "--bandwidth sets the rho run's bandwidth; with --compare-swap pass rules with --swap-rules",
     "layers": "--compare-swap swaps every IP-Adapter layer; drop --layers",
@@ -276,163 +253,6 @@ def run_config(args: argparse.Namespace, shown: Any, device: str, dtype: str, la
     }
 
 
-def build_document(
-    result: Any, *, config: dict, infos: Sequence[ReferenceImage], labels: list[int] | None, fingerprint: str
-) -> dict:
-    """The ``compare_swap.json`` document of a :class:`~nw_adapter.integration.consequence.SwapComparison`."""
-    from nw_adapter.correlate.report import json_ready, package_versions
-    from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
-
-    images = [
-        {**info.to_dict(), "label": None if labels is None else labels[i]} for i, info in enumerate(infos)
-    ]
-    document = json_ready(
-        {
-            "schema": SCHEMA,
-            "schema_version": SCHEMA_VERSION,
-            "fingerprint": fingerprint,
-            "config": config,
-            "versions": package_versions(),
-            "images": images,
-            "embedding": result.embedding,
-            "settings": result.settings,
-            "rules": list(result.rules),
-            "per_reference": [{"key": infos[row["reference"]].key, **row} for row in result.per_reference],
-            "summary": result.summary(),
-        }
-    )
-    document[DIGEST_FIELD] = content_digest(document)
-    return document
-
-
-def _is_number(value: Any) -> bool:
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-
-
-def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceImage]) -> str | None:
-    """Why a parsed ``compare_swap.json`` cannot be reused for this run (None: it can).
-
-    Checks: a JSON object of :data:`SCHEMA` whose content still has its digest, made with the same
-    fingerprint, for the same references (keys and SHA-256, in order), with exactly one row per
-    (reference, rule) whose metrics are numbers.
-    """
-    from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
-
-    if not isinstance(document, dict):
-        return f"{JSON_NAME} is not a JSON object"
-    if document.get("schema") != SCHEMA:
-        return f"{JSON_NAME} is of another schema ({document.get('schema')!r})"
-    if document.get(DIGEST_FIELD) != content_digest(document):
-        return f"{JSON_NAME} was changed after it was written (its content digest does not match)"
-    if document.get("fingerprint") != fingerprint:
-        return f"{JSON_NAME} was made with other options, rules, labels or another model"
-    images = document.get("images")
-    if not isinstance(images, list) or [
-        (image.get("key"), image.get("sha256")) if isinstance(image, dict) else None for image in images
-    ] != [(info.key, info.sha256) for info in infos]:
-        return f"{JSON_NAME} belongs to other reference files"
-    rows, rules = document.get("per_reference"), document.get("rules")
-    if (
-        not isinstance(rows, list)
-        or not isinstance(rules, list)
-        or not all(isinstance(r, dict) for r in rows)
-    ):
-        return f"{JSON_NAME} has no valid rows"
-    expected = [(index, rule) for index in range(len(infos)) for rule in rules]
-    if [(row.get("reference"), row.get("rule")) for row in rows] != expected:
-        return f"{JSON_NAME} does not have one row per (reference, rule)"
-    if not all(_is_number(row.get(column, "missing")) for row in rows for column in _METRICS):
-        return f"{JSON_NAME} has a row with a missing or non-numeric value"
-    return None
-
-
-def reusable_document(
-    out_dir: Path, fingerprint: str, infos: Sequence[ReferenceImage]
-) -> tuple[dict | None, str | None]:
-    """``(document, None)`` when ``out_dir``'s ``compare_swap.json`` belongs to this run, else
-    ``(None, why)`` (``why`` is None when there is no such file)."""
-    path = Path(out_dir) / JSON_NAME
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        return None, f"{JSON_NAME} is unreadable ({exc.strerror or type(exc).__name__})"
-    except ValueError:
-        return None, f"{JSON_NAME} is not valid JSON (an interrupted or damaged file)"
-    why = document_problem(document, fingerprint, infos)
-    return (None, why) if why else (document, None)
-
-
-def comparison_of(document: dict) -> Any:
-    """The :class:`~nw_adapter.integration.consequence.SwapComparison` of a ``compare_swap.json``
-    document (without images; nulls, i.e. non-finite values, back to NaN)."""
-    from nw_adapter.integration.consequence import SwapComparison
-
-    rows = [
-        {
-            key: (math.nan if key in _METRICS and value is None else value)
-            for key, value in row.items()
-            if key != "key"
-        }
-        for row in document["per_reference"]
-    ]
-    return SwapComparison(
-        rules=tuple(document["rules"]),
-        per_reference=rows,
-        embedding=document["embedding"],
-        settings=document["settings"],
-    )
-
-
-def format_document(document: dict) -> str:
-    """What the command prints: a context line, the table, and the notes that qualify it."""
-    from nw_adapter.correlate.report import random_weights_note
-
-    config = document["config"]
-    count = len(document["images"])
-    lines = [
-        f"swap consequence: stock vs the exact NW head in every IP-Adapter layer, {count} reference "
-        f"image(s), {config['model']['model']}, {config['steps']} steps "
-        f"({config.get('scheduler_class', 'scheduler')}), guidance {config['guidance_scale']:g}, "
-        f"seed {config['seed']} (reference i: seed + i)",
-        comparison_of(document).table(),
-    ]
-    if count < 2:
-        lines.append("note: one reference: no intervals (a Student t interval needs 2 or more references)")
-    source = config["labels"]
-    if source == "bundled":
-        lines.append("classes: the bundled held-out digits' own classes (recognised by SHA-256)")
-    elif source == "--labels":
-        lines.append("classes: as given with --labels")
-    else:
-        lines.append(f"note: {source}")
-    warning = random_weights_note({"config": config})
-    if warning:
-        lines.insert(0, f"WARNING: {warning}")
-    return "\n".join(lines)
-
-
-def rows_csv(document: dict) -> str:
-    """``compare_swap.csv``: the per-reference rows, columns :data:`ROW_COLUMNS` present in them."""
-    from nw_adapter.integration.records import csv_text
-
-    return csv_text(document["per_reference"], order=ROW_COLUMNS)
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, ValueError):
-        return None
-
-
-def _remove_outputs(out_dir: Path) -> None:
-    """Remove a previous run's files, the JSON (the marker of a finished run) first."""
-    for name in SWAP_FILES:
-        (Path(out_dir) / name).unlink(missing_ok=True)
-
-
 def _compare(
     args: argparse.Namespace,
     spec: Any,
@@ -508,6 +328,17 @@ def run(
     from nw_adapter.correlate.loading import ModelSpec, resolve_device, resolve_dtype, resolve_spec
     from nw_adapter.correlate.outputs import OutputLock
     from nw_adapter.correlate.report import write_json
+    from nw_adapter.correlate.swap_files import (
+        CSV_NAME,
+        JSON_NAME,
+        SWAP_FILES,
+        build_document,
+        format_document,
+        read_text,
+        remove_outputs,
+        reusable_document,
+        rows_csv,
+    )
     from nw_adapter.correlate.sweep import fingerprint, is_distributed_launch
 
     if is_distributed_launch():
@@ -533,7 +364,7 @@ def run(
         if document is None:
             if why:
                 _note(args, f"{why}; computing it again")
-            _remove_outputs(out_dir)
+            remove_outputs(out_dir)
             result, scheduler_class = _compare(
                 args, spec, infos, labels, device=device, dtype=dtype, bars=bars
             )
@@ -543,7 +374,7 @@ def run(
             write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
         else:
             _note(args, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
-            if _read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
+            if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
     print(format_document(document))
     return 0

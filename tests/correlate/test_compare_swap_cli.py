@@ -23,7 +23,7 @@ from PIL import Image
 import nw_adapter.integration.consequence as consequence
 from nw_adapter import load_tiny_digits, tiny_digit_image
 from nw_adapter.correlate.cli import main
-from nw_adapter.correlate.swap_cli import CSV_NAME, JSON_NAME, SCHEMA, comparison_of
+from nw_adapter.correlate.swap_files import CSV_NAME, JSON_NAME, SCHEMA, comparison_of
 from nw_adapter.correlate.sweep import content_digest
 from nw_adapter.models.digits_quality import digit_judge
 from nw_adapter.models.tiny_digits import example_image_path
