@@ -61,13 +61,25 @@ ROW_COLUMNS = (
     "stock_keeps",
     "swap_keeps",
 )
+_CONFIG_KEYS = {"model", "steps", "seed", "guidance_scale", "labels"}  # what the printed table reads
 _METRICS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
 
 
 def build_document(
     result: Any, *, config: dict, infos: Sequence[ReferenceImage], labels: list[int] | None, fingerprint: str
 ) -> dict:
-    """The ``compare_swap.json`` document of a :class:`~nw_adapter.integration.consequence.SwapComparison`."""
+    """The ``compare_swap.json`` document of a comparison (layout: the module docstring).
+
+    Args:
+        result: The :class:`~nw_adapter.integration.consequence.SwapComparison`.
+        config: The run's options (recorded as they are).
+        infos: The references, in the order they were compared (row ``reference`` ``i`` is ``infos[i]``).
+        labels: Their classes, or None when class agreement was not measured.
+        fingerprint: The options' fingerprint (:func:`nw_adapter.correlate.sweep.fingerprint`).
+
+    Returns:
+        The JSON-ready document, its ``digest`` set.
+    """
     from nw_adapter.correlate.report import json_ready, package_versions
     from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
 
@@ -101,8 +113,8 @@ def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceI
     """Why a parsed ``compare_swap.json`` cannot be reused for this run (None: it can).
 
     Checks: a JSON object of :data:`SCHEMA` whose content still has its digest, made with the same
-    fingerprint, for the same references (keys and SHA-256, in order), with exactly one row per
-    (reference, rule) whose metrics are numbers.
+    fingerprint, with the fields the printed table reads, for the same references (keys and
+    SHA-256, in order), with exactly one row per (reference, rule) whose metrics are numbers.
     """
     from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
 
@@ -114,6 +126,15 @@ def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceI
         return f"{JSON_NAME} was changed after it was written (its content digest does not match)"
     if document.get("fingerprint") != fingerprint:
         return f"{JSON_NAME} was made with other options, rules, labels or another model"
+    config = document.get("config")
+    if (
+        not isinstance(config, dict)
+        or not _CONFIG_KEYS <= set(config)
+        or not isinstance(config.get("model"), dict)
+        or not isinstance(document.get("embedding"), str)
+        or not isinstance(document.get("settings"), dict)
+    ):
+        return f"{JSON_NAME} lacks its config, embedding or settings"
     images = document.get("images")
     if not isinstance(images, list) or [
         (image.get("key"), image.get("sha256")) if isinstance(image, dict) else None for image in images

@@ -271,9 +271,7 @@ def test_flux_runs_without_a_judge_and_checks_true_cfg(capsys, monkeypatch, tmp_
     assert printed.startswith("WARNING: tiny-flux has random weights") and "only --model tiny" in printed
 
 
-def test_an_interrupted_comparison_leaves_nothing_finished_looking(
-    finished, capsys, monkeypatch, tmp_path
-):
+def test_an_interrupted_comparison_leaves_nothing_finished_looking(finished, capsys, monkeypatch, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(finished["out"], out)
 
@@ -284,3 +282,46 @@ def test_an_interrupted_comparison_leaves_nothing_finished_looking(
     code, printed, err = run([*BASE, *images_args(), "--seed", "3", "--out", out], capsys)
     assert code == 130 and not printed and "an unfinished comparison is not kept" in err
     assert not (out / JSON_NAME).exists() and not (out / CSV_NAME).exists()  # the old run's files are gone
+
+
+def _without_config(document: dict) -> None:
+    del document["config"]
+
+
+def _without_a_row(document: dict) -> None:
+    document["per_reference"].pop()
+
+
+def _text_value(document: dict) -> None:
+    document["per_reference"][1]["clip_i_swap"] = "0.9"
+
+
+def _other_schema(document: dict) -> None:
+    document["schema"] = "nw-adapter/rho"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (_without_config, "lacks its config"),
+        (_without_a_row, "one row per (reference, rule)"),
+        (_text_value, "non-numeric value"),
+        (_other_schema, "another schema"),
+    ],
+)
+def test_a_resealed_but_malformed_document_is_not_reused(finished, change, reason):
+    """Documents whose digest was recomputed after the change (so only the structure checks can
+    catch them) are refused with a reason; the untouched one is accepted."""
+    from nw_adapter.correlate.images import validate_images
+    from nw_adapter.correlate.swap_files import document_problem
+
+    document = json.loads((finished["out"] / JSON_NAME).read_text())
+    infos = validate_images([(example_image_path(digit), "--image") for digit in DIGITS])
+    assert document_problem(document, document["fingerprint"], infos) is None
+    assert "other options" in document_problem(document, "0" * 64, infos)
+    assert "other reference files" in document_problem(document, document["fingerprint"], infos[::-1])
+    change(document)
+    unsealed = document_problem(document, document["fingerprint"], infos)
+    assert "content digest" in unsealed or reason in unsealed  # the schema is checked before the digest
+    document["digest"] = content_digest(document)
+    assert reason in document_problem(document, document["fingerprint"], infos)
