@@ -12,6 +12,8 @@
 - :mod:`~nw_adapter.correlate.previews`: the x0 estimate at a step, captured by a UNet hook;
 - :mod:`~nw_adapter.correlate.outputs`: the output folder (checks, lock, files, ``--replot``);
 - :mod:`~nw_adapter.correlate.sweep`: many images over several processes (accelerate), resume.
+- :mod:`~nw_adapter.correlate.swap_cli`: ``--compare-swap``, stock against the exact NW head's generations.
+- :mod:`~nw_adapter.correlate.swap_files`: its ``compare_swap.json`` / ``.csv`` and their reuse.
 
 May import every layer below it (:mod:`nw_adapter.integration`, :mod:`nw_adapter.core`,
 :mod:`nw_adapter.models`, :mod:`nw_adapter.atomic`). The only layer that prints or exits.

@@ -22,6 +22,7 @@ Example:
     $ python scripts/correlate.py --image ref.png            # SD 1.5 + h94/IP-Adapter
     $ accelerate launch --multi_gpu --num_processes 2 scripts/correlate.py --image-dir refs/
     $ python scripts/correlate.py --replot correlate_out
+    $ python scripts/correlate.py --compare-swap --image-dir refs/ --model tiny   # stock vs NW head
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from nw_adapter.atomic import WriteError
+from nw_adapter.correlate import swap_cli
 from nw_adapter.correlate.families import UNET_BLOCKS
 from nw_adapter.correlate.images import (
     ImageInputError,
@@ -66,6 +68,7 @@ from nw_adapter.correlate.outputs import (
     write_outputs,
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
+from nw_adapter.correlate.swap_cli import CompareSwapError
 from nw_adapter.integration.config import BANDWIDTH_RANGE
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 
@@ -300,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "-v", "--verbose", action="store_true", help="also show the libraries' own warnings and notes"
     )
+    swap_cli.add_arguments(parser)  # --compare-swap, --swap-rules, --labels
     return parser
 
 
@@ -672,10 +676,28 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     return 0
 
 
+def _compare_swap(args: argparse.Namespace) -> int:
+    """``--compare-swap``: stock against NW-head generations instead of the rho run
+    (:mod:`nw_adapter.correlate.swap_cli`), with this module's image, output and model checks."""
+    infos = validate_images(collect_image_paths(args.image, args.image_dir))
+    out_dir = check_output_dir(args.out)
+    bars = show_progress_bars(args)
+    _quiet_libraries(verbose=args.verbose, bars=bars)
+    try:
+        with _library_output(verbose=args.verbose, bars=bars):
+            return swap_cli.run(args, infos, out_dir, bars=bars, check_true_cfg=_check_true_cfg)
+    except KeyboardInterrupt:  # unlike the rho run, nothing of an unfinished comparison is kept
+        print(f"{PROG}: interrupted; an unfinished comparison is not kept, rerun it", file=sys.stderr)
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted)."""
     try:
         args = parse_args(argv)
+        swap_cli.check_options(args, swap_cli.given_options(build_parser(), argv))
+        if args.compare_swap:
+            return _compare_swap(args)
         if args.replot is not None:
             print(replot(Path(args.replot), all_steps=args.all_steps))
             return 0
@@ -684,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         processor_config(args)  # option errors now, before any model is loaded
         _quiet_libraries(verbose=args.verbose, bars=show_progress_bars(args))
         return run(args, infos, out_dir)
-    except (CLIError, OutputError, ImageInputError, ModelLoadError) as exc:
+    except (CLIError, OutputError, ImageInputError, ModelLoadError, CompareSwapError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except (NWConfigError, NWInstallError) as exc:

@@ -305,6 +305,30 @@ def shown_adapter(model: str, spec: Any) -> str:
     return FAMILIES[family].ip_adapter if family in FAMILIES else DEFAULT_IP_ADAPTER
 
 
+def shown_spec(model: str, ip_adapter: str | None, image_encoder: str | None, spec: ModelSpec) -> ModelSpec:
+    """The model spec an output file records: the options as given, the resolved adapter files.
+
+    Args:
+        model: ``--model`` as given.
+        ip_adapter: ``--ip-adapter`` as given (None: the family's default, see :func:`shown_adapter`).
+        image_encoder: ``--image-encoder`` as given.
+        spec: The resolved spec (:func:`nw_adapter.correlate.loading.resolve_spec`).
+
+    Returns:
+        A :class:`ModelSpec` without the tiny models' cache paths (they are named ``tiny``).
+    """
+    encoder = None
+    if spec.image_encoder is not None:
+        encoder = image_encoder or (TINY if model in TINY_MODELS else spec.image_encoder)
+    return ModelSpec(
+        model=model,
+        ip_adapter=ip_adapter or shown_adapter(model, spec),
+        subfolder=spec.subfolder,
+        weight_name=spec.weight_name,
+        image_encoder=encoder,
+    )
+
+
 def write_joint_records(recorder: Any, folder: Path) -> Path | None:
     """SD 3.5: write the joint-key-set records (image + IP keys) as ``rho_joint.csv`` in ``folder``.
 

@@ -1,0 +1,243 @@
+"""The files of ``correlate.py --compare-swap``: ``compare_swap.json`` and ``compare_swap.csv``.
+
+- :func:`build_document` turns a :class:`~nw_adapter.integration.consequence.SwapComparison` into
+  the ``compare_swap.json`` document (schema :data:`SCHEMA`): ``config`` (the options),
+  ``versions``, ``images`` (each reference's key, file, SHA-256 and class label or null),
+  ``embedding``, ``settings``, ``rules``, ``per_reference`` (one row per (reference, rule): the values
+  :func:`~nw_adapter.integration.consequence.compare_swap` returned, with the reference's ``key``),
+  ``summary`` (per rule: means with Student t 95% intervals over references; kept-class counts with
+  Clopper-Pearson 95% intervals), ``fingerprint`` (of the options) and ``digest`` (SHA-256 of the
+  rest of the content, :func:`nw_adapter.correlate.sweep.content_digest`);
+- :func:`reusable_document` / :func:`document_problem` decide whether a saved document belongs to
+  a run (resuming);
+- :func:`comparison_of` and :func:`format_document` rebuild the printed table from a document;
+  :func:`rows_csv` is ``compare_swap.csv`` (the rows).
+
+Non-finite values are written as null (strict JSON) and read back as NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nw_adapter.correlate.images import ReferenceImage
+
+__all__ = [
+    "CSV_NAME",
+    "JSON_NAME",
+    "SCHEMA",
+    "SWAP_FILES",
+    "build_document",
+    "comparison_of",
+    "document_problem",
+    "format_document",
+    "read_text",
+    "remove_outputs",
+    "reusable_document",
+    "rows_csv",
+]
+
+SCHEMA = "nw-adapter/compare-swap"
+SCHEMA_VERSION = 1
+JSON_NAME = "compare_swap.json"
+CSV_NAME = "compare_swap.csv"
+SWAP_FILES = (JSON_NAME, CSV_NAME)
+ROW_COLUMNS = (
+    "key",
+    "reference",
+    "rule",
+    "abs_diff",
+    "abs_diff_other_seed",
+    "clip_i_stock",
+    "clip_i_swap",
+    "clip_i_change",
+    "label",
+    "stock_label",
+    "swap_label",
+    "stock_keeps",
+    "swap_keeps",
+)
+_CONFIG_KEYS = {"model", "steps", "seed", "guidance_scale", "labels"}  # what the printed table reads
+_METRICS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
+
+
+def build_document(
+    result: Any, *, config: dict, infos: Sequence[ReferenceImage], labels: list[int] | None, fingerprint: str
+) -> dict:
+    """The ``compare_swap.json`` document of a comparison (layout: the module docstring).
+
+    Args:
+        result: The :class:`~nw_adapter.integration.consequence.SwapComparison`.
+        config: The run's options (recorded as they are).
+        infos: The references, in the order they were compared (row ``reference`` ``i`` is ``infos[i]``).
+        labels: Their classes, or None when class agreement was not measured.
+        fingerprint: The options' fingerprint (:func:`nw_adapter.correlate.sweep.fingerprint`).
+
+    Returns:
+        The JSON-ready document, its ``digest`` set.
+    """
+    from nw_adapter.correlate.report import json_ready, package_versions
+    from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
+
+    images = [
+        {**info.to_dict(), "label": None if labels is None else labels[i]} for i, info in enumerate(infos)
+    ]
+    document = json_ready(
+        {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "fingerprint": fingerprint,
+            "config": config,
+            "versions": package_versions(),
+            "images": images,
+            "embedding": result.embedding,
+            "settings": result.settings,
+            "rules": list(result.rules),
+            "per_reference": [{"key": infos[row["reference"]].key, **row} for row in result.per_reference],
+            "summary": result.summary(),
+        }
+    )
+    document[DIGEST_FIELD] = content_digest(document)
+    return document
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceImage]) -> str | None:
+    """Why a parsed ``compare_swap.json`` cannot be reused for this run (None: it can).
+
+    Checks: a JSON object of :data:`SCHEMA` whose content still has its digest, made with the same
+    fingerprint, with the fields the printed table reads, for the same references (keys and
+    SHA-256, in order), with exactly one row per (reference, rule) whose metrics are numbers.
+    """
+    from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
+
+    if not isinstance(document, dict):
+        return f"{JSON_NAME} is not a JSON object"
+    if document.get("schema") != SCHEMA:
+        return f"{JSON_NAME} is of another schema ({document.get('schema')!r})"
+    if document.get(DIGEST_FIELD) != content_digest(document):
+        return f"{JSON_NAME} was changed after it was written (its content digest does not match)"
+    if document.get("fingerprint") != fingerprint:
+        return f"{JSON_NAME} was made with other options, rules, labels or another model"
+    config = document.get("config")
+    if (
+        not isinstance(config, dict)
+        or not _CONFIG_KEYS <= set(config)
+        or not isinstance(config.get("model"), dict)
+        or not isinstance(document.get("embedding"), str)
+        or not isinstance(document.get("settings"), dict)
+    ):
+        return f"{JSON_NAME} lacks its config, embedding or settings"
+    images = document.get("images")
+    if not isinstance(images, list) or [
+        (image.get("key"), image.get("sha256")) if isinstance(image, dict) else None for image in images
+    ] != [(info.key, info.sha256) for info in infos]:
+        return f"{JSON_NAME} belongs to other reference files"
+    rows, rules = document.get("per_reference"), document.get("rules")
+    if (
+        not isinstance(rows, list)
+        or not isinstance(rules, list)
+        or not all(isinstance(r, dict) for r in rows)
+    ):
+        return f"{JSON_NAME} has no valid rows"
+    expected = [(index, rule) for index in range(len(infos)) for rule in rules]
+    if [(row.get("reference"), row.get("rule")) for row in rows] != expected:
+        return f"{JSON_NAME} does not have one row per (reference, rule)"
+    if not all(_is_number(row.get(column, "missing")) for row in rows for column in _METRICS):
+        return f"{JSON_NAME} has a row with a missing or non-numeric value"
+    return None
+
+
+def reusable_document(
+    out_dir: Path, fingerprint: str, infos: Sequence[ReferenceImage]
+) -> tuple[dict | None, str | None]:
+    """``(document, None)`` when ``out_dir``'s ``compare_swap.json`` belongs to this run, else
+    ``(None, why)`` (``why`` is None when there is no such file)."""
+    path = Path(out_dir) / JSON_NAME
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{JSON_NAME} is unreadable ({exc.strerror or type(exc).__name__})"
+    except ValueError:
+        return None, f"{JSON_NAME} is not valid JSON (an interrupted or damaged file)"
+    why = document_problem(document, fingerprint, infos)
+    return (None, why) if why else (document, None)
+
+
+def comparison_of(document: dict) -> Any:
+    """The :class:`~nw_adapter.integration.consequence.SwapComparison` of a ``compare_swap.json``
+    document (without images; nulls, i.e. non-finite values, back to NaN)."""
+    from nw_adapter.integration.consequence import SwapComparison
+
+    rows = [
+        {
+            key: (math.nan if key in _METRICS and value is None else value)
+            for key, value in row.items()
+            if key != "key"
+        }
+        for row in document["per_reference"]
+    ]
+    return SwapComparison(
+        rules=tuple(document["rules"]),
+        per_reference=rows,
+        embedding=document["embedding"],
+        settings=document["settings"],
+    )
+
+
+def format_document(document: dict) -> str:
+    """What the command prints: a context line, the table, and the notes that qualify it."""
+    from nw_adapter.correlate.report import random_weights_note
+
+    config = document["config"]
+    count = len(document["images"])
+    lines = [
+        f"swap consequence: stock vs the exact NW head in every IP-Adapter layer, {count} reference "
+        f"image(s), {config['model']['model']}, {config['steps']} steps "
+        f"({config.get('scheduler_class', 'scheduler')}), guidance {config['guidance_scale']:g}, "
+        f"seed {config['seed']} (reference i: seed + i)",
+        comparison_of(document).table(),
+    ]
+    if count < 2:
+        lines.append("note: one reference: no intervals (a Student t interval needs 2 or more references)")
+    source = config["labels"]
+    if source == "bundled":
+        lines.append("classes: the bundled held-out digits' own classes (recognised by SHA-256)")
+    elif source == "--labels":
+        lines.append("classes: as given with --labels")
+    else:
+        lines.append(f"note: {source}")
+    warning = random_weights_note({"config": config})
+    if warning:
+        lines.insert(0, f"WARNING: {warning}")
+    return "\n".join(lines)
+
+
+def rows_csv(document: dict) -> str:
+    """``compare_swap.csv``: the per-reference rows, columns :data:`ROW_COLUMNS` present in them."""
+    from nw_adapter.integration.records import csv_text
+
+    return csv_text(document["per_reference"], order=ROW_COLUMNS)
+
+
+def read_text(path: Path) -> str | None:
+    """A file's text, or None when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
+
+
+def remove_outputs(out_dir: Path) -> None:
+    """Remove a previous run's files, the JSON (the marker of a finished run) first."""
+    for name in SWAP_FILES:
+        (Path(out_dir) / name).unlink(missing_ok=True)
