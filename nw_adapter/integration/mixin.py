@@ -58,7 +58,8 @@ def _build_control(unet: torch.nn.Module, config: NWProcessorConfig) -> Untraine
         return UntrainedControl.build(unet, seed=config.untrained_seed)
     except ValueError as error:
         raise NWInstallError(
-            f"untrained_control: {error}; or pass untrained_control=False to run without the control"
+            f"untrained_control: {error}; or pass untrained_control=False (command line: "
+            "--no-untrained-control) to run without the control"
         ) from None
 
 
