@@ -71,7 +71,7 @@ def _run(pipe):
 
 
 def _denoiser(pipe):
-    return pipe.unet if isinstance(pipe, StableDiffusionPipeline) else pipe.transformer
+    return pipe.unet if hasattr(pipe, "unet") else pipe.transformer
 
 
 def _hook_counts(pipe) -> tuple[int, int]:
@@ -291,3 +291,70 @@ def test_config_validation(options, match) -> None:
     with pytest.raises(NWConfigError, match=match):
         NWProcessorConfig(**options)
     assert NWProcessorConfig(untrained_control=True, mode="swap", statistics=True).untrained_control
+
+
+def _half_masks(size: int) -> list[torch.Tensor]:
+    """Adapter 0: one image on the left half; adapter 1: two images, right and left halves."""
+    from diffusers.image_processor import IPAdapterMaskProcessor
+    from PIL import Image
+
+    left = torch.zeros(size, size, dtype=torch.uint8)
+    left[:, : size // 2] = 255
+    proc = IPAdapterMaskProcessor()
+    pictures = [Image.fromarray(left.numpy()), Image.fromarray((255 - left).numpy())]
+    m0 = proc.preprocess(pictures[:1], height=size, width=size)
+    m1 = proc.preprocess(pictures[::-1], height=size, width=size)
+    return [m.reshape(1, m.shape[0], size, size) for m in (m0, m1)]
+
+
+@pytest.fixture(scope="module")
+def sdxl(tiny_sdxl_dir, tiny_ip_adapter_dir):
+    """The SDXL companion pipeline with a base and a Plus adapter."""
+    from nw_adapter.pipelines import StableDiffusionXLNWPipeline
+
+    pipe = StableDiffusionXLNWPipeline.from_pretrained(tiny_sdxl_dir)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_ip_adapter(
+        tiny_ip_adapter_dir,
+        subfolder="sdxl_models",
+        weight_name=[ip_adapter_weight_name("base", sdxl=True), ip_adapter_weight_name("plus", sdxl=True)],
+    )
+    return pipe
+
+
+@pytest.mark.parametrize("masks", [False, True], ids=["images-pooled", "ip-masks"])
+def test_sdxl_two_adapters_several_images(sdxl, masks) -> None:
+    """SDXL, base + Plus adapters, two images for the second: bit-identical observe with the control,
+    and the keys handed per softmax group are untrained_keys' (per image, with IP masks)."""
+    from tiny_helpers import SIZE
+
+    kwargs = {"ip_adapter_image": [[random_image(1)], [random_image(2), random_image(3)]]}
+    if masks:
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": _half_masks(SIZE)}
+    sdxl.set_ip_adapter_scale([0.7, [0.5, 0.9]] if masks else [0.7, 0.6])
+    try:
+        stock = generate(sdxl, steps=2, **kwargs)
+        recorder = sdxl.set_ip_adapter_nw_processor(untrained_control=True)
+        control = recorder_control(sdxl)
+        handed: list = []
+        _spy_keys(control, handed)
+        try:
+            seen = _first_forward_inputs(sdxl, lambda: generate(sdxl, steps=2, **kwargs))
+        finally:
+            sdxl.unset_ip_adapter_nw_processor()
+    finally:
+        sdxl.set_ip_adapter_scale([1.0, 1.0])
+    assert torch.equal(torch.from_numpy(seen["out"]), torch.from_numpy(stock))
+    layer = next(iter(control.adapter.key_projections))
+    groups = [(0, 0), (1, 0), (1, 1)] if masks else [(0, 0), (1, 0)]
+    mine = [(adapter, keys) for name, adapter, keys in handed if name == layer][: len(groups)]
+    for (adapter, image), (handed_adapter, keys) in zip(groups, mine, strict=True):
+        assert handed_adapter == adapter
+        expected = untrained_keys(control.adapter, layer, seen["embeds"], adapter=adapter)
+        if masks:  # one image's tokens: M = images x tokens, ordered by image
+            tokens = expected.shape[2] // len(kwargs["ip_adapter_image"][adapter])
+            expected = expected[:, :, image * tokens : (image + 1) * tokens]
+        torch.testing.assert_close(keys, expected, rtol=0, atol=0)
+    records = recorder.to_records()
+    assert {(r["adapter"], r["image"]) for r in records} == set(groups)
+    assert all(math.isfinite(r["rho_untrained"]) for r in records)
