@@ -358,3 +358,48 @@ def test_sdxl_two_adapters_several_images(sdxl, masks) -> None:
     records = recorder.to_records()
     assert {(r["adapter"], r["image"]) for r in records} == set(groups)
     assert all(math.isfinite(r["rho_untrained"]) for r in records)
+
+
+@pytest.fixture(scope="module", params=["sd3", "flux"])
+def flow_pipe(request, tiny_sd3_dir, tiny_sd3_ip_adapter_dir, tiny_flux_dir, tiny_flux_ip_adapter_dir):
+    if request.param == "sd3":
+        return load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
+    return load_flux(FluxPipeline, tiny_flux_dir, tiny_flux_ip_adapter_dir)
+
+
+def test_flow_recorded_control_values_are_recomputed_from_q_and_untrained_keys(flow_pipe) -> None:
+    """SD3 / Flux, one layer, step 0: q as the stock branch normalises it (hooked norm_q), the
+    untrained keys from the raw embeddings and timestep; statistics at the matched bandwidth."""
+    transformer = flow_pipe.transformer
+    layer = next(n for n, p in transformer.attn_processors.items() if hasattr(p, "to_k_ip"))
+    attn = transformer.get_submodule(layer.removesuffix(".processor"))
+    sd3 = isinstance(flow_pipe, StableDiffusion3Pipeline)
+    norm_q = transformer.attn_processors[layer].norm_q if sd3 else attn.norm_q
+    captured: dict = {}
+
+    def grab_q(module, args, output):
+        captured.setdefault("q", output.clone())
+
+    recorder = apply_nw_processor(
+        flow_pipe, untrained_control=True, steps=[0], layers=[layer.split(".attn")[0]]
+    )
+    control = recorder_control(flow_pipe)
+    handle = norm_q.register_forward_hook(grab_q)
+    try:
+        seen = _first_forward_inputs(flow_pipe, lambda: _run(flow_pipe))
+    finally:
+        handle.remove()
+        remove_nw_processor(flow_pipe)
+    q = (captured["q"] if sd3 else captured["q"].transpose(1, 2)).float()  # [B, H, N, d]
+    k0 = untrained_keys(control.adapter, layer, seen["embeds"], timestep=seen["timestep"]).float()
+    halves = ("uncond", "cond") if sd3 else ("cond",)
+    scale = q.shape[-1] ** -0.5
+    values, _, _ = stats.softmax_statistics(
+        q, k0, scale=scale, h=bw.matched_bandwidth(scale=scale), draws=None, halves=len(halves)
+    )
+    records = [r for r in recorder.to_records() if r["layer"] == layer and r["step"] == 0]
+    assert len(records) == len(halves) * attn.heads
+    for r in records:
+        for column, name in zip(UNTRAINED_COLUMNS, UNTRAINED_RECORDED, strict=True):
+            expected = float(values[column, halves.index(r["half"]), r["head"]])
+            assert r[name] == pytest.approx(expected, rel=1e-5, abs=1e-6, nan_ok=True), name
