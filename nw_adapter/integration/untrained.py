@@ -209,7 +209,10 @@ def _untrained_key_norm(trained: nn.Module, text_norm: nn.Module | None) -> tupl
     )
     if weight is not None:
         with torch.no_grad():
-            weight.copy_(text_weight) if same else weight.fill_(1.0)
+            if same:
+                weight.copy_(text_weight)
+            else:
+                weight.fill_(1.0)
     bias = getattr(fresh, "bias", None)
     if isinstance(bias, nn.Parameter):
         with torch.no_grad():
