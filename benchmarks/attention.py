@@ -9,7 +9,10 @@ Variants, timed side by side in one process (see :mod:`benchmarks.timing`):
 - ``observe_compiled``: observe with ``compile=True`` (the side computation as one
   ``torch.compile``d function per layer shape); skipped, with a note, where
   :class:`~nw_adapter.integration.config.NWProcessorConfig` has no ``compile`` option;
-- ``swap``: the NW processor in swap mode (statistics off, the default for swap).
+- ``swap``: the NW processor in swap mode (statistics off, the default for swap);
+- ``observe_control``: observe with ``untrained_control=True`` (the command line's default: the
+  untrained-adapter control's statistics too); UNet step only, where ``apply_nw_processor``
+  installs it (a single layer built with ``nw_processor_for`` has no control attached).
 
 Every bench takes a ``device`` and a ``dtype``; on a CUDA device the times are CUDA-event times
 (:class:`benchmarks.timing.CudaEventTimer`) and the cProfile attribution of the UNet step is
@@ -49,6 +52,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "observe_no_nulls": {"mode": "observe", "cfg": True, "nulls": False},
     "observe_compiled": {"mode": "observe", "cfg": True, "compile": True},
     "swap": {"mode": "swap"},
+    "observe_control": {"mode": "observe", "cfg": True, "untrained_control": True},
 }
 
 #: The variants of the CPU runs (compiling on a 2-core CPU is not what a user runs there).

@@ -57,7 +57,7 @@ PLANS: dict[str, dict[str, Any]] = {
         "attention_repeats": 5,
         # the UNet step is weight-bound at these sizes
         "unet": [
-            ("sd15", 16, 5, ("observe", "observe_no_nulls", "swap")),
+            ("sd15", 16, 5, ("observe", "observe_no_nulls", "observe_control", "swap")),
             ("sd15", 32, 3, ("observe", "swap")),
         ],
         "field": [(4096, 256, 16), (16384, 1024, 64), (65536, 256, 16), (65536, 1024, 64)],

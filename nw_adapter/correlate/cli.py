@@ -275,6 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated blocks (down, mid, up for UNets; transformer_blocks for SD 3.5 / Flux) "
         "or attention-processor name prefixes",
     )
+    nw.add_argument(
+        "--no-untrained-control",
+        dest="untrained_control",
+        action="store_false",
+        help="skip the untrained-adapter control (the same queries against the keys of the IP-Adapter "
+        "training recipe's initialisation, *_untrained columns; on by default)",
+    )
+    nw.add_argument(
+        "--untrained-seed",
+        type=_seed,
+        default=0,
+        help="seed of the untrained adapter's initialisation (default 0)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="correlate_out", help="output folder (default ./correlate_out)")
     out.add_argument(
@@ -349,6 +362,8 @@ def processor_config(args: argparse.Namespace, map_steps: Sequence[int] | None =
         "statistics": True,
         "seed": args.seed,
         "store_maps": args.store_maps,
+        "untrained_control": args.untrained_control,
+        "untrained_seed": args.untrained_seed,
     }
     if args.store_maps:
         options.update(map_steps=list(map_steps) if map_steps else None, map_head_mean=True)
@@ -372,6 +387,8 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
         "bandwidth": args.bandwidth,
         "layers": args.layers,
         "store_maps": args.store_maps,
+        "untrained_control": args.untrained_control,
+        "untrained_seed": args.untrained_seed if args.untrained_control else None,
         "device": device,
         "dtype": dtype,
     }

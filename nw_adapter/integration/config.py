@@ -107,6 +107,13 @@ class NWProcessorConfig:
             first call of each shape compiles (seconds; logged); where compilation is not
             available a one-line warning says so and the eager code runs. Off by default (it
             is not measured on a GPU yet).
+        untrained_control: also record, per softmax, the statistics of the same queries against
+            the keys of an *untrained* adapter (the IP-Adapter training recipe's initialisation,
+            THEORY.md section 4; :mod:`nw_adapter.integration.untrained`), built once at install,
+            as the ``*_untrained`` columns of :data:`~nw_adapter.integration.schema.UNTRAINED_STATS`
+            (without nulls). Every reading minus its untrained value is what adapter training did.
+            Costs one more statistics pass per softmax (benchmarks/README.md).
+        untrained_seed: seed of the untrained adapter's default initialisations.
 
     Example:
         >>> from nw_adapter.integration.config import NWProcessorConfig
@@ -136,6 +143,8 @@ class NWProcessorConfig:
     map_max_mb: float = 256.0
     chunk_size: int | None = None
     compile: bool = False
+    untrained_control: bool = False
+    untrained_seed: int = 0
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -176,13 +185,24 @@ class NWProcessorConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise _err(name, f"must be None, True or False, got {v!r}", f"pass {name}=True or False")
-        for name in ("nulls", "store_maps", "map_head_mean", "compile"):
+        for name in ("nulls", "store_maps", "map_head_mean", "compile", "untrained_control"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, f"must be True or False, got {getattr(self, name)!r}", f"pass {name}=True")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _err("seed", f"must be an int, got {self.seed!r}", "pass e.g. seed=0")
         if not 0 <= self.seed < SEED_LIMIT:
             raise _err("seed", f"must be between 0 and 2**63 - 1, got {self.seed}", "pass e.g. seed=0")
+        us = self.untrained_seed
+        if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us < SEED_LIMIT:
+            raise _err(
+                "untrained_seed", f"must be an int in [0, 2**63), got {us!r}", "pass e.g. untrained_seed=0"
+            )
+        if self.untrained_control and not self.record_statistics:
+            raise _err(
+                "untrained_control",
+                "needs statistics to be recorded",
+                "pass statistics=True (the default in observe mode)",
+            )
         ds = self.map_downsample
         if isinstance(ds, bool) or not isinstance(ds, int) or ds < 1:
             raise _err("map_downsample", f"must be an int >= 1, got {ds!r}", "pass 1 (none), 2, 4 ...")

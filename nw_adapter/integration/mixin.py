@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.control import UntrainedControl
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.processors import is_ip_processor, is_nw_processor, nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
@@ -46,6 +47,20 @@ class _NWState:
     originals: dict[str, Any]
     layers: tuple[str, ...]
     recorder: NWRecorder
+    control: UntrainedControl | None = None
+
+
+def _build_control(unet: torch.nn.Module, config: NWProcessorConfig) -> UntrainedControl | None:
+    """The untrained-adapter control of ``config`` (built once, seeded), or None when it is off."""
+    if not config.untrained_control:
+        return None
+    try:
+        return UntrainedControl.build(unet, seed=config.untrained_seed)
+    except ValueError as error:
+        raise NWInstallError(
+            f"untrained_control: {error}; or pass untrained_control=False (command line: "
+            "--no-untrained-control) to run without the control"
+        ) from None
 
 
 def _unet_of(pipe: Any) -> torch.nn.Module:
@@ -104,6 +119,11 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     Calling it again first removes the previous NW processors (no double wrapping) and then
     installs the new configuration with a fresh recorder.
 
+    With ``untrained_control=True`` the untrained-adapter control
+    (:class:`~nw_adapter.integration.control.UntrainedControl`) is built once here, seeded with
+    ``untrained_seed``, and its two forward pre-hooks (denoiser, image projection) registered;
+    :func:`remove_nw_processor` removes them and drops the control.
+
     Args:
         pipe: a diffusers pipeline with ``unet`` or ``transformer`` and a loaded IP-Adapter (or
             the denoiser itself; then CFG halves are only reported with ``cfg=True``).
@@ -115,7 +135,8 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
         The :class:`~nw_adapter.integration.recorder.NWRecorder` receiving the statistics.
 
     Raises:
-        NWInstallError: before ``load_ip_adapter`` (or with xFormers processors).
+        NWInstallError: before ``load_ip_adapter`` (or with xFormers processors), or an adapter
+            the untrained control does not support (with ``untrained_control=True``).
         NWConfigError: an invalid option, or a ``layers`` prefix that matches no IP-Adapter layer.
         (Both are ``ValueError`` subclasses, :mod:`nw_adapter.integration.errors`.)
 
@@ -153,13 +174,22 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
                     "(see nw_adapter.integration.mixin.ip_adapter_layers)"
                 )
         selected = [n for n in ip_layers if any(n.startswith(p) for p in config.layers)]
+    control = _build_control(unet, config)  # before anything changes: a failure installs nothing
     recorder = NWRecorder(config, pipe if not isinstance(pipe, torch.nn.Module) else None)
     new = dict(originals)
     for name in selected:
         new[name] = nw_processor_for(originals[name], layer_name=name, config=config, recorder=recorder)
-    unet.set_attn_processor(dict(new))
-    recorder.attach(unet, timestep_scale=_timestep_scale(unet))
-    setattr(unet, _STATE_ATTR, _NWState(originals=originals, layers=tuple(selected), recorder=recorder))
+        new[name].set_untrained_control(control)
+    state = _NWState(originals=originals, layers=tuple(selected), recorder=recorder, control=control)
+    setattr(unet, _STATE_ATTR, state)
+    try:
+        unet.set_attn_processor(dict(new))
+        recorder.attach(unet, timestep_scale=_timestep_scale(unet))
+        if control is not None:
+            control.attach(unet)
+    except BaseException:
+        remove_nw_processor(pipe)  # processors and hooks back as they were
+        raise
     return recorder
 
 
@@ -177,7 +207,12 @@ def remove_nw_processor(pipe: Any) -> NWRecorder | None:
     if state is None:
         return None
     state.recorder.detach()
+    if state.control is not None:
+        state.control.detach()
     current = dict(unet.attn_processors)
+    for processor in current.values():
+        if is_nw_processor(processor):
+            processor.set_untrained_control(None)  # removing the processors drops the control
     restored = {
         n: (state.originals[n] if is_nw_processor(p) and n in state.originals else p)
         for n, p in current.items()

@@ -29,12 +29,27 @@ from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.maps import MapStore
 from nw_adapter.integration.records import Records, Summary, block_of
 from nw_adapter.integration.records_file import RECORDS_SCHEMA, read_records_file, records_document
-from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.integration.schema import STAT_NAMES, UNTRAINED_OF, UNTRAINED_SUFFIX
 from nw_adapter.integration.skips import SkipLedger
 from nw_adapter.integration.steps import StepState, StepTracker
 
-__all__ = ["RECORDS_SCHEMA", "STAT_NAMES", "NWRecorder", "StepState", "Summary", "block_of"]
+__all__ = [
+    "RECORDS_SCHEMA",
+    "STAT_NAMES",
+    "UNTRAINED_COLUMNS",
+    "UNTRAINED_RECORDED",
+    "NWRecorder",
+    "StepState",
+    "Summary",
+    "block_of",
+]
 
+UNTRAINED_COLUMNS: tuple[int, ...] = tuple(STAT_NAMES.index(n) for n in UNTRAINED_OF if n in STAT_NAMES)
+"""Rows of the stats tensor (:data:`STAT_NAMES` order) recorded for the untrained-adapter control:
+the statistics of :data:`~nw_adapter.integration.schema.UNTRAINED_OF` this version computes."""
+
+UNTRAINED_RECORDED: tuple[str, ...] = tuple(STAT_NAMES[i] + UNTRAINED_SUFFIX for i in UNTRAINED_COLUMNS)
+"""Their record names (``rho_untrained``, ...), in :data:`UNTRAINED_COLUMNS` order."""
 
 
 @dataclass
@@ -51,6 +66,7 @@ class _Entry:
     stats: torch.Tensor  # [num_stats, num_halves, num_heads], float32, on the model's device
     key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
     ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
+    untrained: torch.Tensor | None = None  # [len(UNTRAINED_COLUMNS), num_halves, num_heads]: the control's
 
 
 def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
@@ -63,6 +79,8 @@ def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
         parts.append(e.stats.reshape(-1).float())
         if e.ip_mass is not None:
             parts.append(e.ip_mass.reshape(-1).float())
+        if e.untrained is not None:
+            parts.append(e.untrained.reshape(-1).float())
     flat = torch.cat(parts).cpu().tolist()
     info_cache: dict[tuple[int, int], dict[str, float]] = {}
     records: list[dict[str, Any]] = []
@@ -76,6 +94,10 @@ def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
         if e.ip_mass is not None:
             mass = flat[offset : offset + n_h * n_k]
             offset += n_h * n_k
+        control = None
+        if e.untrained is not None:
+            control = flat[offset : offset + len(UNTRAINED_RECORDED) * n_h * n_k]
+            offset += len(UNTRAINED_RECORDED) * n_h * n_k
         key = (e.call, e.step)
         if key not in info_cache:
             info_cache[key] = step_info(*key)
@@ -99,6 +121,9 @@ def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
                     rec[name] = vals[(si * n_h + hi) * n_k + ki]
                 if mass is not None:
                     rec["ip_mass"] = mass[hi * n_k + ki]
+                if control is not None:
+                    for ui, name in enumerate(UNTRAINED_RECORDED):
+                        rec[name] = control[(ui * n_h + hi) * n_k + ki]
                 records.append(rec)
     return records
 
@@ -217,20 +242,27 @@ class NWRecorder:
         stats: torch.Tensor,
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
+        untrained: torch.Tensor | None = None,
     ) -> None:
         """Store one layer's statistics, ``stats`` of shape [len(STAT_NAMES), len(halves), len(heads)].
 
         ``key_set`` names the keys of the compared softmax (:data:`~nw_adapter.integration.schema.KEY_SETS`);
-        ``ip_mass`` [len(halves), len(heads)] is the joint softmax's mass on the IP keys (SD3 only).
+        ``ip_mass`` [len(halves), len(heads)] is the joint softmax's mass on the IP keys (SD3 only);
+        ``untrained`` [len(UNTRAINED_COLUMNS), len(halves), len(heads)] the untrained-adapter
+        control's statistics (:data:`UNTRAINED_RECORDED`), when the control is on.
         """
         if stats.shape != (len(STAT_NAMES), len(halves), len(heads)):
             raise ValueError(
                 f"stats must have shape {(len(STAT_NAMES), len(halves), len(heads))}, "
                 f"got {tuple(stats.shape)}"
             )
+        expected = (len(UNTRAINED_COLUMNS), len(halves), len(heads))
+        if untrained is not None and untrained.shape != expected:
+            raise ValueError(f"untrained must have shape {expected}, got {tuple(untrained.shape)}")
         mass = None if ip_mass is None else ip_mass.detach()
+        control = None if untrained is None else untrained.detach()
         where = (self.state.call, self.state.step, layer, adapter, image, halves, heads)
-        self._entries.append(_Entry(*where, float(scale), num_keys, stats.detach(), key_set, mass))
+        self._entries.append(_Entry(*where, float(scale), num_keys, stats.detach(), key_set, mass, control))
 
     def wants_maps(self, layer: str) -> bool:
         """Whether maps of ``layer`` at the current step are to be stored."""

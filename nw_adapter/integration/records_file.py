@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.schema import LEGACY_NAMES, SKIPPED_FIELD, STAT_NAMES
+from nw_adapter.integration.schema import LEGACY_NAMES, OPTIONAL_STATS, SKIPPED_FIELD, STAT_NAMES
 from nw_adapter.integration.validation import RECORDS_SCHEMA, REPORT_SCHEMA, check_records_file
 
 
@@ -74,6 +74,7 @@ def read_records_file(path: str | os.PathLike) -> SavedRecords:
         known = NWProcessorConfig.field_names()  # options of another version are left out
         config = NWProcessorConfig(**{k: v for k, v in document["config"].items() if k in known})
     renamed = ({LEGACY_NAMES.get(k, k): v for k, v in r.items()} for r in document["records"])
-    records = [{k: (math.nan if v is None and k in STAT_NAMES else v) for k, v in r.items()} for r in renamed]
+    numbers = {*STAT_NAMES, *OPTIONAL_STATS}
+    records = [{k: (math.nan if v is None and k in numbers else v) for k, v in r.items()} for r in renamed]
     source = {"path": str(path), "schema": schema, "config": document.get("config")}
     return SavedRecords(config, records, source)

@@ -171,8 +171,9 @@ def test_bad_input_is_a_clear_error(sd15, tiny_sd15_dir, tiny_sd3_dir, tiny_sd3_
     with pytest.raises(ValueError, match="one per loaded adapter"):
         untrained_keys(untrained, layer, [])
     sd3 = load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
-    with pytest.raises(ValueError, match="not supported by the untrained control yet"):
-        build_untrained_adapter(sd3)
+    sd3_untrained = build_untrained_adapter(sd3)
+    with pytest.raises(ValueError, match="conditioned on the timestep"):
+        untrained_keys(sd3_untrained, next(iter(sd3_untrained.key_projections)), torch.zeros(1, 4, 8))
 
 
 def test_a_text_key_of_another_shape_gives_a_default_initialised_key_projection(sd15) -> None:
@@ -190,3 +191,95 @@ def test_a_text_key_of_another_shape_gives_a_default_initialised_key_projection(
     assert float(fresh.weight.abs().max()) <= fresh.in_features**-0.5  # nn.Linear's default bound
     assert torch.equal(fresh.weight, again.key_projections[layer][0].weight)
     assert all(all(c) for name, c in first.copied.items() if name != layer)
+
+
+@pytest.fixture(scope="module")
+def sd3(tiny_sd3_dir, tiny_sd3_ip_adapter_dir):
+    return load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
+
+
+def test_sd3_recipe_copies_the_context_key_projection_and_norm_and_reinitialises_the_rest(sd3) -> None:
+    """SD 3.5: to_k_ip from attn.add_k_proj (weights; shapes match in the tiny model), the key RMSNorm's
+    gain from attn.norm_added_k, image_proj and norm_ip re-initialised (LayerNorms at identity)."""
+    transformer = sd3.transformer
+    before = _state(transformer)
+    untrained = build_untrained_adapter(sd3, seed=0)
+    assert untrained.family == "sd3"
+    for name, (fresh,) in untrained.key_projections.items():
+        attn = transformer.get_submodule(name.removesuffix(".processor"))
+        processor = transformer.attn_processors[name]
+        assert untrained.copied[name] == [True] and untrained.key_norm_copied[name]
+        assert torch.equal(fresh.weight, attn.add_k_proj.weight) and fresh.bias is None
+        assert not torch.equal(fresh.weight, processor.to_k_ip.weight)
+        assert torch.equal(untrained.key_norms[name].weight, attn.norm_added_k.weight)
+        trained_norm = dict(processor.norm_ip.named_parameters())
+        for key, value in untrained.input_norms[name].named_parameters():
+            assert value.shape == trained_norm[key].shape and not torch.equal(value, trained_norm[key])
+    trained = dict(transformer.image_proj.named_parameters())
+    for module_name, module in untrained.image_projection.named_modules():
+        for name, fresh in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if isinstance(module, torch.nn.LayerNorm):
+                assert torch.equal(
+                    fresh, torch.ones_like(fresh) if name == "weight" else torch.zeros_like(fresh)
+                )
+            else:
+                assert not torch.equal(fresh, trained[full]), full
+    after = _state(transformer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    again, other = build_untrained_adapter(sd3, seed=0), build_untrained_adapter(sd3, seed=1)
+    pairs = zip(untrained.image_projection.parameters(), again.image_projection.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert not torch.equal(untrained.image_projection.proj_in.weight, other.image_projection.proj_in.weight)
+
+
+def test_sd3_keys_follow_the_trained_branch(sd3) -> None:
+    """With the trained weights loaded into the untrained modules, keys_from_states reproduces the keys
+    the stock SD3 branch forms (norm_ip_k's output); with the untrained ones they differ."""
+    transformer = sd3.transformer
+    layer = next(n for n, p in transformer.attn_processors.items() if hasattr(p, "to_k_ip"))
+    processor = transformer.attn_processors[layer]
+    seen: dict = {}
+
+    def inputs(module, args, kwargs):
+        if "embeds" not in seen:
+            seen["embeds"] = kwargs["joint_attention_kwargs"]["ip_adapter_image_embeds"].clone()
+            seen["timestep"] = kwargs["timestep"].clone()
+
+    def keys(module, args, output):
+        seen.setdefault("keys", output.clone())
+
+    handles = [
+        transformer.register_forward_pre_hook(inputs, with_kwargs=True),
+        processor.norm_ip_k.register_forward_hook(keys),
+    ]
+    try:
+        generate_flow(sd3, steps=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    twin = build_untrained_adapter(sd3, seed=0)
+    twin.image_projection.load_state_dict(transformer.image_proj.state_dict())
+    twin.key_projections[layer][0].load_state_dict(processor.to_k_ip.state_dict())
+    twin.input_norms[layer].load_state_dict(processor.norm_ip.state_dict())
+    twin.key_norms[layer].load_state_dict(processor.norm_ip_k.state_dict())
+    reproduced = untrained_keys(twin, layer, seen["embeds"], timestep=seen["timestep"])
+    torch.testing.assert_close(reproduced, seen["keys"], rtol=1e-5, atol=1e-6)
+    control = untrained_keys(build_untrained_adapter(sd3), layer, seen["embeds"], timestep=seen["timestep"])
+    assert control.shape == seen["keys"].shape and not torch.allclose(control, seen["keys"])
+
+
+def test_sd3_text_key_of_another_shape_gives_default_initialisations(sd3) -> None:
+    import copy
+
+    pipe = copy.deepcopy(sd3)
+    layer = next(n for n, p in pipe.transformer.attn_processors.items() if hasattr(p, "to_k_ip"))
+    attn = pipe.transformer.get_submodule(layer.removesuffix(".processor"))
+    attn.add_k_proj = torch.nn.Linear(attn.add_k_proj.in_features + 2, attn.add_k_proj.out_features)
+    attn.norm_added_k = None
+    untrained = build_untrained_adapter(pipe, seed=2)
+    fresh = untrained.key_projections[layer][0]
+    assert untrained.copied[layer] == [False] and not untrained.key_norm_copied[layer]
+    assert float(fresh.weight.abs().max()) <= fresh.in_features**-0.5
+    assert torch.equal(untrained.key_norms[layer].weight, torch.ones_like(untrained.key_norms[layer].weight))
+    assert torch.equal(fresh.weight, build_untrained_adapter(pipe, seed=2).key_projections[layer][0].weight)

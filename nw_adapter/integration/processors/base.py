@@ -24,6 +24,12 @@ adapters). The base does the rest, once for every family:
   computation that raises rolls back what it stored and is counted as skipped; observe never fails
   a generation that stock completes. Swap changes the output, so its failure raises a
   RuntimeError naming the layer and step (:meth:`NWProcessorBase._swap_error`).
+- **The untrained-adapter control** (``config.untrained_control``): the installer hands every
+  processor the installation's :class:`~nw_adapter.integration.control.UntrainedControl`
+  (:meth:`NWProcessorBase.set_untrained_control`; held outside the module tree, so the
+  state_dict is unchanged); each family passes the same queries' untrained keys to
+  :meth:`NWProcessorBase._record_softmax`, which records their statistics (same bandwidth rule,
+  no nulls) as the ``*_untrained`` columns, inside the same safe side computation.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from nw_adapter.core import bandwidth as bw
 from nw_adapter.core import kernels
 from nw_adapter.integration import stats
 from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.control import UntrainedControl
 from nw_adapter.integration.maps import reduce_maps
-from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.recorder import UNTRAINED_COLUMNS, NWRecorder
 from nw_adapter.integration.steps import StepState
 
 PASS_HALVES = ("cond", "uncond")
@@ -170,6 +177,20 @@ class NWProcessorBase:
         return self.__dict__["_nw_original"]
 
     @property
+    def untrained_control(self) -> UntrainedControl | None:
+        """The installation's untrained-adapter control (None when ``config.untrained_control`` is off)."""
+        return self.__dict__.get("_nw_untrained_control")
+
+    def set_untrained_control(self, control: UntrainedControl | None) -> None:
+        """Hand the processor the installation's control (None drops it); not a submodule."""
+        self.__dict__["_nw_untrained_control"] = control
+
+    def _untrained_wanted(self) -> UntrainedControl | None:
+        """The control when it is on for this processor (config and an attached control)."""
+        control = self.untrained_control
+        return control if self.nw_config.untrained_control and control is not None else None
+
+    @property
     def scale(self) -> Any:
         """The stock processor's ``scale`` (the same object: a list per adapter for UNets and Flux,
         a float for SD3); assigning it sets the stock processor's."""
@@ -254,13 +275,17 @@ class NWProcessorBase:
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
         maps: bool = False,
+        untrained_k: torch.Tensor | None = None,
     ) -> None:
         """Statistics of one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) to the recorder.
 
         With several ``halves`` the batch is their blocks of rows and every statistic is averaged
         within each; ``ip_mass`` [B, H] (SD3) is averaged the same way. ``adapter_scale``: the
         adapter's scale (NaN in the records when it is a per-block list). ``maps``: also store A
-        and W when the recorder wants this layer's maps.
+        and W when the recorder wants this layer's maps. ``untrained_k`` [B, H, M0, d] (float32):
+        the untrained adapter's keys of the same softmax; their statistics against the same ``q``,
+        at the same bandwidth rule (applied to these keys) and without nulls, are recorded as the
+        control's columns (:data:`~nw_adapter.integration.recorder.UNTRAINED_RECORDED`).
 
         Raises:
             ValueError: ``bandwidth="schedule"`` at s = 1 (uniform NW weights, rank statistics
@@ -281,6 +306,13 @@ class NWProcessorBase:
             q, k, scale=scale, h=h, draws=draws, halves=n, compile=cfg.compile
         )
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
+        control = None
+        if untrained_k is not None:
+            h0 = self._bandwidth(q, untrained_k, scale)
+            values0, _, _ = stats.softmax_statistics(
+                q, untrained_k, scale=scale, h=h0, draws=None, halves=n, compile=cfg.compile
+            )
+            control = values0[list(UNTRAINED_COLUMNS)]
         rec.add(
             layer=self.layer_name,
             adapter=adapter,
@@ -292,6 +324,7 @@ class NWProcessorBase:
             stats=values,
             key_set=key_set,
             ip_mass=mass,
+            untrained=control,
         )
         if maps and rec.wants_maps(self.layer_name):
             reduced = reduce_maps(cfg, heads=heads, attn_w=attn_w, nw_w=nw_w, latent_hw=rec.state.latent_hw)

@@ -152,7 +152,8 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         scales: Sequence[Any],
         heads_n: int,
     ) -> None:
-        """Record each adapter's softmax (q [B, H, N, d] against its keys), labelled by the pass."""
+        """Record each adapter's softmax (q [B, H, N, d] against its keys), labelled by the pass, with
+        the untrained-adapter control's keys when the control is on."""
         heads = self._heads(heads_n)
         if not heads:
             return
@@ -160,11 +161,17 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         q = self._pick(q_all, heads, heads_n)
         halves = self._halves(q.shape[0])
         s = 1.0 / math.sqrt(q.shape[-1])
-        for j, (key, scale) in enumerate(zip(keys, scales, strict=False)):
+        control = self._untrained_wanted()
+        states0 = control.projected().states if control is not None else [None] * len(keys)
+        for j, (key, scale, state0) in enumerate(zip(keys, scales, states0, strict=False)):
             k = self._pick(key, heads, heads_n)
+            k0 = None
+            if state0 is not None:
+                k0 = self._pick(control.keys(self.layer_name, state0, adapter=j), heads, heads_n)
             self._record_softmax(
-                q, k, scale=s, halves=halves, heads=heads, adapter=j, image=0, adapter_scale=scale, maps=True
-            )
+                q, k, scale=s, halves=halves, heads=heads, adapter=j, image=0, adapter_scale=scale,
+                maps=True, untrained_k=k0,
+            )  # fmt: skip
 
 
 def is_flux_ip_processor(processor: Any) -> bool:

@@ -152,7 +152,8 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         self, attn: Attention, q_all: torch.Tensor, k_img_all: torch.Tensor, k_ip_all: torch.Tensor
     ) -> None:
         """Record the "ip" and "joint" comparisons of the captured q [B, H, N, d], k_img [B, H, N, d],
-        k_ip [B, H, M, d] (all as the stock branch forms them), with ``ip_mass``."""
+        k_ip [B, H, M, d] (all as the stock branch forms them), with ``ip_mass``; the "ip" comparison
+        also against the untrained adapter's IP keys when the control is on."""
         heads = self._heads(attn.heads)
         if not heads:
             return
@@ -171,7 +172,12 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         ip_mass = (lse_ip - lse_all).exp().mean(dim=-1)  # [B, H]: sum_{i in IP} A_ni over the rows
         scale = self.scale
         common = dict(halves=halves, heads=heads, adapter=0, image=0, adapter_scale=scale, ip_mass=ip_mass)
-        self._record_softmax(q, k_ip, scale=s, key_set="ip", maps=True, **common)
+        control = self._untrained_wanted()
+        k_ip0 = None
+        if control is not None:
+            keys0 = control.keys(self.layer_name, control.projected().states[0])
+            k_ip0 = self._pick(keys0, heads, attn.heads)
+        self._record_softmax(q, k_ip, scale=s, key_set="ip", maps=True, untrained_k=k_ip0, **common)
         k_joint = torch.cat([k_img, k_ip], dim=2)
         self._record_softmax(q_rows, k_joint, scale=s, key_set="joint", **common)
 

@@ -265,7 +265,8 @@ class _UNetNWProcessor(NWProcessorBase):
         masks: Sequence[Any],
         scales: Sequence[Any],
     ) -> None:
-        """Record every softmax group of the image branch (q [B, H, N, d] against its keys)."""
+        """Record every softmax group of the image branch (q [B, H, N, d] against its keys), with the
+        untrained-adapter control's keys of the same group when the control is on."""
         q_raw = captured["q"]
         batch = q_raw.shape[0]
         heads = self._heads(attn.heads)
@@ -275,11 +276,19 @@ class _UNetNWProcessor(NWProcessorBase):
         s = self.attention_scale(attn, q.shape[-1])
         halves = self._halves(batch)
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
-        for g in groups:
+        control = self._untrained_wanted()
+        controls: list[Any] = [None] * len(groups)
+        if control is not None:  # the untrained states, grouped as the trained branch groups its own
+            controls = self._groups(control.projected().states, masks, scales, batch)
+        for g, g0 in zip(groups, controls, strict=True):
             k = self._pick(self._image_key(attn, g, captured, batch), heads, attn.heads)
+            k0 = None
+            if g0 is not None:
+                keys0 = control.keys(self.layer_name, g0.states, adapter=g0.adapter)
+                k0 = self._pick(keys0, heads, attn.heads)
             self._record_softmax(
                 q, k, scale=s, halves=halves, heads=heads, adapter=g.adapter, image=g.image,
-                adapter_scale=g.scale, maps=True,
+                adapter_scale=g.scale, maps=True, untrained_k=k0,
             )  # fmt: skip
 
 

@@ -1,0 +1,80 @@
+"""correlate.py and the untrained-adapter control: on by default, ``--no-untrained-control`` turns it
+off, ``--untrained-seed`` seeds it, and both are part of the run's fingerprint (a resumed run never
+mixes results with and without the control)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from nw_adapter.correlate.cli import main, parse_args, processor_config, run_options
+from nw_adapter.correlate.spec import ModelSpec
+from nw_adapter.correlate.sweep import fingerprint
+from nw_adapter.integration.recorder import UNTRAINED_RECORDED
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    path = tmp_path / "ref.png"
+    Image.fromarray((np.random.RandomState(0).rand(32, 32, 3) * 255).astype("uint8")).save(path)
+    return path
+
+
+def _identity(argv: list[str]) -> str:
+    args = parse_args(argv)
+    return fingerprint(run_options(args, ModelSpec("tiny"), "cpu", "float32"))
+
+
+def test_default_on_flag_off_and_seed_in_the_config_and_the_fingerprint(image: Path) -> None:
+    base = ["--image", str(image), "--model", "tiny"]
+    on, off = parse_args(base), parse_args([*base, "--no-untrained-control"])
+    assert processor_config(on).untrained_control is True and processor_config(on).untrained_seed == 0
+    assert processor_config(off).untrained_control is False
+    assert processor_config(parse_args([*base, "--untrained-seed", "7"])).untrained_seed == 7
+    identities = {
+        _identity(base),
+        _identity([*base, "--no-untrained-control"]),
+        _identity([*base, "--untrained-seed", "7"]),
+    }
+    assert len(identities) == 3
+    # the seed of a control that is off does not split runs
+    assert _identity([*base, "--no-untrained-control"]) == _identity(
+        [*base, "--no-untrained-control", "--untrained-seed", "7"]
+    )
+
+
+def test_bad_untrained_seed_is_one_line_exit_2(image: Path, capsys) -> None:
+    code = main(["--image", str(image), "--model", "tiny", "--untrained-seed", "-3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--untrained-seed" in err and "Traceback" not in err
+
+
+def test_runs_with_and_without_the_control(
+    image: Path, tmp_path: Path, tiny_sd15_dir, tiny_ip_adapter_dir, capsys
+) -> None:
+    common = ["--image", str(image), "--model", str(tiny_sd15_dir), "--ip-adapter", str(tiny_ip_adapter_dir)]
+    common += ["--steps", "2", "--scheduler", "ddim", "-qq"]
+    reports = {}
+    for name, extra in (("on", []), ("off", ["--no-untrained-control"])):
+        out = tmp_path / name
+        assert main([*common, *extra, "--out", str(out)]) == 0, capsys.readouterr().err
+        reports[name] = (out, json.loads((out / "rho.json").read_text()))
+    on_out, on = reports["on"]
+    off_out, off = reports["off"]
+    assert on["config"]["untrained_control"] is True and off["config"]["untrained_control"] is False
+    assert all(all(n in r for n in UNTRAINED_RECORDED) for r in on["records"])
+    assert not any(n in r for r in off["records"] for n in UNTRAINED_RECORDED)
+    assert any(r["rho_untrained"] is not None for r in on["records"])
+    assert "rho_untrained" in (on_out / "rho.csv").read_text().splitlines()[0].split(",")
+    # the control only observes: the generated images are the same
+    generated = [out / report["images"][0]["generated"] for out, report in reports.values()]
+    assert generated[0].read_bytes() == generated[1].read_bytes()
+    # resuming the "on" folder without the control recomputes, never mixes
+    capsys.readouterr()
+    assert main([*common[:-1], "--no-untrained-control", "--out", str(on_out)]) == 0
+    resumed = json.loads((on_out / "rho.json").read_text())
+    assert not any(n in r for r in resumed["records"] for n in UNTRAINED_RECORDED)
