@@ -99,11 +99,11 @@ def count_ops(fn: Callable[[], Any], warmup: int = 1) -> OpCounter:
 def _opaque(real: Callable[..., Any], counter: OpCounter, launches: dict[tuple, int]) -> Callable[..., Any]:
     """``real`` run with the counter suspended, counted as the kernels its graph launches."""
 
-    def run(q, k, h, scale, valid, draws, halves):  # noqa: ANN001, ANN202
-        key = compiled_stats.shape_key(q, k, valid, draws, halves)
+    def run(q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256):  # noqa: ANN001, ANN202
+        key = compiled_stats.shape_key(q, k, valid, draws, halves, readings, fit_rows)
         counter.ops["compiled graph kernels"] += launches.get(key, 0)
         with _disable_current_modes():
-            return real(q, k, h, scale, valid, draws, halves)
+            return real(q, k, h, scale, valid, draws, halves, readings, fit_rows)
 
     return run
 
