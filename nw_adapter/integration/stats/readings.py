@@ -185,4 +185,3 @@ def _write_standard_error(
     correction = (1.0 - count / total) / count
     var_beta = var_psi / curvature.square() * correction
     w.write(out, torch.div, var_beta.sqrt(), beta.pow(1.5).mul_(2.0))
-
