@@ -89,7 +89,9 @@ def write_readings(
     w.write(out["kl_key_prior"], torch.sub, mean_neg_entropy, prior).clamp_min_(0.0)
 
     g = masked[..., 1, :]  # [B, H, N, M], padding keys very negative
-    target = (attn[..., None, :] @ g[..., :, None])[..., 0]  # E_A[G] per row [B, H, N, 1]
+    target = w.workspace("fit targets", (*g.shape[:-1], 1, 1), g.device)
+    w.products(target, attn[..., None, :], g[..., None, :])  # E_A[G] per row [B, H, N, 1, 1]
+    target = target[..., 0]
     shifted = g - target  # G'_j = G_j - t_j (padding keys stay very negative)
     count = fit_count(n, fit_rows)
     rows = None
@@ -125,7 +127,8 @@ def _write_shares(
         weight = valid_rows[..., None, :].to(observed.dtype)  # [B, 1, 1, 1, M]
         kept = observed * weight
         centred = torch.sub(kept, kept.sum(-1, keepdim=True) * inv_count).mul_(weight)
-    gram = (centred @ centred.transpose(-1, -2)).sum(2)  # [B, H, 2, 2]: <L, L>, <L, G>, <G, G>
+    per_row = w.workspace("reading grams", (*centred.shape[:-1], 2), centred.device)
+    gram = w.products(per_row, centred, centred).sum(2)  # [B, H, 2, 2]: <L, L>, <L, G>, <G, G>
     columns = centred[..., 0, :].sum(2)  # n b_i [B, H, M]
     ll, lg, gg = gram[..., 0, 0], gram[..., 0, 1], gram[..., 1, 1]
     bias = torch.linalg.vector_norm(columns, dim=-1).square_()
@@ -158,7 +161,7 @@ def _fit(
     start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
     beta = torch.clamp(start, bracket[..., 0], bracket[..., 1])
     for _ in range(FIT_STEPS):
-        _, sums = _moments(logits, powers, beta)
+        _, sums = _moments(w, logits, powers, beta)
         grad = sums[..., MOMENT["1"], MOMENT["psi"]]  # n L'(beta)
         hess = sums[..., MOMENT["1"], MOMENT["second"]] - sums[..., MOMENT["psi"], MOMENT["psi"]]  # n L''
         # the optimum lies right of beta where L' < 0 (raise the lower end), left where L' > 0
@@ -166,7 +169,7 @@ def _fit(
         newton = torch.addcdiv(beta, grad, hess, value=-1.0)
         inside = torch.clamp(newton, bracket[..., 0], bracket[..., 1]) == newton  # NaN (flat loss): not
         beta = torch.where(inside, newton, bracket.prod(-1).sqrt())
-    moments, _ = _moments(logits, powers, beta)
+    moments, _ = _moments(w, logits, powers, beta)
     return beta, moments
 
 
@@ -182,13 +185,17 @@ def _bracket(logits: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Ten
 
 
 def _moments(
-    logits: torch.Tensor, powers: torch.Tensor, beta: torch.Tensor
+    w: EagerWriter, logits: torch.Tensor, powers: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row ``p_j [1, G'_j, G'_j^2]`` ``[B, H, n, 3]`` (``p = softmax(beta G')``) and their Gram
-    over rows ``[B, H, 3, 3]``."""
+    over rows ``[B, H, 3, 3]``: two products (broadcast sums under compile, which fuse)."""
+    b, nh, n, _ = logits.shape
     p = torch.softmax(logits * beta[..., None, None], -1)
-    moments = (p[..., None, :] @ powers)[..., 0, :]
-    return moments, moments.transpose(-1, -2) @ moments
+    moments = w.workspace("fit moments", (b, nh, n, 1, len(MOMENT)), logits.device)
+    w.products(moments, p[..., None, :], powers.transpose(-1, -2))
+    moments = moments[..., 0, :]
+    sums = w.workspace("fit moment sums", (b, nh, len(MOMENT), len(MOMENT)), logits.device)
+    return moments, w.products(sums, moments.transpose(-1, -2), moments.transpose(-1, -2))
 
 
 def _write_standard_error(
