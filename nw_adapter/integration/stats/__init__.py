@@ -7,6 +7,8 @@ Layout of this folder (read in this order):
   and passed to either writing;
 - :mod:`.fast`: the optimised path (:func:`layer_statistics`), its column layout derived from
   one table of producers and tested equal to the reference (tests/integration/test_stats_reference.py);
+- :mod:`.readings`: the fast readings pass (key prior against NW smoother, the bandwidth fit and
+  its standard error), called by :mod:`.fast`;
 - :mod:`.layout` (named columns, producer kinds), :mod:`.workspace` (eager / compiled writer),
   :mod:`.compiled` (the ``torch.compile`` wrapper), :mod:`.precision`.
 

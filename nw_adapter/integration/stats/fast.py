@@ -21,6 +21,11 @@ producer per name of :data:`~nw_adapter.integration.schema.STAT_NAMES`):
    and one product with the row-mean matrix averages the per-row features into the
    statistics (:class:`~.layout.RowMean`). The remaining statistics follow per (batch row,
    head) (:class:`~.layout.PerHead`); one ``addcmul`` applies the gains and offsets.
+4. **Readings** (unless ``readings=False``): the readings of
+   :data:`~nw_adapter.integration.schema.READING_STATS` per (batch row, head) from the observed
+   pairs, A and ``a.l_A`` (:mod:`.readings`: the variance shares, the key-prior KL, the
+   bandwidth fit on ``fit_rows`` rows and its standard error), written into their columns before
+   the per-half means (:class:`~.layout.Reading`).
 
 Eager, intermediate tensors are written with ``out=`` into per-thread workspaces; under
 ``torch.compile`` the same code runs as plain operations (:mod:`.workspace`, chosen once per
