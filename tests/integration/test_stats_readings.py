@@ -58,7 +58,8 @@ def _augmented_nw_head(h, rows=128, keys=8, dim=6, seed=0):
     k = torch.cat([s, -0.5 * s.square().sum(-1, keepdim=True)], -1)
     pad = ((k.square().sum(-1).max() + 1.0) - k.square().sum(-1)).sqrt()
     k = torch.cat([k, pad[:, None]], -1)
-    q = torch.cat([x, torch.ones(rows, 1, dtype=torch.float64), torch.zeros(rows, 1, dtype=torch.float64)], -1)
+    one, zero = torch.ones(rows, 1, dtype=torch.float64), torch.zeros(rows, 1, dtype=torch.float64)
+    q = torch.cat([x, one, zero], -1)
     return q[None, None].float(), k[None, None].float()
 
 
