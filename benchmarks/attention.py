@@ -6,6 +6,8 @@ Variants, timed side by side in one process (see :mod:`benchmarks.timing`):
 - ``observe``: the NW processor in observe mode with the default options (matched bandwidth,
   both nulls) -- what ``apply_nw_processor(pipe)`` gives a user;
 - ``observe_no_nulls``: observe mode with ``nulls=False`` (shows what the nulls cost);
+- ``observe_no_readings``: observe mode with ``readings=False`` (shows what the readings cost:
+  ``r2_key`` ... ``h_eff`` and its 12-step bandwidth fit);
 - ``observe_compiled``: observe with ``compile=True`` (the side computation as one
   ``torch.compile``d function per layer shape); skipped, with a note, where
   :class:`~nw_adapter.integration.config.NWProcessorConfig` has no ``compile`` option;
@@ -50,13 +52,14 @@ ATTRIBUTED: tuple[str, ...] = ("_record", "_swap_branch")
 VARIANTS: dict[str, dict[str, Any]] = {
     "observe": {"mode": "observe", "cfg": True},
     "observe_no_nulls": {"mode": "observe", "cfg": True, "nulls": False},
+    "observe_no_readings": {"mode": "observe", "cfg": True, "readings": False},
     "observe_compiled": {"mode": "observe", "cfg": True, "compile": True},
     "swap": {"mode": "swap"},
     "observe_control": {"mode": "observe", "cfg": True, "untrained_control": True},
 }
 
 #: The variants of the CPU runs (compiling on a 2-core CPU is not what a user runs there).
-DEFAULT_VARIANTS: tuple[str, ...] = ("observe", "observe_no_nulls", "swap")
+DEFAULT_VARIANTS: tuple[str, ...] = ("observe", "observe_no_nulls", "observe_no_readings", "swap")
 
 #: Model families of the UNet step: (UNet config, width of the base adapter's image embedding).
 UNET_MODELS: dict[str, tuple[dict[str, Any], int]] = {

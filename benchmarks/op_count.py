@@ -7,7 +7,8 @@ IP-Adapter processor and the NW variants, on random-weight models of the real sh
 (:mod:`benchmarks.models`). Counts are deterministic (unlike times), so a test can hold them
 under their targets (tests/benchmarks/test_op_count.py).
 
-Variants: ``stock``, ``observe`` (defaults: matched bandwidth, three nulls), ``observe_no_nulls``,
+Variants: ``stock``, ``observe`` (defaults: matched bandwidth, three nulls, the readings),
+``observe_no_nulls``, ``observe_no_readings`` (``readings=False``), ``observe_no_nulls_no_readings``,
 ``observe_compiled`` (``compile=True``: the statistics run as one compiled graph; its fused
 kernels are not aten dispatches, see ``fused_kernels``) and ``swap``.
 
@@ -42,12 +43,17 @@ from nw_adapter.integration.stats import compiled as compiled_stats  # noqa: E40
 VARIANTS: dict[str, dict[str, Any]] = {
     "observe": {"mode": "observe", "cfg": True},
     "observe_no_nulls": {"mode": "observe", "cfg": True, "nulls": False},
+    "observe_no_readings": {"mode": "observe", "cfg": True, "readings": False},
+    "observe_no_nulls_no_readings": {"mode": "observe", "cfg": True, "nulls": False, "readings": False},
     "observe_compiled": {"mode": "observe", "cfg": True, "compile": True},
     "swap": {"mode": "swap"},
 }
 
 #: Targets of issue 13 (ops of a variant / ops of stock, per UNet forward).
-TARGETS: dict[str, float] = {"observe": 2.0, "observe_compiled": 1.25, "swap": 1.05}
+TARGETS: dict[str, float] = {"observe_no_readings": 2.0, "observe_compiled": 1.25, "swap": 1.05}
+"""Issue 13's targets were set before the readings (issue 19), so the observe target of 2.0 is held
+by ``observe_no_readings``; the default observe (readings on) has no target, its count is stated in
+benchmarks/README.md."""
 
 
 #: Non-view aten ops that only rewrite metadata (no kernel): not counted.
@@ -99,11 +105,11 @@ def count_ops(fn: Callable[[], Any], warmup: int = 1) -> OpCounter:
 def _opaque(real: Callable[..., Any], counter: OpCounter, launches: dict[tuple, int]) -> Callable[..., Any]:
     """``real`` run with the counter suspended, counted as the kernels its graph launches."""
 
-    def run(q, k, h, scale, valid, draws, halves):  # noqa: ANN001, ANN202
-        key = compiled_stats.shape_key(q, k, valid, draws, halves)
+    def run(q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256):  # noqa: ANN001, ANN202
+        key = compiled_stats.shape_key(q, k, valid, draws, halves, readings, fit_rows)
         counter.ops["compiled graph kernels"] += launches.get(key, 0)
         with _disable_current_modes():
-            return real(q, k, h, scale, valid, draws, halves)
+            return real(q, k, h, scale, valid, draws, halves, readings, fit_rows)
 
     return run
 

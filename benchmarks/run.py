@@ -408,7 +408,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         elif section == "ops":  # dispatched-op counts (benchmarks/op_count.py)
             from benchmarks.op_count import run as run_ops
 
-            data, text = run_ops(latent_size=8, variants=("observe", "observe_no_nulls", "swap"))
+            variants = ("observe", "observe_no_nulls", "observe_no_readings", "swap")
+            data, text = run_ops(latent_size=8, variants=variants)
         else:
             data, text = run_recorder(plan)
         results["sections"][section] = data

@@ -6,8 +6,10 @@ q/k space, ``NW = softmax(-||q - k_i||^2 / 2h^2)``, per (batch row, head): the r
 and their three nulls (:mod:`nw_adapter.core.metrics`), the divergences, effective sample sizes,
 and the readings that split the attention into a key prior and an NW smoother of the query
 (:mod:`nw_adapter.core.readings`). It is a plain reference of these statistics, float64
-capable. The processors record the rank statistics, divergences and effective sample sizes on
-the fly; the key-prior readings (``r2_key`` ... ``h_eff``) are not recorded per step yet.
+capable. The processors record all of them on the fly, per (layer, head, step, CFG half)
+(:mod:`nw_adapter.integration.stats`, ``NWProcessorConfig(readings=True)``, the default), the
+readings with ``h_eff`` fitted on ``fit_rows`` evenly spaced query rows (``h_eff_se``: the
+standard error that adds) where this function fits it on all rows.
 
 A reading is evidence only against a control with the same algebra but not the learning (the
 same queries against an untrained adapter's keys, or the nulls): a random head already has

@@ -114,6 +114,13 @@ class NWProcessorConfig:
             (without nulls). Every reading minus its untrained value is what adapter training did.
             Costs one more statistics pass per softmax (benchmarks/README.md).
         untrained_seed: seed of the untrained adapter's default initialisations.
+        readings: record the readings that split the attention into a query-blind key prior and
+            an NW smoother of the query (``r2_key``, ``r2_nw``, ``kl_key_prior``, ``kl_nw_fit``,
+            ``nw_gain``, ``h_eff`` with ``h_eff_se`` and ``fit_rows``; THEORY.md section 4); False =
+            those columns are NaN and the side computation costs what it did before them.
+        fit_rows: number of evenly spaced query rows the readings' bandwidth ``h_eff`` is fitted
+            on (a fixed number of Newton steps, each a softmax over these rows); None = all rows.
+            ``h_eff_se`` is the standard error this subsample adds (0 with all rows).
 
     Example:
         >>> from nw_adapter.integration.config import NWProcessorConfig
@@ -145,6 +152,8 @@ class NWProcessorConfig:
     compile: bool = False
     untrained_control: bool = False
     untrained_seed: int = 0
+    readings: bool = True
+    fit_rows: int | None = 256
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,7 +194,7 @@ class NWProcessorConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise _err(name, f"must be None, True or False, got {v!r}", f"pass {name}=True or False")
-        for name in ("nulls", "store_maps", "map_head_mean", "compile", "untrained_control"):
+        for name in ("nulls", "store_maps", "map_head_mean", "compile", "untrained_control", "readings"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, f"must be True or False, got {getattr(self, name)!r}", f"pass {name}=True")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -219,6 +228,11 @@ class NWProcessorConfig:
         if nr is not None and (isinstance(nr, bool) or not isinstance(nr, int) or nr < 1):
             raise _err(
                 "null_rows", f"must be None or an int >= 1, got {nr!r}", "pass e.g. 256 (None = all rows)"
+            )
+        fr = self.fit_rows
+        if fr is not None and (isinstance(fr, bool) or not isinstance(fr, int) or fr < 2):
+            raise _err(
+                "fit_rows", f"must be None or an int >= 2, got {fr!r}", "pass e.g. 256 (None = all rows)"
             )
         cs = self.chunk_size
         if cs is not None and (isinstance(cs, bool) or not isinstance(cs, int) or cs < 1):

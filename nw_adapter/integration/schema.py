@@ -81,7 +81,9 @@ OPTIONAL_STATS: tuple[str, ...] = ("ip_mass", *UNTRAINED_STATS)
 #: ``rho_norm_matched_null`` (queries of the same norms in random directions) and
 #: ``rho_spread_null`` (each row's q.k values kept, their pairing with the key norms shuffled).
 #: ``key_norm_cv`` = std/mean of ||k_i|| and ``qk_spread_ratio`` = mean over rows of
-#: std_i(q.k_i) / std_i(||k_i||^2 / 2), both with population standard deviations.
+#: std_i(q.k_i) / std_i(||k_i||^2 / 2), both with population standard deviations. Then the
+#: readings of :data:`READING_STATS` (NaN when ``NWProcessorConfig(readings=False)``; files written
+#: before they existed load with them missing).
 STAT_NAMES: tuple[str, ...] = (
     "bandwidth",
     "rho",
@@ -97,6 +99,7 @@ STAT_NAMES: tuple[str, ...] = (
     "q_norm",
     "key_norm_cv",
     "qk_spread_ratio",
+    *READING_STATS,
 )
 
 #: The statistics in reporting order (rho first, the bandwidth used last).

@@ -63,6 +63,10 @@ def test_normalisation():
         ({"map_dtype": "bfloat16"}, "map_dtype"),
         ({"map_max_mb": 0}, "map_max_mb"),
         ({"chunk_size": 0}, "chunk_size"),
+        ({"readings": "yes"}, "readings"),
+        ({"fit_rows": 1}, "fit_rows"),
+        ({"fit_rows": 2.5}, "fit_rows"),
+        ({"fit_rows": True}, "fit_rows"),
     ],
 )
 def test_invalid_option_names_it(kwargs, option):

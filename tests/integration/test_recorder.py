@@ -18,7 +18,7 @@ from tiny_helpers import generate
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import nw_processor_for
 from nw_adapter.integration.recorder import STAT_NAMES, NWRecorder, block_of
-from nw_adapter.integration.schema import NULL_STATS
+from nw_adapter.integration.schema import NULL_STATS, READING_STATS
 from nw_adapter.models.tiny import ip_adapter_weight_name
 from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
 
@@ -312,3 +312,22 @@ def test_records_have_schema_keys(observed):
         *STAT_NAMES,
     }
     assert required <= set(observed.to_records()[0])
+
+
+def test_a_records_file_written_before_the_readings_still_loads(observed, tmp_path):
+    """Files of the schema before issue 19 have no readings: they load, rho and the rest unchanged,
+    and the readings average to NaN (counted as missing), never a rejection."""
+    path = observed.to_json(tmp_path / "records.json")
+    document = json.loads(path.read_text())
+    for record in document["records"]:
+        for name in READING_STATS:
+            record.pop(name)
+    document["config"].pop("readings")
+    document["config"].pop("fit_rows")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(document))
+    loaded = NWRecorder.from_json(old)
+    assert len(loaded) == len(observed) and loaded.config.readings  # the current default
+    now, before = observed.summary()[0], loaded.summary()[0]
+    assert before["rho"] == now["rho"] and math.isfinite(now["r2_key"])
+    assert math.isnan(before["r2_key"]) and before["nonfinite"]["r2_key"] == now["count"]

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.integration.schema import READING_STATS, STAT_NAMES
 from nw_adapter.integration.stats import draw_nulls, fast, softmax_statistics
 from nw_adapter.integration.stats.layout import Columns
 from nw_adapter.integration.stats.reference import reference_statistics
@@ -29,11 +29,12 @@ EAGER_CASES = list(
         (1, 2),  # CFG halves
         (True, False),  # nulls
         ("float", "tensor"),  # bandwidth
+        (None, 10),  # the readings' bandwidth fit: all 24 rows (SE 0) or 10 evenly spaced rows
     )
 )
 #: Compiling costs minutes per graph on 2 shared cores: one graph, the options that
 #: tests/integration/test_compile.py does not compile (it has 4 keys, no mask, 2 halves, nulls, 0-d h).
-COMPILED_CASES = [(16, True, 1, False, "tensor")]
+COMPILED_CASES = [(16, True, 1, False, "tensor", 10)]
 
 
 def _inputs(keys: int, masked: bool, nulls: bool, bandwidth: str, seed: int = 0):
@@ -51,15 +52,15 @@ def _inputs(keys: int, masked: bool, nulls: bool, bandwidth: str, seed: int = 0)
     return q, k, valid, draws, h
 
 
-def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile):
+def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows, compile):
     q, k, valid, draws, h = _inputs(keys, masked, nulls, bandwidth)
     scale = 1 / math.sqrt(DIM)
     got, attn, nw = softmax_statistics(
-        q, k, scale=scale, h=h, draws=draws, valid=valid, halves=halves, compile=compile
+        q, k, scale=scale, h=h, draws=draws, valid=valid, halves=halves, compile=compile, fit_rows=fit_rows
     )
     h64 = h if isinstance(h, float) else h.double()
     want = reference_statistics(
-        q.double(), k.double(), scale=scale, h=h64, draws=draws, valid=valid, halves=halves
+        q.double(), k.double(), scale=scale, h=h64, draws=draws, valid=valid, halves=halves, fit_rows=fit_rows
     )
     assert got.shape == want.shape == (len(STAT_NAMES), halves, HEADS)
     for i, name in enumerate(STAT_NAMES):
@@ -68,6 +69,11 @@ def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile):
             got[i].double(), want[i], rtol=1e-4, atol=2e-5, equal_nan=True, msg=message
         )
     assert bool(got[STAT_NAMES.index("rho_spread_null")].isnan().all()) != nulls
+    for name in READING_STATS:  # every reading is defined here (3+ valid keys, rows that differ)
+        assert bool(got[STAT_NAMES.index(name)].isfinite().all()), name
+    se = got[STAT_NAMES.index("h_eff_se")]
+    assert bool((se > 0).all()) if fit_rows else bool((se == 0).all())
+    assert bool((got[STAT_NAMES.index("fit_rows")] == (fit_rows or ROWS)).all())
     # the returned weights are A and W (padding keys: 0)
     logits = (q.double() @ k.double().transpose(-1, -2)) * scale
     if valid is not None:
@@ -76,14 +82,17 @@ def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile):
     assert nw.shape == attn.shape
 
 
-@pytest.mark.parametrize(("keys", "masked", "halves", "nulls", "bandwidth"), EAGER_CASES)
-def test_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth):
-    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile=False)
+CASE_NAMES = ("keys", "masked", "halves", "nulls", "bandwidth", "fit_rows")
 
 
-@pytest.mark.parametrize(("keys", "masked", "halves", "nulls", "bandwidth"), COMPILED_CASES)
-def test_compiled_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth, recwarn):
-    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, compile=True)
+@pytest.mark.parametrize(CASE_NAMES, EAGER_CASES)
+def test_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth, fit_rows):
+    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows, compile=False)
+
+
+@pytest.mark.parametrize(CASE_NAMES, COMPILED_CASES)
+def test_compiled_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth, fit_rows, recwarn):
+    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows, compile=True)
     # a fallback to eager (one warning) would test the eager path twice
     assert not [w for w in recwarn if "torch.compile is unavailable" in str(w.message)]
 

@@ -7,6 +7,8 @@ Layout of this folder (read in this order):
   and passed to either writing;
 - :mod:`.fast`: the optimised path (:func:`layer_statistics`), its column layout derived from
   one table of producers and tested equal to the reference (tests/integration/test_stats_reference.py);
+- :mod:`.readings`: the fast readings pass (key prior against NW smoother, the bandwidth fit and
+  its standard error), called by :mod:`.fast`;
 - :mod:`.layout` (named columns, producer kinds), :mod:`.workspace` (eager / compiled writer),
   :mod:`.compiled` (the ``torch.compile`` wrapper), :mod:`.precision`.
 
@@ -45,6 +47,8 @@ def softmax_statistics(
     valid: torch.Tensor | None = None,
     halves: int = 1,
     compile: bool = False,
+    readings: bool = True,
+    fit_rows: int | None = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Statistics of A = softmax(q k^T * s) against the NW weights W at bandwidth ``h``.
 
@@ -54,6 +58,8 @@ def softmax_statistics(
         draws: the nulls' random numbers (:func:`draw_nulls`), None = nulls recorded as NaN.
         valid: optional bool ``[B, M]`` mask of the keys that take part.
         halves: 2 when the batch is [uncond; cond]. compile: one torch.compile'd graph per shape.
+        readings: compute the readings (schema.READING_STATS; False = NaN). fit_rows: the evenly
+            spaced query rows their bandwidth fit uses (None = all).
 
     Returns:
         ``(stats [S, halves, H], A [B, H, N, M], W [B, H, N, M])``, stats in STAT_NAMES order;
@@ -64,12 +70,12 @@ def softmax_statistics(
         >>> draws = draw_nulls(q, 4, 16, torch.Generator().manual_seed(0))
         >>> stats, A, W = softmax_statistics(q, k, scale=40**-0.5, h=40**0.25, draws=draws, halves=2)
         >>> stats.shape, A.shape
-        (torch.Size([14, 2, 8]), torch.Size([2, 8, 64, 4]))
+        (torch.Size([22, 2, 8]), torch.Size([2, 8, 64, 4]))
     """
     function = compiled_statistics() if compile else layer_statistics
     if compile and not isinstance(h, torch.Tensor):
         value = float(h)  # a 0-d tensor: one graph for every value of h (made once per value)
         h = EagerWriter().constant(("h", value, q.device), lambda: f32(value, q.device))
     with full_precision_float32_matmuls():
-        stats, weights = function(q, k, h, scale, valid, draws, halves)
+        stats, weights = function(q, k, h, scale, valid, draws, halves, readings, fit_rows)
     return stats, weights[0], weights[1]

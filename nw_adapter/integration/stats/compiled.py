@@ -39,9 +39,10 @@ def compiled_statistics() -> Callable[..., Any]:
     return _COMPILED["fn"]
 
 
-def shape_key(q, k, valid, draws, halves) -> tuple:  # noqa: ANN001 - as layer_statistics
+def shape_key(q, k, valid, draws, halves, readings=True, fit_rows=256) -> tuple:  # noqa: ANN001 - as layer_statistics
     """The key of one compiled graph: the shapes and options dynamo specialises on."""
-    return (tuple(q.shape), tuple(k.shape), q.dtype, q.device, valid is None, draws is None, halves)
+    shapes = (tuple(q.shape), tuple(k.shape), q.dtype, q.device)
+    return (*shapes, valid is None, draws is None, halves, readings, fit_rows)
 
 
 class CompiledStatistics:
@@ -58,21 +59,20 @@ class CompiledStatistics:
         self.seen: set[tuple] = set()
         self.launches: dict[tuple, int] = {}
 
-    def __call__(self, q, k, h, scale, valid, draws, halves):  # noqa: ANN001, ANN204 - as layer_statistics
+    def __call__(self, q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256):  # noqa: ANN001, ANN204
+        args = (q, k, h, scale, valid, draws, halves, readings, fit_rows)  # as layer_statistics
         if self.function is None:
-            return layer_statistics(q, k, h, scale, valid, draws, halves)
-        key = shape_key(q, k, valid, draws, halves)
+            return layer_statistics(*args)
+        key = shape_key(q, k, valid, draws, halves, readings, fit_rows)
         first = key not in self.seen
         start = time.perf_counter()
         try:
             if first:
-                out, self.launches[key] = _run_and_count_launches(
-                    self.function, q, k, h, scale, valid, draws, halves
-                )
+                out, self.launches[key] = _run_and_count_launches(self.function, *args)
             else:
-                out = self.function(q, k, h, scale, valid, draws, halves)
+                out = self.function(*args)
         except Exception as err:  # noqa: BLE001 - a backend failure falls back to eager
-            out = layer_statistics(q, k, h, scale, valid, draws, halves)  # a genuine error raises here
+            out = layer_statistics(*args)  # a genuine error raises here
             message = str(err).splitlines()[0][:120] if str(err) else ""
             warnings.warn(
                 f"NWProcessorConfig(compile=True): torch.compile is unavailable here ({type(err).__name__}: "

@@ -21,6 +21,11 @@ producer per name of :data:`~nw_adapter.integration.schema.STAT_NAMES`):
    and one product with the row-mean matrix averages the per-row features into the
    statistics (:class:`~.layout.RowMean`). The remaining statistics follow per (batch row,
    head) (:class:`~.layout.PerHead`); one ``addcmul`` applies the gains and offsets.
+4. **Readings** (unless ``readings=False``): the readings of
+   :data:`~nw_adapter.integration.schema.READING_STATS` per (batch row, head) from the observed
+   pairs, A and ``a.l_A`` (:mod:`.readings`: the variance shares, the key-prior KL, the
+   bandwidth fit on ``fit_rows`` rows and its standard error), written into their columns before
+   the per-half means (:class:`~.layout.Reading`).
 
 Eager, intermediate tensors are written with ``out=`` into per-thread workspaces; under
 ``torch.compile`` the same code runs as plain operations (:mod:`.workspace`, chosen once per
@@ -37,8 +42,17 @@ import torch
 
 from nw_adapter.core import metrics
 from nw_adapter.integration.schema import STAT_NAMES
-from nw_adapter.integration.stats.layout import Bandwidth, Columns, PerHead, Producer, RankPool, RowMean
+from nw_adapter.integration.stats.layout import (
+    Bandwidth,
+    Columns,
+    PerHead,
+    Producer,
+    RankPool,
+    Reading,
+    RowMean,
+)
 from nw_adapter.integration.stats.nulls import NullDraws
+from nw_adapter.integration.stats.readings import fit_count, write_readings
 from nw_adapter.integration.stats.workspace import EagerWriter, f32, writer
 
 MASKED_LOGIT = -1e20
@@ -112,6 +126,14 @@ PRODUCERS: dict[str, Producer] = {
     "q_norm": RowMean({"q_norm": 1.0}),
     "key_norm_cv": PerHead(_key_norm_cv),
     "qk_spread_ratio": PerHead(_qk_spread_ratio, gain=2.0),
+    "r2_key": Reading(),
+    "r2_nw": Reading(),
+    "kl_nw_fit": Reading(),
+    "kl_key_prior": Reading(),
+    "nw_gain": Reading(),
+    "h_eff": Reading(),
+    "h_eff_se": Reading(),
+    "fit_rows": Reading(constant=True),
 }
 
 #: Row means the per-head producers read (after the statistics in the per-head tensor).
@@ -124,6 +146,8 @@ HELPERS: dict[str, RowMean] = {
 
 #: Per-(batch row, head) values ``[B, H, C]``: the statistics, then the helpers.
 HEAD = Columns((*STAT_NAMES, *HELPERS))
+#: The columns the readings pass writes (the constant fit_rows is the column's offset).
+READINGS = tuple(n for n, p in PRODUCERS.items() if isinstance(p, Reading) and not p.constant)
 _ROW_MEANS = {name: p for name, p in {**PRODUCERS, **HELPERS}.items() if isinstance(p, RowMean)}
 #: The columns one matrix product writes: from the first row mean to the last (others get 0).
 ROW_MEAN_SPAN = slice(min(HEAD[n] for n in _ROW_MEANS), max(HEAD[n] for n in _ROW_MEANS) + 1)
@@ -158,6 +182,8 @@ def layer_statistics(
     valid: torch.Tensor | None = None,
     draws: NullDraws | None = None,
     halves: int = 1,
+    readings: bool = True,
+    fit_rows: int | None = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All statistics of one softmax of the image branch (see the module docstring).
 
@@ -171,6 +197,9 @@ def layer_statistics(
         halves: 2 when the batch is [uncond; cond]: rho and its nulls are pooled over the query
             rows of each half's batch rows (constant rows left out), the other statistics
             averaged over them.
+        readings: compute the readings of :data:`~nw_adapter.integration.schema.READING_STATS`
+            (:mod:`.readings`); False = NaN.
+        fit_rows: the readings' bandwidth fit uses this many evenly spaced query rows (None = all).
 
     Returns:
         ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in STAT_NAMES order
@@ -185,9 +214,17 @@ def layer_statistics(
     feats = w.workspace("row features", (*q.shape[:3], len(ROW)), q.device)
     pairs = _pairs(w, q, k, keys, feats, draws, valid_rows)
     rho_sums = _pooled_rank_correlations(w, pairs, valid_rows, halves, n, n0)
-    weights = _weights_and_row_features(w, pairs[:, :, :n], scale, h, valid_rows, feats)
-    head = _per_head(w, feats, keys, h, halves)
-    return _statistics(w, head, rho_sums, h, draws is not None), weights.movedim(-2, 0)
+    z, masked, inv_count = _weights_and_row_features(w, pairs[:, :, :n], scale, h, valid_rows, feats)
+    head = _per_head(w, feats, keys, h)
+    if readings:
+        columns = {name: head[..., HEAD[name]] for name in READINGS}
+        attn, neg_entropy = z[..., Z["a"], :], feats[..., ROW["a.lA"]]
+        write_readings(
+            w, columns, pairs[:, :, :n], masked, attn, neg_entropy, valid_rows, inv_count, scale, fit_rows
+        )
+    fit = fit_count(n, fit_rows) if readings else None
+    stats = _statistics(w, _half_means(head, halves), rho_sums, h, draws is not None, fit)
+    return stats, z[..., Z.slice("a", "b"), :].movedim(-2, 0)
 
 
 def _key_norms(w: EagerWriter, k: torch.Tensor, valid: torch.Tensor | None) -> KeyNorms:
@@ -268,9 +305,10 @@ def _weights_and_row_features(
     h: torch.Tensor | float,
     valid_rows: torch.Tensor | None,
     feats: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
     """Pass 3: Z of the observed pairs ``[B, H, N, 2, M]`` and the per-row features; returns
-    the weights (A, W) ``[B, H, N, 2, M]``."""
+    Z ``[B, H, N, 7, M]`` (a fresh tensor: A and W are views of it), the observed pairs with a
+    large negative logit at padding keys, and 1 / the number of valid keys."""
     b, nh, n, _, m = observed.shape
     qk = observed[..., PAIR["attn"], :]
     valid5 = None if valid_rows is None else valid_rows[..., None, :]
@@ -301,13 +339,11 @@ def _weights_and_row_features(
         w.write(feats[..., ROW["qk_std"]], torch.std, qk, -1, correction=0)
     else:
         feats[..., ROW["qk_std"]].copy_(metrics.masked_std(qk, valid_rows))
-    return weights
+    return z, observed, inv_count
 
 
-def _per_head(
-    w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float, halves: int
-) -> torch.Tensor:
-    """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`), averaged per CFG half ``[halves, H, C]``."""
+def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float) -> torch.Tensor:
+    """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`; the readings' columns written later)."""
     b, nh, n, _ = feats.shape
     tensor_h = isinstance(h, torch.Tensor)
     # never written: the columns of rho (gain 0) and of a float h (gain 0, offset h); a float h has
@@ -321,19 +357,31 @@ def _per_head(
             producer.write(w, head[..., HEAD[name]], head, keys)
     if tensor_h:
         head[..., HEAD["bandwidth"]].copy_(h.expand(b, nh))
+    return head
+
+
+def _half_means(head: torch.Tensor, halves: int) -> torch.Tensor:
+    """``[B, H, C]`` averaged over the batch rows of each CFG half: ``[halves, H, C]``."""
+    b, nh = head.shape[:2]
     if b == halves:
         return head.view(halves, nh, -1)
     return head.view(halves, b // halves, nh, -1).mean(1)
 
 
 def _statistics(
-    w: EagerWriter, head: torch.Tensor, rho_sums: torch.Tensor, h: torch.Tensor | float, nulls: bool
+    w: EagerWriter,
+    head: torch.Tensor,
+    rho_sums: torch.Tensor,
+    h: torch.Tensor | float,
+    nulls: bool,
+    fit: int | None,
 ) -> torch.Tensor:
-    """``[S, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls written."""
+    """``[S, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls
+    written (``fit``: the readings' fit rows, None = readings off)."""
     halves, nh = head.shape[:2]
     h_offset = None if isinstance(h, torch.Tensor) else float(h)
-    key = ("affine", h_offset, nulls, head.device)
-    gain_offset = w.constant(key, lambda: _affine(h_offset, nulls, head.device))
+    key = ("affine", h_offset, nulls, fit, head.device)
+    gain_offset = w.constant(key, lambda: _affine(h_offset, nulls, fit, head.device))
     out = torch.addcmul(gain_offset[1], head, gain_offset[0])  # [halves, H, C]
     segments = len(SEGMENTS) if nulls else 1
     sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
@@ -369,12 +417,17 @@ def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
     return matrix.repeat(1, n).to(device)
 
 
-def _affine(h: float | None, nulls: bool, device: torch.device) -> torch.Tensor:
+def _affine(h: float | None, nulls: bool, fit: int | None, device: torch.device) -> torch.Tensor:
     """``[2, C]`` (gain, offset) of every HEAD column, from the producers."""
     gain, offset = [0.0] * len(HEAD), [0.0] * len(HEAD)
     for name, producer in PRODUCERS.items():
         i = HEAD[name]
-        if isinstance(producer, RowMean | PerHead):
+        if isinstance(producer, Reading):  # off: NaN; the fit rows: a constant of the call
+            if fit is None:
+                gain[i], offset[i] = 0.0, math.nan
+            else:
+                gain[i], offset[i] = (0.0, float(fit)) if producer.constant else (1.0, 0.0)
+        elif isinstance(producer, RowMean | PerHead):
             gain[i], offset[i] = getattr(producer, "gain", 1.0), producer.offset
         elif isinstance(producer, Bandwidth):
             gain[i], offset[i] = (1.0, 0.0) if h is None else (0.0, h)

@@ -9,7 +9,9 @@ last axis is a list of named columns (:class:`Columns`). Every statistic of
 - :class:`RankPool`: rho or one of its nulls, pooled over the query rows of one segment of
   the rank pass (observed rows or one null);
 - :class:`PerHead`: a function of the per-(batch row, head) values (other columns, key norms);
-- :class:`Bandwidth`: the bandwidth h itself.
+- :class:`Bandwidth`: the bandwidth h itself;
+- :class:`Reading`: one reading of the readings pass (:mod:`.readings`), per (batch row, head),
+  NaN when the readings are off.
 
 The fast path derives its column layout, its row-mean matrix and its final gains and offsets
 from that table, so a column is never addressed by a hand-written number.
@@ -87,4 +89,27 @@ class Bandwidth:
     """The bandwidth h: a column written from a tensor h, or the offset of a float h."""
 
 
-Producer = RowMean | RankPool | PerHead | Bandwidth
+@dataclass(frozen=True)
+class Reading:
+    """A reading of the readings pass (:mod:`.readings`); ``constant``: the value is the same for
+    every head of a call (the number of fit rows), written as the column's offset."""
+
+    constant: bool = False
+
+
+Producer = RowMean | RankPool | PerHead | Bandwidth | Reading
+
+
+def fit_row_indices(n: int, count: int) -> list[int]:
+    """``count`` evenly spaced query rows of ``n`` (all rows when ``count >= n``).
+
+    Row ``floor(r n / count)`` for ``r = 0 .. count - 1``: distinct, ascending, spread over the
+    whole query grid (never only its top rows).
+
+    Example:
+        >>> fit_row_indices(10, 4)
+        [0, 2, 5, 7]
+    """
+    if count >= n:
+        return list(range(n))
+    return [(r * n) // count for r in range(count)]

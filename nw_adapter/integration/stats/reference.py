@@ -29,8 +29,10 @@ from functools import cached_property
 
 import torch
 
-from nw_adapter.core import metrics
-from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.core import metrics, readings
+from nw_adapter.core.bandwidth import fitted_bandwidth
+from nw_adapter.integration.schema import READING_STATS, STAT_NAMES
+from nw_adapter.integration.stats.layout import fit_row_indices
 from nw_adapter.integration.stats.nulls import NullDraws
 
 
@@ -45,6 +47,7 @@ class Softmax:
         h: the NW bandwidth ``[B, H]``.
         valid: bool ``[B, M]`` mask of the keys that take part (None = all).
         draws: the nulls' random numbers (None = no nulls).
+        fit_rows: the readings' bandwidth fit uses this many evenly spaced query rows (None = all).
     """
 
     q: torch.Tensor
@@ -53,6 +56,7 @@ class Softmax:
     h: torch.Tensor
     valid: torch.Tensor | None
     draws: NullDraws | None
+    fit_rows: int | None = None
 
     @cached_property
     def row_valid(self) -> torch.Tensor | None:
@@ -104,6 +108,29 @@ class Softmax:
     def permutation(self) -> torch.Tensor:
         """One random permutation of the valid keys per null row, ``[B, H, n0, M]`` (index)."""
         return metrics.valid_permutation(self._draws().noise, self.row_valid)
+
+    @cached_property
+    def fit_row_index(self) -> list[int]:
+        """The query rows the readings' bandwidth is fitted on (evenly spaced), ``n`` of ``N``."""
+        n = self.q.shape[-2]
+        return fit_row_indices(n, n if self.fit_rows is None else self.fit_rows)
+
+    @cached_property
+    def fitted_beta(self) -> torch.Tensor:
+        """``beta = 1/h_eff^2 = argmin mean_j CE(A_j || softmax(beta G_j))`` over the fit rows ``[B, H]``
+        (:func:`~nw_adapter.core.bandwidth.fitted_bandwidth`, 60 steps, bracket ``[1e-6, 1e6] s``)."""
+        rows = self.fit_row_index
+        attn = self.weights(self.attn_logits)[..., rows, :]
+        ratio = self.scale * math.sqrt(self.q.shape[-1])  # fitted_bandwidth's range is relative to 1/sqrt(d)
+        h, _ = fitted_bandwidth(
+            attn,
+            self.q[..., rows, :],
+            self.k,
+            key_mask=self.key_valid,
+            steps=60,
+            beta_range=(1e-6 * ratio, 1e6 * ratio),
+        )
+        return h.square().reciprocal()
 
     def _draws(self) -> NullDraws:
         if self.draws is None:
@@ -212,6 +239,68 @@ def qk_spread_ratio(x: Softmax) -> torch.Tensor:
     return metrics.masked_std(x.qk, x.row_valid).mean(-1) / metrics.masked_std(x.half_sq_norms, x.key_valid)
 
 
+# --- the readings: key prior against NW smoother (THEORY.md section 4), per (batch row, head) ----
+
+
+def r2_key(x: Softmax) -> torch.Tensor:
+    """Share of the row-centred logit variance explained by a query-blind key bias (all rows)."""
+    return readings.r2_key(x.attn_logits, x.key_valid)
+
+
+def r2_nw(x: Softmax) -> torch.Tensor:
+    """Share of the row-centred logit variance explained by one NW term ``beta G`` (all rows)."""
+    return readings.r2_nw(x.attn_logits, x.q, x.k, x.key_valid)
+
+
+def kl_key_prior(x: Softmax) -> torch.Tensor:
+    """``mean_j KL(A_j || A_bar)``, A_bar the attention averaged over the query rows (all rows)."""
+    return readings.kl_key_prior(x.attn_logits, x.key_valid)
+
+
+def kl_nw_fit(x: Softmax) -> torch.Tensor:
+    """``mean_j KL(A_j || NW_j(h_eff))`` over all query rows (h_eff fitted on the fit rows)."""
+    nw = x.nw_scores * x.fitted_beta[..., None, None]
+    return metrics.kl_from_logits(x.attn_logits, nw, x.row_valid).mean(-1).clamp_min(0.0)
+
+
+def nw_gain(x: Softmax) -> torch.Tensor:
+    """``kl_key_prior - kl_nw_fit``: > 0 when the fitted NW smoother beats the query-blind average."""
+    return kl_key_prior(x) - kl_nw_fit(x)
+
+
+def h_eff(x: Softmax) -> torch.Tensor:
+    """The fitted bandwidth ``beta^-1/2``."""
+    return x.fitted_beta.rsqrt()
+
+
+def h_eff_se(x: Softmax) -> torch.Tensor:
+    """Standard error of h_eff from fitting on n of the N query rows (0 when n = N).
+
+    The sandwich variance of the M-estimator: ``psi_j = E_{NW_j}[G] - E_{A_j}[G]`` and
+    ``L'' = mean_j Var_{NW_j}(G)`` at the fitted beta, ``Var(beta) = var_j(psi_j) / (n L''^2)
+    (1 - n/N)`` (sample variance over the fit rows, finite-population correction), and
+    ``SE(h) = SE(beta) / (2 beta^1.5)`` (delta method, h = beta^-1/2).
+    """
+    rows, total = x.fit_row_index, x.q.shape[-2]
+    n, beta = len(rows), x.fitted_beta
+    if n == total:
+        return torch.zeros_like(beta)
+    g = x.nw_scores[..., rows, :]
+    g0 = g if x.valid is None else g.masked_fill(~x.row_valid, 0.0)
+    attn = x.weights(x.attn_logits)[..., rows, :]
+    nw = x.weights(g * beta[..., None, None])
+    mean_nw = (nw * g0).sum(-1)
+    psi = mean_nw - (attn * g0).sum(-1)
+    curvature = (nw * (g0 - mean_nw[..., None]).square()).sum(-1).mean(-1)
+    var_beta = psi.var(-1) / (n * curvature.square()) * (1.0 - n / total)
+    return var_beta.sqrt() / (2.0 * beta.pow(1.5))
+
+
+def fit_rows(x: Softmax) -> torch.Tensor:
+    """The number of query rows h_eff was fitted on."""
+    return torch.full(x.h.shape, float(len(x.fit_row_index)), dtype=x.q.dtype, device=x.q.device)
+
+
 # --- the table and the pooling over CFG halves ---------------------------------------------------
 
 #: Every statistic of :data:`~nw_adapter.integration.schema.STAT_NAMES`, by name.
@@ -230,6 +319,14 @@ REFERENCE: dict[str, Callable[[Softmax], torch.Tensor]] = {
     "q_norm": q_norm,
     "key_norm_cv": key_norm_cv,
     "qk_spread_ratio": qk_spread_ratio,
+    "r2_key": r2_key,
+    "r2_nw": r2_nw,
+    "kl_nw_fit": kl_nw_fit,
+    "kl_key_prior": kl_key_prior,
+    "nw_gain": nw_gain,
+    "h_eff": h_eff,
+    "h_eff_se": h_eff_se,
+    "fit_rows": fit_rows,
 }
 
 #: The statistics of one value per query row, pooled over rows (the others per batch row).
@@ -265,6 +362,8 @@ def reference_statistics(
     draws: NullDraws | None = None,
     valid: torch.Tensor | None = None,
     halves: int = 1,
+    readings: bool = True,
+    fit_rows: int | None = 256,
 ) -> torch.Tensor:
     """Every statistic of one softmax, pooled per CFG half: ``[S, halves, H]`` in STAT_NAMES order.
 
@@ -276,6 +375,9 @@ def reference_statistics(
         draws: the nulls' random numbers; None = the nulls are NaN.
         valid: optional bool ``[B, M]`` mask of the keys that take part.
         halves: 2 when the batch is [uncond; cond].
+        readings: compute the readings (:data:`~nw_adapter.integration.schema.READING_STATS`);
+            False = NaN.
+        fit_rows: evenly spaced query rows of the readings' bandwidth fit (None = all).
 
     Returns:
         ``[S, halves, H]`` in the dtype of ``q``.
@@ -283,10 +385,10 @@ def reference_statistics(
     b, nh = q.shape[:2]
     k = k.to(q.dtype)
     h = torch.as_tensor(h, dtype=q.dtype, device=q.device).expand(b, nh)
-    x = Softmax(q, k, scale, h, valid, draws)
+    x = Softmax(q, k, scale, h, valid, draws, fit_rows)
     rows = []
     for name, statistic in REFERENCE.items():
-        if draws is None and name in NEEDS_DRAWS:
+        if (draws is None and name in NEEDS_DRAWS) or (not readings and name in READING_STATS):
             rows.append(torch.full((halves, nh), math.nan, dtype=q.dtype, device=q.device))
         else:
             rows.append(pool_halves(statistic(x), halves, name in PER_QUERY_ROW))
