@@ -47,7 +47,7 @@ import numpy as np
 
 from nw_adapter.core.intervals import CONFIDENCE, greater_than_zero
 from nw_adapter.integration.records import analysis_half
-from nw_adapter.integration.schema import NULL_STATS, UNTRAINED_STATS, finite_mean
+from nw_adapter.integration.schema import NULL_STATS, finite_mean
 
 ALPHA = 0.05
 """Size of each one-sided test (and so of each clause, by the intersection-union argument)."""
@@ -106,7 +106,7 @@ CLAUSES: tuple[Clause, ...] = (
     Clause(
         "beyond_nulls",
         "rho beyond its nulls",
-        "rho beyond nulls",
+        "rho vs nulls",
         tuple(
             Part(f"rho_minus_{null}", f"rho - {NULL_LABELS[null]} null", ("rho", null)) for null in NULL_STATS
         ),
@@ -114,7 +114,7 @@ CLAUSES: tuple[Clause, ...] = (
     Clause(
         "training",
         "adapter training made the branch more NW-like",
-        "training vs untrained adapter",
+        "training",
         (
             Part("nw_gain_minus_untrained", "nw_gain - untrained", ("nw_gain", "nw_gain_untrained")),
             Part("rho_minus_untrained", "rho - untrained", ("rho", "rho_untrained")),
@@ -267,20 +267,17 @@ def _recorded(records: Sequence[dict], half: str) -> set[str]:
 
 
 def _missing_reason(columns: Sequence[str]) -> str:
-    """Why a part was not measured, from the columns it lacks."""
-    if any(c in UNTRAINED_STATS for c in columns):
-        return "the untrained-adapter control was not recorded (on by default; old files lack it)"
-    if any(c in NULL_STATS for c in columns):
-        return f"the null(s) {', '.join(columns)} were not recorded (nulls off?)"
-    return f"{', '.join(columns)} not recorded"
+    """Why a part was not measured: the columns it lacks (the untrained-adapter control's, the
+    readings', or the nulls': the control or the nulls off, or a file older than them)."""
+    return f"no {', '.join(columns)}"
 
 
 def _test_part(part: Part, images: Sequence[dict], recorded: set[str]) -> dict[str, Any]:
     missing = [c for c in part.needs if c not in recorded]
     entry: dict[str, Any] = {"key": part.key, "label": part.label}
     if missing:
-        return {**entry, "measured": False, "reason": _missing_reason(missing), "n": 0, "mean": None,
-                "low": None, "high": None, "p": None, "significant": None}  # fmt: skip
+        return {**entry, "measured": False, "reason": _missing_reason(missing), "missing": missing, "n": 0,
+                "mean": None, "low": None, "high": None, "p": None, "significant": None}  # fmt: skip
     result = greater_than_zero([v[part.key] for v in images], alpha=ALPHA, confidence=CONFIDENCE).to_dict()
     if result["n"] < 2:
         reason = "needs several reference images" if len(images) < 2 else "fewer than 2 images have a value"
@@ -295,7 +292,10 @@ def _clause_result(clause: Clause, images: Sequence[dict], recorded: set[str]) -
     if failed:
         holds, reason = False, None
     elif unmeasured:
-        holds, reason = None, unmeasured[0]["reason"]
+        missing = list(dict.fromkeys(c for p in unmeasured for c in p.get("missing", ())))
+        reasons = [_missing_reason(missing)] if missing else []
+        reasons += [p["reason"] for p in unmeasured if not p.get("missing")]
+        holds, reason = None, "; ".join(dict.fromkeys(reasons))
     else:
         holds, reason = True, None
     return {"label": clause.label, "short": clause.short, "holds": holds, "reason": reason, "parts": parts}
@@ -383,7 +383,7 @@ def _clause_status(clause: dict, images: int) -> str:
         return "no"
     if images < 2:
         return "needs several reference images"
-    return f"not measured ({clause['reason']})"
+    return f"not measured: {clause['reason']}"
 
 
 def format_verdict(result: dict) -> str:

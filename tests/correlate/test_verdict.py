@@ -140,11 +140,12 @@ def test_missing_untrained_columns_are_not_measured_never_evidence() -> None:
     assert result["clauses"]["beyond_nulls"]["holds"] is True
     for key in ("training", "bandwidth"):
         clause = result["clauses"][key]
-        assert clause["holds"] is None and "untrained-adapter control" in clause["reason"]
+        assert clause["holds"] is None and clause["reason"].startswith("no ")
+        assert "_untrained" in clause["reason"]
         assert all(p["measured"] is False and p["significant"] is None for p in clause["parts"])
-    assert result["conclusion"].endswith("training vs untrained adapter not measured")
-    line = "adapter training made the branch more NW-like: not measured (the untrained"
-    assert line in format_verdict(result)
+    assert result["conclusion"].endswith("(6 images): training not measured")
+    line = "adapter training made the branch more NW-like: not measured: no nw_gain_untrained, rho_untrained"
+    assert f"  {line}" in format_verdict(result).splitlines()
 
 
 def test_old_records_without_readings_or_nulls_give_no_crash_and_no_evidence() -> None:
@@ -156,7 +157,7 @@ def test_old_records_without_readings_or_nulls_give_no_crash_and_no_evidence() -
     result = verdict(records)
     assert result["evidence"] is False
     assert result["clauses"]["beyond_nulls"]["holds"] is None  # perm null passes, two not measured
-    assert "not recorded" in result["clauses"]["beyond_nulls"]["reason"]
+    assert result["clauses"]["beyond_nulls"]["reason"] == "no rho_norm_matched_null, rho_spread_null"
     assert result["clauses"]["rise"]["holds"] is True
     format_verdict(result)
 
@@ -171,13 +172,13 @@ def test_a_clause_holds_only_when_every_part_is_significant() -> None:
     assert parts["rho_minus_untrained"]["significant"] is True
     assert parts["nw_gain_minus_untrained"]["significant"] is False
     assert result["clauses"]["training"]["holds"] is False and result["evidence"] is False
-    assert result["conclusion"].endswith("training vs untrained adapter failed")
+    assert result["conclusion"].endswith("training failed")
 
 
 def test_rho_at_its_nulls_fails_the_first_clause() -> None:
     result = verdict(make_records(beyond_nulls=0.0, rise=0.0, seed=2))
     assert result["clauses"]["beyond_nulls"]["holds"] is False and result["evidence"] is False
-    assert "rho beyond nulls failed" in result["conclusion"]
+    assert "rho vs nulls failed" in result["conclusion"]
 
 
 def test_a_falling_rho_does_not_rise() -> None:
