@@ -226,3 +226,31 @@ def test_report_carries_the_verdict_and_prints_it() -> None:
     assert report["verdict"]["images"] == 3 and report["verdict"]["evidence"] is True
     assert report["verdict"]["per_image"][0]["reference"] == "img0"
     assert format_verdict(report["verdict"]) in format_report(report)
+
+
+def test_bandwidth_figure_draws_the_mean_log_h_eff_per_step_and_the_slope_one_line(tmp_path) -> None:
+    from PIL import Image
+
+    from nw_adapter.correlate.plotting import bandwidth_figure, plot_bandwidth
+
+    records = make_records(images=3, steps=4)
+    fig = bandwidth_figure(records, "cond")
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    trained = lines["trained adapter (mean of 3 image(s))"]
+    per_image = image_step_means(records, "cond")
+    expected = [np.exp(np.mean([rows[s]["log_h_eff"] for rows in per_image.values()])) for s in range(4)]
+    order = np.argsort(trained.get_xdata())
+    np.testing.assert_allclose(np.asarray(trained.get_ydata())[order], sorted(expected))
+    assert "untrained adapter (mean of 3 image(s))" in lines
+    slope_one = lines["slope 1: h_eff = c h"]
+    x, y = np.log(slope_one.get_xdata()), np.log(slope_one.get_ydata())
+    assert np.polyfit(x, y, 1)[0] == pytest.approx(1.0)
+    path = plot_bandwidth(records, "cond", tmp_path / "bandwidth.png")
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+    for record in records:
+        record.pop("h_eff")
+    assert plot_bandwidth(records, "cond", tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()
