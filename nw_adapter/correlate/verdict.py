@@ -381,7 +381,7 @@ def _clause_status(clause: dict, images: int) -> str:
         return "yes"
     if clause["holds"] is False:
         return "no"
-    if images < 2:
+    if images < 2 and not any(p.get("missing") for p in clause["parts"]):
         return "needs several reference images"
     return f"not measured: {clause['reason']}"
 

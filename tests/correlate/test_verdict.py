@@ -133,6 +133,16 @@ def test_one_image_is_undecided_and_names_the_clauses_that_need_several() -> Non
     assert f"rho - qk-spread null: {value:+.3f} [n/a], p n/a, n 1" in text
 
 
+def test_one_image_without_the_control_says_what_is_missing() -> None:
+    result = verdict(make_records(images=1, untrained=False))
+    assert result["evidence"] is None
+    lines = format_verdict(result).splitlines()
+    assert "  rho beyond its nulls: needs several reference images" in lines
+    training = "adapter training made the branch more NW-like: not measured"
+    assert f"  {training}: no nw_gain_untrained, rho_untrained" in lines
+    assert "  bandwidth follows the schedule: not measured: no h_eff_untrained" in lines
+
+
 def test_missing_untrained_columns_are_not_measured_never_evidence() -> None:
     """The control off (or an old rho.json): the training and bandwidth clauses say "not measured"."""
     result = verdict(make_records(untrained=False))
