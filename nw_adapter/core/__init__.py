@@ -12,8 +12,11 @@
 - :mod:`~nw_adapter.core.readings`: key-prior vs NW-smoother readings of one head (r2_key, r2_nw,
   kl_nw_fit, kl_key_prior, nw_gain, h_eff);
 - :mod:`~nw_adapter.core.compare`: :func:`~nw_adapter.core.compare.compare_attention`, every
-  reading of any attention head from its q and k (the public reference).
+  reading of any attention head from its q and k (the public reference);
+- :mod:`~nw_adapter.core.intervals`: Student t intervals and one-sided t tests over independent
+  units (reference images), for the verdict and the swap consequence.
 
-May import: torch (and the standard library). Never diffusers, transformers, PIL or
+May import: torch (and the standard library); :mod:`~nw_adapter.core.intervals` numpy and scipy
+(no torch, so reports rebuild from saved files without it). Never diffusers, transformers, PIL or
 matplotlib (``tests/test_layering.py`` enforces it).
 """

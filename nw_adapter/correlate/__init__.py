@@ -5,8 +5,10 @@
 - :mod:`~nw_adapter.correlate.images`: reference-image loading and checks;
 - :mod:`~nw_adapter.correlate.loading`: pipeline and IP-Adapter loading (Hub ids, local
   folders, the embedded tiny model);
-- :mod:`~nw_adapter.correlate.report`: aggregation, table, verdict, JSON/CSV;
-- :mod:`~nw_adapter.correlate.plotting`: figures (rho against timestep, maps over the image);
+- :mod:`~nw_adapter.correlate.report`: aggregation, table, JSON/CSV;
+- :mod:`~nw_adapter.correlate.verdict`: the verdict, its clauses tested over reference images;
+- :mod:`~nw_adapter.correlate.plotting`: figures (rho against timestep, h_eff against the
+  schedule's h, maps over the image);
 - :mod:`~nw_adapter.correlate.maps`: stored maps as arrays, per image token, averaged over
   layers, heads and steps;
 - :mod:`~nw_adapter.correlate.previews`: the x0 estimate at a step, captured by a UNet hook;

@@ -3,7 +3,7 @@
 - :func:`check_output_dir` probes, before any work, that ``--out`` and the folders that will be
   written there can be written (a dangling link, a file in the way, a read-only ``images/``);
 - :class:`OutputLock` keeps two runs off one ``--out``;
-- :func:`write_outputs` writes ``rho.json``, ``rho.csv`` and ``rho.png`` of a report;
+- :func:`write_outputs` writes ``rho.json``, ``rho.csv``, ``rho.png`` and ``bandwidth.png`` of a report;
 - :func:`draw_image_maps` draws one image's ``attention_maps.png`` from its saved files;
 - :func:`replot` redraws everything of a finished run without loading a model;
 - :func:`remove_interrupted_writes` removes what a killed run's atomic writes left behind.
@@ -183,7 +183,7 @@ def skipped_note(recorder: Any, mode: str, name: str) -> str | None:
     )
 
 
-REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png")
+REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png", "bandwidth.png")
 """The merged report's files in ``--out``."""
 
 
@@ -232,8 +232,12 @@ def remove_report(out_dir: Path) -> None:
 
 
 def write_outputs(report: dict, out_dir: Path) -> str:
-    """Write ``rho.json``, ``rho.csv`` and ``rho.png`` of a report; return the text to print."""
-    from nw_adapter.correlate.plotting import plot_rho
+    """Write ``rho.json``, ``rho.csv``, ``rho.png`` and ``bandwidth.png`` of a report; return what to print.
+
+    ``bandwidth.png`` needs the fitted bandwidths (``h_eff``) in the records; without them it is not
+    drawn (and an older one in ``out_dir`` is removed, so it never describes another run).
+    """
+    from nw_adapter.correlate.plotting import plot_bandwidth, plot_rho
     from nw_adapter.correlate.report import (
         format_report,
         random_weights_note,
@@ -251,6 +255,14 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         f"{len(report.get('images', []))} reference(s)",
         note="; ".join(n for n in (random_weights_note(report), repeated_timestep_note(report)) if n) or None,
     )
+    drawn = plot_bandwidth(
+        report["records"],
+        report["half"],
+        out_dir / "bandwidth.png",
+        title=f"{model}: fitted vs schedule bandwidth, {report['half']} half",
+    )
+    if drawn is None:
+        (out_dir / "bandwidth.png").unlink(missing_ok=True)
     return format_report(report)
 
 

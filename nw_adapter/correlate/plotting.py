@@ -1,4 +1,4 @@
-"""Figures of the command line: ``rho.png`` and the attention-map figure.
+"""Figures of the command line: ``rho.png``, ``bandwidth.png`` and the attention-map figure.
 
 Per-token heat maps for notebooks (any selection, overlay on any image) are
 :meth:`NWRecorder.heat_maps` / :mod:`nw_adapter.integration.heatmaps`.
@@ -197,3 +197,75 @@ def plot_attention_maps(
         fontsize=9,
     )
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
+
+
+def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
+    """Fitted bandwidth h_eff against the schedule's h per step, log-log, with the line of slope 1.
+
+    Per step, the geometric mean over reference images of each image's geometric-mean ``h_eff``
+    over layers, heads and adapters (:func:`nw_adapter.correlate.verdict.image_step_means`), for the
+    trained adapter and, when recorded, the untrained-adapter control; thin lines are the single
+    images. The dotted line ``h_eff = c h`` (slope 1, ``c`` the geometric mean ratio of the trained
+    points) is what a bandwidth that follows the schedule would give: the verdict's clause
+    "bandwidth follows the schedule" tests the slope of each image's line against the control's.
+
+    Returns:
+        A :class:`matplotlib.figure.Figure`, or None when no step has both a positive ``h_eff``
+        and a positive schedule ``h`` (readings not recorded).
+    """
+    from matplotlib.figure import Figure
+
+    from nw_adapter.correlate.verdict import image_step_means
+
+    by_image = image_step_means(records, half)
+    arms = (
+        ("log_h_eff", "trained adapter", "#1f77b4"),
+        ("log_h_eff_untrained", "untrained adapter", "#ff7f0e"),
+    )
+
+    def points(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+        kept = [r for r in rows if r.get(key) is not None and (r.get("h_schedule") or 0) > 0]
+        return np.log([r["h_schedule"] for r in kept]), np.array([r[key] for r in kept])
+
+    if not any(points(rows, "log_h_eff")[0].size for rows in by_image.values()):
+        return None
+    fig = Figure(figsize=(4.8, 4.0), layout="constrained")
+    ax = fig.subplots()
+    trained_ratio: list[float] = []
+    for key, label, color in arms:
+        per_step: dict[float, list[float]] = {}
+        for rows in by_image.values():
+            x, y = points(rows, key)
+            if x.size:
+                ax.plot(np.exp(x), np.exp(y), color=color, linewidth=0.6, alpha=0.35)
+                for xi, yi in zip(x, y, strict=True):
+                    per_step.setdefault(float(xi), []).append(float(yi))
+                if key == "log_h_eff":
+                    trained_ratio += list(y - x)
+        if per_step:
+            xs = np.array(sorted(per_step))
+            ys = np.array([np.mean(per_step[x]) for x in xs])
+            ax.plot(np.exp(xs), np.exp(ys), marker="o", markersize=3, color=color, linewidth=1.8,
+                    label=f"{label} (mean of {len(by_image)} image(s))")
+    h_all = [r["h_schedule"] for rows in by_image.values() for r in rows if (r.get("h_schedule") or 0) > 0]
+    grid = np.geomspace(min(h_all), max(h_all), 50)
+    ax.plot(grid, grid * math.exp(float(np.mean(trained_ratio))), color="0.3", linestyle=":", linewidth=1.2,
+            label="slope 1: h_eff = c h")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=9)
+    ax.set_ylabel("fitted bandwidth h_eff (geometric mean)", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return fig
+
+
+def plot_bandwidth(records: Sequence[dict], half: str, path: str | os.PathLike, *, title: str | None = None):
+    """Write :func:`bandwidth_figure` to ``path`` (PNG, atomically); None (nothing written) without h_eff."""
+    from nw_adapter.integration.records import save_figure
+
+    fig = bandwidth_figure(records, half, title=title)
+    return None if fig is None else save_figure(fig, path)

@@ -10,8 +10,9 @@ Aggregation (:func:`nw_adapter.integration.records.aggregate`, the one implement
 recorder's summary shares): for one CFG half (``cond`` when the run used classifier-free
 guidance, else ``all``), every statistic is averaged over layers, heads, adapters and reference
 images per denoising step (NaN entries, e.g. the Spearman of a constant row, are left out of the
-mean and counted). This module formats what the aggregation gives: table, verdict, JSON, CSV.
-The table reports the steps whose timesteps are closest to the paper's
+mean and counted). This module formats what the aggregation gives: table, JSON, CSV; the
+verdict is tested over reference images, the independent unit (:mod:`nw_adapter.correlate.verdict`,
+re-exported here). The table reports the steps whose timesteps are closest to the paper's
 :data:`PAPER_TIMESTEPS` (981, 761, 501, 261, 1 for 50 SD 1.5 steps), or every step.
 
 All files are written atomically (a temporary file in the same folder, then ``os.replace``),
@@ -29,10 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
+from nw_adapter.correlate.verdict import format_verdict as format_verdict  # re-exported
+from nw_adapter.correlate.verdict import verdict as verdict  # re-exported
 from nw_adapter.integration.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
 from nw_adapter.integration.records import aggregate as aggregate_records
 from nw_adapter.integration.records import analysis_half, csv_text
-from nw_adapter.integration.schema import NULL_STATS, RECORD_KEYS, SUMMARY_STATS
+from nw_adapter.integration.schema import RECORD_KEYS, SUMMARY_STATS
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -46,21 +49,6 @@ STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
 RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
 """Column order of ``rho.csv``: the statistics in reporting order (extra record keys follow, sorted)."""
 
-NULL_MARGIN = 0.05
-"""How far rho must exceed EACH of its nulls to count as evidence in the verdict.
-
-The nulls are Monte-Carlo estimates (NW scores shuffled across keys; queries of equal norm in
-random directions; each row's q.k kept with the key norms shuffled) on a subsample of query rows,
-so a rho within a few hundredths of a null is not told apart from it.
-"""
-
-NULL_LABELS: dict[str, str] = {
-    "rho_perm_null": "perm",
-    "rho_norm_matched_null": "norm-matched",
-    "rho_spread_null": "qk-spread",
-}
-"""Short names of the nulls in the verdict line."""
-
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step", "step", "{:>4d}"),
     ("timestep", "timestep", "{:>8.0f}"),
@@ -68,22 +56,21 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rho_perm_null", "perm-null", "{:>9.3f}"),
     ("rho_norm_matched_null", "norm-null", "{:>9.3f}"),
     ("rho_spread_null", "spread-null", "{:>11.3f}"),
-    ("qk_spread_ratio", "qk/|k|^2", "{:>8.2f}"),
-    ("key_norm_cv", "key-cv", "{:>6.3f}"),
-    ("pearson", "pearson", "{:>7.3f}"),
     ("kl", "KL", "{:>7.4f}"),
-    ("neff_attn", "neff-attn", "{:>9.3f}"),
-    ("neff_nw", "neff-nw", "{:>7.3f}"),
+    ("nw_gain", "nw-gain", "{:>7.4f}"),
+    ("rho_untrained", "rho-untr", "{:>8.3f}"),
+    ("nw_gain_untrained", "gain-untr", "{:>9.4f}"),
     ("frac_rho_gt_0_9", "rho>0.9", "{:>7.3f}"),
 )
-"""(row key, header, format) of each terminal-table column."""
+"""(row key, header, format) of each terminal-table column (at most 105 characters wide).
 
+The untrained-adapter control's columns (:data:`OPTIONAL_COLUMNS`) are shown only when some row
+has them; every other statistic (Pearson, n_eff, the q.k spread ratio, the key-norm CV, r2_key,
+h_eff ...) is in ``rho.json``'s ``table`` / ``steps`` rows and in ``rho.csv``.
+"""
 
-def _finite(value: Any) -> float | None:
-    if value is None:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+OPTIONAL_COLUMNS: frozenset[str] = frozenset({"rho_untrained", "nw_gain_untrained"})
+"""Table columns printed only when recorded (the untrained-adapter control on)."""
 
 
 def aggregate(
@@ -93,10 +80,12 @@ def aggregate(
 
     :func:`nw_adapter.integration.records.aggregate` with the step's ``timestep``: one dict per
     group, sorted by the group keys, with ``half``, ``timestep``, the mean of every statistic
-    over its finite values (None when there is none: JSON-ready), ``nonfinite``,
-    ``frac_rho_gt_0_9`` and ``count``.
+    over its finite values (None when there is none: JSON-ready; the readings and the
+    untrained-adapter control's columns where recorded), ``nonfinite``, ``frac_rho_gt_0_9`` and
+    ``count``.
     """
-    return [json_ready(row) for row in aggregate_records(records, by, half=half or analysis_half(records))]
+    half = half or analysis_half(records)
+    return [json_ready(row) for row in aggregate_records(records, by, half=half, optional_stats=True)]
 
 
 def select_steps(step_rows: Sequence[dict], targets: Sequence[float] = PAPER_TIMESTEPS) -> list[dict]:
@@ -116,18 +105,27 @@ def select_steps(step_rows: Sequence[dict], targets: Sequence[float] = PAPER_TIM
     return [step_rows[i] for i in sorted(chosen)]
 
 
+def _shown_columns(rows: Sequence[dict]) -> list[tuple[str, str, str]]:
+    """:data:`TABLE_COLUMNS` less the optional ones no row has a value for."""
+    return [
+        column for column in TABLE_COLUMNS
+        if column[0] not in OPTIONAL_COLUMNS or any(row.get(column[0]) is not None for row in rows)
+    ]  # fmt: skip
+
+
 def format_table(rows: Sequence[dict]) -> str:
     """Terminal table of the given aggregated step rows (see :data:`TABLE_COLUMNS`).
 
     Missing (NaN) values print as ``nan``. Every number is the JSON value rounded to the
     shown precision, so the table can be checked against ``rho.json``'s ``table``.
     """
-    widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in TABLE_COLUMNS]
-    widths = [max(w, len(h)) for w, (_, h, _) in zip(widths, TABLE_COLUMNS, strict=True)]
-    lines = ["  ".join(h.rjust(w) for w, (_, h, _) in zip(widths, TABLE_COLUMNS, strict=True))]
+    columns = _shown_columns(rows)
+    widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in columns]
+    widths = [max(w, len(h)) for w, (_, h, _) in zip(widths, columns, strict=True)]
+    lines = ["  ".join(h.rjust(w) for w, (_, h, _) in zip(widths, columns, strict=True))]
     for row in rows:
         cells = []
-        for w, (key, _, fmt) in zip(widths, TABLE_COLUMNS, strict=True):
+        for w, (key, _, fmt) in zip(widths, columns, strict=True):
             value = row.get(key)
             text = "nan" if value is None else fmt.format(int(value) if "d" in fmt else value).strip()
             cells.append(text.rjust(w))
@@ -136,110 +134,15 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def parse_table(text: str) -> list[dict]:
-    """Inverse of :func:`format_table` (numbers as floats, ``nan`` as None)."""
+    """Inverse of :func:`format_table` (numbers as floats, ``nan`` as None; columns from the header)."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
+    by_header = {header: key for key, header, _ in TABLE_COLUMNS}
+    keys = [by_header[header] for header in lines[0].split()]
     rows = []
     for line in lines[1:]:
         values = line.split()
-        rows.append(
-            {
-                key: (None if value == "nan" else float(value))
-                for (key, _, _), value in zip(TABLE_COLUMNS, values, strict=True)
-            }
-        )
+        rows.append({key: (None if v == "nan" else float(v)) for key, v in zip(keys, values, strict=True)})
     return rows
-
-
-def verdict(rows: Sequence[dict]) -> dict:
-    """One-line verdict on the reported rows (in denoising order).
-
-    rho is evidence of NW-like attention only when it clears ALL its nulls
-    (:data:`~nw_adapter.integration.schema.NULL_STATS`), each present: a missing null (nulls
-    off, or an old file without the q.k-spread null) means "not evidence", never "clears".
-
-    Returns:
-        ``rho_last`` and the nulls at the last reported step; ``monotonic``: rho never
-        decreases from one reported step to the next; ``clears_nulls``: rho at the last step
-        exceeds every null by at least :data:`NULL_MARGIN`; ``missing_nulls``: the nulls absent
-        there; ``margin``: rho minus the largest null present; ``qk_spread_ratio`` and
-        ``key_norm_cv`` at the last step (what rho is a function of, THEORY section 4).
-    """
-    if not rows:
-        raise ValueError("rows: empty; nothing to judge (did the run record any step?)")
-    last = rows[-1]
-    rhos = [r.get("rho") for r in rows]
-    monotonic = all(a is not None and b is not None and b >= a for a, b in zip(rhos, rhos[1:], strict=False))
-    nulls = {name: _finite(last.get(name)) for name in NULL_STATS}
-    present = [v for v in nulls.values() if v is not None]
-    missing = [name for name, v in nulls.items() if v is None]
-    rho_last = _finite(last.get("rho"))
-    clears = rho_last is not None and not missing and all(rho_last >= v + NULL_MARGIN for v in present)
-    return {
-        "step": last.get("step"),
-        "timestep": last.get("timestep"),
-        "rho_last": rho_last,
-        **nulls,
-        "missing_nulls": missing,
-        "monotonic": monotonic,
-        "clears_nulls": clears,
-        "margin": (rho_last - max(present)) if rho_last is not None and present else None,
-        "qk_spread_ratio": last.get("qk_spread_ratio"),
-        "key_norm_cv": last.get("key_norm_cv"),
-        "nonfinite": dict(last.get("nonfinite") or {}),
-        "reported_steps": len(rows),
-    }
-
-
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "nan" if value is None else format(value, spec)
-
-
-def _monotonic_clause(result: dict) -> str:
-    """The rise detail of the verdict, or n/a when a single step is reported."""
-    count = result["reported_steps"]
-    if count < 2:
-        return "rise over steps: n/a (1 reported step; pass --all-steps or more --steps)"
-    return f"rises monotonically over the {count} reported steps: {'yes' if result['monotonic'] else 'no'}"
-
-
-def _conclusion(result: dict) -> str:
-    """The verdict's one-line conclusion."""
-    missing = result.get("missing_nulls") or []
-    if missing:
-        return f"not evidence: the null(s) {', '.join(missing)} were not recorded (rho needs all three)"
-    if not result["clears_nulls"]:
-        return (
-            f"not evidence of NW-like attention: rho ({_fmt(result['rho_last'])}) does not clear its "
-            f"nulls by {NULL_MARGIN} (margin {_fmt(result['margin'], '+.3f')})"
-        )
-    rise = "and rises over denoising" if result["monotonic"] else "but does not rise over denoising"
-    return f"rho clears all its nulls by {NULL_MARGIN} (margin {_fmt(result['margin'], '+.3f')}) {rise}"
-
-
-def format_verdict(result: dict) -> str:
-    """The verdict of :func:`verdict`: one conclusion line, then one detail per line (indented)."""
-    nulls = ", ".join(f"{NULL_LABELS[name]} {_fmt(result.get(name))}" for name in NULL_STATS)
-    missing = result.get("missing_nulls") or []
-    status = "yes" if result["clears_nulls"] else ("no: missing " + ", ".join(missing) if missing else "no")
-    details = [
-        f"rho at the last step (t={_fmt(result['timestep'], '.0f')}): {_fmt(result['rho_last'])}",
-        f"nulls there: {nulls}; clears all by {NULL_MARGIN}: {status} "
-        f"(margin {_fmt(result['margin'], '+.3f')})",
-        _monotonic_clause(result),
-        "what rho is a function of: q.k / key-norm spread ratio "
-        f"{_fmt(result.get('qk_spread_ratio'), '.2f')}, key-norm CV {_fmt(result.get('key_norm_cv'))}",
-    ]
-    dropped = _dropped_note(result.get("nonfinite") or {})
-    if dropped:
-        details.append(dropped)
-    return "\n".join([f"verdict: {_conclusion(result)}", *(f"  {line}" for line in details)])
-
-
-def _dropped_note(nonfinite: dict[str, int]) -> str:
-    """``"non-finite values left out of the means: kl 2, ..."`` (empty when none)."""
-    if not nonfinite:
-        return ""
-    return "non-finite values left out of the means: " + ", ".join(f"{k} {v}" for k, v in nonfinite.items())
 
 
 def package_versions() -> dict[str, str | None]:
@@ -297,7 +200,7 @@ def build_report(
             "table": table,
             "steps": steps,
             "blocks": aggregate(records, ("block", "step"), half=half),
-            "verdict": verdict(table),
+            "verdict": verdict(records, half=half),
             "warning": random_weights_note({"config": config}),
             "records": list(records),
         }

@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nw_adapter.core.intervals import CONFIDENCE, t_interval
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.errors import NWConfigError
 from nw_adapter.integration.mixin import active_recorder, nw_processor
@@ -43,29 +43,7 @@ from nw_adapter.integration.mixin import active_recorder, nw_processor
 __all__ = ["DEFAULT_RULES", "SwapComparison", "compare_swap", "encode_images", "t_interval"]
 
 DEFAULT_RULES = ("matched", "fitted", "schedule", "median")
-CONFIDENCE = 0.95
 _MEAN_COLUMNS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
-
-
-def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """Mean and Student t interval of independent values: ``mean +- t_{n-1} * s / sqrt(n)``.
-
-    Args:
-        values: ``(n,)`` one value per independent unit (here a reference).
-        confidence: two-sided coverage.
-
-    Returns:
-        ``(mean, low, high)``; the interval is ``(nan, nan)`` for ``n < 2`` and ``(mean, mean)`` when
-        every value is equal.
-    """
-    from scipy.stats import t as student_t
-
-    data = np.asarray(values, dtype=np.float64)
-    mean = float(data.mean())
-    if len(data) < 2:
-        return mean, math.nan, math.nan
-    half = float(student_t.ppf(0.5 + confidence / 2, len(data) - 1) * data.std(ddof=1) / math.sqrt(len(data)))
-    return mean, mean - half, mean + half
 
 
 def _clopper_pearson(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:

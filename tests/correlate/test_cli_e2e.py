@@ -116,8 +116,10 @@ def test_files_and_schema(baseline, photos) -> None:
             assert generated.size == (32, 32) and generated.mode == "RGB"
         for name in ("result.json", "maps.safetensors", "attention_maps.png"):
             assert (folder / name).is_file()
+    fitted = any(r.get("h_eff") is not None for r in report["records"])  # bandwidth.png needs h_eff
     assert sorted(p.name for p in out.iterdir()) == [
         ".nw-adapter.lock",
+        *(["bandwidth.png"] if fitted else []),
         "images",
         "rho.csv",
         "rho.json",
@@ -188,7 +190,7 @@ def test_printed_table_equals_the_json(baseline) -> None:
     assert [row["step"] for row in parsed] == [row["step"] for row in report["table"]] == [0, 1]
     for shown, row in zip(parsed, report["table"], strict=True):
         nulls = ("rho_perm_null", "rho_norm_matched_null", "rho_spread_null")
-        for key in ("rho", *nulls, "pearson", "neff_attn", "neff_nw"):
+        for key in ("rho", *nulls, "frac_rho_gt_0_9"):
             assert shown[key] == pytest.approx(row[key], abs=5e-4)
         assert shown["kl"] == pytest.approx(row["kl"], abs=5e-5)
         members = [r for r in report["records"] if r["step"] == row["step"] and r["half"] == "cond"]

@@ -28,7 +28,6 @@ from nw_adapter.correlate.report import (
     parse_table,
     records_csv,
     select_steps,
-    verdict,
     write_report_files,
 )
 from nw_adapter.integration.recorder import NWRecorder
@@ -137,57 +136,27 @@ def test_table_round_trips_and_shows_nan() -> None:
     rows = aggregate(make_records())
     rows[1]["kl"] = None
     text = format_table(rows)
-    header = "step timestep rho perm-null norm-null spread-null qk/|k|^2 key-cv"
-    header += " pearson KL neff-attn neff-nw rho>0.9"
-    assert text.splitlines()[0].split() == header.split()
+    header = "step timestep rho perm-null norm-null spread-null KL nw-gain rho>0.9"
+    assert text.splitlines()[0].split() == header.split()  # no untrained control: its columns are left out
     parsed = parse_table(text)
-    assert parsed[1]["kl"] is None
+    assert parsed[1]["kl"] is None and parsed[0]["nw_gain"] is None  # not recorded: nan
     for row, back in zip(rows, parsed, strict=True):
         assert back["step"] == row["step"] and back["timestep"] == round(row["timestep"])
         assert back["rho"] == pytest.approx(row["rho"], abs=5e-4)
-        assert back["neff_nw"] == pytest.approx(row["neff_nw"], abs=5e-4)
+        assert back["rho_spread_null"] == pytest.approx(row["rho_spread_null"], abs=5e-4)
 
 
-@pytest.mark.parametrize(
-    ("rhos", "nulls", "monotonic", "clears"),
-    [
-        ((0.2, 0.5, 0.9), (0.0, 0.4, 0.3), True, True),
-        ((0.2, 0.6, 0.5), (0.0, 0.4, 0.3), False, True),
-        ((0.2, 0.3, 0.35), (0.0, 0.4, 0.3), True, False),
-        ((0.5, None, 0.9), (0.0, 0.1, 0.1), False, True),
-        ((0.2, 0.3, 0.42), (0.0, 0.4, 0.3), True, False),  # above the nulls, but within NULL_MARGIN
-        ((0.2, 0.3, 0.46), (0.0, 0.4, 0.3), True, True),
-        ((0.2, 0.5, 0.9), (0.0, 0.4, 0.88), True, False),  # clears two nulls, not the q.k-spread one
-        ((0.2, 0.5, 0.9), (0.0, 0.9, 0.1), True, False),  # clears two nulls, not the norm-matched one
-    ],
-)
-def test_verdict(rhos, nulls, monotonic, clears) -> None:
-    rows = [
-        {"step": i, "timestep": t, "rho": r, **dict(zip(NULL_STATS, nulls, strict=True))}
-        for i, (t, r) in enumerate(zip((981, 501, 1), rhos, strict=True))
-    ]
-    result = verdict(rows)
-    assert result["monotonic"] is monotonic and result["clears_nulls"] is clears
-    assert result["rho_last"] == rhos[-1] and result["timestep"] == 1
-    assert result["margin"] == pytest.approx(rhos[-1] - max(nulls))
-    text = format_verdict(result)
-    assert ("clears all by 0.05: yes (margin" in text) is clears
-    conclusion = text.splitlines()[0]
-    assert conclusion.startswith("verdict: ") and len(conclusion) <= 120
-    assert conclusion.startswith("verdict: not evidence") is not clears
-
-
-@pytest.mark.parametrize("missing", NULL_STATS)
-def test_a_missing_null_is_not_evidence(missing) -> None:
-    """Every null must be present: without one (or with nulls off) rho never 'clears'."""
-    row = {"step": 0, "timestep": 1, "rho": 0.95, **dict.fromkeys(NULL_STATS, 0.0)}
-    assert verdict([row])["clears_nulls"] is True
-    for value in (None, math.nan):
-        result = verdict([{**row, missing: value}])
-        assert result["clears_nulls"] is False and result["missing_nulls"] == [missing]
-        assert f"no: missing {missing}" in format_verdict(result)
-    off = verdict([{"step": 0, "timestep": 1, "rho": 0.95}])
-    assert off["clears_nulls"] is False and off["missing_nulls"] == list(NULL_STATS)
+def test_table_shows_the_readings_and_the_untrained_control_within_110_columns() -> None:
+    records = make_records()
+    for i, record in enumerate(records):
+        record.update(nw_gain=0.01 * i, rho_untrained=-0.5, nw_gain_untrained=-0.0123)
+    rows = aggregate(records)
+    text = format_table(rows)
+    assert text.splitlines()[0].split()[-4:] == ["nw-gain", "rho-untr", "gain-untr", "rho>0.9"]
+    assert max(len(line) for line in text.splitlines()) <= 110
+    for row, back in zip(rows, parse_table(text), strict=True):
+        assert back["nw_gain"] == pytest.approx(row["nw_gain"], abs=5e-5)
+        assert back["rho_untrained"] == -0.5 and back["nw_gain_untrained"] == pytest.approx(-0.0123)
 
 
 def test_non_finite_values_are_counted_not_silently_dropped() -> None:
@@ -195,7 +164,6 @@ def test_non_finite_values_are_counted_not_silently_dropped() -> None:
     base = {"half": "cond", "timestep": 1, "step": 0, "rho": 0.5}
     rows = aggregate([{**base, "kl": 0.1}, {**base, "kl": math.inf}])
     assert rows[0]["kl"] == pytest.approx(0.1) and rows[0]["nonfinite"]["kl"] == 1
-    assert "kl 1" in format_verdict(verdict(rows))
     summary = NWRecorder().summary(
         [{**base, "call": 0, "alpha": 1.0, "sigma": 0.0, "h_schedule": 0.0, **dict.fromkeys(STAT_FIELDS, 0.2),
           "kl": k} for k in (0.1, math.inf)]
@@ -206,11 +174,6 @@ def test_non_finite_values_are_counted_not_silently_dropped() -> None:
 def test_old_files_with_the_norm_equalised_name_are_read() -> None:
     rows = aggregate([{"half": "cond", "timestep": 1, "step": 0, "rho": 0.5, "rho_norm_null": 0.3}])
     assert rows[0]["rho_norm_matched_null"] == pytest.approx(0.3)
-
-
-def test_verdict_of_nothing_is_an_error() -> None:
-    with pytest.raises(ValueError, match="empty"):
-        verdict([])
 
 
 def test_build_report_schema_is_strict_json(tmp_path: Path) -> None:
@@ -333,16 +296,6 @@ def test_pndm_repeated_timestep_is_explained_in_the_header() -> None:
     assert "note:" not in format_report(plain).splitlines()[0]
 
 
-def test_verdict_of_one_reported_step_does_not_claim_a_rise() -> None:
-    from nw_adapter.correlate.report import format_verdict
-
-    line = format_verdict(verdict(aggregate(make_records(timesteps=(1,)))))
-    assert "rise over steps: n/a (1 reported step" in line
-    assert "monotonically" not in line and "1 steps" not in line
-    line = format_verdict(verdict(aggregate(make_records(timesteps=(981, 1)))))
-    assert "rises monotonically over the 2 reported steps: yes" in line
-
-
 def test_rho_plot_carries_the_repeated_timestep_note() -> None:
     from nw_adapter.correlate.plotting import rho_figure
     from nw_adapter.correlate.report import repeated_timestep_note
@@ -360,7 +313,6 @@ def test_rho_figure_draws_each_null_as_its_own_named_line() -> None:
     import numpy as np
 
     from nw_adapter.correlate.plotting import rho_figure
-    from nw_adapter.integration.schema import NULL_STATS
 
     report = build_report(make_records(timesteps=(981, 501, 1)), config={"steps": 3}, images=[], versions={})
     fig = rho_figure(report["blocks"], title="run")

@@ -1,0 +1,74 @@
+"""How often the verdict says "evidence" on random-weight models, where nothing was learned.
+
+:func:`count_verdicts` runs ``correlate.py`` (:func:`nw_adapter.correlate.cli.main`, in process) on a
+random tiny model (SD 1.5 with a random adapter, SD 3.5, Flux) once per seed, each run over the same
+few reference images (scikit-learn's sample photographs and their mirror images), and counts the
+runs whose verdict is "evidence of learned kernel smoothing" and the runs in which each clause
+holds or was measured. The weights are random, so every "evidence" is a false positive; the
+verdict's design bounds its rate by alpha = 5% per run. Entry point:
+``scripts/verdict_false_positives.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+MODELS: tuple[str, ...] = ("tiny-sd15-random", "tiny-sd3", "tiny-flux")
+"""Random-weight models: ``tiny-sd15-random`` is built here (SD 1.5 layout + a random base adapter)."""
+
+
+def reference_images(folder: Path, count: int) -> list[Path]:
+    """``count`` (<= 4) reference photographs: scikit-learn's two samples and their mirror images."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = [load_sample_image(name) for name in ("china.jpg", "flower.jpg")]
+    arrays += [a[:, ::-1].copy() for a in arrays]
+    paths = []
+    for index, array in enumerate(arrays[:count]):
+        path = folder / f"reference_{index}.png"
+        Image.fromarray(array).save(path)
+        paths.append(path)
+    return paths
+
+
+def model_arguments(model: str, folder: Path) -> list[str]:
+    """The ``correlate.py`` model options of one random model (building SD 1.5's once in ``folder``)."""
+    if model != "tiny-sd15-random":
+        return ["--model", model]
+    from nw_adapter.models.tiny import save_tiny_ip_adapter, save_tiny_sd15
+
+    pipeline, adapter = folder / "sd15", folder / "ip-adapter"
+    if not pipeline.is_dir():
+        save_tiny_sd15(pipeline)
+        save_tiny_ip_adapter(adapter, variant="base", sdxl=False)
+    return ["--model", str(pipeline), "--ip-adapter", str(adapter)]
+
+
+def count_verdicts(model: str, *, seeds: int, images: int, steps: int, out: Path) -> dict[str, int]:
+    """Run ``correlate.py`` once per seed on ``model``; count "evidence" and each clause that holds."""
+    from nw_adapter.correlate.cli import main
+
+    references = reference_images(out / "references", images)
+    options = model_arguments(model, out / "models")
+    counts = {"runs": 0, "evidence": 0}
+    for seed in range(seeds):
+        run_dir = out / model / f"seed{seed}"
+        argv = [*options, "--steps", str(steps), "--seed", str(seed), "-qq", "--out", str(run_dir)]
+        for path in references:
+            argv += ["--image", str(path)]
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        if code != 0:
+            raise SystemExit(f"{model} seed {seed}: correlate.py exited with {code}")
+        result = json.loads((run_dir / "rho.json").read_text())["verdict"]
+        counts["runs"] += 1
+        counts["evidence"] += result["evidence"] is True
+        for key, clause in result["clauses"].items():
+            counts[f"{key} holds"] = counts.get(f"{key} holds", 0) + (clause["holds"] is True)
+            counts[f"{key} measured"] = counts.get(f"{key} measured", 0) + (clause["holds"] is not None)
+    return counts

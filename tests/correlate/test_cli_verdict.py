@@ -1,0 +1,81 @@
+"""The verdict end to end: ``correlate.py`` on the trained tiny model with 3 reference digits.
+
+The real command line (``nw_adapter.correlate.cli.main``, 2 DDIM steps) prints the verdict over
+reference images and writes its fields into ``rho.json``; ``--replot`` of a file written before the
+verdict changed (old verdict fields, no readings or control columns) rebuilds it from the records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nw_adapter.correlate.cli import main
+from nw_adapter.correlate.verdict import CLAUSES, format_verdict
+from nw_adapter.integration.schema import READING_STATS, UNTRAINED_STATS
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "nw_adapter" / "models" / "weights" / "tiny_digits" / "examples"
+
+
+@pytest.fixture(scope="module")
+def three_digits(tmp_path_factory) -> dict:
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("verdict") / "out"
+    argv = ["--model", "tiny", "--steps", "2", "--scheduler", "ddim", "--seed", "0", "--quiet", "--out", out]
+    for digit in (1, 4, 7):
+        argv += ["--image", EXAMPLES / f"digit_{digit}.png"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main([str(a) for a in argv])
+    assert code == 0
+    return {"out": out, "stdout": stdout.getvalue(), "argv": argv}
+
+
+def test_three_images_print_the_verdict_over_images_and_write_its_fields(three_digits) -> None:
+    report = json.loads((three_digits["out"] / "rho.json").read_text())
+    result = report["verdict"]
+    assert result["unit"] == "reference image" and result["images"] == 3 and result["half"] == "cond"
+    assert sorted(v["reference"] for v in result["per_image"]) == sorted(i["key"] for i in report["images"])
+    assert list(result["clauses"]) == [c.key for c in CLAUSES]
+    for clause in result["clauses"].values():
+        assert clause["holds"] in (True, False, None)
+    nulls = result["clauses"]["beyond_nulls"]
+    assert all(p["measured"] and p["n"] == 3 and 0 <= p["p"] <= 1 for p in nulls["parts"])
+    assert nulls["holds"] is all(p["p"] < 0.05 for p in nulls["parts"])
+    control = any("rho_untrained" in r for r in report["records"])
+    assert (result["clauses"]["training"]["holds"] is not None) is control  # not measured without it
+    if not control:
+        assert result["evidence"] is False and "not measured" in result["conclusion"]
+    lines = three_digits["stdout"].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
+    assert "\n".join(lines[start:]) == format_verdict(result)
+    assert lines[start] == f"verdict: {result['conclusion']}"
+    assert (three_digits["out"] / "bandwidth.png").is_file() is any(r.get("h_eff") for r in report["records"])
+
+
+def test_replot_of_an_old_file_recomputes_the_verdict_from_its_records(three_digits, tmp_path, capsys):
+    """A rho.json of the fixed-margin verdict, without readings or control columns: replot works and
+    the training clause is "not measured", never "evidence"."""
+    import shutil
+
+    out = tmp_path / "old"
+    shutil.copytree(three_digits["out"], out)
+    path = out / "rho.json"
+    report = json.loads(path.read_text())
+    report["verdict"] = {"rho_last": 0.7, "clears_nulls": True, "monotonic": True, "margin": 0.3}
+    for record in report["records"]:
+        for name in (*READING_STATS, *UNTRAINED_STATS):
+            record.pop(name, None)
+    path.write_text(json.dumps(report))
+    assert main(["--replot", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rebuilt = json.loads(path.read_text())["verdict"]
+    assert rebuilt["images"] == 3 and rebuilt["evidence"] is False
+    assert rebuilt["clauses"]["training"]["holds"] is None
+    assert "adapter training made the branch more NW-like: not measured" in printed
+    assert not (out / "bandwidth.png").exists()  # no h_eff in the records: no stale figure

@@ -1,0 +1,32 @@
+"""The false-positive count of the verdict on random models: real runs, counts read back from rho.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from nw_adapter.correlate.false_positives import count_verdicts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_counts_are_the_verdicts_of_the_runs(tmp_path) -> None:
+    counts = count_verdicts("tiny-sd15-random", seeds=2, images=2, steps=2, out=tmp_path)
+    assert counts["runs"] == 2 and counts["beyond_nulls measured"] == 2
+    runs = tmp_path / "tiny-sd15-random"
+    reports = [json.loads((runs / f"seed{s}" / "rho.json").read_text()) for s in range(2)]
+    verdicts = [report["verdict"] for report in reports]
+    assert all(v["images"] == 2 for v in verdicts)
+    assert counts["evidence"] == sum(v["evidence"] is True for v in verdicts)
+    for key in ("beyond_nulls", "training", "bandwidth", "rise"):
+        assert counts[f"{key} holds"] == sum(v["clauses"][key]["holds"] is True for v in verdicts)
+    assert {report["config"]["seed"] for report in reports} == {0, 1}
+
+
+def test_the_script_runs() -> None:
+    script = ROOT / "scripts" / "verdict_false_positives.py"
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "--seeds" in proc.stdout
