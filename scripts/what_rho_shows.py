@@ -9,8 +9,8 @@ per seed, the independent unit) and a Student t 95% interval of rho, its nulls a
 import argparse
 import sys
 
+from nw_adapter.core.intervals import t_interval
 from nw_adapter.experiments.synthetic_heads import measure_heads
-from nw_adapter.integration.consequence import t_interval
 
 COLUMNS = (
     "rho",

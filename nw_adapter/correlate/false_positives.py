@@ -2,7 +2,8 @@
 
 :func:`count_verdicts` runs ``correlate.py`` (:func:`nw_adapter.correlate.cli.main`, in process) on a
 random tiny model (SD 1.5 with a random adapter, SD 3.5, Flux) once per seed, each run over the same
-few reference images (scikit-learn's sample photographs and their mirror images), and counts the
+few reference images (scikit-learn's sample photographs and their mirror images), each seed a new
+draw of all the model's weights, with the untrained-adapter control on, and counts the
 runs whose verdict is "evidence of learned kernel smoothing" and the runs in which each clause
 holds or was measured. The weights are random, so every "evidence" is a false positive; the
 verdict's design bounds its rate by alpha = 5% per run. Entry point:
@@ -36,17 +37,25 @@ def reference_images(folder: Path, count: int) -> list[Path]:
     return paths
 
 
-def model_arguments(model: str, folder: Path) -> list[str]:
-    """The ``correlate.py`` model options of one random model (building SD 1.5's once in ``folder``)."""
-    if model != "tiny-sd15-random":
-        return ["--model", model]
-    from nw_adapter.models.tiny import save_tiny_ip_adapter, save_tiny_sd15
+def model_arguments(model: str, folder: Path, seed: int) -> list[str]:
+    """The ``correlate.py`` model options of the random model of ``seed`` (written once in ``folder``).
 
-    pipeline, adapter = folder / "sd15", folder / "ip-adapter"
-    if not pipeline.is_dir():
-        save_tiny_sd15(pipeline)
-        save_tiny_ip_adapter(adapter, variant="base", sdxl=False)
-    return ["--model", str(pipeline), "--ip-adapter", str(adapter)]
+    Every seed is another draw of ALL the weights (denoiser, image encoder, adapter), so the runs
+    are independent models; the untrained-adapter control (on by default) is seeded the same way.
+    """
+    if model == "tiny-sd15-random":
+        from nw_adapter.models.tiny import save_tiny_ip_adapter, save_tiny_sd15, write_once
+
+        pipeline = write_once(folder / f"sd15-seed{seed}", lambda p: save_tiny_sd15(p, seed=seed))
+        adapter = write_once(
+            folder / f"sd15-ip-adapter-seed{seed}",
+            lambda p: save_tiny_ip_adapter(p, variant="base", sdxl=False, seed=seed),
+        )
+        return ["--model", str(pipeline), "--ip-adapter", str(adapter)]
+    from nw_adapter.correlate.families import TINY_MODELS, ensure_tiny_flow_models
+
+    pipeline, adapter, encoder = ensure_tiny_flow_models(TINY_MODELS[model], folder, seed=seed)
+    return ["--model", str(pipeline), "--ip-adapter", str(adapter), "--image-encoder", str(encoder)]
 
 
 def count_verdicts(model: str, *, seeds: int, images: int, steps: int, out: Path) -> dict[str, int]:
@@ -54,11 +63,22 @@ def count_verdicts(model: str, *, seeds: int, images: int, steps: int, out: Path
     from nw_adapter.correlate.cli import main
 
     references = reference_images(out / "references", images)
-    options = model_arguments(model, out / "models")
     counts = {"runs": 0, "evidence": 0}
     for seed in range(seeds):
         run_dir = out / model / f"seed{seed}"
-        argv = [*options, "--steps", str(steps), "--seed", str(seed), "-qq", "--out", str(run_dir)]
+        options = model_arguments(model, out / "models", seed)
+        argv = [
+            *options,
+            "--untrained-seed",
+            str(seed),
+            "--steps",
+            str(steps),
+            "--seed",
+            str(seed),
+            "-qq",
+            "--out",
+            str(run_dir),
+        ]
         for path in references:
             argv += ["--image", str(path)]
         with contextlib.redirect_stdout(io.StringIO()):

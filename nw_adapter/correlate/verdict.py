@@ -333,6 +333,9 @@ def verdict(records: Sequence[dict], *, half: str | None = None) -> dict[str, An
     """
     if not records:
         raise ValueError("records: empty; nothing to judge (did the run record any step?)")
+    # SD3 also records its joint softmax (key set "joint"), which has no untrained control: the
+    # verdict judges the image branch's own softmax over the IP keys
+    records = [r for r in records if r.get("key_set", "ip") == "ip"] or list(records)
     half = half or analysis_half(records)
     by_image = image_step_means(records, half)
     if not by_image:
