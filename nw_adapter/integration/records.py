@@ -33,6 +33,7 @@ from nw_adapter.integration.schema import (
     RECORD_KEYS,
     STAT_NAMES,
     SUMMARY_STATS,
+    UNTRAINED_SUFFIX,
     finite_mean,
 )
 
@@ -227,6 +228,10 @@ _NULL_STYLES: dict[str, tuple[str, str, str]] = {
 }
 """Label, colour and line style of each null of rho in the figures (THEORY.md section 4)."""
 
+CONTROL_RHO = "rho" + UNTRAINED_SUFFIX
+_CONTROL_STYLE = ("rho, untrained adapter (control)", "0.1", "-")
+"""rho of the same queries against the untrained adapter's keys: drawn when it was recorded."""
+
 
 def _panel_title(name: str, panel_key: str | None) -> str:
     if panel_key is None:
@@ -244,7 +249,9 @@ def rho_figure(
     """rho against the timestep beside each of its three nulls, one panel per block (or one).
 
     Each null is its own named line (permutation, norm-matched, q.k-spread): a rho on or under
-    any of them is not evidence of NW-like attention beyond what that null gives. Fonts are
+    any of them is not evidence of NW-like attention beyond what that null gives. When the rows
+    hold ``rho_untrained`` (the untrained-adapter control), it is drawn too: a rho on or under it
+    is what the architecture gives without adapter training. Fonts are
     sized for a paper column (9-10 pt at the figure's size); the legend is under the panels.
 
     Args:
@@ -274,10 +281,15 @@ def rho_figure(
     lines = 2 if title and note else 1 if (title or note) else 0
     single = len(panels) == 1
     legend_rows = 4 if single else 2
-    fig = Figure(figsize=(2.9 * len(panels) + (1.6 if single else 0.9), 3.3 + 0.2 * (lines + legend_rows)),
-                 layout="constrained")
-    lowest = min(float(np.nanmin(_series(rows, key))) for key in ("rho", *NULL_STATS) if any(
-        r.get(key) is not None for r in rows))
+    fig = Figure(
+        figsize=(2.9 * len(panels) + (1.6 if single else 0.9), 3.3 + 0.2 * (lines + legend_rows)),
+        layout="constrained",
+    )
+    lowest = min(
+        float(np.nanmin(_series(rows, key)))
+        for key in ("rho", *NULL_STATS)
+        if any(r.get(key) is not None for r in rows)
+    )
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (name, panel_rows) in zip(axes, panels, strict=True):
         panel_rows = sorted(panel_rows, key=lambda r: -float(r["timestep"]))
@@ -285,9 +297,18 @@ def rho_figure(
         for stat in NULL_STATS:
             label, color, style = _NULL_STYLES[stat]
             ax.plot(t, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.4, label=label)
+        if any(r.get(CONTROL_RHO) is not None for r in panel_rows):
+            label, color, style = _CONTROL_STYLE
+            control = _series(panel_rows, CONTROL_RHO)
+            ax.plot(t, control, color=color, linestyle=style, linewidth=1.4, label=label)
         ax.plot(
-            t, _series(panel_rows, "rho"), marker="o", markersize=3, linewidth=1.8,
-            color=_COLORS.get(name, "#1f77b4"), label="rho (attention vs NW)",
+            t,
+            _series(panel_rows, "rho"),
+            marker="o",
+            markersize=3,
+            linewidth=1.8,
+            color=_COLORS.get(name, "#1f77b4"),
+            label="rho (attention vs NW)",
         )
         ax.axhline(0.0, color="0.3", linewidth=0.6)
         ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
@@ -299,10 +320,17 @@ def rho_figure(
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("Spearman rho", fontsize=9)
     handles, labels = axes[0].get_legend_handles_labels()
-    order = [labels.index("rho (attention vs NW)")] + [i for i, s in enumerate(labels) if "null" in s]
+    first = [labels.index("rho (attention vs NW)")] + [
+        i for i, s in enumerate(labels) if s == _CONTROL_STYLE[0]
+    ]
+    order = first + [i for i, s in enumerate(labels) if "null" in s]
     fig.legend(
-        [handles[i] for i in order], [labels[i] for i in order], loc="outside lower center",
-        ncol=1 if single else 2, fontsize=8, frameon=False,
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        loc="outside lower center",
+        ncol=1 if single else 2,
+        fontsize=8,
+        frameon=False,
     )
     if title or note:
         fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=9)
