@@ -328,6 +328,17 @@ def project_images(
     return ProjectedImages(list(states))
 
 
+def _check_layer(untrained: UntrainedAdapter, layer: str, adapter: int) -> None:
+    """ValueError unless ``layer`` has an IP branch and ``adapter`` indexes one of its key projections."""
+    if layer not in untrained.key_projections:
+        raise ValueError(
+            f"layer {layer!r} has no IP branch; choose one of {sorted(untrained.key_projections)[:3]}..."
+        )
+    count = len(untrained.key_projections[layer])
+    if isinstance(adapter, bool) or not isinstance(adapter, int) or not 0 <= adapter < count:
+        raise ValueError(f"adapter must be an int in [0, {count}), got {adapter!r}")
+
+
 @torch.no_grad()
 def keys_from_states(
     untrained: UntrainedAdapter, layer: str, states: Tensor, *, adapter: int = 0, temb: Tensor | None = None
@@ -349,13 +360,7 @@ def keys_from_states(
     Raises:
         ValueError: an unknown layer or a bad adapter index.
     """
-    if layer not in untrained.key_projections:
-        raise ValueError(
-            f"layer {layer!r} has no IP branch; choose one of {sorted(untrained.key_projections)[:3]}..."
-        )
-    count = len(untrained.key_projections[layer])
-    if isinstance(adapter, bool) or not isinstance(adapter, int) or not 0 <= adapter < count:
-        raise ValueError(f"adapter must be an int in [0, {count}), got {adapter!r}")
+    _check_layer(untrained, layer, adapter)
     projection = untrained.key_projections[layer][adapter]
     states = states.to(projection.weight.device, projection.weight.dtype)
     if untrained.family == "sd3":
@@ -398,12 +403,6 @@ def untrained_keys(
     Raises:
         ValueError: an unknown layer, a bad adapter index, or image embeddings of the wrong count.
     """
-    if layer not in untrained.key_projections:
-        raise ValueError(
-            f"layer {layer!r} has no IP branch; choose one of {sorted(untrained.key_projections)[:3]}..."
-        )
-    count = len(untrained.key_projections[layer])
-    if isinstance(adapter, bool) or not isinstance(adapter, int) or not 0 <= adapter < count:
-        raise ValueError(f"adapter must be an int in [0, {count}), got {adapter!r}")
+    _check_layer(untrained, layer, adapter)
     projected = project_images(untrained, image_embeds, timestep=timestep)
     return keys_from_states(untrained, layer, projected.states[adapter], adapter=adapter, temb=projected.temb)

@@ -302,32 +302,20 @@ class NWProcessorBase:
         draws = None
         if cfg.nulls:
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, rec.generator(q.device))
-        values, attn_w, nw_w = stats.softmax_statistics(
-            q,
-            k,
-            scale=scale,
-            h=h,
-            draws=draws,
-            halves=n,
-            compile=cfg.compile,
-            readings=cfg.readings,
-            fit_rows=cfg.fit_rows,
-        )
+        # the same computation for the adapter's keys and for the untrained control's (no nulls)
+        common: dict[str, Any] = {
+            "scale": scale,
+            "halves": n,
+            "compile": cfg.compile,
+            "readings": cfg.readings,
+            "fit_rows": cfg.fit_rows,
+        }
+        values, attn_w, nw_w = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         control = None
         if untrained_k is not None:
             h0 = self._bandwidth(q, untrained_k, scale)
-            values0, _, _ = stats.softmax_statistics(
-                q,
-                untrained_k,
-                scale=scale,
-                h=h0,
-                draws=None,
-                halves=n,
-                compile=cfg.compile,
-                readings=cfg.readings,
-                fit_rows=cfg.fit_rows,
-            )
+            values0, _, _ = stats.softmax_statistics(q, untrained_k, h=h0, draws=None, **common)
             control = values0[list(UNTRAINED_COLUMNS)]
         rec.add(
             layer=self.layer_name,
