@@ -42,6 +42,8 @@ _LAZY = {
     "tiny_digit_image": "nw_adapter.models.loaders",
     "compare_attention": "nw_adapter.core.compare",
     "compare_swap": "nw_adapter.integration.consequence",
+    "verdict": "nw_adapter.correlate.verdict",
+    "format_verdict": "nw_adapter.correlate.verdict",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -172,7 +172,9 @@ def image_step_means(records: Iterable[dict], half: str) -> dict[Any, list[dict]
     """Per reference image and step, the statistics the verdict uses, averaged over layers/heads/adapters.
 
     Args:
-        records: record dicts with ``reference`` (records without one form one image, key None).
+        records: record dicts with ``reference`` (the CLI adds it); a record without one belongs to
+            the image of its pipeline ``call`` (one call per reference image, one seed each, as a
+            notebook loop over references records them).
         half: the CFG half kept.
 
     Returns:
@@ -184,7 +186,8 @@ def image_step_means(records: Iterable[dict], half: str) -> dict[Any, list[dict]
     groups: dict[Any, dict[int, list[dict]]] = {}
     for record in records:
         if record.get("half") == half:
-            groups.setdefault(record.get("reference"), {}).setdefault(int(record["step"]), []).append(record)
+            unit = record["reference"] if "reference" in record else f"call {record.get('call')}"
+            groups.setdefault(unit, {}).setdefault(int(record["step"]), []).append(record)
     out: dict[Any, list[dict]] = {}
     for reference, steps in groups.items():
         rows = []
@@ -317,7 +320,8 @@ def verdict(records: Sequence[dict], *, half: str | None = None) -> dict[str, An
     """The verdict over reference images (see the module docstring).
 
     Args:
-        records: record dicts, each with ``reference`` (the image it belongs to).
+        records: record dicts, each with ``reference`` (the image it belongs to) or, without one,
+            its pipeline ``call`` (one call per reference image): e.g. ``recorder.to_records()``.
         half: CFG half (default :func:`~nw_adapter.integration.records.analysis_half`).
 
     Returns:

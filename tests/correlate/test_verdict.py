@@ -264,3 +264,17 @@ def test_bandwidth_figure_draws_the_mean_log_h_eff_per_step_and_the_slope_one_li
         record.pop("h_eff")
     assert plot_bandwidth(records, "cond", tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_records_without_a_reference_take_their_call_as_the_image() -> None:
+    """A notebook loop (one pipeline call per reference, no ``reference`` key) gives one unit per call."""
+    from nw_adapter import verdict as top_level_verdict
+
+    records = []
+    for call in range(3):
+        for step in range(2):
+            nulls = {"rho_perm_null": 0.0, "rho_norm_matched_null": 0.1, "rho_spread_null": 0.2}
+            records.append({"call": call, "step": step, "half": "cond", "rho": 0.5 + 0.1 * call, **nulls})
+    result = top_level_verdict(records)
+    assert result["images"] == 3
+    assert [image["reference"] for image in result["per_image"]] == ["call 0", "call 1", "call 2"]
