@@ -62,7 +62,6 @@ ROW_COLUMNS = (
     "swap_keeps",
 )
 _CONFIG_KEYS = {"model", "steps", "seed", "guidance_scale", "labels"}  # what the printed table reads
-_METRICS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
 
 
 def build_document(
@@ -150,7 +149,9 @@ def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceI
     expected = [(index, rule) for index in range(len(infos)) for rule in rules]
     if [(row.get("reference"), row.get("rule")) for row in rows] != expected:
         return f"{JSON_NAME} does not have one row per (reference, rule)"
-    if not all(_is_number(row.get(column, "missing")) for row in rows for column in _METRICS):
+    from nw_adapter.integration.consequence import MEAN_COLUMNS
+
+    if not all(_is_number(row.get(column, "missing")) for row in rows for column in MEAN_COLUMNS):
         return f"{JSON_NAME} has a row with a missing or non-numeric value"
     return None
 
@@ -176,11 +177,11 @@ def reusable_document(
 def comparison_of(document: dict) -> Any:
     """The :class:`~nw_adapter.integration.consequence.SwapComparison` of a ``compare_swap.json``
     document (without images; nulls, i.e. non-finite values, back to NaN)."""
-    from nw_adapter.integration.consequence import SwapComparison
+    from nw_adapter.integration.consequence import MEAN_COLUMNS, SwapComparison
 
     rows = [
         {
-            key: (math.nan if key in _METRICS and value is None else value)
+            key: (math.nan if key in MEAN_COLUMNS and value is None else value)
             for key, value in row.items()
             if key != "key"
         }

@@ -40,10 +40,11 @@ from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.errors import NWConfigError
 from nw_adapter.integration.mixin import active_recorder, nw_processor
 
-__all__ = ["DEFAULT_RULES", "SwapComparison", "compare_swap", "encode_images", "t_interval"]
+__all__ = ["DEFAULT_RULES", "MEAN_COLUMNS", "SwapComparison", "compare_swap", "encode_images", "t_interval"]
 
 DEFAULT_RULES = ("matched", "fitted", "schedule", "median")
-_MEAN_COLUMNS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
+MEAN_COLUMNS = ("abs_diff", "abs_diff_other_seed", "clip_i_stock", "clip_i_swap", "clip_i_change")
+"""The per-reference measurements a summary averages (mean and t interval over references)."""
 
 
 def _clopper_pearson(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -96,7 +97,7 @@ class SwapComparison:
         for rule in self.rules:
             mine = [row for row in self.per_reference if row["rule"] == rule]
             summary: dict[str, Any] = {"rule": rule, "n": len(mine)}
-            for column in _MEAN_COLUMNS:
+            for column in MEAN_COLUMNS:
                 mean, low, high = t_interval([row[column] for row in mine])
                 summary.update({column: mean, f"{column}_low": low, f"{column}_high": high})
             if self.judged:
@@ -132,7 +133,7 @@ class SwapComparison:
             header += ["stock keeps class", "swap keeps class"]
         lines = [header]
         for row in self.summary():
-            cells = [str(row["rule"]), str(row["n"]), *(mean_cell(row, c) for c in _MEAN_COLUMNS)]
+            cells = [str(row["rule"]), str(row["n"]), *(mean_cell(row, c) for c in MEAN_COLUMNS)]
             if self.judged:
                 cells += [count_cell(row, "stock"), count_cell(row, "swap")]
             lines.append(cells)
