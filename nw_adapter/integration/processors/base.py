@@ -316,7 +316,7 @@ class NWProcessorBase:
         if untrained_k is not None:
             h0 = self._bandwidth(q, untrained_k, scale)
             values0, _, _ = stats.softmax_statistics(q, untrained_k, h=h0, draws=None, **common)
-            control = values0[list(UNTRAINED_COLUMNS)]
+            control = values0.index_select(0, self._index(UNTRAINED_COLUMNS, values0.device))
         rec.add(
             layer=self.layer_name,
             adapter=adapter,
