@@ -29,7 +29,6 @@ from nw_adapter.integration.schema import (
     LEGACY_NAMES,
     NULL_STATS,
     OPTIONAL_STATS,
-    READING_STATS,
     RECORD_KEYS,
     STAT_NAMES,
     SUMMARY_STATS,
@@ -108,9 +107,8 @@ def aggregate(
         step_columns: per-step columns copied from the group (its common value; the finite
             mean if the records disagree).
         optional_stats: also average the statistics of
-            :data:`~nw_adapter.integration.schema.OPTIONAL_STATS` and the readings of
-            :data:`~nw_adapter.integration.schema.READING_STATS` (where they are not among the
-            summary statistics) present in some record of the group.
+            :data:`~nw_adapter.integration.schema.OPTIONAL_STATS` present in some record of the
+            group (the readings are among the summary statistics).
 
     Returns:
         One dict per group, sorted by the group keys: the group keys, ``half``, the step columns,
@@ -131,8 +129,8 @@ def aggregate(
             row["half"] = half
         for name in step_columns:
             row[name] = _common_value([r.get(name) for r in members])
-        extra = (n for n in (*READING_STATS, *OPTIONAL_STATS) if n not in SUMMARY_STATS)
-        names = (*SUMMARY_STATS, *(n for n in extra if optional_stats and any(n in r for r in members)))
+        present = [n for n in OPTIONAL_STATS if optional_stats and any(n in r for r in members)]
+        names = (*SUMMARY_STATS, *present)
         nonfinite: dict[str, int] = {}
         for name in names:
             row[name], dropped = finite_mean(_stat(r, name) for r in members)
