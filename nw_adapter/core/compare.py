@@ -5,11 +5,13 @@ its weights ``A = softmax(scale q k^T)`` and compares them with the NW weights i
 q/k space, ``NW = softmax(-||q - k_i||^2 / 2h^2)``, per (batch row, head): the rank statistics
 and their three nulls (:mod:`nw_adapter.core.metrics`), the divergences, effective sample sizes,
 and the readings that split the attention into a key prior and an NW smoother of the query
-(:mod:`nw_adapter.core.readings`). It is a plain reference of these statistics, float64
-capable. The processors record all of them on the fly, per (layer, head, step, CFG half)
-(:mod:`nw_adapter.integration.stats`, ``NWProcessorConfig(readings=True)``, the default), the
-readings with ``h_eff`` fitted on ``fit_rows`` evenly spaced query rows (``h_eff_se``: the
-standard error that adds) where this function fits it on all rows.
+(:mod:`nw_adapter.core.readings`). It is a plain reference of these statistics, computed
+in float64; a reading that cannot be computed is NaN with a counted reason
+(:attr:`AttentionComparison.nan_reasons`). The processors record all of them on the fly, per
+(layer, head, step, CFG half) (:mod:`nw_adapter.integration.stats`,
+``NWProcessorConfig(readings=True)``, the default), the readings with ``h_eff`` fitted on
+``fit_rows`` evenly spaced query rows (``h_eff_se``: the standard error that adds) where this
+function fits it on all rows.
 
 A reading is evidence only against a control with the same algebra but not the learning (the
 same queries against an untrained adapter's keys, or the nulls): a random head already has
@@ -19,6 +21,7 @@ same queries against an untrained adapter's keys, or the nulls): a random head a
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -37,7 +40,7 @@ from nw_adapter.core.metrics import (
 )
 from nw_adapter.core.readings import READING_NAMES, nw_readings
 
-__all__ = ["BANDWIDTH_RULES", "COMPARISON_NAMES", "compare_attention"]
+__all__ = ["BANDWIDTH_RULES", "COMPARISON_NAMES", "NAN_REASONS", "AttentionComparison", "compare_attention"]
 
 #: Bandwidth rules of :func:`compare_attention` (besides a positive float).
 BANDWIDTH_RULES: tuple[str, ...] = ("matched", "fitted", "median")
@@ -59,6 +62,37 @@ COMPARISON_NAMES: tuple[str, ...] = (
     "qk_spread_ratio",
     *READING_NAMES,
 )
+
+#: Why a reading of one (batch row, head) cannot be computed, in the order they are checked: a NaN
+#: value's reason is the first that holds for its cell (:attr:`AttentionComparison.nan_reasons`).
+NAN_REASONS: tuple[str, ...] = (
+    "fewer than 2 valid keys",
+    "the valid keys are identical",
+    "the queries are all zero",
+    "the attention logits are constant over the keys in every row",
+    "the NW scores are constant over the keys in every row",
+    "the bandwidth is 0 (the median rule on coincident queries and keys)",
+    "not defined for these inputs",
+)
+
+_WORK_DTYPE = torch.float64
+"""The dtype of the computation (float64 everywhere but on devices without it): extreme finite
+float32 inputs (norms of 1e10, scale 1e30, h of 1e-20) stay in range."""
+
+# float64 bandwidths whose h^2 and 1 / h^2 are finite normal numbers
+_F64_BANDWIDTH = (1e-150, 1e150)
+
+
+class AttentionComparison(dict):
+    """:func:`compare_attention`'s result: ``{name: [B, H] tensor}`` in :data:`COMPARISON_NAMES`
+    order, with ``nan_reasons``: per reading with NaN values, ``{reason: number of (batch row,
+    head) cells}`` (reasons of :data:`NAN_REASONS`; ``{}`` when every value is a number)."""
+
+    nan_reasons: dict[str, dict[str, int]]
+
+    def __init__(self, values: dict[str, Tensor], nan_reasons: dict[str, dict[str, int]]) -> None:
+        super().__init__(values)
+        self.nan_reasons = nan_reasons
 
 
 def _check_inputs(
@@ -97,6 +131,14 @@ def _check_inputs(
         raise ValueError(
             f"bandwidth must be one of {BANDWIDTH_RULES} or a finite float > 0, got {bandwidth!r}"
         )
+    else:
+        low, high = _bandwidth_range(compute_dtype(q, k))
+        if not low <= bandwidth <= high:
+            name = str(compute_dtype(q, k)).removeprefix("torch.")
+            raise ValueError(
+                f"bandwidth must be one of {BANDWIDTH_RULES} or a float in [{low:.3g}, {high:.3g}] "
+                f"(the range of h, h^2 and 1/h^2 for {name} results), got {bandwidth!r}"
+            )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int (the nulls' generator seed), got {seed!r}")
     if valid is not None:
@@ -118,19 +160,120 @@ def _check_inputs(
             )
 
 
+def _bandwidth_range(dtype: torch.dtype) -> tuple[float, float]:
+    """The float bandwidths h accepted for results of ``dtype``: representable there, and with
+    h^2 and 1/h^2 finite in the float64 computation."""
+    info = torch.finfo(dtype)
+    return max(info.tiny, _F64_BANDWIDTH[0]), min(info.max, _F64_BANDWIDTH[1])
+
+
 def _as_key_mask(valid: Tensor) -> Tensor:
     """``[M]`` / ``[B, M]`` / ``[B, H, M]`` -> a mask broadcastable to ``[B, H, M]``."""
     return valid[:, None, :] if valid.dim() == 2 else valid
 
 
-def _masked_pearson(a: Tensor, b: Tensor, weight: Tensor) -> Tensor:
-    """Pearson correlation of the flattened ``[..., n, m]`` matrices over the entries of weight 1."""
-    count = weight.sum((-1, -2))
-    a_centred = (a - (a * weight).sum((-1, -2), keepdim=True) / count[..., None, None]) * weight
-    b_centred = (b - (b * weight).sum((-1, -2), keepdim=True) / count[..., None, None]) * weight
-    num = (a_centred * b_centred).sum((-1, -2))
-    den = torch.sqrt(a_centred.square().sum((-1, -2)) * b_centred.square().sum((-1, -2)))
+def _centred_weights(logits: Tensor, key_mask: Tensor) -> Tensor:
+    """``softmax(logits) - 1/m'`` per row over the ``m'`` valid keys, from the logits, 0 at invalid keys.
+
+    ``w_i - 1/m' = expm1(delta_i) / m'`` with ``delta_i = l_i - c - log1p(mean_i expm1(l_i - c))``,
+    ``c = max_i l_i``: exact where the weights are within rounding of uniform (logits of 1e-30,
+    where ``softmax - 1/m'`` is 0 in floating point) and where they are one-hot.
+
+    Args:
+        logits: ``[..., n, m]``.
+        key_mask: bool ``[..., 1, m]`` (True = valid key; every row has one).
+
+    Returns:
+        ``[..., n, m]``, each row summing to 0.
+    """
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    top = torch.where(key_mask, logits, -math.inf).amax(-1, keepdim=True)
+    shifted = torch.where(key_mask, logits - top, zero)
+    count = key_mask.sum(-1, keepdim=True).to(logits.dtype)
+    mean_excess = torch.where(key_mask, torch.expm1(shifted), zero).sum(-1, keepdim=True) / count
+    delta = shifted - torch.log1p(mean_excess)
+    return torch.where(key_mask, torch.expm1(delta) / count, zero)
+
+
+def _pearson_from_logits(logits_a: Tensor, logits_b: Tensor, key_mask: Tensor) -> Tensor:
+    """Pearson r of the flattened ``[..., n, m]`` softmax weights over the valid entries, ``[...]``.
+
+    Each weight row's mean is ``1/m'``, so the centred weights are :func:`_centred_weights`; each
+    matrix is divided by its largest centred entry before the products (r does not change), so
+    weights that differ from uniform by 1e-200 still give r. NaN where either matrix is uniform.
+    """
+    a = _centred_weights(logits_a, key_mask)
+    b = _centred_weights(logits_b, key_mask)
+    a = a / a.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+    b = b / b.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(b.dtype).tiny)
+    num = (a * b).sum((-1, -2))
+    den = torch.sqrt(a.square().sum((-1, -2)) * b.square().sum((-1, -2)))
     return torch.where(den > 0, num / den, torch.full((), math.nan, dtype=num.dtype, device=num.device))
+
+
+def _spread(x: Tensor, mask: Tensor) -> Tensor:
+    """``max - min`` of ``x`` ``[..., m]`` over the valid entries (``mask`` broadcastable), exact."""
+    top = torch.where(mask, x, -math.inf).amax(-1)
+    bottom = torch.where(mask, x, math.inf).amin(-1)
+    return top - bottom
+
+
+def _degenerate_cells(
+    q: Tensor, k: Tensor, attn_logits: Tensor, scores_nw: Tensor, h: Tensor, mask: Tensor
+) -> list[Tensor]:
+    """Per reason of :data:`NAN_REASONS`, the bool ``[B, H]`` cells where it holds.
+
+    ``mask``: bool ``[B, H, M]`` valid keys. The checks are exact (no tolerance): they name why
+    a value is NaN, they do not make values NaN.
+    """
+    row_mask = mask[..., None, :]
+    keys = mask.sum(-1)
+    identical = (_spread(k.transpose(-1, -2), row_mask) == 0).all(-1)
+    zero_queries = (q == 0).flatten(-2).all(-1)
+    constant_logits = (_spread(attn_logits, row_mask) == 0).all(-1)
+    constant_scores = (_spread(scores_nw, row_mask) == 0).all(-1)
+    no_bandwidth = ~(torch.isfinite(h) & (h > 0))
+    always = torch.ones_like(no_bandwidth)
+    return [keys < 2, identical, zero_queries, constant_logits, constant_scores, no_bandwidth, always]
+
+
+def _nan_reasons(values: dict[str, Tensor], cells: list[Tensor]) -> dict[str, dict[str, int]]:
+    """``{reading: {reason: NaN cells}}`` for the readings with NaN values (first reason that holds)."""
+    reasons: dict[str, dict[str, int]] = {}
+    for name, value in values.items():
+        left = torch.isnan(value)
+        if not bool(left.any()):
+            continue
+        counted: dict[str, int] = {}
+        for reason, holds in zip(NAN_REASONS, cells, strict=True):
+            here = left & holds
+            if bool(here.any()):
+                counted[reason] = int(here.sum())
+                left = left & ~holds
+        reasons[name] = counted
+    return reasons
+
+
+def _check_in_range(name: str, x: Tensor, fix: str) -> None:
+    """ValueError unless ``x`` is finite where it is not NaN (the float64 computation overflowed)."""
+    if bool(torch.isinf(x).any()):
+        raise ValueError(f"compare_attention: {name} overflows float64 with these inputs; {fix}")
+
+
+def _cast_results(values: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """The float64 results in the result dtype; ValueError where a finite value does not fit."""
+    out = {}
+    for name, value in values.items():
+        cast = value.to(dtype)
+        overflow = torch.isinf(cast) & torch.isfinite(value)
+        if bool(overflow.any()):
+            raise ValueError(
+                f"compare_attention: {name} = {float(value[overflow][0]):.3g} is beyond the "
+                f"{str(dtype).removeprefix('torch.')} range ({torch.finfo(dtype).max:.3g}) for these q, k, "
+                "scale and bandwidth; pass q and k as float64"
+            )
+        out[name] = cast
+    return out
 
 
 def compare_attention(
@@ -173,12 +316,22 @@ def compare_attention(
             part); every (batch row, head) needs at least one valid key.
         seed: seed of the nulls' random numbers (deterministic for a given device and dtype).
 
+    Everything is computed in float64 (extreme finite float32 inputs, e.g. norms of 1e10,
+    ``scale=1e30`` or ``h=1e-20``, keep their values; Pearson r comes from the logits, so weights
+    within rounding of uniform still give it) and returned in the result dtype.
+
     Returns:
-        ``{name: [B, H] tensor}`` in :data:`COMPARISON_NAMES` order, float32 (float64 when q or k
-        is float64), on q's device.
+        An :class:`AttentionComparison`: ``{name: [B, H] tensor}`` in :data:`COMPARISON_NAMES`
+        order, float32 (float64 when q or k is float64), on q's device. A reading that cannot be
+        computed for a (batch row, head) is NaN there; ``result.nan_reasons`` counts those cells
+        per reading and reason (:data:`NAN_REASONS`: one valid key, identical keys, zero queries,
+        logits or NW scores constant in every row, a bandwidth of 0), and one RuntimeWarning
+        says the same.
 
     Raises:
-        ValueError: bad shapes, dtypes, non-finite inputs, scale, bandwidth, mask or seed.
+        ValueError: bad shapes, dtypes, non-finite inputs, scale, bandwidth (a float outside
+            the range its dtype can hold), mask or seed; float64 overflow of ``q.k`` or
+            ``scale * q.k``; a result beyond the float32 range (pass float64 q and k).
 
     Example:
         >>> q, k = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 4, 16)
@@ -187,17 +340,25 @@ def compare_attention(
         (torch.Size([1, 2]), torch.Size([1, 2]))
     """
     _check_inputs(q, k, scale, bandwidth, valid, seed)
-    dtype = compute_dtype(q, k)
+    result_dtype = compute_dtype(q, k)
+    dtype = result_dtype if q.device.type == "mps" else _WORK_DTYPE  # MPS has no float64
     q, k = q.to(dtype), k.to(device=q.device, dtype=dtype)
     # key masks: [B, H, M] for the kernels and readings, [B, H, 1, M] against [B, H, N, M] rows (metrics)
+    full_mask = torch.ones(k.shape[:-1], dtype=torch.bool, device=q.device)
     mask = None if valid is None else _as_key_mask(valid.to(q.device)).expand(q.shape[0], q.shape[1], -1)
     row_mask = None if mask is None else mask[..., None, :]
     generator = torch.Generator(device=q.device).manual_seed(seed)
     with no_autocast(q.device):
         qk = q @ k.transpose(-1, -2)  # [B, H, N, M]
-        scores_nw = qk - 0.5 * k.square().sum(-1)[..., None, :]
+        half_norms = 0.5 * k.square().sum(-1)
+        _check_in_range("q.k", qk, "scale q and k down (the attention uses scale * q.k only)")
+        _check_in_range("||k||^2", half_norms, "scale k down")
+        _check_in_range("||q||^2", q.square().sum(-1), "scale q down")
+        scores_nw = qk - half_norms[..., None, :]
         attn_logits = scale * qk
-        readings = nw_readings(attn_logits, q, k, mask)
+        bound = torch.finfo(dtype).max / float(qk.abs().amax().clamp_min(1.0))
+        _check_in_range("scale * q.k", attn_logits, f"scale must be at most {bound:.3g} for these q and k")
+        readings = _readings(attn_logits, q, k, mask, float(scale))
         if bandwidth == "matched":
             h = torch.full(q.shape[:2], matched_bandwidth(scale=float(scale)), dtype=dtype, device=q.device)
         elif bandwidth == "fitted":
@@ -212,14 +373,17 @@ def compare_attention(
         weights_attn = torch.softmax(masked_attn, -1)
         weights_nw = torch.softmax(logits_nw, -1)
         key_norm = k.norm(dim=-1)
-        spread = masked_std(qk, row_mask).mean(-1) / masked_std(0.5 * key_norm.square(), mask)
+        every_key = full_mask if mask is None else mask
+        cells = _degenerate_cells(q, k, attn_logits, scores_nw, h, every_key)
+        spread = masked_std(qk, row_mask).mean(-1) / masked_std(half_norms, mask)
+        spread = torch.where(cells[NAN_REASONS.index("the valid keys are identical")], math.nan, spread)
         out = {
             "bandwidth": h,
             "rho": spearman_rho(qk, scores_nw, row_mask),
             "rho_perm_null": permutation_null_rho(qk, scores_nw, row_mask, generator=generator),
             "rho_norm_matched_null": norm_matched_null_rho(q, k, row_mask, generator=generator),
             "rho_spread_null": qk_spread_null_rho(q, k, row_mask, generator=generator),
-            "pearson": _masked_pearson(weights_attn, weights_nw, key_weight),
+            "pearson": _pearson_from_logits(masked_attn, logits_nw, every_key[..., None, :]),
             "kl": kl_from_logits(attn_logits, logits_nw, row_mask).mean(-1),
             "js": js_from_logits(attn_logits, logits_nw, row_mask).mean(-1),
             "neff_attn": effective_sample_size(weights_attn).mean(-1),
@@ -229,7 +393,28 @@ def compare_attention(
             "qk_spread_ratio": spread,
             **readings,
         }
-    return {name: out[name] for name in COMPARISON_NAMES}
+    values = {name: out[name] for name in COMPARISON_NAMES}
+    reasons = _nan_reasons(values, cells)
+    if reasons:
+        counted = "; ".join(
+            f"{name}: " + ", ".join(f"{reason} ({n})" for reason, n in why.items())
+            for name, why in reasons.items()
+        )
+        warnings.warn(
+            f"compare_attention: NaN readings (cells per reason): {counted}", RuntimeWarning, stacklevel=2
+        )
+    return AttentionComparison(_cast_results(values, result_dtype), reasons)
+
+
+def _readings(attn_logits: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> dict:
+    """:func:`~nw_adapter.core.readings.nw_readings` with ``h_eff`` fitted where the attention has
+    the standard scale: on ``r q``, ``r k`` with ``r^2 = scale sqrt(d)`` (the same logits
+    ``(r q).(r k) / sqrt(d)``), so the fit's bracket (relative to ``1/sqrt(d)``) holds any scale and
+    norm; ``h_eff = h'_eff / r`` (every other reading is unchanged by ``r``)."""
+    r = math.sqrt(scale * math.sqrt(q.shape[-1]))
+    readings = nw_readings(attn_logits, q * r, k * r, mask)
+    readings["h_eff"] = readings["h_eff"] / r
+    return readings
 
 
 def _masked_mean(x: Tensor, valid: Tensor | None) -> Tensor:

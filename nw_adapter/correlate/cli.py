@@ -531,6 +531,9 @@ def _image_worker(
         note = skipped_note(recorder, args.mode, info.path.name)
         if note and args.quiet < 2:
             print(f"note: {note}", file=sys.stderr)
+        failure = recorder.failed_steps_line(see=None)  # steps without statistics: even with -qq
+        if failure:
+            print(f"error: {info.path.name}: {failure}", file=sys.stderr)
         relative = folder.relative_to(out_dir)
         atomic_write(folder / "generated.png", lambda tmp: generated.save(tmp))
         entry = {**info.to_dict(), "generated": str(relative / "generated.png")}
@@ -683,6 +686,11 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
         if not state.is_main_process:
             return 0
         records = [record for result in outcome.results for record in result["records"]]
+        if not records:  # every step of every image failed (the error lines above say why)
+            raise CLIError(
+                f"no statistics were recorded for any of the {len(outcome.results)} image(s): the NW side "
+                "computation failed in every layer (see the error line(s) above); nothing to report"
+            )
         report = build_report(
             records,
             config=options,

@@ -30,7 +30,7 @@ from nw_adapter.integration.maps import MapStore
 from nw_adapter.integration.records import Records, Summary, block_of
 from nw_adapter.integration.records_file import RECORDS_SCHEMA, read_records_file, records_document
 from nw_adapter.integration.schema import STAT_NAMES, UNTRAINED_OF, UNTRAINED_SUFFIX
-from nw_adapter.integration.skips import SkipLedger
+from nw_adapter.integration.skips import SkipLedger, failed_steps_line
 from nw_adapter.integration.steps import StepState, StepTracker
 
 __all__ = [
@@ -311,6 +311,17 @@ class NWRecorder:
         (:meth:`~nw_adapter.integration.skips.SkipLedger.summary`)."""
         return self.skips.summary()
 
+    def failed_steps(self) -> list[dict[str, Any]]:
+        """The steps whose side computation failed in every layer that ran it (no statistics at
+        all): ``{"call", "step", "layers", "reason"}`` each
+        (:meth:`~nw_adapter.integration.skips.SkipLedger.failed_steps`)."""
+        return self.skips.failed_steps({(e.call, e.step) for e in self._entries})
+
+    def failed_steps_line(self, *, see: str | None = "recorder.skipped()") -> str | None:
+        """:meth:`failed_steps` in one line (None when no step failed in every layer); ``see``:
+        where the skipped pairs are listed (None: not said)."""
+        return failed_steps_line(self.failed_steps(), see=see)
+
     def discard_call(self, call: int | None = None) -> int:
         """Drop the statistics and maps of pipeline call ``call`` (default: the current one).
 
@@ -364,8 +375,14 @@ class NWRecorder:
 
         See :meth:`~nw_adapter.integration.records.Records.summary` (``nonfinite`` counts the
         values each mean left out; ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
+        Of the recorder's own records, ``error`` holds :meth:`failed_steps_line` (steps whose side
+        computation failed in every layer), printed above the table.
         """
-        return (self.records() if records is None else Records(records)).summary()
+        if records is not None:
+            return Records(records).summary()
+        summary = self.records().summary()
+        summary.error = self.failed_steps_line()
+        return summary
 
     def to_csv(self, path: str | os.PathLike) -> Path:
         """Write the records as a CSV table (one row per record, header = record keys), atomically."""

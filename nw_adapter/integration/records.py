@@ -187,12 +187,20 @@ class Summary(list):
     """The rows of :meth:`Records.summary`: a plain list of dicts that prints as a table.
 
     ``empty_reason``: why there are no rows, when it is known (e.g. swap mode without statistics).
+    ``error``: one line on the steps whose side computation failed in every layer (their rows are
+    missing), printed above the table (``NWRecorder.summary``).
     """
 
     empty_reason: str | None = None
+    error: str | None = None
 
     def table(self) -> str:
-        """The rows as an aligned text table (NaN as ``nan``); the main statistics only."""
+        """The rows as an aligned text table (NaN as ``nan``); the main statistics only; the
+        ``error`` line, if any, above it."""
+        table = self._rows_table()
+        return f"error: {self.error}\n{table}" if self.error else table
+
+    def _rows_table(self) -> str:
         if not self:
             return f"(no records: {self.empty_reason})" if self.empty_reason else "(no records)"
         columns = [(key, fmt) for key, fmt in _SUMMARY_COLUMNS if key in self[0]]

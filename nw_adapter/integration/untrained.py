@@ -297,7 +297,9 @@ def project_images(
         untrained: From :func:`build_untrained_adapter`.
         image_embeds: UNet / Flux: one tensor per loaded adapter, ``[B, num_images, embed_dim]``
             (or with a token axis for the Plus adapter's hidden states), as the denoiser receives
-            them. SD3: the tensor ``[B, tokens, embed_dim]`` (or a list holding it).
+            them; or, with one adapter, a single tensor ``[B, embed_dim]`` (``[B, tokens,
+            embed_dim]``), read as diffusers' ``MultiIPAdapterImageProjection`` reads it (one image:
+            ``[e.unsqueeze(1)]``). SD3: the tensor ``[B, tokens, embed_dim]`` (or a list holding it).
         timestep: SD3 only: the denoiser's timestep ``[B]`` (its ``image_proj`` is conditioned on it).
 
     Returns:
@@ -322,8 +324,14 @@ def project_images(
             embeds.to(weight.device, weight.dtype), timestep.to(weight.device)
         )
         return ProjectedImages([latents], temb)
+    if isinstance(image_embeds, Tensor):  # as MultiIPAdapterImageProjection reads a tensor
+        image_embeds = [image_embeds.unsqueeze(1)]
     if not isinstance(image_embeds, list | tuple) or len(image_embeds) != count:
-        raise ValueError(f"image_embeds must be a list of {count} tensor(s), one per loaded adapter")
+        got = f"{len(image_embeds)} tensor(s)" if isinstance(image_embeds, list | tuple) else "a tensor"
+        raise ValueError(
+            f"image_embeds must be a list of {count} tensor(s), one per loaded adapter (or one tensor "
+            f"[B, embed_dim] / [B, tokens, embed_dim] with one adapter), got {got}"
+        )
     states = untrained.image_projection([e.to(weight.device, weight.dtype) for e in image_embeds])
     return ProjectedImages(list(states))
 
@@ -393,7 +401,8 @@ def untrained_keys(
     Args:
         untrained: From :func:`build_untrained_adapter`.
         layer: An IP layer's processor name (a key of ``untrained.key_projections``).
-        image_embeds: One tensor per loaded adapter (:func:`project_images`).
+        image_embeds: One tensor per loaded adapter, or one tensor with one adapter
+            (:func:`project_images`).
         adapter: Which loaded adapter's keys.
         timestep: SD3 only: the denoiser's timestep.
 

@@ -282,3 +282,156 @@ def test_bad_input_is_one_line_value_error(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         compare_attention(q, k, **args)
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ extreme and degenerate inputs (issue 30)
+def _base(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, float]:
+    g = _generator(30)
+    q = torch.randn(1, 2, 16, 8, generator=g, dtype=F64).to(dtype)
+    k = torch.randn(1, 2, 6, 8, generator=g, dtype=F64).to(dtype)
+    return q, k, 8**-0.5
+
+
+# (c, bandwidth at c = 1): float32 q, k times c and the scale over c^2 give the same attention logits,
+# the same NW logits at h times c and the same ranks; float32 alone overflows or underflows there.
+EQUIVARIANT_CASES = {
+    "norms x1e10": (1e10, "matched"),
+    "norms x1e10, fitted": (1e10, "fitted"),
+    "norms x1e10, median": (1e10, "median"),
+    "scale 1e30 (norms x1e-15)": (1e-15, "matched"),
+    "h 1e-20 (norms x1e-20)": (1e-20, 1.0),
+    "h 1e-20, fitted": (1e-20, "fitted"),
+}
+
+
+@pytest.mark.parametrize("case", list(EQUIVARIANT_CASES))
+def test_extreme_finite_inputs_give_the_values_of_the_rescaled_problem(case: str) -> None:
+    c, bandwidth = EQUIVARIANT_CASES[case]
+    q, k, s = _base(F64)
+    reference = compare_attention(q, k, scale=s, bandwidth=bandwidth)
+    scaled = bandwidth * c if isinstance(bandwidth, float) else bandwidth
+    out = compare_attention((q * c).float(), (k * c).float(), scale=s / c**2, bandwidth=scaled)
+    assert out.nan_reasons == {}
+    for name in COMPARISON_NAMES:
+        expected = reference[name] * (c if name in ("bandwidth", "h_eff") else 1.0)
+        if name in ("rho_norm_matched_null", "rho_spread_null", "rho_perm_null"):  # seeded draws
+            expected = reference[name]
+        np.testing.assert_allclose(
+            out[name].double().numpy(), expected.numpy(), rtol=1e-4, atol=1e-6, err_msg=f"{case}: {name}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("case", "args"),
+    [
+        ("scale 1e30", {"scale": 1e30}),
+        ("scale 1e-30", {"scale": 1e-30}),
+        ("bandwidth 1e30", {"bandwidth": 1e30}),
+        ("norms x1e10", {"times": 1e10}),
+        ("float64 h 1e-100", {"bandwidth": 1e-100, "dtype": F64}),
+    ],
+)
+def test_extreme_finite_inputs_give_numbers_and_the_near_uniform_limit(case: str, args: dict) -> None:
+    """No NaN at the extremes. At scale 1e-30 (and h = 1e30) the weights are within rounding of
+    uniform; Pearson r of A and NW is then that of their first-order deviations, the row-centred
+    logits (scale q.k and -||q - k||^2 / 2h^2), here from numpy."""
+    q, k, s = _base(args.get("dtype", torch.float32))
+    times = args.get("times", 1.0)
+    scale, bandwidth = args.get("scale", s), args.get("bandwidth", "matched")
+    out = compare_attention(q * times, k * times, scale=scale, bandwidth=bandwidth)
+    assert out.nan_reasons == {}, case
+    assert all(bool(torch.isfinite(out[name]).all()) for name in COMPARISON_NAMES), case
+    if scale < 1e-20 or (isinstance(bandwidth, float) and bandwidth > 1e20):
+        qn, kn = q.double().numpy()[0], k.double().numpy()[0]
+        h = float(out["bandwidth"][0, 0])
+        for head in range(2):
+            a = scale * qn[head] @ kn[head].T
+            w = -ssd.cdist(qn[head], kn[head], "sqeuclidean") / (2 * h * h)
+            a = a - a.mean(1, keepdims=True) if scale < 1e-20 else sp.softmax(a, axis=1) - 1 / a.shape[1]
+            w = w - w.mean(1, keepdims=True)  # NW is near uniform in both cases
+            expected = (a * w).sum() / np.sqrt((a * a).sum() * (w * w).sum())
+            assert float(out["pearson"][0, head]) == pytest.approx(expected, rel=1e-5), case
+
+
+def _one_key(q, k):
+    return q, k[:, :, :1], None
+
+
+def _one_valid_key(q, k):
+    valid = torch.zeros(k.shape[-2], dtype=torch.bool)
+    valid[2] = True
+    return q, k, valid
+
+
+def _identical_keys(q, k):
+    return q, k[:, :, :1].expand(-1, -1, 6, -1).contiguous(), None
+
+
+def _zero_queries(q, k):
+    return torch.zeros_like(q), k, None
+
+
+def _median_zero(q, k):
+    """Every query on one point where 4 of the 6 keys lie: the median squared distance is 0."""
+    point = q[0, 0, 0]
+    k = k.clone()
+    k[:, :, :4] = point
+    return point.expand_as(q).contiguous(), k, None
+
+
+# case -> (inputs, reason, readings that must be among the NaN ones[, bandwidth])
+DEGENERATE_CASES = {
+    "median bandwidth 0": (
+        _median_zero,
+        "the bandwidth is 0 (the median rule on coincident queries and keys)",
+        {"kl", "js", "pearson", "neff_nw"},
+        "median",
+    ),
+    "one key": (_one_key, "fewer than 2 valid keys", {"rho", "pearson", "r2_key", "h_eff"}),
+    "one valid key": (_one_valid_key, "fewer than 2 valid keys", {"rho", "pearson", "r2_key", "h_eff"}),
+    "identical keys": (
+        _identical_keys,
+        "the valid keys are identical",
+        {"rho", "pearson", "qk_spread_ratio"},
+    ),
+    "zero queries": (_zero_queries, "the queries are all zero", {"rho", "pearson", "r2_key", "r2_nw"}),
+}
+
+
+@pytest.mark.parametrize("case", list(DEGENERATE_CASES))
+def test_a_reading_that_cannot_be_computed_is_nan_with_a_counted_reason(case: str) -> None:
+    make, reason, must, *bandwidth = DEGENERATE_CASES[case]
+    q, k, valid = make(*_base()[:2])
+    with pytest.warns(RuntimeWarning, match="compare_attention: NaN readings") as caught:
+        out = compare_attention(q, k, scale=8**-0.5, valid=valid, bandwidth=(bandwidth or ["matched"])[0])
+    nan = {name for name in COMPARISON_NAMES if bool(torch.isnan(out[name]).any())}
+    assert must <= nan, case
+    assert set(out.nan_reasons) == nan  # every NaN reading has its reason, counted per (row, head)
+    assert all(why == {reason: 2} for why in out.nan_reasons.values()), out.nan_reasons
+    assert all(bool(torch.isfinite(out[name]).all()) for name in set(COMPARISON_NAMES) - nan)
+    message = str(caught[0].message)
+    assert "\n" not in message and all(f"{name}: {reason} (2)" in message for name in nan)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"bandwidth": 1e39}, r"bandwidth must be one of .* or a float in \[1.18e-38, 3.4e\+38\]"),
+        ({"bandwidth": 1e-39}, r"bandwidth must be one of .* or a float in \[1.18e-38, 3.4e\+38\]"),
+        ({"bandwidth": 1e200, "dtype": F64}, r"bandwidth must be .* a float in \[1e-150, 1e\+150\]"),
+        ({"bandwidth": 1e-20}, r"kl = .* is beyond the float32 range .*; pass q and k as float64"),
+        ({"times": 1e200, "dtype": F64}, r"q.k overflows float64 .*; scale q and k down"),
+        (
+            {"scale": 1e300, "times": 1e10, "dtype": F64},
+            r"scale \* q.k overflows float64 .*scale must be at most",
+        ),
+    ],
+)
+def test_arguments_out_of_range_are_one_line_value_errors(args: dict, message: str) -> None:
+    q, k, s = _base(args.get("dtype", torch.float32))
+    times = args.get("times", 1.0)
+    with pytest.raises(ValueError, match=message) as err:
+        compare_attention(
+            q * times, k * times, scale=args.get("scale", s), bandwidth=args.get("bandwidth", "matched")
+        )
+    assert "\n" not in str(err.value)
