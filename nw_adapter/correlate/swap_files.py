@@ -239,6 +239,12 @@ def read_text(path: Path) -> str | None:
 
 
 def remove_outputs(out_dir: Path) -> None:
-    """Remove a previous run's files, the JSON (the marker of a finished run) first."""
+    """Remove a previous run's files, the JSON (the marker of a finished run) first.
+
+    Only regular files: a symbolic link or a folder under these names is never removed or
+    followed (the command line refuses them before: :func:`nw_adapter.correlate.outputs.check_entry`).
+    """
+    from nw_adapter.atomic import remove_regular_file
+
     for name in SWAP_FILES:
-        (Path(out_dir) / name).unlink(missing_ok=True)
+        remove_regular_file(Path(out_dir) / name)
