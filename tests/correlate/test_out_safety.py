@@ -287,3 +287,22 @@ def test_a_rho_run_and_a_compare_swap_run_never_share_a_folder(
     code, stdout, err = run_main(["--image", path, *options, "--out", out], capsys)
     line = one_line_error(code, err, named, "another --out")
     assert ("--compare-swap run" in line) == (options is RHO) and stdout == ""
+
+
+# --- resuming --compare-swap: a reordered or changed reference list is named as such ------------
+
+
+def test_a_reordered_or_changed_reference_list_is_named(tmp_path: Path, capsys) -> None:
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    out = tmp_path / "out"
+    three, seven = example_image_path(3), example_image_path(7)
+    code, _, err = run_main([*SWAP, "--image", three, "--image", seven, "--out", out], capsys)
+    assert code == 0, err
+    code, _, err = run_main([*SWAP, "--image", seven, "--image", three, "--out", out], capsys)
+    assert code == 0 and "the reference list was reordered" in err and "other options" not in err, err
+    code, _, err = run_main([*SWAP, "--image", seven, "--out", out], capsys)
+    assert code == 0 and "the reference list changed" in err and "other options" not in err, err
+    assert f"no longer listed: {three.name}" in err
+    code, _, err = run_main([*SWAP, "--image", seven, "--seed", "1", "--out", out], capsys)
+    assert code == 0 and "other options" in err and "reference list" not in err, err
