@@ -17,22 +17,19 @@ Every problem is an :class:`OutputError` whose message is one line naming the fi
 
 from __future__ import annotations
 
+import errno
 import os
 import re
-import stat
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import remove_regular_file
+from nw_adapter.correlate.out_paths import OutputError as OutputError  # re-exported
+from nw_adapter.correlate.out_paths import check_entry as check_entry  # re-exported
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
-from nw_adapter.correlate.sweep import MANIFEST_NAME, RESULT_NAME, image_dir, recorded_files
-
-
-class OutputError(ValueError):
-    """The output folder cannot be used; the message is one line with the fix (exit status 2)."""
-
+from nw_adapter.correlate.sweep import MANIFEST_NAME, check_image_folder, image_dir
 
 PROBE_PREFIX = ".nw-adapter-write-check-"
 
@@ -48,98 +45,6 @@ def _probe_write(folder: Path, out: Path) -> None:
         raise OutputError(
             f"--out '{out}': cannot write in '{folder}' ({reason}); pass a writable folder"
         ) from None
-
-
-def check_entry(
-    out: Path, relative: str | os.PathLike, *, folder: bool = False, option: str = "--out"
-) -> Path:
-    """``out / relative``, after checking that no link is followed on the way there.
-
-    Every existing component below ``out`` (``out`` itself is the user's path and may be a link) is
-    inspected with ``lstat``: none may be a symbolic link (also a dangling one or a loop), each one
-    above the last must be a folder, and the last must be a folder when ``folder`` is set, else a
-    regular file. A missing component ends the check (the tool creates what follows). This is the
-    one check every reader, writer and remover of ``--out`` goes through.
-
-    Args:
-        out: The output folder.
-        relative: The entry inside it, e.g. ``"rho.json"`` or ``"images/<key>/result.json"``.
-        folder: Whether the entry is a folder.
-        option: The option that named ``out`` (for the message).
-
-    Raises:
-        OutputError: One line naming the entry and the fix.
-    """
-    out = Path(out)
-    parts = Path(relative).parts
-    path = out
-    for index, part in enumerate(parts):
-        path = path / part
-        last = index == len(parts) - 1
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            break
-        except OSError as exc:
-            raise OutputError(
-                f"{option} '{out}': cannot inspect '{path}' ({exc.strerror or type(exc).__name__}); fix its "
-                f"permissions or pass another {option}"
-            ) from None
-        if stat.S_ISLNK(mode):
-            raise OutputError(
-                f"{option} '{out}': '{path}' is a symbolic link (to '{os.readlink(path)}'); nothing inside "
-                f"{option} is read, written or removed through a link: remove the link or pass another "
-                f"{option}"
-            )
-        if (folder or not last) and not stat.S_ISDIR(mode):
-            raise OutputError(
-                f"{option} '{out}': '{path}' is not a folder; remove it or pass another {option}"
-            )
-        if last and not folder and stat.S_ISDIR(mode):
-            raise OutputError(
-                f"{option} '{out}': '{path}' is a folder where this tool writes a file; remove it or pass "
-                f"another {option}"
-            )
-        if last and not folder and not stat.S_ISREG(mode):
-            raise OutputError(
-                f"{option} '{out}': '{path}' is not a regular file; remove it or pass another {option}"
-            )
-    return out / relative
-
-
-def check_image_folder(
-    out: Path, key: str, *, option: str = "--out", is_own: Callable[[str], bool] | None = None
-) -> Path:
-    """Check ``out/images/<key>`` and the entries the tool reads, writes or removes there.
-
-    With :func:`check_entry`: ``images``, ``images/<key>``, its ``result.json`` and manifest, every
-    name the manifest records (:func:`nw_adapter.correlate.sweep.recorded_files`) and, with
-    ``is_own``, every existing entry whose name it accepts (the command line: :data:`IMAGE_OUTPUT`).
-
-    Returns:
-        The image folder.
-
-    Raises:
-        OutputError: One line naming the entry and the fix.
-    """
-    relative = Path("images") / key
-    check_entry(out, "images", folder=True, option=option)
-    folder = check_entry(out, relative, folder=True, option=option)
-    if not folder.is_dir():
-        return folder
-    check_entry(out, relative / MANIFEST_NAME, option=option)
-    names = {RESULT_NAME, *recorded_files(folder)}
-    if is_own is not None:
-        try:
-            names.update(name for name in os.listdir(folder) if is_own(name))
-        except OSError as exc:
-            raise OutputError(
-                f"{option} '{out}': cannot list '{folder}' ({exc.strerror or type(exc).__name__}); fix its "
-                f"permissions or pass another {option}"
-            ) from None
-    for name in sorted(names):
-        check_entry(out, relative / name, option=option)
-    return folder
 
 
 RHO_RUN = "rho"
@@ -184,6 +89,15 @@ def check_run_kind(out: Path, run: str) -> None:
         )
 
 
+def _is_link_loop(path: Path) -> bool:
+    """Whether resolving ``path`` runs into a symbolic link loop."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def check_output_dir(out: Path, keys: Sequence[str] = (), *, run: str = RHO_RUN) -> Path:
     """Check, without leaving anything behind, that ``out`` and what goes in it can be written.
 
@@ -203,6 +117,11 @@ def check_output_dir(out: Path, keys: Sequence[str] = (), *, run: str = RHO_RUN)
             or a folder that will be written is not writable.
     """
     out = out.expanduser()
+    if out.is_symlink() and _is_link_loop(out):
+        raise OutputError(
+            f"--out '{out}': a symbolic link loop (it leads back to itself through '{os.readlink(out)}'); "
+            "pass a folder path"
+        )
     if out.is_symlink() and not out.exists():
         raise OutputError(
             f"--out '{out}': dangling symbolic link (its target '{os.readlink(out)}' does not exist); "

@@ -20,7 +20,7 @@ so it is complete even after a killed run; a file of the user's own in the folde
 hashed or read. Nothing is read, written or removed through a symbolic link inside ``out_dir``:
 a link (or a folder where a file goes) at the ``images`` folder, an image folder, its result file,
 its manifest or a recorded file stops the sweep with
-:class:`~nw_adapter.correlate.outputs.OutputError`, before anything is read.
+:class:`~nw_adapter.correlate.out_paths.OutputError`, before anything is read.
 
 Sharding uses :class:`accelerate.PartialState` when the script runs under
 ``accelerate launch`` (or ``torchrun``): the images still to do are split into contiguous
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import fsync_folder, journal_writes, remove_regular_file
+from nw_adapter.correlate.out_paths import OutputError, check_entry
 from nw_adapter.correlate.report import json_ready, write_json
 
 RESULT_SCHEMA = "nw-adapter/rho-image"
@@ -178,6 +179,42 @@ def folder_hashes(folder: Path) -> dict[str, str]:
     }
 
 
+def check_image_folder(
+    out: Path, key: str, *, option: str = "--out", is_own: Callable[[str], bool] | None = None
+) -> Path:
+    """Check ``out/images/<key>`` and the entries the tool reads, writes or removes there.
+
+    With :func:`~nw_adapter.correlate.out_paths.check_entry`: ``images``, ``images/<key>``, its
+    ``result.json`` and manifest, every name the manifest records (:func:`recorded_files`) and,
+    with ``is_own``, every existing entry whose name it accepts (the command line:
+    :data:`nw_adapter.correlate.outputs.IMAGE_OUTPUT`).
+
+    Returns:
+        The image folder.
+
+    Raises:
+        OutputError: One line naming the entry and the fix.
+    """
+    relative = Path("images") / key
+    check_entry(out, "images", folder=True, option=option)
+    folder = check_entry(out, relative, folder=True, option=option)
+    if not folder.is_dir():
+        return folder
+    check_entry(out, relative / MANIFEST_NAME, option=option)
+    names = {RESULT_NAME, *recorded_files(folder)}
+    if is_own is not None:
+        try:
+            names.update(name for name in os.listdir(folder) if is_own(name))
+        except OSError as exc:
+            raise OutputError(
+                f"{option} '{out}': cannot list '{folder}' ({exc.strerror or type(exc).__name__}); fix its "
+                f"permissions or pass another {option}"
+            ) from None
+    for name in sorted(names):
+        check_entry(out, relative / name, option=option)
+    return folder
+
+
 DIGEST_FIELD = "digest"
 """Field of a result file holding the SHA-256 of the rest of its content (see :func:`content_digest`)."""
 
@@ -299,13 +336,11 @@ def clear_image_outputs(out_dir: Path, key: str) -> None:
     a finished-looking one beside files of another run; then every regular file the manifest
     records (:func:`recorded_files`), then the manifest. Nothing else in the folder (a file of the
     user's own, a sub-folder) is touched, and nothing is removed through a symbolic link (checked
-    first: :func:`nw_adapter.correlate.outputs.check_image_folder`).
+    first: :func:`check_image_folder`).
 
     Raises:
         OutputError: The image folder, or an entry the tool would remove, is a link.
     """
-    from nw_adapter.correlate.outputs import check_image_folder
-
     folder = check_image_folder(out_dir, key)
     if not folder.is_dir():
         return
@@ -371,10 +406,8 @@ def run_sweep(
 
     Raises:
         OutputError: A symbolic link (or a folder where a file goes) where the sweep reads, writes
-            or removes (:func:`nw_adapter.correlate.outputs.check_image_folder`), before anything is read.
+            or removes (:func:`check_image_folder`), before anything is read.
     """
-    from nw_adapter.correlate.outputs import check_image_folder
-
     state = state or SingleProcessState()
     out_dir = Path(out_dir)
     hashes = image_hashes or {}

@@ -306,3 +306,11 @@ def test_a_reordered_or_changed_reference_list_is_named(tmp_path: Path, capsys) 
     assert f"no longer listed: {three.name}" in err
     code, _, err = run_main([*SWAP, "--image", seven, "--seed", "1", "--out", out], capsys)
     assert code == 0 and "other options" in err and "reference list" not in err, err
+
+
+def test_out_itself_a_symlink_loop_is_one_line(tmp_path: Path, reference, capsys) -> None:
+    path, _ = reference
+    out = tmp_path / "out"
+    out.symlink_to(out)
+    code, _, err = run_main(["--image", path, *RHO, "--out", out], capsys)
+    one_line_error(code, err, "symbolic link loop", "--out")
