@@ -280,9 +280,9 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
 
     Only the project's own: temporary files of atomic writes (``.rho.<8 characters>.tmp.json``,
     see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of this tool's file
-    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` in an image folder), and
-    write-check probes (``.nw-adapter-write-check-<8 characters>``). Call it under the output
-    lock, before anything is written.
+    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` and the manifest in an
+    image folder), and write-check probes (``.nw-adapter-write-check-<8 characters>``); never in a
+    folder reached through a symbolic link. Call it under the output lock, before anything is written.
 
     Returns:
         The removed files.
@@ -290,7 +290,7 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
     from nw_adapter import atomic
 
     out_dir = Path(out_dir)
-    removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in (*REPORT_FILES, MANIFEST_NAME))
+    removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in REPORT_FILES)
     folders = [out_dir, out_dir / "images", *(image_dir(out_dir, key) for key in keys)]
     for key in keys:
         removed += atomic.remove_interrupted_writes(

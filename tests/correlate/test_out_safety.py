@@ -200,6 +200,10 @@ def _entry(kind: str, out: Path, key: str) -> str:
         (images / key).mkdir(parents=True)
         (images / key / "result.json").symlink_to(out.parent / "precious" / "notes.txt")
         return "result.json' is a symbolic link"
+    if kind == "compare_swap.json link":
+        out.mkdir()
+        (out / "compare_swap.json").symlink_to(out.parent / "precious" / "notes.txt")
+        return "compare_swap.json' is a symbolic link"
     if kind == "lock link":
         out.mkdir()
         (out / ".nw-adapter.lock").symlink_to(out.parent / "precious" / "notes.txt")
@@ -237,7 +241,9 @@ def test_rho_run_refuses_links_and_folders_in_the_way(
     assert stdout == "" and snapshot(outside) == before
 
 
-@pytest.mark.parametrize("kind", ["compare_swap.json folder", "compare_swap.csv folder", "lock link"])
+@pytest.mark.parametrize(
+    "kind", ["compare_swap.json folder", "compare_swap.csv folder", "compare_swap.json link", "lock link"]
+)
 def test_compare_swap_refuses_links_and_folders_in_the_way(
     kind: str, tmp_path: Path, outside: Path, reference, capsys
 ) -> None:
@@ -263,6 +269,25 @@ def test_replot_refuses_a_symlinked_image_folder(tmp_path: Path, outside: Path, 
     code, _, err = run_main(["--replot", out], capsys)
     one_line_error(code, err, f"{key}' is a symbolic link", "--replot")
     assert {p.name: p.stat().st_mtime_ns for p in outside.iterdir()} == before
+
+
+def test_the_command_line_records_its_files_and_keeps_the_users(tmp_path: Path, reference, capsys) -> None:
+    from nw_adapter.correlate.sweep import recorded_files
+
+    path, key = reference
+    out = tmp_path / "out"
+    code, _, err = run_main(["--image", path, *RHO, "--store-maps", "--out", out], capsys)
+    assert code == 0, err
+    folder = out / "images" / key
+    written = {p.name for p in folder.iterdir() if not p.name.startswith(".")} - {"result.json"}
+    assert {"generated.png", "maps.safetensors", "attention_maps.png"} <= written
+    assert set(recorded_files(folder)) == written  # every file the run wrote, and nothing else
+    (folder / "notes.txt").write_text("mine")
+    code, _, err = run_main(["--image", path, *RHO, "--seed", "1", "--out", out], capsys)
+    assert code == 0, err
+    names = {p.name for p in folder.iterdir() if not p.name.startswith(".")}
+    assert names == {"generated.png", "result.json", "notes.txt"}  # the maps of the first run are gone
+    assert (folder / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize(
