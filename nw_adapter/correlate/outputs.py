@@ -291,13 +291,15 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
 
     out_dir = Path(out_dir)
     removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in REPORT_FILES)
-    folders = [out_dir, out_dir / "images", *(image_dir(out_dir, key) for key in keys)]
-    for key in keys:
-        removed += atomic.remove_interrupted_writes(
-            image_dir(out_dir, key), lambda n: is_image_output(n) or n == MANIFEST_NAME
-        )
+    images = out_dir / "images"
+    folders = [] if images.is_symlink() else [image_dir(out_dir, key) for key in keys]
+    folders = [folder for folder in folders if not folder.is_symlink()]  # never through a link
     for folder in folders:
-        if folder.is_dir() and (folder == out_dir or not folder.is_symlink()):
+        removed += atomic.remove_interrupted_writes(
+            folder, lambda name: is_image_output(name) or name == MANIFEST_NAME
+        )
+    for folder in (out_dir, *([] if images.is_symlink() else [images]), *folders):
+        if folder.is_dir():
             for path in folder.iterdir():
                 if _PROBE.match(path.name) and path.is_file() and not path.is_symlink():
                     path.unlink(missing_ok=True)

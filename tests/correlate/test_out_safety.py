@@ -339,3 +339,14 @@ def test_out_itself_a_symlink_loop_is_one_line(tmp_path: Path, reference, capsys
     out.symlink_to(out)
     code, _, err = run_main(["--image", path, *RHO, "--out", out], capsys)
     one_line_error(code, err, "symbolic link loop", "--out")
+
+
+def test_cleaning_up_killed_writes_never_reaches_through_a_link(tmp_path: Path, outside: Path) -> None:
+    from nw_adapter.correlate.outputs import remove_interrupted_writes
+
+    out = tmp_path / "out"
+    (out / "images").mkdir(parents=True)
+    (out / "images" / "a-1").symlink_to(outside, target_is_directory=True)
+    leftover = outside / ".generated.abcd1234.tmp.png"
+    leftover.write_text("looks like a killed write's, but lies outside --out")
+    assert remove_interrupted_writes(out, ["a-1"]) == [] and leftover.exists()
