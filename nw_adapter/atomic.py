@@ -12,15 +12,23 @@ Durability: the temporary file is flushed to disk (``fsync``) before the rename 
 after it, so a power loss leaves the old file or the new one, never an empty one. A failure to
 write (full disk, file-size limit, read-only folder, also a safetensors ``SafetensorError``,
 which is not an ``OSError``) is raised as :class:`WriteError` naming the file.
+
+Knowing what was written: inside :func:`journal_writes` ``(folder, record)``, every
+:func:`atomic_write` into ``folder`` first calls ``record(name)``, before its temporary file is
+created, so a caller can keep a manifest of its own files that is complete even when the process
+is killed halfway (and later remove those files, and only those).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import re
+import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,9 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "fsync_folder",
+    "journal_writes",
     "remove_interrupted_writes",
+    "remove_regular_file",
     "temporary_target",
 ]
 
@@ -41,6 +51,42 @@ and suffix ``.tmp<suffix>``, whose random part is 8 characters of ``[a-z0-9_]``.
 
 class WriteError(OSError):
     """A file could not be written (disk full, size limit, permissions...); the message names it."""
+
+
+_JOURNAL: contextvars.ContextVar[tuple[str, Callable[[str], None]] | None] = contextvars.ContextVar(
+    "nw_adapter_write_journal", default=None
+)
+
+
+@contextlib.contextmanager
+def journal_writes(folder: str | os.PathLike, record: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, call ``record(name)`` before every :func:`atomic_write` into ``folder``.
+
+    ``record`` runs before the temporary file is created (a write-ahead record: a name is recorded
+    even if the write is then killed) and outside the journal (its own writes are not recorded).
+    Folders are compared by their absolute path as written, no link followed.
+
+    Args:
+        folder: The folder whose writes are recorded (not its sub-folders).
+        record: Called with the destination's file name; an exception there stops the write.
+    """
+    token = _JOURNAL.set((os.path.abspath(folder), record))
+    try:
+        yield
+    finally:
+        _JOURNAL.reset(token)
+
+
+def _record_write(path: Path) -> None:
+    """Tell the active :func:`journal_writes` (if it watches ``path``'s folder) about ``path``."""
+    journal = _JOURNAL.get()
+    if journal is None or os.path.abspath(path.parent) != journal[0]:
+        return
+    token = _JOURNAL.set(None)
+    try:
+        journal[1](path.name)
+    finally:
+        _JOURNAL.reset(token)
 
 
 def _is_io_failure(exc: BaseException) -> bool:
@@ -106,6 +152,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     path = Path(path)
     tmp: Path | None = None
     try:
+        _record_write(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
         os.close(handle)
@@ -139,6 +186,21 @@ def atomic_write_json(path: str | os.PathLike, payload: Any, *, allow_nan: bool 
         allow_nan: Whether NaN/Infinity may be written (not strict JSON); off by default.
     """
     return atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=allow_nan) + "\n")
+
+
+def remove_regular_file(path: str | os.PathLike) -> bool:
+    """Remove ``path`` if it is a regular file; never a symbolic link, a folder or a link's target.
+
+    Returns:
+        Whether a file was removed (False when nothing, or something other than a file, is there).
+    """
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def temporary_target(name: str) -> str | None:

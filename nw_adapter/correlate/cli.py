@@ -705,7 +705,7 @@ def _compare_swap(args: argparse.Namespace) -> int:
     """``--compare-swap``: stock against NW-head generations instead of the rho run
     (:mod:`nw_adapter.correlate.swap_cli`), with this module's image, output and model checks."""
     infos = validate_images(collect_image_paths(args.image, args.image_dir))
-    out_dir = check_output_dir(args.out)
+    out_dir = check_output_dir(args.out, run="compare-swap")  # outputs.SWAP_RUN
     bars = show_progress_bars(args)
     _quiet_libraries(verbose=args.verbose, bars=bars)
     try:

@@ -1,7 +1,11 @@
 """The output folder of ``correlate.py``: checks, lock, report files, figures, redrawing.
 
 - :func:`check_output_dir` probes, before any work, that ``--out`` and the folders that will be
-  written there can be written (a dangling link, a file in the way, a read-only ``images/``);
+  written there can be written (a dangling link, a file in the way, a read-only ``images/``), that
+  no entry the run reads, writes or removes inside ``--out`` is a symbolic link or a folder where a
+  file goes (:func:`check_entry`, :func:`check_image_folder`: nothing outside ``--out`` is ever
+  read as this tool's, written or deleted), and that the folder holds no files of the other kind of
+  run (a rho run and a ``--compare-swap`` run never share a folder, :func:`check_run_kind`);
 - :class:`OutputLock` keeps two runs off one ``--out``;
 - :func:`write_outputs` writes ``rho.json``, ``rho.csv``, ``rho.png`` and ``bandwidth.png`` of a report;
 - :func:`draw_image_maps` draws one image's ``attention_maps.png`` from its saved files;
@@ -13,6 +17,7 @@ Every problem is an :class:`OutputError` whose message is one line naming the fi
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -20,12 +25,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.atomic import remove_regular_file
+from nw_adapter.correlate.out_paths import OutputError as OutputError  # re-exported
+from nw_adapter.correlate.out_paths import check_entry as check_entry  # re-exported
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
-
-
-class OutputError(ValueError):
-    """The output folder cannot be used; the message is one line with the fix (exit status 2)."""
-
+from nw_adapter.correlate.sweep import MANIFEST_NAME, check_image_folder, image_dir
 
 PROBE_PREFIX = ".nw-adapter-write-check-"
 
@@ -43,17 +47,81 @@ def _probe_write(folder: Path, out: Path) -> None:
         ) from None
 
 
-def check_output_dir(out: Path, keys: Sequence[str] = ()) -> Path:
+RHO_RUN = "rho"
+SWAP_RUN = "compare-swap"
+
+
+def _swap_files() -> tuple[str, ...]:
+    from nw_adapter.correlate.swap_files import SWAP_FILES
+
+    return SWAP_FILES
+
+
+def run_files(out: Path, run: str) -> list[str]:
+    """The entries of a ``run`` (:data:`RHO_RUN` or :data:`SWAP_RUN`) present in ``out``.
+
+    A rho run's are :data:`REPORT_FILES` and ``images/``; a ``--compare-swap`` run's are
+    ``compare_swap.json`` and ``compare_swap.csv``.
+    """
+    names = [*REPORT_FILES, "images"] if run == RHO_RUN else list(_swap_files())
+    return [f"{name}/" if name == "images" else name for name in names if os.path.lexists(Path(out) / name)]
+
+
+def check_run_kind(out: Path, run: str) -> None:
+    """Refuse a ``--out`` that holds files of the other kind of run (a rho run or ``--compare-swap``).
+
+    The two runs write different files but share the lock and the folder's cleaning; kept in
+    separate folders, neither leaves files beside the other's nor removes them.
+
+    Raises:
+        OutputError: One line naming the other run's files and the fix.
+    """
+    other = SWAP_RUN if run == RHO_RUN else RHO_RUN
+    found = run_files(out, other)
+    if found:
+        if other == SWAP_RUN:
+            kind, this = "a --compare-swap run's", "a rho run"
+        else:
+            kind, this = "a rho run's", "--compare-swap"
+        raise OutputError(
+            f"--out '{out}' holds {kind} files ({', '.join(found)}); {this} does not share a folder with it: "
+            "pass another --out (or remove those files)"
+        )
+
+
+def _is_link_loop(path: Path) -> bool:
+    """Whether resolving ``path`` runs into a symbolic link loop."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
+def check_output_dir(out: Path, keys: Sequence[str] = (), *, run: str = RHO_RUN) -> Path:
     """Check, without leaving anything behind, that ``out`` and what goes in it can be written.
 
     Probes ``out`` (or its first existing parent) and, where they already exist, ``out/images``
-    and the folders ``out/images/<key>`` of the given image keys.
+    and the folders ``out/images/<key>`` of the given image keys; checks every entry the run
+    touches with :func:`check_entry` / :func:`check_image_folder` and the run kind with
+    :func:`check_run_kind`.
+
+    Args:
+        out: The ``--out`` folder.
+        keys: The reference images' keys (a rho run).
+        run: :data:`RHO_RUN` or :data:`SWAP_RUN`.
 
     Raises:
-        OutputError: ``out`` is a file, a dangling symbolic link, sits under a file, or a folder
-            that will be written is not writable.
+        OutputError: ``out`` is a file, a dangling symbolic link, sits under a file; an entry
+            inside it is a link or a folder where a file goes; it holds the other run kind's files;
+            or a folder that will be written is not writable.
     """
     out = out.expanduser()
+    if out.is_symlink() and _is_link_loop(out):
+        raise OutputError(
+            f"--out '{out}': a symbolic link loop (it leads back to itself through '{os.readlink(out)}'); "
+            "pass a folder path"
+        )
     if out.is_symlink() and not out.exists():
         raise OutputError(
             f"--out '{out}': dangling symbolic link (its target '{os.readlink(out)}' does not exist); "
@@ -71,10 +139,14 @@ def check_output_dir(out: Path, keys: Sequence[str] = ()) -> Path:
             f"--out '{out}': '{probe}' is a file, so the folder cannot be created; pass another path"
         )
     _probe_write(probe, out)
-    images = out / "images"
-    for folder in (images, *(images / key for key in keys)):
-        if folder.exists() and not folder.is_dir():
-            raise OutputError(f"--out '{out}': '{folder}' is not a folder; remove it or pass another --out")
+    if not out.is_dir():
+        return out
+    for name in (*REPORT_FILES, *_swap_files(), LOCK_NAME):
+        check_entry(out, name)
+    check_run_kind(out, run)
+    images = check_entry(out, "images", folder=True)
+    folders = [check_image_folder(out, key, is_own=is_image_output) for key in keys]
+    for folder in (images, *folders):
         if folder.is_dir():
             _probe_write(folder, out)
     return out
@@ -90,8 +162,9 @@ class OutputLock:
     lock file itself is left in place. Where ``fcntl`` does not exist (Windows) it does nothing.
     """
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, *, option: str = "--out") -> None:
         self.path = Path(out) / LOCK_NAME
+        self.option = option
         self._handle: Any = None
 
     def __enter__(self) -> OutputLock:
@@ -99,9 +172,11 @@ class OutputLock:
             import fcntl
         except ImportError:
             return self
+        check_entry(self.path.parent, LOCK_NAME, option=self.option)  # never a link's target
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(self.path, "a+")  # noqa: SIM115 - held for the run
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+            handle = os.fdopen(os.open(self.path, flags, 0o666), "r+")
         except OSError as exc:
             raise OutputError(
                 f"--out '{self.path.parent}': cannot create the lock file ({exc.strerror or exc}); "
@@ -192,6 +267,11 @@ IMAGE_OUTPUT = re.compile(
 )
 """Names of the files the command line writes in ``images/<key>/``."""
 
+
+def is_image_output(name: str) -> bool:
+    """Whether ``name`` is one of :data:`IMAGE_OUTPUT`'s."""
+    return bool(IMAGE_OUTPUT.match(name))
+
 _PROBE = re.compile(rf"^{re.escape(PROBE_PREFIX)}[a-z0-9_]{{8}}$")
 
 
@@ -200,9 +280,9 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
 
     Only the project's own: temporary files of atomic writes (``.rho.<8 characters>.tmp.json``,
     see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of this tool's file
-    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` in an image folder), and
-    write-check probes (``.nw-adapter-write-check-<8 characters>``). Call it under the output
-    lock, before anything is written.
+    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` and the manifest in an
+    image folder), and write-check probes (``.nw-adapter-write-check-<8 characters>``); never in a
+    folder reached through a symbolic link. Call it under the output lock, before anything is written.
 
     Returns:
         The removed files.
@@ -211,12 +291,14 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
 
     out_dir = Path(out_dir)
     removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in REPORT_FILES)
-    folders = [out_dir, out_dir / "images", *(out_dir / "images" / key for key in keys)]
-    for key in keys:
-        removed += atomic.remove_interrupted_writes(
-            out_dir / "images" / key, lambda n: bool(IMAGE_OUTPUT.match(n))
-        )
+    images = out_dir / "images"
+    folders = [] if images.is_symlink() else [image_dir(out_dir, key) for key in keys]
+    folders = [folder for folder in folders if not folder.is_symlink()]  # never through a link
     for folder in folders:
+        removed += atomic.remove_interrupted_writes(
+            folder, lambda name: is_image_output(name) or name == MANIFEST_NAME
+        )
+    for folder in (out_dir, *([] if images.is_symlink() else [images]), *folders):
         if folder.is_dir():
             for path in folder.iterdir():
                 if _PROBE.match(path.name) and path.is_file() and not path.is_symlink():
@@ -228,7 +310,7 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
 def remove_report(out_dir: Path) -> None:
     """Remove the merged report of a previous run (before any of its images changes)."""
     for name in REPORT_FILES:
-        (Path(out_dir) / name).unlink(missing_ok=True)
+        remove_regular_file(Path(out_dir) / name)
 
 
 def write_outputs(report: dict, out_dir: Path) -> str:
@@ -262,7 +344,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         title=f"{model}: fitted vs schedule bandwidth, {report['half']} half",
     )
     if drawn is None:
-        (out_dir / "bandwidth.png").unlink(missing_ok=True)
+        remove_regular_file(out_dir / "bandwidth.png")
     return format_report(report)
 
 
@@ -286,6 +368,8 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
     from nw_adapter.integration.validation import RecordError, check_report
 
     out = out.expanduser()
+    for name in (*REPORT_FILES, LOCK_NAME):  # read and rewritten: none may be a link or a folder
+        check_entry(out, name, option="--replot")
     path = out / "rho.json"
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -309,13 +393,16 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         targets=() if all_steps else PAPER_TIMESTEPS,
         versions=saved.get("versions"),
     )
-    with OutputLock(out):
-        remove_interrupted_writes(out, [image["key"] for image in report["images"]])
+    keys = [image["key"] for image in report["images"]]
+    for key in keys:
+        check_image_folder(out, key, option="--replot", is_own=is_image_output)
+    with OutputLock(out, option="--replot"):
+        remove_interrupted_writes(out, keys)
         text = write_outputs(report, out)
         for image in report["images"]:
             if image.get("maps"):
                 records = [r for r in report["records"] if r.get("reference") == image["key"]]
-                folder = out / Path(image["maps"]).parent
+                folder = check_entry(out, Path(image["maps"]).parent, folder=True, option="--replot")
                 try:
                     draw_image_maps(folder, records)
                 except (OSError, ValueError) as exc:

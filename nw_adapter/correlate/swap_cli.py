@@ -356,11 +356,11 @@ def run(
     shown = families.shown_spec(args.model, args.ip_adapter, args.image_encoder, spec)
     config = run_config(args, shown, device, str(dtype).removeprefix("torch."), label_source)
     # the references are checked on their own (document_problem), so the note can say which changed
-    identity = {**config, "resolved_model": spec.to_dict(), "label_values": labels}
+    identity = {**config, "resolved_model": spec.to_dict()}  # the classes too: checked per reference
     expected = fingerprint(identity)
     with OutputLock(out_dir):
         atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
-        document, why = reusable_document(out_dir, expected, infos)
+        document, why = reusable_document(out_dir, expected, infos, labels)
         if document is None:
             if why:
                 _note(args, f"{why}; computing it again")

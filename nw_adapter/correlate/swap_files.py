@@ -108,12 +108,48 @@ def _is_number(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
-def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceImage]) -> str | None:
+def _reference_problem(images: list, infos: Sequence[ReferenceImage], labels: list[int] | None) -> str | None:
+    """How the saved ``images`` differ from this run's references and classes (None: they do not).
+
+    Names the change: the same files in another order (reference ``i`` is generated with seed
+    ``--seed + i``, so the order changes every row), files added or no longer listed, or other classes.
+    """
+    then = [(image.get("key"), image.get("sha256")) if isinstance(image, dict) else None for image in images]
+    now = [(info.key, info.sha256) for info in infos]
+    if then != now:
+        if sorted(map(str, then)) == sorted(map(str, now)):
+            return (
+                f"the reference list was reordered since {JSON_NAME} was made (reference i is generated "
+                "with seed --seed + i, so the order changes every row)"
+            )
+        added = [info.path.name for info in infos if (info.key, info.sha256) not in then]
+        gone = [
+            Path(str(image.get("path", image.get("key")))).name
+            for image, pair in zip(images, then, strict=True)
+            if pair not in now and isinstance(image, dict)
+        ]
+        parts = [f"{what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                 for what, names in (("new", added), ("no longer listed", gone)) if names]  # fmt: skip
+        detail = f": {'; '.join(parts)}" if parts else ""
+        return (
+            f"{JSON_NAME} belongs to other reference files (the reference list changed since it was made"
+            f"{detail})"
+        )
+    if labels is not None and [image.get("label") for image in images] != list(labels):
+        return f"the references' classes differ from those {JSON_NAME} was made with (--labels)"
+    return None
+
+
+def document_problem(
+    document: Any, fingerprint: str, infos: Sequence[ReferenceImage], labels: list[int] | None = None
+) -> str | None:
     """Why a parsed ``compare_swap.json`` cannot be reused for this run (None: it can).
 
-    Checks: a JSON object of :data:`SCHEMA` whose content still has its digest, made with the same
-    fingerprint, with the fields the printed table reads, for the same references (keys and
-    SHA-256, in order), with exactly one row per (reference, rule) whose metrics are numbers.
+    Checks: a JSON object of :data:`SCHEMA` whose content still has its digest, with the fields the
+    printed table reads, for the same references (keys and SHA-256, in order) and classes
+    (``labels``, when given), made with the same fingerprint (the options), with exactly one row
+    per (reference, rule) whose metrics are numbers. A changed reference list and changed options
+    are both named (the reference list as reordered or changed, with the files), not one as the other.
     """
     from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
 
@@ -123,8 +159,6 @@ def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceI
         return f"{JSON_NAME} is of another schema ({document.get('schema')!r})"
     if document.get(DIGEST_FIELD) != content_digest(document):
         return f"{JSON_NAME} was changed after it was written (its content digest does not match)"
-    if document.get("fingerprint") != fingerprint:
-        return f"{JSON_NAME} was made with other options, rules, labels or another model"
     config = document.get("config")
     if (
         not isinstance(config, dict)
@@ -135,10 +169,13 @@ def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceI
     ):
         return f"{JSON_NAME} lacks its config, embedding or settings"
     images = document.get("images")
-    if not isinstance(images, list) or [
-        (image.get("key"), image.get("sha256")) if isinstance(image, dict) else None for image in images
-    ] != [(info.key, info.sha256) for info in infos]:
-        return f"{JSON_NAME} belongs to other reference files"
+    if not isinstance(images, list):
+        return f"{JSON_NAME} has no valid list of references"
+    reasons = [_reference_problem(images, infos, labels)]
+    if document.get("fingerprint") != fingerprint:
+        reasons.append(f"{JSON_NAME} was made with other options, rules, labels or another model")
+    if any(reasons):
+        return "; ".join(reason for reason in reasons if reason)
     rows, rules = document.get("per_reference"), document.get("rules")
     if (
         not isinstance(rows, list)
@@ -157,11 +194,16 @@ def document_problem(document: Any, fingerprint: str, infos: Sequence[ReferenceI
 
 
 def reusable_document(
-    out_dir: Path, fingerprint: str, infos: Sequence[ReferenceImage]
+    out_dir: Path, fingerprint: str, infos: Sequence[ReferenceImage], labels: list[int] | None = None
 ) -> tuple[dict | None, str | None]:
     """``(document, None)`` when ``out_dir``'s ``compare_swap.json`` belongs to this run, else
-    ``(None, why)`` (``why`` is None when there is no such file)."""
+    ``(None, why)`` (``why`` is None when there is no such file; see :func:`document_problem`).
+
+    The file is read only when it is a regular file inside ``out_dir`` (never through a link).
+    """
     path = Path(out_dir) / JSON_NAME
+    if path.is_symlink():
+        return None, f"{JSON_NAME} is a symbolic link, not a file of this tool"
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -170,7 +212,7 @@ def reusable_document(
         return None, f"{JSON_NAME} is unreadable ({exc.strerror or type(exc).__name__})"
     except ValueError:
         return None, f"{JSON_NAME} is not valid JSON (an interrupted or damaged file)"
-    why = document_problem(document, fingerprint, infos)
+    why = document_problem(document, fingerprint, infos, labels)
     return (None, why) if why else (document, None)
 
 
@@ -239,6 +281,12 @@ def read_text(path: Path) -> str | None:
 
 
 def remove_outputs(out_dir: Path) -> None:
-    """Remove a previous run's files, the JSON (the marker of a finished run) first."""
+    """Remove a previous run's files, the JSON (the marker of a finished run) first.
+
+    Only regular files: a symbolic link or a folder under these names is never removed or
+    followed (the command line refuses them before: :func:`nw_adapter.correlate.outputs.check_entry`).
+    """
+    from nw_adapter.atomic import remove_regular_file
+
     for name in SWAP_FILES:
-        (Path(out_dir) / name).unlink(missing_ok=True)
+        remove_regular_file(Path(out_dir) / name)

@@ -2,8 +2,8 @@
 
 Every reference image has its own result file ``<out>/images/<key>/result.json``, written
 atomically when the image is finished, and tagged with a fingerprint of every option that
-changes the numbers (model included) and with the SHA-256 of every other file in the image's
-folder, and with the SHA-256 of its own content (``digest``). A rerun of the same command skips
+changes the numbers (model included) and with the SHA-256 of every other file the tool wrote in
+the image's folder, and with the SHA-256 of its own content (``digest``). A rerun of the same command skips
 an image only when its result file is a JSON object whose content still has its digest, with the
 same fingerprint, the same reference-image hash, records that pass the caller's check, and files
 whose hashes match the record, so an interrupted sweep resumes where it stopped and never mixes
@@ -13,7 +13,14 @@ returned in :attr:`SweepOutcome.rejected`).
 A changed option set on an existing ``--out`` recomputes every image cleanly: before the first
 image changes, the merged report of the previous run is removed (``before_changes``); before an
 image is computed, its old result file is removed first (so it no longer counts as finished)
-and then every other file in its folder (e.g. maps of an earlier ``--store-maps`` run).
+and then every other file the tool wrote in its folder (e.g. maps of an earlier ``--store-maps``
+run), and only those: each image folder has a manifest, :data:`MANIFEST_NAME`, naming every file
+written there, recorded (atomically) before the file is written (:func:`nw_adapter.atomic.journal_writes`),
+so it is complete even after a killed run; a file of the user's own in the folder is never removed,
+hashed or read. Nothing is read, written or removed through a symbolic link inside ``out_dir``:
+a link (or a folder where a file goes) at the ``images`` folder, an image folder, its result file,
+its manifest or a recorded file stops the sweep with
+:class:`~nw_adapter.correlate.out_paths.OutputError`, before anything is read.
 
 Sharding uses :class:`accelerate.PartialState` when the script runs under
 ``accelerate launch`` (or ``torchrun``): the images still to do are split into contiguous
@@ -29,16 +36,21 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nw_adapter.atomic import fsync_folder
+from nw_adapter.atomic import fsync_folder, journal_writes, remove_regular_file
+from nw_adapter.correlate.out_paths import OutputError, check_entry
 from nw_adapter.correlate.report import json_ready, write_json
 
 RESULT_SCHEMA = "nw-adapter/rho-image"
 RESULT_NAME = "result.json"
+MANIFEST_NAME = ".nw-adapter-files.json"
+"""The manifest of an image folder: the files the tool wrote there (``{"schema", "files": [names]}``)."""
+MANIFEST_SCHEMA = "nw-adapter/written-files"
 
 
 class SingleProcessState:
@@ -100,15 +112,107 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is a file name inside one folder (text, no separator, not ``.`` / ``..``)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(sep in name for sep in ("/", "\\", "\0"))
+    )
+
+
+def is_regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (``lstat``: a symbolic link is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def recorded_files(folder: Path) -> list[str]:
+    """The names the tool recorded writing in ``folder`` (its manifest, :data:`MANIFEST_NAME`).
+
+    Empty when there is no manifest, or it is not a regular file of this tool's schema (a damaged
+    manifest forgets files, so they are left in place rather than removed by mistake).
+    """
+    path = Path(folder) / MANIFEST_NAME
+    if not is_regular_file(path):
+        return []
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(document, dict) or document.get("schema") != MANIFEST_SCHEMA:
+        return []
+    files = document.get("files")
+    if not isinstance(files, list):
+        return []
+    return [name for name in dict.fromkeys(files) if is_plain_name(name) and name != MANIFEST_NAME]
+
+
+def _write_manifest(folder: Path, names: Sequence[str]) -> None:
+    """Write the manifest of ``folder`` atomically (remove it when ``names`` is empty)."""
+    if names:
+        write_json(Path(folder) / MANIFEST_NAME, {"schema": MANIFEST_SCHEMA, "files": list(names)})
+    else:
+        remove_regular_file(Path(folder) / MANIFEST_NAME)
+
+
+def record_written(folder: Path, name: str) -> None:
+    """Add ``name`` to the manifest of ``folder`` (before that file is written)."""
+    names = recorded_files(folder)
+    if name not in names and name != MANIFEST_NAME:
+        _write_manifest(folder, [*names, name])
+
+
 def folder_hashes(folder: Path) -> dict[str, str]:
-    """``{name: sha256}`` of the regular files in ``folder`` except the result file and hidden files."""
-    if not folder.is_dir():
-        return {}
+    """``{name: sha256}`` of the files the tool recorded writing in ``folder`` (not the result file).
+
+    Only regular files the manifest names (:func:`recorded_files`) that exist: a file of the user's
+    own in the folder is neither hashed nor read.
+    """
+    folder = Path(folder)
     return {
-        p.name: file_sha256(p)
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != RESULT_NAME and not p.name.startswith(".")
+        name: file_sha256(folder / name)
+        for name in sorted(recorded_files(folder))
+        if name != RESULT_NAME and is_regular_file(folder / name)
     }
+
+
+def check_image_folder(
+    out: Path, key: str, *, option: str = "--out", is_own: Callable[[str], bool] | None = None
+) -> Path:
+    """Check ``out/images/<key>`` and the entries the tool reads, writes or removes there.
+
+    With :func:`~nw_adapter.correlate.out_paths.check_entry`: ``images``, ``images/<key>``, its
+    ``result.json`` and manifest, every name the manifest records (:func:`recorded_files`) and,
+    with ``is_own``, every existing entry whose name it accepts (the command line:
+    :data:`nw_adapter.correlate.outputs.IMAGE_OUTPUT`).
+
+    Returns:
+        The image folder.
+
+    Raises:
+        OutputError: One line naming the entry and the fix.
+    """
+    relative = Path("images") / key
+    check_entry(out, "images", folder=True, option=option)
+    folder = check_entry(out, relative, folder=True, option=option)
+    if not folder.is_dir():
+        return folder
+    check_entry(out, relative / MANIFEST_NAME, option=option)
+    names = {RESULT_NAME, *recorded_files(folder)}
+    if is_own is not None:
+        try:
+            names.update(name for name in os.listdir(folder) if is_own(name))
+        except OSError as exc:
+            raise OutputError(
+                f"{option} '{out}': cannot list '{folder}' ({exc.strerror or type(exc).__name__}); fix its "
+                f"permissions or pass another {option}"
+            ) from None
+    for name in sorted(names):
+        check_entry(out, relative / name, option=option)
+    return folder
 
 
 DIGEST_FIELD = "digest"
@@ -146,6 +250,9 @@ def result_problem(
     """
     path = result_path(out_dir, key)
     source = f"{Path('images') / key / RESULT_NAME}"
+    linked = next((p for p in (path.parent.parent, path.parent, path) if os.path.islink(p)), None)
+    if linked is not None:
+        return None, f"{source} is not a file of this tool ('{linked}' is a symbolic link)"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -178,6 +285,11 @@ def result_problem(
         except ValueError as exc:
             return None, " ".join(str(exc).split())
     folder = image_dir(out_dir, key)
+    outside = sorted(name for name in files if not is_plain_name(name))
+    if outside:
+        return None, f"{source} lists a file outside its folder ({outside[0]})"
+    if not all(is_regular_file(folder / name) for name in files):
+        return None, f"{source} lists a file that is missing (or is not a regular file)"
     try:
         changed = [name for name, digest in files.items() if file_sha256(folder / name) != digest]
     except OSError:
@@ -201,7 +313,8 @@ def load_result(
 def save_result(out_dir: Path, key: str, expected_fingerprint: str, image: dict, records: list[dict]) -> Path:
     """Write one image's result file atomically (the marker that the image is finished).
 
-    The SHA-256 of every other file in the image's folder is recorded under ``files``, and the
+    The SHA-256 of every other file the tool wrote in the image's folder (its manifest, see
+    :func:`folder_hashes`) is recorded under ``files``, and the
     SHA-256 of the result's own content under :data:`DIGEST_FIELD` (:func:`content_digest`), so
     an edited or bit-rotted result file is recomputed rather than reused.
     """
@@ -217,18 +330,26 @@ def save_result(out_dir: Path, key: str, expected_fingerprint: str, image: dict,
 
 
 def clear_image_outputs(out_dir: Path, key: str) -> None:
-    """Invalidate an image before it is (re)computed: remove its result file, then its other files.
+    """Invalidate an image before it is (re)computed: remove its result file, then the files the tool wrote.
 
     The result file goes first, so an interruption in between leaves an unfinished image, never
-    a finished-looking one beside files of another run. Sub-folders are left alone.
+    a finished-looking one beside files of another run; then every regular file the manifest
+    records (:func:`recorded_files`), then the manifest. Nothing else in the folder (a file of the
+    user's own, a sub-folder) is touched, and nothing is removed through a symbolic link (checked
+    first: :func:`check_image_folder`).
+
+    Raises:
+        OutputError: The image folder, or an entry the tool would remove, is a link.
     """
-    folder = image_dir(out_dir, key)
-    result_path(out_dir, key).unlink(missing_ok=True)
-    if folder.is_dir():
-        fsync_folder(folder)
-        for path in folder.iterdir():
-            if path.is_file() or path.is_symlink():
-                path.unlink(missing_ok=True)
+    folder = check_image_folder(out_dir, key)
+    if not folder.is_dir():
+        return
+    remove_regular_file(folder / RESULT_NAME)
+    fsync_folder(folder)
+    for name in recorded_files(folder):
+        remove_regular_file(folder / name)
+    fsync_folder(folder)
+    _write_manifest(folder, [])
 
 
 @dataclass
@@ -266,7 +387,8 @@ def run_sweep(
     Args:
         keys: Image keys in input order (unique).
         work: ``work(key) -> (image_info, records)`` computes one image (and writes its
-            other outputs, e.g. the generated image, itself).
+            other outputs, e.g. the generated image, itself, with :func:`nw_adapter.atomic.atomic_write`
+            into :func:`image_dir`, so that they are recorded in the folder's manifest).
         out_dir: Output folder.
         expected_fingerprint: Fingerprint of the options (see :func:`fingerprint`).
         state: ``PartialState`` or :class:`SingleProcessState` (default: single process).
@@ -281,10 +403,16 @@ def run_sweep(
 
     Returns:
         A :class:`SweepOutcome`; ``results`` is filled on the main process only.
+
+    Raises:
+        OutputError: A symbolic link (or a folder where a file goes) where the sweep reads, writes
+            or removes (:func:`check_image_folder`), before anything is read.
     """
     state = state or SingleProcessState()
     out_dir = Path(out_dir)
     hashes = image_hashes or {}
+    for key in keys:  # nothing is read through a link
+        check_image_folder(out_dir, key)
     reused: list[str] = []
     rejected: dict[str, str] = {}
     for key in keys:
@@ -309,7 +437,9 @@ def run_sweep(
             )
         for key in mine:
             clear_image_outputs(out_dir, key)
-            image, records = work(key)
+            folder = image_dir(out_dir, key)
+            with journal_writes(folder, lambda name, folder=folder: record_written(folder, name)):
+                image, records = work(key)
             save_result(out_dir, key, expected_fingerprint, image, records)
             computed.append(key)
             if bar is not None:

@@ -319,7 +319,8 @@ def test_a_resealed_but_malformed_document_is_not_reused(finished, change, reaso
     infos = validate_images([(example_image_path(digit), "--image") for digit in DIGITS])
     assert document_problem(document, document["fingerprint"], infos) is None
     assert "other options" in document_problem(document, "0" * 64, infos)
-    assert "other reference files" in document_problem(document, document["fingerprint"], infos[::-1])
+    assert "reference list was reordered" in document_problem(document, document["fingerprint"], infos[::-1])
+    assert "other reference files" in document_problem(document, document["fingerprint"], infos[:1])
     change(document)
     unsealed = document_problem(document, document["fingerprint"], infos)
     assert "content digest" in unsealed or reason in unsealed  # the schema is checked before the digest

@@ -168,7 +168,8 @@ def test_stale_files_of_another_option_set_are_removed(tmp_path: Path) -> None:
         KEYS, FileWorker(tmp_path, "n"), out_dir=tmp_path, expected_fingerprint="no-maps", progress=False
     )
     assert not any((image_dir(tmp_path, k) / "maps.safetensors").exists() for k in KEYS)
-    assert sorted(p.name for p in image_dir(tmp_path, "a-1").iterdir()) == ["generated.png", "result.json"]
+    names = sorted(p.name for p in image_dir(tmp_path, "a-1").iterdir())
+    assert names == [".nw-adapter-files.json", "generated.png", "result.json"]  # manifest + the run's
 
 
 @pytest.mark.parametrize("content", ["null", "[1, 2]", '"done"', "3"])
