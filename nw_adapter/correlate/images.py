@@ -388,6 +388,11 @@ def collect_image_paths(
     return collected
 
 
+def same_content_note(duplicate: Path, kept: Path) -> str:
+    """The note of a file merged into another of the same content (see :func:`validate_images`)."""
+    return f"{duplicate.name} has the same content (SHA-256); counted once, as {kept.name}"
+
+
 def validate_images(entries: Sequence[tuple[Path, str]]) -> list[ReferenceImage]:
     """Validate every file before any work starts; files of the same content are one reference.
 
@@ -409,7 +414,7 @@ def validate_images(entries: Sequence[tuple[Path, str]]) -> list[ReferenceImage]
         _, info = load_reference_image(path, label=label)
         first = seen.setdefault(info.sha256, info)
         if first is not info and info.path != first.path and info.path not in first.duplicates:
-            note = f"{info.path.name} has the same content (SHA-256); counted once, as {first.path.name}"
+            note = same_content_note(info.path, first.path)
             seen[info.sha256] = replace(
                 first, duplicates=(*first.duplicates, info.path), notes=(*first.notes, note)
             )

@@ -344,3 +344,17 @@ def test_bomb_message_states_one_limit_once(side: int, tmp_path: Path) -> None:
     assert limits == {Image.MAX_IMAGE_PIXELS}, message
     assert message.count(str(Image.MAX_IMAGE_PIXELS)) == 1, message
     assert f"{side * side} pixels" in message, message  # the image's own size, beside the limit
+
+
+def test_compare_swap_counts_one_content_under_two_names_once(tmp_path: Path, capsys) -> None:
+    from nw_adapter.correlate.cli import main
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    first, copy = tmp_path / "a.png", tmp_path / "b.png"
+    first.write_bytes(example_image_path(3).read_bytes())
+    copy.write_bytes(first.read_bytes())
+    argv = ["--compare-swap", "--model", "tiny", "--image", str(first), "--image", str(copy)]
+    code = main([*argv, "--labels", "3,3", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "2 label(s) for 1 distinct reference image" in err, err
+    assert "b.png has the same content (SHA-256); counted once, as a.png" in err
