@@ -200,7 +200,7 @@ def build_report(
             "table": table,
             "steps": steps,
             "blocks": aggregate(records, ("block", "step"), half=half),
-            "verdict": verdict(records, half=half),
+            "verdict": verdict(records, half=half, merged_files=sum(i.get("duplicates", 0) for i in images)),
             "warning": random_weights_note({"config": config}),
             "records": list(records),
         }
