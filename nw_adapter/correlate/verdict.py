@@ -29,9 +29,16 @@ union of the parts' nulls; rejecting it needs every part rejected at ``alpha``).
 columns were not recorded (the untrained-adapter control off, an old ``rho.json``) is "not
 measured": its clause is None unless another part already failed, and never counts as evidence.
 
-Conclusion: "evidence of learned kernel smoothing" needs the first two clauses to hold; otherwise
-"no evidence", naming the clauses that failed or were not measured. With one reference image no
+Conclusion: "evidence of learned kernel smoothing" needs the first two clauses to hold ("met");
+otherwise "no evidence", naming the clauses "not met" or "not measured" (the printed verdict ends
+with a legend of these words and of every term, :data:`LEGEND`). With one reference image no
 clause can be tested: the conclusion is "undecided" and the per-image values are still reported.
+
+Units by content, one sample at a time: the records are checked first (a malformed one is a
+:class:`~nw_adapter.integration.validation.RecordError` naming it); records of different models
+or modes, and a unit with records of several runs (:data:`RUN_FIELDS`), are refused; units
+(references or calls) with the same content digest (:data:`CONTENT_FIELD`) are one reference
+image, and the verdict says how many were merged.
 
 Plain Python with numpy/scipy (no torch): the verdict is rebuilt from a saved ``rho.json``.
 """
@@ -168,8 +175,9 @@ LEGEND_WIDTH = 100
 """Width the legend is wrapped to (the table above it is at most 105 characters wide)."""
 
 RUN_FIELDS: tuple[str, ...] = ("run", "model", "mode")
-"""Record fields naming the run a record belongs to (the recorder writes them); the verdict pools
-the records of one run only. Records without them (files of older versions) pool as before."""
+"""Record fields naming the run a record belongs to (the recorder writes them): the verdict pools
+one model and mode, and a reference of one run only (:func:`check_one_run`). Records without
+them (files of older versions) pool as before."""
 
 CONTENT_FIELD = "input_digest"
 """Record field identifying the reference by content (hash of the call's IP-Adapter image
@@ -413,31 +421,46 @@ def check_verdict_records(records: Any) -> list[dict]:
     return records
 
 
+def _values(records: Sequence[dict], name: str) -> list[Any]:
+    """The distinct non-null values of field ``name``, in order of appearance."""
+    return list(dict.fromkeys(r[name] for r in records if r.get(name) is not None))
+
+
 def check_one_run(records: Sequence[dict]) -> None:
-    """Refuse records of several runs, models or modes (:data:`RUN_FIELDS`): their references
-    are not one sample, and a reference key or call index shared by two runs would pool two units.
+    """Refuse records that are not one sample of reference images (:data:`RUN_FIELDS`).
+
+    Records of different models or modes are never pooled. Records of different runs are pooled
+    only as different reference images: one unit (a ``reference``, or a pipeline ``call`` without
+    one, e.g. the call 0 of two recorders) in two runs would average two runs' generations as one
+    image. Records without these fields (older files) pass.
 
     Raises:
-        RecordError: one line naming the runs found and how to keep one.
+        RecordError: one line naming the models, modes or runs found and how to keep one.
     """
-    runs = {tuple(r.get(name) for name in RUN_FIELDS) for r in records}
-    runs.discard((None,) * len(RUN_FIELDS))
-    if len(runs) < 2:
-        return
-    differ = [name for i, name in enumerate(RUN_FIELDS) if len({run[i] for run in runs}) > 1]
-    shown = "; ".join(
-        ", ".join(
-            f"{name} {value!r}" for name, value in zip(RUN_FIELDS, run, strict=True) if value is not None
+    for name in ("model", "mode"):
+        found = _values(records, name)
+        if len(found) > 1:
+            shown = ", ".join(repr(v) for v in found[:3]) + (", ..." if len(found) > 3 else "")
+            raise RecordError(
+                f"verdict: records of {len(found)} different {name}s ({shown}) are not one sample; judge "
+                f"one at a time, e.g. verdict([r for r in records if r.get({name!r}) == {found[0]!r}])"
+            )
+    runs_of: dict[str, list[Any]] = {}
+    for record in records:
+        run = record.get("run")
+        if run is not None:
+            runs = runs_of.setdefault(_unit_name(record), [])
+            if run not in runs:
+                runs.append(run)
+    shared = next(((unit, runs) for unit, runs in runs_of.items() if len(runs) > 1), None)
+    if shared is not None:
+        unit, runs = shared
+        raise RecordError(
+            f"verdict: {unit!r} has records of {len(runs)} different runs "
+            f"({', '.join(repr(r) for r in runs[:3])}), which would be pooled as one reference image; "
+            f"judge one run at a time, e.g. verdict([r for r in records if r.get('run') == {runs[0]!r}]), "
+            "or give each run's records their own 'reference'"
         )
-        for run in sorted(runs, key=str)[:3]
-    )
-    first = next(iter(sorted(runs, key=str)))
-    keep = next(name for name in RUN_FIELDS if name in differ)
-    raise RecordError(
-        f"verdict: records of {len(runs)} different runs ({'/'.join(differ)} differ: {shown}"
-        f"{'; ...' if len(runs) > 3 else ''}); judge one run at a time, e.g. "
-        f"verdict([r for r in records if r.get({keep!r}) == {first[RUN_FIELDS.index(keep)]!r}])"
-    )
 
 
 def verdict(records: Sequence[dict], *, half: str | None = None, merged_files: int = 0) -> dict[str, Any]:
@@ -467,8 +490,8 @@ def verdict(records: Sequence[dict], *, half: str | None = None, merged_files: i
 
     Raises:
         ValueError: no records of that half.
-        RecordError: (a ``ValueError``) a malformed record, or records of several runs, models
-            or modes (:func:`check_one_run`); one line naming them and the fix.
+        RecordError: (a ``ValueError``) a malformed record, records of several models or modes,
+            or a unit of several runs (:func:`check_one_run`); one line naming them and the fix.
     """
     records = check_verdict_records(records)
     if not records:

@@ -172,3 +172,19 @@ def test_records_name_their_run_model_mode_and_reference_content():
         pipe(prompt="", ip_adapter_image=tiny_digit_image(7), num_inference_steps=2)
     with pytest.raises(RecordError, match="2 different runs"):
         verdict(records + other.to_records())
+
+
+def test_input_digest_reads_the_image_embeddings_of_every_family():
+    """UNets pass them in added_cond_kwargs, SD3 and Flux in joint_attention_kwargs."""
+    import torch
+
+    from nw_adapter.integration.steps import input_digest
+
+    embeds = torch.arange(12.0).reshape(2, 1, 6)
+    unet = input_digest({"added_cond_kwargs": {"image_embeds": [embeds]}})
+    flow = input_digest({"joint_attention_kwargs": {"ip_adapter_image_embeds": [embeds.clone()]}})
+    assert unet == flow and len(unet) == 16
+    assert input_digest({"added_cond_kwargs": {"image_embeds": [embeds + 1]}}) != unet
+    assert input_digest({"added_cond_kwargs": {"image_embeds": [embeds.reshape(2, 6, 1)]}}) != unet  # shape
+    assert input_digest({"added_cond_kwargs": {"image_embeds": [embeds.half()]}}) == unet  # values, not dtype
+    assert input_digest({}) is None and input_digest({"added_cond_kwargs": {"text_embeds": embeds}}) is None
