@@ -145,7 +145,8 @@ class NWRecorder:
 
     Attributes:
         run_id: this recorder's run, written in every record's ``run`` (random; the command line
-            sets its own, one per run): the verdict pools the records of one run only.
+            sets its own, one per run): the verdict never averages one reference (or call) over
+            records of several runs. Set it before recording to name a run.
         tracker: the :class:`~nw_adapter.integration.steps.StepTracker` (``state`` is its state).
         map_store: the :class:`~nw_adapter.integration.maps.MapStore` of the optional maps.
         skips: the :class:`~nw_adapter.integration.skips.SkipLedger` of observe's failures.
