@@ -564,6 +564,7 @@ _RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
 _CLAUSE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "label": str,
     "holds": (bool, type(None)),
+    "reason": (str, type(None)),
     "parts": list,
 }
 _PART_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -593,6 +594,9 @@ def check_verdict_result(result: Any) -> None:
         RecordError: (a ``ValueError``) the first missing or wrong field, in one line.
     """
     _check_fields(result, _RESULT_FIELDS, "verdict")
+    if not isinstance(result.get("nonfinite") or {}, Mapping):
+        found = _shown(result["nonfinite"])
+        raise RecordError(f"verdict: field 'nonfinite' is {found}, not an object of counts; {_RESULT_FIX}")
     for key, clause in result["clauses"].items():
         _check_fields(clause, _CLAUSE_FIELDS, f"verdict.clauses.{key}")
         for index, part in enumerate(clause["parts"]):

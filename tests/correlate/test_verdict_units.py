@@ -135,6 +135,15 @@ BAD_RESULTS = [
         "verdict.clauses.rise: is null, not an object",
     ),
     (
+        "clause without reason",
+        lambda r: {
+            **r,
+            "clauses": {"rise": {k: v for k, v in r["clauses"]["rise"].items() if k != "reason"}},
+        },
+        "verdict.clauses.rise: field 'reason' is missing",
+    ),
+    ("nonfinite list", lambda r: {**r, "nonfinite": ["rho"]}, "field 'nonfinite' is a list, not an object"),
+    (
         "part without n",
         lambda r: {
             **r,
