@@ -489,8 +489,10 @@ def _image_worker(
     infos: dict[str, ReferenceImage],
     out_dir: Path,
     extra_call: dict[str, Any] | None = None,
+    run_id: str | None = None,
 ):
-    """``work(key) -> (image_entry, records)`` for :func:`nw_adapter.correlate.sweep.run_sweep`."""
+    """``work(key) -> (image_entry, records)`` for :func:`nw_adapter.correlate.sweep.run_sweep`;
+    the records' ``run`` is ``run_id`` (one per run: the sweep's fingerprint) when given."""
     import torch
 
     from nw_adapter.atomic import atomic_write
@@ -539,7 +541,8 @@ def _image_worker(
         entry = {**info.to_dict(), "generated": str(relative / "generated.png")}
         if families.write_joint_records(recorder, folder) is not None:  # SD 3.5's joint key set
             entry["joint_records"] = str(relative / "rho_joint.csv")
-        records = [{"reference": key, **record} for record in recorder.to_records()]
+        run = {"run": run_id} if run_id else {}
+        records = [{"reference": key, **record, **run} for record in recorder.to_records()]
         if args.store_maps:
             recorder.save_maps(folder / "maps.safetensors")
             for step, image in previews.images().items():
@@ -658,13 +661,14 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     # The resolved model (for tiny: the cache folder named by the builder's source hash) is part of
     # the fingerprint, so a result is only reused with the model that produced it.
     identity = {**options, "resolved_model": spec.to_dict()}
+    run_id = fingerprint(identity)[:12]  # the records' run: the same for images reused on a resume
     lock = OutputLock(out_dir) if state.num_processes == 1 else contextlib.nullcontext()
     with lock:
         if state.is_main_process:  # before any process writes (they wait for the main one in run_sweep)
             remove_interrupted_writes(out_dir, list(by_key))
         outcome = run_sweep(
             list(by_key),
-            _image_worker(args, pipe, config, by_key, out_dir, extra_call),
+            _image_worker(args, pipe, config, by_key, out_dir, extra_call, run_id),
             out_dir=out_dir,
             expected_fingerprint=fingerprint(identity),
             state=state,

@@ -13,8 +13,8 @@ zero-byte file              error
 not an image / unreadable   error (Pillow cannot identify it)
 truncated PNG / JPEG        error (decoding fails; truncated images are never padded)
 animated GIF / APNG / WebP  error (more than one frame; export the frame you mean)
-decompression bomb          error (more pixels than ``PIL.Image.MAX_IMAGE_PIXELS``,
-                            both Pillow's warning and its error level)
+decompression bomb          error (more pixels than ``PIL.Image.MAX_IMAGE_PIXELS``, at
+                            Pillow's warning level already; the one limit is stated)
 extreme aspect ratio        error (over 64:1: the encoder's resize to a 224-pixel short
                             side would make more than 224 * 224 * 64 pixels)
 float (mode ``F``)          error (no well-defined 8-bit scale)
@@ -39,7 +39,7 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +75,10 @@ class ReferenceImage:
         sha256: SHA-256 of the file's bytes.
         mode: Pillow mode of the file before conversion (``"RGB"``, ``"I;16"``, ...).
         size: ``(width, height)`` in pixels.
-        notes: One line per conversion applied (empty for a plain 8-bit RGB file).
+        notes: One line per conversion applied (empty for a plain 8-bit RGB file), and one per
+            file of the same content merged into this one (:attr:`duplicates`).
+        duplicates: Further files given with the same bytes (same SHA-256), in input order: the
+            same reference under other names, counted once (:func:`validate_images`).
     """
 
     path: Path
@@ -84,10 +87,12 @@ class ReferenceImage:
     mode: str
     size: tuple[int, int]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    duplicates: tuple[Path, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
-        """JSON-ready description (used in ``rho.json``'s ``images`` list)."""
-        return {
+        """JSON-ready description (used in ``rho.json``'s ``images`` list); ``duplicates`` (the
+        number of files of the same content merged into this one) only when there are some."""
+        entry = {
             "key": self.key,
             "path": str(self.path),
             "sha256": self.sha256,
@@ -96,6 +101,9 @@ class ReferenceImage:
             "height": self.size[1],
             "notes": list(self.notes),
         }
+        if self.duplicates:
+            entry["duplicates"] = len(self.duplicates)
+        return entry
 
 
 def _one_line(text: object) -> str:
@@ -228,8 +236,8 @@ def _decode(path: Path, label: str) -> tuple[Image.Image, str, tuple[int, int], 
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageInputError(
-            f"{label} '{path}': refused as a possible decompression bomb ({_one_line(exc)}); "
-            f"downscale it below {limit} pixels"
+            f"{label} '{path}': refused as a possible decompression bomb ({_bomb_size(exc)}more than the "
+            f"limit of {limit} pixels, PIL.Image.MAX_IMAGE_PIXELS); downscale it below that limit"
         ) from None
     except UnidentifiedImageError:
         raise ImageInputError(
@@ -245,6 +253,16 @@ def _decode(path: Path, label: str) -> tuple[Image.Image, str, tuple[int, int], 
     if mode == "RGB" and _png_bit_depth(path) == 16:
         notes.append("16-bit RGB reduced to 8 bits per channel")
     return decoded, mode, size, notes
+
+
+def _bomb_size(error: BaseException) -> str:
+    """``"<n> pixels, "`` from Pillow's decompression-bomb text, or ``""`` when it names no size.
+
+    Pillow's text also quotes its own limit, which is twice ``MAX_IMAGE_PIXELS`` at its error
+    level: only the image's size is taken from it, so the message states one limit.
+    """
+    found = re.search(r"\((\d+) pixels\)", str(error))
+    return f"{found.group(1)} pixels, " if found else ""
 
 
 def encoder_resized_size(
@@ -370,14 +388,23 @@ def collect_image_paths(
     return collected
 
 
+def same_content_note(duplicate: Path, kept: Path) -> str:
+    """The note of a file merged into another of the same content (see :func:`validate_images`)."""
+    return f"{duplicate.name} has the same content (SHA-256); counted once, as {kept.name}"
+
+
 def validate_images(entries: Sequence[tuple[Path, str]]) -> list[ReferenceImage]:
-    """Validate every file before any work starts; identical files are kept once.
+    """Validate every file before any work starts; files of the same content are one reference.
+
+    The unit of the verdict is the reference image, so one content given under two names (or
+    twice) is counted once: it is kept under its first name, and the others are listed in its
+    :attr:`ReferenceImage.duplicates`, each with a note (the command line prints the notes).
 
     Args:
         entries: ``(path, label)`` pairs from :func:`collect_image_paths`.
 
     Returns:
-        One :class:`ReferenceImage` per distinct image, in input order.
+        One :class:`ReferenceImage` per distinct content (SHA-256 of the file), in input order.
 
     Raises:
         ImageInputError: The first bad file, in input order.
@@ -385,5 +412,10 @@ def validate_images(entries: Sequence[tuple[Path, str]]) -> list[ReferenceImage]
     seen: dict[str, ReferenceImage] = {}
     for path, label in entries:
         _, info = load_reference_image(path, label=label)
-        seen.setdefault(info.key, info)
+        first = seen.setdefault(info.sha256, info)
+        if first is not info and info.path != first.path and info.path not in first.duplicates:
+            note = same_content_note(info.path, first.path)
+            seen[info.sha256] = replace(
+                first, duplicates=(*first.duplicates, info.path), notes=(*first.notes, note)
+            )
     return list(seen.values())

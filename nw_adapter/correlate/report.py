@@ -35,7 +35,7 @@ from nw_adapter.correlate.verdict import verdict as verdict  # re-exported
 from nw_adapter.integration.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
 from nw_adapter.integration.records import aggregate as aggregate_records
 from nw_adapter.integration.records import analysis_half, csv_text
-from nw_adapter.integration.schema import RECORD_KEYS, SUMMARY_STATS
+from nw_adapter.integration.schema import RECORD_KEYS, RUN_KEYS, SUMMARY_STATS
 
 SCHEMA = "nw-adapter/rho"
 SCHEMA_VERSION = 1
@@ -46,7 +46,7 @@ PAPER_TIMESTEPS: tuple[int, ...] = (981, 761, 501, 261, 1)
 STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
 """Per-record statistics averaged by :func:`aggregate`."""
 
-RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_FIELDS)
+RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_FIELDS)
 """Column order of ``rho.csv``: the statistics in reporting order (extra record keys follow, sorted)."""
 
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -200,7 +200,7 @@ def build_report(
             "table": table,
             "steps": steps,
             "blocks": aggregate(records, ("block", "step"), half=half),
-            "verdict": verdict(records, half=half),
+            "verdict": verdict(records, half=half, merged_files=sum(i.get("duplicates", 0) for i in images)),
             "warning": random_weights_note({"config": config}),
             "records": list(records),
         }

@@ -346,6 +346,11 @@ def run(
             "--compare-swap runs in one process (its rows pair references with consecutive seeds); run it "
             "without accelerate launch / torchrun"
         )
+    from nw_adapter.correlate.images import same_content_note
+
+    for info in infos:  # validate_images merged files of the same content: one reference each
+        for duplicate in info.duplicates:
+            _note(args, same_content_note(duplicate, info.path))
     labels, label_source = reference_labels(args, infos)  # before the model: its errors cost nothing
     device = resolve_device(args.device)
     spec = resolve_spec(

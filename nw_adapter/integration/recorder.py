@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,11 @@ class _Entry:
     untrained: torch.Tensor | None = None  # [len(UNTRAINED_COLUMNS), num_halves, num_heads]: the control's
 
 
-def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
+def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[str, Any]]:
     """One record dict per (entry, half, head); every tensor moved to the host in one transfer.
 
-    ``step_info(call, step)`` gives the step's timestep and noise level columns.
+    ``step_info(call, step)`` gives the step's timestep and noise level columns, ``run_info(call)``
+    the run's fields (:data:`~nw_adapter.integration.schema.RUN_KEYS`).
     """
     parts = []
     for e in entries:
@@ -83,6 +85,7 @@ def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
             parts.append(e.untrained.reshape(-1).float())
     flat = torch.cat(parts).cpu().tolist()
     info_cache: dict[tuple[int, int], dict[str, float]] = {}
+    run_cache: dict[int, dict[str, str]] = {}
     records: list[dict[str, Any]] = []
     offset = 0
     for e in entries:
@@ -101,6 +104,8 @@ def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
         key = (e.call, e.step)
         if key not in info_cache:
             info_cache[key] = step_info(*key)
+        if e.call not in run_cache:
+            run_cache[e.call] = run_info(e.call)
         for hi, half in enumerate(e.halves):
             for ki, head in enumerate(e.heads):
                 rec: dict[str, Any] = {
@@ -116,6 +121,7 @@ def _flatten(entries: list[_Entry], step_info: Any) -> list[dict[str, Any]]:
                     "scale": e.scale,
                     "num_keys": e.num_keys,
                     "key_set": e.key_set,
+                    **run_cache[e.call],
                 }
                 for si, name in enumerate(STAT_NAMES):
                     rec[name] = vals[(si * n_h + hi) * n_k + ki]
@@ -138,6 +144,9 @@ class NWRecorder:
             Optional: without it, drive the recorder with :meth:`begin_step`.
 
     Attributes:
+        run_id: this recorder's run, written in every record's ``run`` (random; the command line
+            sets its own, one per run): the verdict never averages one reference (or call) over
+            records of several runs. Set it before recording to name a run.
         tracker: the :class:`~nw_adapter.integration.steps.StepTracker` (``state`` is its state).
         map_store: the :class:`~nw_adapter.integration.maps.MapStore` of the optional maps.
         skips: the :class:`~nw_adapter.integration.skips.SkipLedger` of observe's failures.
@@ -160,6 +169,7 @@ class NWRecorder:
         self._generators_serial = -1  # the tracker's call_serial the generators were seeded for
         self._loaded: list[dict[str, Any]] = []  # records read by from_json
         self.source: dict[str, Any] | None = None
+        self.run_id = uuid.uuid4().hex[:12]
 
     # ------------------------------------------------------------------ steps (the tracker's)
     @property
@@ -358,7 +368,21 @@ class NWRecorder:
         entries = [e for e in self._entries if key_set is None or e.key_set == key_set]
         if not entries:
             return loaded
-        return loaded + _flatten(entries, self.tracker.step_info)
+        return loaded + _flatten(entries, self.tracker.step_info, self.run_fields)
+
+    def run_fields(self, call: int) -> dict[str, str]:
+        """The fields of :data:`~nw_adapter.integration.schema.RUN_KEYS` of ``call``'s records:
+        ``run`` (:attr:`run_id`), ``model`` (the pipeline's ``name_or_path``, else its class;
+        absent without a pipeline), ``mode`` and ``input_digest`` (the call's IP-Adapter image
+        embeddings, :func:`~nw_adapter.integration.steps.input_digest`; absent when unknown)."""
+        fields = {"run": self.run_id}
+        if self.pipe is not None:
+            fields["model"] = str(getattr(self.pipe, "name_or_path", None) or type(self.pipe).__name__)
+        fields["mode"] = self.config.mode
+        digest = self.tracker.input_digests.get(call)
+        if digest is not None:
+            fields["input_digest"] = digest
+        return fields
 
     def records(self, key_set: str | None = "ip") -> Records:
         """:meth:`to_records` as :class:`~nw_adapter.integration.records.Records` (summary, CSV, plot)."""

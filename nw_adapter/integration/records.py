@@ -30,6 +30,7 @@ from nw_adapter.integration.schema import (
     NULL_STATS,
     OPTIONAL_STATS,
     RECORD_KEYS,
+    RUN_KEYS,
     STAT_NAMES,
     SUMMARY_STATS,
     UNTRAINED_SUFFIX,
@@ -39,7 +40,7 @@ from nw_adapter.integration.schema import (
 RHO_THRESHOLD = 0.9
 """The paper's "% of heads with rho > 0.9" threshold (``frac_rho_gt_0_9``)."""
 
-CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *STAT_NAMES)
+CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_NAMES)
 """Column order of a records CSV (the columns present; extra record keys follow, sorted)."""
 
 STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")

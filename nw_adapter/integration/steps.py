@@ -28,6 +28,11 @@ How (see :meth:`StepTracker.attach`):
   entry equal to it) is a further pass of the same step: Flux's true CFG runs the transformer
   twice per step (positive, then negative). The step is recorded once and
   :attr:`StepState.pass_index` counts the passes (0, 1, ...), for the processors to label.
+- **Reference content.** At the first forward of every call the IP-Adapter image embeddings
+  the denoiser receives (UNets: ``added_cond_kwargs["image_embeds"]``; SD3 / Flux:
+  ``joint_attention_kwargs["ip_adapter_image_embeds"]``) are hashed once (one host copy per
+  call, never per layer or step): :attr:`StepTracker.input_digests`, the records'
+  ``input_digest``, by which the verdict counts one reference content once.
 - **Timestep conventions.** The timestep is read from the keyword ``timestep`` or the
   forward's positional parameter of that name, times ``timestep_scale`` (1000 for Flux, whose
   pipeline passes ``timestep / 1000``), so labels are in ``scheduler.timesteps`` units.
@@ -35,6 +40,7 @@ How (see :meth:`StepTracker.attach`):
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Callable, Iterable
@@ -134,6 +140,8 @@ class StepTracker:
         state: the :class:`StepState` of the current forward.
         steps: ``{(call, step): StepState}`` of every step seen (the state of its first pass).
         call_serial: increases whenever a new call begins (the recorder reseeds its nulls then).
+        input_digests: ``{call: digest}`` of the IP-Adapter image embeddings of each call
+            (:func:`input_digest`; calls without them are absent).
     """
 
     def __init__(
@@ -149,6 +157,7 @@ class StepTracker:
         self.state = StepState()
         self.steps: dict[tuple[int, int], StepState] = {}
         self.call_serial = 0
+        self.input_digests: dict[int, str] = {}
         self._started = False
         self._hook: Any = None
         self._pending_call = False
@@ -271,6 +280,10 @@ class StepTracker:
             latent_hw=hw,
             perturbed=perturbed,
         )
+        if new_call:  # once per call: the reference's content, for the verdict's units
+            digest = input_digest(kwargs)
+            if digest is not None:
+                self.input_digests[self.state.call] = digest
 
     def _is_same_step(self, marker: Any, host_t: float | None) -> bool:
         """Whether this forward is a further pass of the current step (the scheduler did not move).
@@ -344,6 +357,38 @@ class StepTracker:
             "sigma": float(st.sigma),
             "h_schedule": float(st.h),
         }
+
+
+DIGEST_HEX = 16
+"""Hex digits kept of an input digest's SHA-256 (64 bits: no collision among a run's references)."""
+
+
+def input_digest(kwargs: dict) -> str | None:
+    """SHA-256 (first :data:`DIGEST_HEX` hex) of the IP-Adapter image embeddings of a denoiser call.
+
+    Read from ``added_cond_kwargs["image_embeds"]`` (UNets) or
+    ``joint_attention_kwargs["ip_adapter_image_embeds"]`` (SD3, Flux): a tensor or a list of
+    them (one per adapter), each hashed with its shape as float32 on the host. The same
+    reference (and the same embeddings passed in) gives the same digest. None when there are no
+    such embeddings or they cannot be read (the generation goes on either way).
+    """
+    try:
+        added = kwargs.get("added_cond_kwargs")
+        joint = kwargs.get("joint_attention_kwargs")
+        embeds = added.get("image_embeds") if isinstance(added, dict) else None
+        if embeds is None and isinstance(joint, dict):
+            embeds = joint.get("ip_adapter_image_embeds")
+        listed = embeds if isinstance(embeds, list | tuple) else [embeds]
+        tensors = [t for t in listed if torch.is_tensor(t)]
+        if not tensors:
+            return None
+        digest = hashlib.sha256()
+        for tensor in tensors:
+            digest.update(repr(tuple(tensor.shape)).encode())
+            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:DIGEST_HEX]
+    except Exception:  # noqa: BLE001 - an unreadable input only means "content unknown"
+        return None
 
 
 def _is_nan(value: Any) -> bool:

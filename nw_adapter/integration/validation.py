@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
-from nw_adapter.integration.schema import KEY_SETS, LEGACY_NAMES, OPTIONAL_STATS, STAT_NAMES
+from nw_adapter.integration.schema import KEY_SETS, LEGACY_NAMES, OPTIONAL_STATS, RUN_KEYS, STAT_NAMES
 
 __all__ = [
     "FIELD_KINDS",
@@ -63,6 +63,7 @@ FIELD_KINDS: dict[str, str] = {
     "scale": "number",
     "num_keys": "index",
     "key_set": "key_set",
+    **{name: "text" for name in RUN_KEYS},
     **{name: "number" for name in (*STAT_NAMES, *OPTIONAL_STATS, *LEGACY_NAMES)},
 }
 """Kind of every known record field: ``index`` (whole number >= 0), ``number`` (a number or null),
@@ -271,6 +272,7 @@ IMAGE_FIELDS: dict[str, str] = {
     "mode": "text",
     "width": "index",
     "height": "index",
+    "duplicates": "index",
     "generated": "file",
     "maps": "file",
     "attention_maps": "file",

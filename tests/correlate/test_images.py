@@ -318,3 +318,43 @@ def test_image_dir_symlink_loop_is_named(tmp_path: Path) -> None:
     loop.symlink_to(loop)
     with pytest.raises(ImageInputError, match="--image-dir .*symbolic link loop"):
         collect_image_paths(image_dirs=[loop])
+
+
+def test_one_content_under_two_names_is_one_reference_with_a_note(tmp_path: Path) -> None:
+    first, copy, other = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "c.png"
+    photo().save(first)
+    copy.write_bytes(first.read_bytes())
+    photo("flower.jpg").save(other)
+    infos = validate_images([(first, "--image"), (copy, "--image-dir"), (other, "--image")])
+    assert [info.path.name for info in infos] == ["a.png", "c.png"]
+    assert infos[0].duplicates == (copy.resolve(),)
+    assert infos[0].to_dict()["duplicates"] == 1 and "duplicates" not in infos[1].to_dict()
+    assert any("b.png" in note and "counted once" in note for note in infos[0].notes)
+
+
+@pytest.mark.parametrize("side", [20000, 11000])  # error level (Pillow: 2x its limit), warning level
+def test_bomb_message_states_one_limit_once(side: int, tmp_path: Path) -> None:
+    import re
+
+    path = write_bomb_png(tmp_path / "bomb.png", side)
+    with pytest.raises(ImageInputError) as info:
+        load_reference_image(path)
+    message = str(info.value)
+    limits = {int(n) for n in re.findall(r"(\d{5,}) pixels", message)} - {side * side}
+    assert limits == {Image.MAX_IMAGE_PIXELS}, message
+    assert message.count(str(Image.MAX_IMAGE_PIXELS)) == 1, message
+    assert f"{side * side} pixels" in message, message  # the image's own size, beside the limit
+
+
+def test_compare_swap_counts_one_content_under_two_names_once(tmp_path: Path, capsys) -> None:
+    from nw_adapter.correlate.cli import main
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    first, copy = tmp_path / "a.png", tmp_path / "b.png"
+    first.write_bytes(example_image_path(3).read_bytes())
+    copy.write_bytes(first.read_bytes())
+    argv = ["--compare-swap", "--model", "tiny", "--image", str(first), "--image", str(copy)]
+    code = main([*argv, "--labels", "3,3", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "2 label(s) for 1 distinct reference image" in err, err
+    assert "b.png has the same content (SHA-256); counted once, as a.png" in err

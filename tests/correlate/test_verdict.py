@@ -83,7 +83,7 @@ def test_a_clear_effect_is_evidence_and_every_clause_holds() -> None:
         ("beyond_nulls", "training", "bandwidth", "rise"), True
     )
     text = format_verdict(result)
-    assert text.startswith("verdict: evidence of learned kernel smoothing (6 images)")
+    assert text.startswith("verdict: evidence of learned kernel smoothing (6 reference images)")
     assert all(line.startswith("  ") and len(line) <= 110 for line in text.splitlines()[1:])
     bandwidth = result["clauses"]["bandwidth"]["parts"][0]
     assert bandwidth["mean"] == pytest.approx(1.0, abs=0.05)  # log h_eff follows log h, untrained flat
@@ -137,10 +137,9 @@ def test_one_image_without_the_control_says_what_is_missing() -> None:
     result = verdict(make_records(images=1, untrained=False))
     assert result["evidence"] is None
     lines = format_verdict(result).splitlines()
-    assert "  rho beyond its nulls: needs several reference images" in lines
-    training = "adapter training made the branch more NW-like: not measured"
-    assert f"  {training}: no nw_gain_untrained, rho_untrained" in lines
-    assert "  bandwidth follows the schedule: not measured: no h_eff_untrained" in lines
+    assert f"  {CLAUSES[0].label}: needs several reference images" in lines
+    assert f"  {CLAUSES[1].label}: not measured: no nw_gain_untrained, rho_untrained" in lines
+    assert f"  {CLAUSES[2].label}: not measured: no h_eff_untrained" in lines
 
 
 def test_missing_untrained_columns_are_not_measured_never_evidence() -> None:
@@ -153,8 +152,8 @@ def test_missing_untrained_columns_are_not_measured_never_evidence() -> None:
         assert clause["holds"] is None and clause["reason"].startswith("no ")
         assert "_untrained" in clause["reason"]
         assert all(p["measured"] is False and p["significant"] is None for p in clause["parts"])
-    assert result["conclusion"].endswith("(6 images): training not measured")
-    line = "adapter training made the branch more NW-like: not measured: no nw_gain_untrained, rho_untrained"
+    assert result["conclusion"].endswith("(6 reference images): adapter-vs-control clause not measured")
+    line = f"{CLAUSES[1].label}: not measured: no nw_gain_untrained, rho_untrained"
     assert f"  {line}" in format_verdict(result).splitlines()
 
 
@@ -182,13 +181,13 @@ def test_a_clause_holds_only_when_every_part_is_significant() -> None:
     assert parts["rho_minus_untrained"]["significant"] is True
     assert parts["nw_gain_minus_untrained"]["significant"] is False
     assert result["clauses"]["training"]["holds"] is False and result["evidence"] is False
-    assert result["conclusion"].endswith("training failed")
+    assert result["conclusion"].endswith("adapter-vs-control clause not met")
 
 
 def test_rho_at_its_nulls_fails_the_first_clause() -> None:
     result = verdict(make_records(beyond_nulls=0.0, rise=0.0, seed=2))
     assert result["clauses"]["beyond_nulls"]["holds"] is False and result["evidence"] is False
-    assert "rho vs nulls failed" in result["conclusion"]
+    assert "beyond-nulls clause not met" in result["conclusion"]
 
 
 def test_a_falling_rho_does_not_rise() -> None:

@@ -15,7 +15,7 @@ from nw_adapter.integration.records import (
     block_of,
     csv_text,
 )
-from nw_adapter.integration.schema import RECORD_KEYS, STAT_NAMES, SUMMARY_STATS
+from nw_adapter.integration.schema import RECORD_KEYS, RUN_KEYS, STAT_NAMES, SUMMARY_STATS
 
 
 def _record(step: int, half: str, layer: str, rho: float, **extra) -> dict:
@@ -95,10 +95,11 @@ def test_legacy_names_are_read_as_their_current_names():
 
 
 def test_csv_orders_columns_and_keeps_extra_keys():
-    records = [{**r, "reference": "img", "zzz": 1, "ip_mass": None} for r in _records()]
+    records = [{**r, "reference": "img", "zzz": 1, "ip_mass": None, "run": "r1"} for r in _records()]
     header = next(csv.reader(io.StringIO(csv_text(records))))
-    assert header == [c for c in CSV_COLUMNS] + ["ip_mass", "zzz"]
-    report_order = ("reference", *RECORD_KEYS, *SUMMARY_STATS)
+    assert header == [c for c in CSV_COLUMNS if c not in RUN_KEYS[1:]] + ["ip_mass", "zzz"]
+    assert header.index("run") == header.index("key_set") + 1  # the run fields follow the record keys
+    report_order = ("reference", *RECORD_KEYS, *RUN_KEYS, *SUMMARY_STATS)
     header = next(csv.reader(io.StringIO(csv_text(records, order=report_order))))
     assert header[-3:] == ["bandwidth", "ip_mass", "zzz"]
     rows = list(csv.DictReader(io.StringIO(csv_text(records))))
@@ -139,3 +140,51 @@ def test_to_dataframe_without_pandas_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas then raises ImportError
     with pytest.raises(ImportError, match=r"nw-adapter\[dataframe\]"):
         Records([]).to_dataframe()
+
+
+def test_records_name_their_run_model_mode_and_reference_content():
+    """Every record carries its recorder's run, the model, the mode and a digest of the call's
+    IP-Adapter image embeddings (hashed once per call): one reference content is one unit of the
+    verdict, and two recorders' records are two runs it refuses to pool."""
+    import torch
+
+    from nw_adapter import load_tiny_digits, tiny_digit_image, verdict
+    from nw_adapter.integration.mixin import nw_processor
+    from nw_adapter.integration.validation import RecordError
+
+    pipe = load_tiny_digits()
+    digests = []
+    with nw_processor(pipe, mode="observe") as rec:
+        for digit in (3, 3, 5):
+            seeded = torch.Generator().manual_seed(digit)
+            pipe(prompt="", ip_adapter_image=tiny_digit_image(digit), num_inference_steps=2, generator=seeded)
+        records = rec.to_records()
+    for call in range(3):
+        found = {(r["run"], r["model"], r["mode"], r["input_digest"]) for r in records if r["call"] == call}
+        assert len(found) == 1, found
+        digests.append(found.pop()[3])
+    assert digests[0] == digests[1] != digests[2] and len(digests[0]) == 16
+    assert {r["mode"] for r in records} == {"observe"} and {r["run"] for r in records} == {rec.run_id}
+    assert records[0]["model"] == str(pipe.name_or_path)
+    result = verdict(records)
+    assert result["images"] == 2 and result["duplicates_merged"] == 1
+    with nw_processor(pipe, mode="observe") as other:
+        pipe(prompt="", ip_adapter_image=tiny_digit_image(7), num_inference_steps=2)
+    with pytest.raises(RecordError, match="2 different runs"):
+        verdict(records + other.to_records())
+
+
+def test_input_digest_reads_the_image_embeddings_of_every_family():
+    """UNets pass them in added_cond_kwargs, SD3 and Flux in joint_attention_kwargs."""
+    import torch
+
+    from nw_adapter.integration.steps import input_digest
+
+    embeds = torch.arange(12.0).reshape(2, 1, 6)
+    unet = input_digest({"added_cond_kwargs": {"image_embeds": [embeds]}})
+    flow = input_digest({"joint_attention_kwargs": {"ip_adapter_image_embeds": [embeds.clone()]}})
+    assert unet == flow and len(unet) == 16
+    assert input_digest({"added_cond_kwargs": {"image_embeds": [embeds + 1]}}) != unet
+    assert input_digest({"added_cond_kwargs": {"image_embeds": [embeds.reshape(2, 6, 1)]}}) != unet  # shape
+    assert input_digest({"added_cond_kwargs": {"image_embeds": [embeds.half()]}}) == unet  # values, not dtype
+    assert input_digest({}) is None and input_digest({"added_cond_kwargs": {"text_embeds": embeds}}) is None
