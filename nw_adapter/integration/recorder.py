@@ -379,7 +379,7 @@ class NWRecorder:
         if self.pipe is not None:
             fields["model"] = str(getattr(self.pipe, "name_or_path", None) or type(self.pipe).__name__)
         fields["mode"] = self.config.mode
-        digest = self.tracker.input_digests.get(call)
+        digest = self.tracker.input_digest_of(call)
         if digest is not None:
             fields["input_digest"] = digest
         return fields

@@ -30,8 +30,9 @@ How (see :meth:`StepTracker.attach`):
   :attr:`StepState.pass_index` counts the passes (0, 1, ...), for the processors to label.
 - **Reference content.** At the first forward of every call the IP-Adapter image embeddings
   the denoiser receives (UNets: ``added_cond_kwargs["image_embeds"]``; SD3 / Flux:
-  ``joint_attention_kwargs["ip_adapter_image_embeds"]``) are hashed once (one host copy per
-  call, never per layer or step): :attr:`StepTracker.input_digests`, the records'
+  ``joint_attention_kwargs["ip_adapter_image_embeds"]``) are kept by reference and hashed once,
+  when the records are read after the call (no host copy during a call):
+  :meth:`StepTracker.input_digest_of`, the records'
   ``input_digest``, by which the verdict counts one reference content once.
 - **Timestep conventions.** The timestep is read from the keyword ``timestep`` or the
   forward's positional parameter of that name, times ``timestep_scale`` (1000 for Flux, whose
@@ -140,8 +141,9 @@ class StepTracker:
         state: the :class:`StepState` of the current forward.
         steps: ``{(call, step): StepState}`` of every step seen (the state of its first pass).
         call_serial: increases whenever a new call begins (the recorder reseeds its nulls then).
-        input_digests: ``{call: digest}`` of the IP-Adapter image embeddings of each call
-            (:func:`input_digest`; calls without them are absent).
+
+    The IP-Adapter image embeddings of each call are kept (references, no copy) and hashed only
+    when :meth:`input_digest_of` is first asked, after the call: no host copy during a call.
     """
 
     def __init__(
@@ -157,7 +159,8 @@ class StepTracker:
         self.state = StepState()
         self.steps: dict[tuple[int, int], StepState] = {}
         self.call_serial = 0
-        self.input_digests: dict[int, str] = {}
+        self._input_embeds: dict[int, list[torch.Tensor]] = {}
+        self._input_digests: dict[int, str | None] = {}
         self._started = False
         self._hook: Any = None
         self._pending_call = False
@@ -280,10 +283,19 @@ class StepTracker:
             latent_hw=hw,
             perturbed=perturbed,
         )
-        if new_call:  # once per call: the reference's content, for the verdict's units
-            digest = input_digest(kwargs)
-            if digest is not None:
-                self.input_digests[self.state.call] = digest
+        if new_call:  # once per call: the reference's content, for the verdict's units (hashed later)
+            try:
+                embeds = input_embeds(kwargs)
+            except Exception:  # noqa: BLE001 - an unreadable input only means "content unknown"
+                embeds = []
+            if embeds:
+                self._input_embeds[self.state.call] = embeds
+
+    def input_digest_of(self, call: int) -> str | None:
+        """The digest (:func:`embeds_digest`) of ``call``'s IP-Adapter image embeddings; None if unknown."""
+        if call not in self._input_digests:
+            self._input_digests[call] = embeds_digest(self._input_embeds.pop(call, []))
+        return self._input_digests[call]
 
     def _is_same_step(self, marker: Any, host_t: float | None) -> bool:
         """Whether this forward is a further pass of the current step (the scheduler did not move).
@@ -363,23 +375,38 @@ DIGEST_HEX = 16
 """Hex digits kept of an input digest's SHA-256 (64 bits: no collision among a run's references)."""
 
 
-def input_digest(kwargs: dict) -> str | None:
-    """SHA-256 (first :data:`DIGEST_HEX` hex) of the IP-Adapter image embeddings of a denoiser call.
+def input_embeds(kwargs: dict) -> list[torch.Tensor]:
+    """The IP-Adapter image embeddings of a denoiser call, detached, on their device (no copy).
 
     Read from ``added_cond_kwargs["image_embeds"]`` (UNets) or
     ``joint_attention_kwargs["ip_adapter_image_embeds"]`` (SD3, Flux): a tensor or a list of
-    them (one per adapter), each hashed with its shape as float32 on the host. The same
-    reference (and the same embeddings passed in) gives the same digest. None when there are no
-    such embeddings or they cannot be read (the generation goes on either way).
+    them (one per adapter). Empty when there are none.
+    """
+    added = kwargs.get("added_cond_kwargs")
+    joint = kwargs.get("joint_attention_kwargs")
+    embeds = added.get("image_embeds") if isinstance(added, dict) else None
+    if embeds is None and isinstance(joint, dict):
+        embeds = joint.get("ip_adapter_image_embeds")
+    listed = embeds if isinstance(embeds, list | tuple) else [embeds]
+    return [t.detach() for t in listed if torch.is_tensor(t)]
+
+
+def input_digest(kwargs: dict) -> str | None:
+    """SHA-256 (first :data:`DIGEST_HEX` hex) of the IP-Adapter image embeddings of a denoiser call.
+
+    The embeddings are those of :func:`input_embeds`, each hashed with its shape as float32 on
+    the host. The same reference (and the same embeddings passed in) gives the same digest. None
+    when there are no such embeddings or they cannot be read (the generation goes on either way).
     """
     try:
-        added = kwargs.get("added_cond_kwargs")
-        joint = kwargs.get("joint_attention_kwargs")
-        embeds = added.get("image_embeds") if isinstance(added, dict) else None
-        if embeds is None and isinstance(joint, dict):
-            embeds = joint.get("ip_adapter_image_embeds")
-        listed = embeds if isinstance(embeds, list | tuple) else [embeds]
-        tensors = [t for t in listed if torch.is_tensor(t)]
+        return embeds_digest(input_embeds(kwargs))
+    except Exception:  # noqa: BLE001 - an unreadable input only means "content unknown"
+        return None
+
+
+def embeds_digest(tensors: list[torch.Tensor]) -> str | None:
+    """SHA-256 (first :data:`DIGEST_HEX` hex) of ``tensors`` (shapes and float32 values); None if empty."""
+    try:
         if not tensors:
             return None
         digest = hashlib.sha256()
