@@ -13,12 +13,22 @@ and Flux models (``tiny-sd3``, ``tiny-flux``) are written once into a cache fold
 :func:`~nw_adapter.correlate.spec.write_tiny_cache`.
 
 Every failure becomes a :class:`~nw_adapter.correlate.spec.ModelLoadError` with one line saying
-what to do.
+what to do. Without network nothing is attempted and retried: whether the Hub can be reached is
+decided once, before the first Hub call (:func:`hub_offline_reason`); offline, a Hub id whose files
+are not in the Hugging Face cache is that one line at once, and cached ones load with
+``local_files_only=True``. A ``--model`` that is neither a folder, a Hub id nor an offline model
+(``tiny-sd15``) is refused while the options are parsed, with the closest offline names
+(:func:`check_model_name`).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
+import socket
+import urllib.parse
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +42,7 @@ from nw_adapter.correlate.spec import (
     SDXL_SUBFOLDER,
     SDXL_WEIGHT_NAME,
     TINY,
+    TINY_DIGITS_DIR,
     ModelLoadError,
     ModelSpec,
     tiny_cache_dir,
@@ -50,7 +61,10 @@ __all__ = [
     "TINY",
     "ModelLoadError",
     "ModelSpec",
+    "OFFLINE_MODELS",
     "build_pipeline",
+    "check_model_name",
+    "hub_offline_reason",
     "resolve_device",
     "resolve_dtype",
     "resolve_spec",
@@ -78,9 +92,108 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+OFFLINE_MODELS: dict[str, str] = {
+    TINY: "SD 1.5, trained on digits",
+    **{name: f"{family.label}, random weights" for name, family in families.TINY_MODELS.items()},
+}
+"""``--model`` names that need no download -> what they are: the trained tiny digits model
+(``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
+
+HUB_CONNECT_TIMEOUT_S = 5.0
+"""How long :func:`hub_offline_reason` waits for a TCP connection to the Hub (or the proxy)."""
+
 
 def _is_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """Whether ``name`` would be looked up on the Hub (not a local folder, not a tiny model)."""
+    return bool(name) and name not in OFFLINE_MODELS and not _is_local(name)
+
+
+def check_model_name(name: str, option: str = "--model") -> None:
+    """Refuse a ``--model`` / ``--ip-adapter`` that is no folder, no ``owner/name`` and no offline model.
+
+    Hub pipelines and adapters are ``owner/name``; a bare name that is not a local folder is a
+    misspelt offline model (``tiny-sd15``) or a typo, so the message names the closest offline
+    names (:func:`difflib.get_close_matches`) and all of them.
+
+    Raises:
+        ModelLoadError: the one line, naming ``option``.
+    """
+    offline = OFFLINE_MODELS if option == "--model" else {TINY: "the SD 1.5 digits adapter"}
+    if name in offline or "/" in name or "\\" in name or _is_local(name):
+        return
+    close = difflib.get_close_matches(name, list(offline), n=2, cutoff=0.5)
+    guess = f"did you mean {' or '.join(close)}? " if close else ""
+    listed = ", ".join(f"{known} ({what})" for known, what in offline.items())
+    raise ModelLoadError(
+        f"{option} '{name}': not a local folder, a Hub id (owner/name) or an offline model; {guess}"
+        f"offline: {listed}"
+    )
+
+
+def hub_offline_reason() -> str | None:
+    """Why the Hugging Face Hub cannot be used now, or None when it can.
+
+    Asked before the first Hub call, so that no download is tried (and retried, with back-off,
+    for a minute) without network: ``HF_HUB_OFFLINE`` set (huggingface_hub's own switch), or no
+    TCP connection within :data:`HUB_CONNECT_TIMEOUT_S` to the Hub's endpoint (``HF_ENDPOINT``),
+    or to the environment's proxy for it when one is set. The connection test runs once per
+    process and endpoint.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    parts = urllib.parse.urlsplit(constants.ENDPOINT)
+    host = parts.hostname or ""
+    proxy = urllib.request.getproxies().get(parts.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _no_connection(parts.hostname or host, port)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_connection(host: str, port: int) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return f"no connection to {host}:{port} ({exc.strerror or type(exc).__name__})"
+
+
+def _cached(repo_id: str, filename: str) -> bool:
+    """Whether ``filename`` of the Hub repository is in the Hugging Face cache (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, filename), str)
+    except ValueError:  # not a valid repository id
+        return False
+
+
+def _check_cached_when_offline(spec: ModelSpec) -> None:
+    """Offline: every Hub id of the resolved ``spec`` must be in the cache; else the one-line hint now.
+
+    Checks the file each loader reads first (``model_index.json``, the adapter's weight file, the
+    image encoder's ``config.json``); a pipeline cached only in part is found by the load itself,
+    which then runs with ``local_files_only=True`` and ends in the same hint.
+    """
+    needed = [
+        (spec.model, "model_index.json", "--model"),
+        (spec.ip_adapter, f"{spec.subfolder}/{spec.weight_name}" if spec.subfolder else spec.weight_name,
+         "--ip-adapter"),
+        (spec.image_encoder, "config.json", "--image-encoder"),
+    ]  # fmt: skip
+    needed = [(name, file, option) for name, file, option in needed if _is_hub_id(name)]
+    if not needed or hub_offline_reason() is None:
+        return
+    for name, filename, option in needed:
+        if not _cached(name, filename):
+            raise ModelLoadError(_offline_hint(name, option, spec if option == "--ip-adapter" else None))
 
 
 def _model_class_name(model: str) -> str | None:
@@ -96,18 +209,23 @@ def _model_class_name(model: str) -> str | None:
 def resolve_spec(spec: ModelSpec) -> ModelSpec:
     """Replace ``tiny`` by the shipped trained model's folder and fill the adapter defaults.
 
+    Offline (:func:`hub_offline_reason`), a Hub id that is not in the Hugging Face cache is refused
+    here, before anything is downloaded or loaded.
+
     Raises:
-        ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
-            adapter folder without the weight file.
+        ModelLoadError: A local model folder that is not a diffusers pipeline, a local adapter
+            folder without the weight file, or a Hub id that cannot be fetched (offline).
     """
+    if _is_hub_id(spec.model) and hub_offline_reason() is not None:  # before the family is looked up
+        if not _cached(spec.model, "model_index.json"):
+            raise ModelLoadError(_offline_hint(spec.model, "--model"))
     flow_spec = families.resolve_flow_spec(spec, tiny_cache_dir())  # SD3 / Flux: their defaults
     if flow_spec is not None:
+        _check_cached_when_offline(flow_spec)
         return flow_spec
     model, adapter = spec.model, spec.ip_adapter
     if model == TINY or adapter == TINY:
-        from nw_adapter.models.tiny_digits import SHIPPED_DIR  # the trained model shipped in the package
-
-        tiny_model = tiny_adapter = SHIPPED_DIR
+        tiny_model = tiny_adapter = TINY_DIGITS_DIR  # the trained model shipped in the package
         model = str(tiny_model) if model == TINY else model
         adapter = str(tiny_adapter) if adapter in (TINY, None) else adapter
     adapter = adapter or DEFAULT_IP_ADAPTER
@@ -131,7 +249,9 @@ def resolve_spec(spec: ModelSpec) -> ModelSpec:
                 f"holds {subfolder}/{weight_name} (layout of {DEFAULT_IP_ADAPTER}), or set "
                 "--subfolder/--weight-name"
             )
-    return ModelSpec(model=model, ip_adapter=adapter, subfolder=subfolder, weight_name=weight_name)
+    resolved = ModelSpec(model=model, ip_adapter=adapter, subfolder=subfolder, weight_name=weight_name)
+    _check_cached_when_offline(resolved)
+    return resolved
 
 
 def resolve_device(device: str) -> str:
@@ -259,6 +379,8 @@ def download_command(name: str, option: str, spec: ModelSpec | None = None) -> s
         if encoder and not _is_local(encoder) and encoder != "tiny":
             command += f" && hf download {encoder} {' '.join(IMAGE_ENCODER_FILES)}"
         return command
+    if option == "--image-encoder":
+        return f"hf download {name} {' '.join(IMAGE_ENCODER_FILES)}"
     if name == DEFAULT_MODEL:
         return f"hf download {name} {' '.join(SD15_FILES)}"
     return f"hf download {name} {' '.join(DIFFUSERS_FOLDER_PATTERNS)}"
@@ -309,11 +431,14 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
 
     dtype = dtype or torch.float32
     local = _is_local(spec.model)
+    uses_hub = any(_is_hub_id(name) for name in (spec.model, spec.ip_adapter, spec.image_encoder))
+    # offline: the cache only, so that huggingface_hub does not retry a connection for a minute
+    offline = {"local_files_only": True} if uses_hub and hub_offline_reason() is not None else {}
     try:
         with warnings.catch_warnings():
             # diffusers >= 0.36 renamed torch_dtype to dtype; torch_dtype works in the whole range.
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            pipe = DiffusionPipeline.from_pretrained(spec.model, torch_dtype=dtype)
+            pipe = DiffusionPipeline.from_pretrained(spec.model, torch_dtype=dtype, **offline)
     except (OSError, ValueError) as exc:
         if not local and _looks_offline(exc):
             raise ModelLoadError(_offline_hint(spec.model, "--model")) from None
@@ -326,7 +451,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
             "Stable Diffusion 1.5, SDXL, SD 3.5 or Flux pipeline"
         )
     try:
-        families.load_ip_adapter(pipe, spec, dtype)
+        families.load_ip_adapter(pipe, spec, dtype, **offline)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         if not _is_local(spec.ip_adapter) and _looks_offline(exc):
             raise ModelLoadError(_offline_hint(spec.ip_adapter, "--ip-adapter", spec)) from None

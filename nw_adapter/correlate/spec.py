@@ -21,6 +21,12 @@ DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 SDXL_SUBFOLDER = "sdxl_models"
 SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
 TINY = "tiny"
+TINY_DIGITS_DIR = Path(__file__).resolve().parents[1] / "models" / "weights" / "tiny_digits"
+"""``--model tiny``: the trained model shipped in the package (``nw_adapter.models.tiny_digits.SHIPPED_DIR``,
+named here without importing torch)."""
+EXAMPLE_DIR = TINY_DIGITS_DIR / "examples"
+"""The tiny model's bundled held-out reference digits, ``digit_0.png`` ... ``digit_9.png``
+(``correlate.py --example-dir`` prints it; :func:`nw_adapter.models.tiny_digits.example_image_path`)."""
 
 
 class ModelLoadError(ValueError):
