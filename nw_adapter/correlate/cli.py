@@ -654,14 +654,15 @@ def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path
     """Load the model, compute every (unfinished) image, and on the main process write the report.
 
     The model names are resolved first, before torch and diffusers are imported: offline, a Hub
-    id that is not in the cache is one line at once (:func:`~nw_adapter.correlate.loading.resolve_spec`).
+    id that is not in the cache is one line at once (:func:`~nw_adapter.correlate.loading.check_hub_files`).
     """
     from nw_adapter.correlate import families
-    from nw_adapter.correlate.loading import resolve_spec
+    from nw_adapter.correlate.loading import check_hub_files, resolve_spec
 
     spec = resolve_spec(
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
+    check_hub_files(spec)  # offline: what cannot be loaded, in one line, now
     _check_true_cfg(args, families.family_of_model(spec.model))  # before the (slow) model load
     with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
         return _run(args, spec, infos, out_dir)

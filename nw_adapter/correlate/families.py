@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nw_adapter.correlate.spec import DEFAULT_IP_ADAPTER, TINY, ModelLoadError, ModelSpec, write_tiny_cache
+from nw_adapter.correlate.spec import (
+    DEFAULT_IP_ADAPTER,
+    TINY,
+    ModelLoadError,
+    ModelSpec,
+    hub_offline_reason,
+    write_tiny_cache,
+)
 
 UNET = "unet"
 SD3 = "sd3"
@@ -111,6 +118,8 @@ def _class_name_of(model: str) -> str | None:
             from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
             cached = try_to_load_from_cache(model, "model_index.json")  # no network when cached
+            if not isinstance(cached, str) and hub_offline_reason() is not None:
+                return None  # offline: loading.check_hub_files names what is missing, without retries
             index = Path(cached if isinstance(cached, str) else hf_hub_download(model, "model_index.json"))
         except Exception:  # offline or unknown id: loading the pipeline reports it properly
             return None

@@ -24,11 +24,7 @@ are not in the Hugging Face cache is that one line at once, and cached ones load
 from __future__ import annotations
 
 import difflib
-import functools
 import json
-import socket
-import urllib.parse
-import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,6 +41,7 @@ from nw_adapter.correlate.spec import (
     TINY_DIGITS_DIR,
     ModelLoadError,
     ModelSpec,
+    hub_offline_reason,
     tiny_cache_dir,
     write_tiny_cache,
 )
@@ -63,6 +60,7 @@ __all__ = [
     "ModelSpec",
     "OFFLINE_MODELS",
     "build_pipeline",
+    "check_hub_files",
     "check_model_name",
     "hub_offline_reason",
     "resolve_device",
@@ -99,10 +97,6 @@ OFFLINE_MODELS: dict[str, str] = {
 """``--model`` names that need no download -> what they are: the trained tiny digits model
 (``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
 
-HUB_CONNECT_TIMEOUT_S = 5.0
-"""How long :func:`hub_offline_reason` waits for a TCP connection to the Hub (or the proxy)."""
-
-
 def _is_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 
@@ -134,37 +128,6 @@ def check_model_name(name: str, option: str = "--model") -> None:
     )
 
 
-def hub_offline_reason() -> str | None:
-    """Why the Hugging Face Hub cannot be used now, or None when it can.
-
-    Asked before the first Hub call, so that no download is tried (and retried, with back-off,
-    for a minute) without network: ``HF_HUB_OFFLINE`` set (huggingface_hub's own switch), or no
-    TCP connection within :data:`HUB_CONNECT_TIMEOUT_S` to the Hub's endpoint (``HF_ENDPOINT``),
-    or to the environment's proxy for it when one is set. The connection test runs once per
-    process and endpoint.
-    """
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set"
-    parts = urllib.parse.urlsplit(constants.ENDPOINT)
-    host = parts.hostname or ""
-    proxy = urllib.request.getproxies().get(parts.scheme or "https")
-    if proxy and not urllib.request.proxy_bypass(host):
-        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return _no_connection(parts.hostname or host, port)
-
-
-@functools.lru_cache(maxsize=16)
-def _no_connection(host: str, port: int) -> str | None:
-    try:
-        with socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S):
-            return None
-    except OSError as exc:
-        return f"no connection to {host}:{port} ({exc.strerror or type(exc).__name__})"
-
-
 def _cached(repo_id: str, filename: str) -> bool:
     """Whether ``filename`` of the Hub repository is in the Hugging Face cache (no network)."""
     from huggingface_hub import try_to_load_from_cache
@@ -175,8 +138,12 @@ def _cached(repo_id: str, filename: str) -> bool:
         return False
 
 
-def _check_cached_when_offline(spec: ModelSpec) -> None:
+def check_hub_files(spec: ModelSpec) -> None:
     """Offline: every Hub id of the resolved ``spec`` must be in the cache; else the one-line hint now.
+
+    Called on the resolved spec before anything is loaded (the command line: before torch is
+    imported; :func:`build_pipeline` again). Online, or with local folders and tiny models only,
+    it does nothing.
 
     Checks the file each loader reads first (``model_index.json``, the adapter's weight file, the
     image encoder's ``config.json``); a pipeline cached only in part is found by the load itself,
@@ -209,19 +176,16 @@ def _model_class_name(model: str) -> str | None:
 def resolve_spec(spec: ModelSpec) -> ModelSpec:
     """Replace ``tiny`` by the shipped trained model's folder and fill the adapter defaults.
 
-    Offline (:func:`hub_offline_reason`), a Hub id that is not in the Hugging Face cache is refused
-    here, before anything is downloaded or loaded.
+    Nothing is fetched: the family of a Hub id is read from its cached ``model_index.json``
+    (downloaded only when online). Offline, :func:`check_hub_files` says which Hub ids cannot be
+    loaded.
 
     Raises:
-        ModelLoadError: A local model folder that is not a diffusers pipeline, a local adapter
-            folder without the weight file, or a Hub id that cannot be fetched (offline).
+        ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
+            adapter folder without the weight file.
     """
-    if _is_hub_id(spec.model) and hub_offline_reason() is not None:  # before the family is looked up
-        if not _cached(spec.model, "model_index.json"):
-            raise ModelLoadError(_offline_hint(spec.model, "--model"))
     flow_spec = families.resolve_flow_spec(spec, tiny_cache_dir())  # SD3 / Flux: their defaults
     if flow_spec is not None:
-        _check_cached_when_offline(flow_spec)
         return flow_spec
     model, adapter = spec.model, spec.ip_adapter
     if model == TINY or adapter == TINY:
@@ -249,9 +213,7 @@ def resolve_spec(spec: ModelSpec) -> ModelSpec:
                 f"holds {subfolder}/{weight_name} (layout of {DEFAULT_IP_ADAPTER}), or set "
                 "--subfolder/--weight-name"
             )
-    resolved = ModelSpec(model=model, ip_adapter=adapter, subfolder=subfolder, weight_name=weight_name)
-    _check_cached_when_offline(resolved)
-    return resolved
+    return ModelSpec(model=model, ip_adapter=adapter, subfolder=subfolder, weight_name=weight_name)
 
 
 def resolve_device(device: str) -> str:
@@ -429,6 +391,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
     import torch
     from diffusers import DiffusionPipeline
 
+    check_hub_files(spec)
     dtype = dtype or torch.float32
     local = _is_local(spec.model)
     uses_hub = any(_is_hub_id(name) for name in (spec.model, spec.ip_adapter, spec.image_encoder))

@@ -8,7 +8,11 @@ neither imports the other's callers back (no import circle).
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,3 +103,38 @@ def write_tiny_cache(model: str, root: Path, build: Callable[[], _T]) -> _T:
             f"--model {model}: cannot write the tiny model to '{root}' ({reason[:200]}); "
             "free space or set NW_ADAPTER_CACHE to a writable folder"
         ) from None
+
+
+HUB_CONNECT_TIMEOUT_S = 5.0
+"""How long :func:`hub_offline_reason` waits for a TCP connection to the Hub (or the proxy)."""
+
+
+def hub_offline_reason() -> str | None:
+    """Why the Hugging Face Hub cannot be used now, or None when it can.
+
+    Asked before the first Hub call, so that no download is tried (and retried, with back-off,
+    for a minute) without network: ``HF_HUB_OFFLINE`` set (huggingface_hub's own switch), or no
+    TCP connection within :data:`HUB_CONNECT_TIMEOUT_S` to the Hub's endpoint (``HF_ENDPOINT``),
+    or to the environment's proxy for it when one is set. The connection test runs once per
+    process and endpoint.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    parts = urllib.parse.urlsplit(constants.ENDPOINT)
+    host = parts.hostname or ""
+    proxy = urllib.request.getproxies().get(parts.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _no_connection(parts.hostname or host, port)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_connection(host: str, port: int) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return f"no connection to {host}:{port} ({exc.strerror or type(exc).__name__})"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nw_adapter.correlate import loading
+from nw_adapter.correlate import loading, spec
 from nw_adapter.correlate.cli import main
 from nw_adapter.correlate.spec import ModelLoadError
 
@@ -112,7 +112,7 @@ def test_hf_hub_offline_is_read_before_any_connection(monkeypatch) -> None:
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(loading, "_no_connection", lambda *a: pytest.fail("no connection may be tried"))
+    monkeypatch.setattr(spec, "_no_connection", lambda *a: pytest.fail("no connection may be tried"))
     assert loading.hub_offline_reason() == "HF_HUB_OFFLINE is set"
 
 
