@@ -1,5 +1,6 @@
 """Where the command line's pipeline and adapter come from: :class:`ModelSpec`, the defaults,
-the tiny-model cache, and :class:`ModelLoadError`.
+the tiny-model cache and the shipped folders, whether the Hub can be reached
+(:func:`hub_offline_reason`), and :class:`ModelLoadError`. Imports neither torch nor diffusers.
 
 Shared by :mod:`~nw_adapter.correlate.loading` (UNet pipelines, the loading itself) and
 :mod:`~nw_adapter.correlate.families` (the SD3 / Flux defaults); both import this module and
