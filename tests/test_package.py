@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,8 +36,6 @@ def test_unknown_attribute_raises():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     """The project's wheel, built from this checkout (no network: the installed setuptools)."""
-    from pathlib import Path
-
     out = tmp_path_factory.mktemp("wheel")
     root = Path(__file__).resolve().parents[1]
     subprocess.run(
@@ -69,7 +68,104 @@ def test_companion_pipelines_import_from_the_package():
     )
 
     companions = (
-        FluxNWPipeline, StableDiffusion3NWPipeline, StableDiffusionNWPipeline, StableDiffusionXLNWPipeline
+        FluxNWPipeline,
+        StableDiffusion3NWPipeline,
+        StableDiffusionNWPipeline,
+        StableDiffusionXLNWPipeline,
     )
     for cls in companions:
         assert issubclass(cls, NWIPAdapterMixin)
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """The wheel installed into a fresh virtual environment outside the checkout.
+
+    ``pip install --no-deps --no-index`` of the wheel alone; the test interpreter's site-packages
+    are appended to the new environment's path (a ``.pth`` file, after its own site-packages), so
+    the dependencies are found but this checkout is not (an editable install's finder is not
+    activated from there), and ``nw_adapter`` comes from the wheel.
+    """
+    import site
+    import venv
+
+    root = tmp_path_factory.mktemp("venv")
+    env_dir, work = root / "env", root / "elsewhere"
+    work.mkdir()
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    # outside the checkout, without PYTHONPATH: else pip finds this checkout's metadata "already installed"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+         str(wheel)],
+        check=True, capture_output=True, timeout=300, cwd=work, env=_clean_environment(),
+    )  # fmt: skip
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    assert (Path(purelib) / "nw_adapter" / "__main__.py").is_file()
+    outer = [*site.getsitepackages(), site.getusersitepackages()]
+    (Path(purelib) / "_test_dependencies.pth").write_text("\n".join(outer) + "\n")
+    return {"python": python, "bin": env_dir / "bin", "purelib": Path(purelib), "cwd": work}
+
+
+def _clean_environment(path_first: Path | None = None) -> dict[str, str]:
+    """``os.environ`` without this checkout (PYTHONPATH) and its virtual environment."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    if path_first is not None:
+        env["PATH"] = f"{path_first}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _run_installed(installed, command: list[str]) -> subprocess.CompletedProcess:
+    env = _clean_environment(installed["bin"])
+    return subprocess.run(command, capture_output=True, text=True, cwd=installed["cwd"], env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [
+        (["nw-correlate", "--help"], "usage: nw-correlate "),
+        (["nw-experiments", "--help"], "usage: nw-experiments "),
+        (["python", "-m", "nw_adapter", "--help"], "usage: python -m nw_adapter COMMAND"),
+        (["python", "-m", "nw_adapter", "correlate", "--help"], "usage: python -m nw_adapter correlate "),
+        (["python", "-m", "nw_adapter", "experiments", "--help"], "usage: python -m nw_adapter experiments "),
+        (["python", "-m", "nw_adapter.correlate", "--help"], "usage: python -m nw_adapter.correlate "),
+        (
+            ["python", "-m", "nw_adapter.experiments.cli", "--help"],
+            "usage: python -m nw_adapter.experiments.cli ",
+        ),
+    ],
+)
+def test_every_entry_point_of_the_installed_wheel_answers_with_its_own_name(installed, command, usage):
+    proc = _run_installed(installed, command)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(usage), proc.stdout[:200]
+
+
+def test_the_installed_wheel_is_the_one_running_and_errors_name_the_command(installed):
+    proc = _run_installed(installed, ["nw-correlate", "--image", "ref.png", "--stpes", "3"])
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        "nw-correlate: error: unrecognized arguments: --stpes 3; did you mean --steps?"
+    )
+    where = _run_installed(installed, ["python", "-c", "import nw_adapter; print(nw_adapter.__file__)"])
+    assert Path(where.stdout.strip()).is_relative_to(installed["purelib"]), where.stdout
+
+
+def test_the_installed_wheel_shows_where_its_example_digits_are(installed):
+    proc = _run_installed(installed, ["nw-correlate", "--example-dir"])
+    assert proc.returncode == 0, proc.stderr
+    folder = Path(proc.stdout.strip())
+    assert folder.is_relative_to(installed["purelib"])
+    assert sorted(p.name for p in folder.glob("digit_*.png")) == [f"digit_{d}.png" for d in range(10)]
+
+
+def test_example_dir_is_where_the_tiny_model_keeps_its_examples():
+    from nw_adapter.correlate.spec import EXAMPLE_DIR, TINY_DIGITS_DIR
+    from nw_adapter.models.tiny_digits import SHIPPED_DIR, example_image_path
+
+    assert TINY_DIGITS_DIR == SHIPPED_DIR and EXAMPLE_DIR == example_image_path(3).parent

@@ -17,12 +17,19 @@ exits 2 with one line too; the images finished before it are kept and a rerun re
 Verbosity: progress bars only when stderr is a terminal and without ``-q``; notes unless
 ``-qq``; the libraries' own warnings only with ``-v``.
 
+This module imports neither torch nor diffusers (nor transformers, accelerate, huggingface_hub):
+``--help``, ``--example-dir`` and every argument error answer before any of them is loaded
+(tests/correlate/test_cli_imports.py; the numbers in benchmarks/cli_startup.py). The usage line and
+the error prefix name the command as it was invoked (``nw-correlate``, ``correlate.py``,
+``python -m nw_adapter.correlate``; :func:`nw_adapter.commands.invoked_as`).
+
 Example:
     $ python scripts/correlate.py --image ref.png --model tiny --steps 3
     $ python scripts/correlate.py --image ref.png            # SD 1.5 + h94/IP-Adapter
     $ accelerate launch --multi_gpu --num_processes 2 scripts/correlate.py --image-dir refs/
     $ python scripts/correlate.py --replot correlate_out
     $ python scripts/correlate.py --compare-swap --image-dir refs/ --model tiny   # stock vs NW head
+    $ nw-correlate --image-dir "$(nw-correlate --example-dir)" --model tiny   # the bundled digits
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from nw_adapter.atomic import WriteError
+from nw_adapter.commands import OneLineParser, invoked_as
 from nw_adapter.correlate import swap_cli
 from nw_adapter.correlate.families import UNET_BLOCKS
 from nw_adapter.correlate.images import (
@@ -51,9 +59,11 @@ from nw_adapter.correlate.loading import (
     DEFAULT_IP_ADAPTER,
     DEFAULT_MODEL,
     DTYPES,
+    OFFLINE_MODELS,
     SCHEDULERS,
     ModelLoadError,
     ModelSpec,
+    check_model_name,
 )
 from nw_adapter.correlate.outputs import (
     OutputError,
@@ -68,6 +78,7 @@ from nw_adapter.correlate.outputs import (
     write_outputs,
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
+from nw_adapter.correlate.spec import EXAMPLE_DIR
 from nw_adapter.correlate.swap_cli import CompareSwapError
 from nw_adapter.integration.config import BANDWIDTH_RANGE
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
@@ -81,11 +92,21 @@ class CLIError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """ArgumentParser whose errors are one line (no usage block) and raise :class:`CLIError`."""
 
-    def error(self, message: str) -> NoReturn:
-        raise CLIError(f"{' '.join(message.split())} (see --help)")
+    error_class = CLIError
+
+
+class _ExampleDir(argparse.Action):
+    """``--example-dir``: print the folder of the bundled example references and exit (like ``--version``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(EXAMPLE_DIR)
+        parser.exit()
 
 
 def _positive_int(name: str, *, maximum: int | None = None):
@@ -115,21 +136,27 @@ def _nonneg_float(name: str):
     return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seed must be a whole number, got '{text}'") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"--seed must be between 0 and 2**63 - 1, got {value}")
-    return value
+def _seed(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got '{text}'") from None
+        if not 0 <= value < 2**63:
+            raise argparse.ArgumentTypeError(f"{name} must be between 0 and 2**63 - 1, got {value}")
+        return value
+
+    return parse
 
 
-def _size(text: str) -> int:
-    value = _positive_int("--height/--width", maximum=8192)(text)
-    if value % 8:
-        raise argparse.ArgumentTypeError(f"--height/--width must be a multiple of 8, got {value}")
-    return value
+def _size(name: str):
+    def parse(text: str) -> int:
+        value = _positive_int(name, maximum=8192)(text)
+        if value % 8:
+            raise argparse.ArgumentTypeError(f"{name} must be a multiple of 8, got {value}")
+        return value
+
+    return parse
 
 
 def _bandwidth(text: str) -> str | float:
@@ -166,10 +193,10 @@ def _family_default(family: str, field: str) -> str:
     return getattr(FAMILIES[family], field)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line parser of ``correlate.py``."""
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The command-line parser of ``correlate.py`` (``prog``: the command as invoked, for the usage line)."""
     parser = _Parser(
-        prog=PROG,
+        prog=prog,
         description=(
             "Generate with IP-Adapter and report, per denoising timestep, how closely the image branch's "
             "cross-attention follows Nadaraya-Watson (Gaussian-kernel) weights: Spearman rho with its three "
@@ -191,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="folder of reference images, non-recursive (repeatable)",
     )
+    src.add_argument(
+        "--example-dir",
+        action=_ExampleDir,
+        help="print the folder of the bundled held-out digits digit_0.png ... digit_9.png (references for "
+        '--model tiny) and exit; e.g. --image-dir "$(%(prog)s --example-dir)"',
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -198,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"diffusers pipeline: Hub id, local folder, or 'tiny' (default {DEFAULT_MODEL}); SD 3.5 "
         "(e.g. stabilityai/stable-diffusion-3.5-large) and Flux (e.g. black-forest-labs/FLUX.1-dev) "
         "pipelines are recognised from the pipeline and get their family's adapter; 'tiny-sd3' and "
-        "'tiny-flux' are their offline tiny models",
+        "'tiny-flux' are their offline tiny models (random weights)",
     )
     model.add_argument(
         "--ip-adapter",
@@ -237,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--negative-prompt", default=None, help="negative prompt")
     gen.add_argument("--steps", type=_positive_int("--steps", maximum=1000), default=50, help="default 50")
-    gen.add_argument("--seed", type=_seed, default=0, help="seed of the generation and the nulls (default 0)")
+    gen.add_argument(
+        "--seed", type=_seed("--seed"), default=0, help="seed of the generation and the nulls (default 0)"
+    )
     gen.add_argument(
         "--guidance-scale", type=_nonneg_float("--guidance-scale"), default=7.5, help="default 7.5"
     )
@@ -252,9 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         "passes per step, reported as the cond / uncond halves); default 1.0",
     )
     gen.add_argument(
-        "--height", type=_size, default=None, help="pixels, multiple of 8 (default: the model's)"
+        "--height", type=_size("--height"), default=None, help="pixels, multiple of 8 (default: the model's)"
     )
-    gen.add_argument("--width", type=_size, default=None, help="pixels, multiple of 8 (default: the model's)")
+    gen.add_argument(
+        "--width", type=_size("--width"), default=None, help="pixels, multiple of 8 (default: the model's)"
+    )
     nw = parser.add_argument_group("NW comparison")
     nw.add_argument(
         "--mode",
@@ -284,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     nw.add_argument(
         "--untrained-seed",
-        type=_seed,
+        type=_seed("--untrained-seed"),
         default=0,
         help="seed of the untrained adapter's initialisation (default 0)",
     )
@@ -320,13 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and check the options (no file system access beyond reading nothing).
+def parse_args(argv: Sequence[str] | None = None, *, prog: str = PROG) -> argparse.Namespace:
+    """Parse and check the options (the file system only to tell a local ``--model`` folder from a name).
 
     Raises:
         CLIError: Unknown options, bad values, nothing to do.
+        ModelLoadError: a ``--model`` / ``--ip-adapter`` that is no folder, Hub id or offline model.
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
+    args.prog = prog
     args.out_given_empty = not args.out.strip()
     args.out = Path(args.out)
     if args.replot is not None:
@@ -338,7 +377,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.image and not args.image_dir:
         raise CLIError("no reference image given; pass --image FILE or --image-dir FOLDER")
     if not args.model.strip():
-        raise CLIError("--model is empty; pass a Hub id, a local folder or tiny")
+        raise CLIError(f"--model is empty; pass a Hub id, a local folder or {' / '.join(OFFLINE_MODELS)}")
+    check_model_name(args.model, "--model")
+    if args.ip_adapter is not None:
+        if not args.ip_adapter.strip():
+            raise CLIError("--ip-adapter is empty; pass a Hub id, a local folder or tiny, or omit it")
+        check_model_name(args.ip_adapter, "--ip-adapter")
     if not str(args.out).strip() or args.out_given_empty:
         raise CLIError("--out is empty; pass a folder path (e.g. --out correlate_out)")
     for option, values in (("--image", args.image), ("--image-dir", args.image_dir)):
@@ -613,15 +657,27 @@ def _check_true_cfg(args: argparse.Namespace, family: str) -> None:
 
 
 def run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
-    """Load the model, compute every (unfinished) image, and on the main process write the report."""
+    """Load the model, compute every (unfinished) image, and on the main process write the report.
+
+    The model names are resolved first, before torch and diffusers are imported: offline, a Hub
+    id that is not in the cache is one line at once (:func:`~nw_adapter.correlate.loading.check_hub_files`).
+    """
+    from nw_adapter.correlate import families
+    from nw_adapter.correlate.loading import check_hub_files, resolve_spec
+
+    spec = resolve_spec(
+        ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
+    )
+    check_hub_files(spec)  # offline: what cannot be loaded, in one line, now
+    _check_true_cfg(args, families.family_of_model(spec.model))  # before the (slow) model load
     with _library_output(verbose=args.verbose, bars=show_progress_bars(args)):
-        return _run(args, infos, out_dir)
+        return _run(args, spec, infos, out_dir)
 
 
-def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
+def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceImage], out_dir: Path) -> int:
     """The body of :func:`run`: load, check ``--layers``, sweep under the lock, report."""
     from nw_adapter.correlate import families
-    from nw_adapter.correlate.loading import build_pipeline, resolve_dtype, resolve_spec
+    from nw_adapter.correlate.loading import build_pipeline, resolve_dtype
     from nw_adapter.correlate.report import build_report
     from nw_adapter.correlate.sweep import fingerprint, run_sweep
 
@@ -630,10 +686,6 @@ def _run(args: argparse.Namespace, infos: Sequence[ReferenceImage], out_dir: Pat
     for info in infos:
         for text in info.notes:
             _note(args, state, f"{info.path.name}: {text}")
-    spec = resolve_spec(
-        ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
-    )
-    _check_true_cfg(args, families.family_of_model(spec.model))  # before the (slow) model load
     dtype = resolve_dtype(args.dtype, device)
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
     pipe.set_progress_bar_config(disable=not (bars and state.is_main_process), leave=False)
@@ -716,15 +768,24 @@ def _compare_swap(args: argparse.Namespace) -> int:
         with _library_output(verbose=args.verbose, bars=bars):
             return swap_cli.run(args, infos, out_dir, bars=bars, check_true_cfg=_check_true_cfg)
     except KeyboardInterrupt:  # unlike the rho run, nothing of an unfinished comparison is kept
-        print(f"{PROG}: interrupted; an unfinished comparison is not kept, rerun it", file=sys.stderr)
+        print(f"{args.prog}: interrupted; an unfinished comparison is not kept, rerun it", file=sys.stderr)
         return 130
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted)."""
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+        prog: the command's name in the usage line and the messages (default: as invoked,
+            :func:`nw_adapter.commands.invoked_as`, for the real command line; ``correlate.py`` for
+            an ``argv`` passed in).
+    """
+    if prog is None:
+        prog = invoked_as(PROG) if argv is None else PROG
     try:
-        args = parse_args(argv)
-        swap_cli.check_options(args, swap_cli.given_options(build_parser(), argv))
+        args = parse_args(argv, prog=prog)
+        swap_cli.check_options(args, swap_cli.given_options(build_parser(prog), argv))
         if args.compare_swap:
             return _compare_swap(args)
         if args.replot is not None:
@@ -736,21 +797,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_libraries(verbose=args.verbose, bars=show_progress_bars(args))
         return run(args, infos, out_dir)
     except (CLIError, OutputError, ImageInputError, ModelLoadError, CompareSwapError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (NWConfigError, NWInstallError) as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except WriteError as exc:
         print(
-            f"{PROG}: error: {' '.join(str(exc).split())}; free space or fix the permissions of --out and "
+            f"{prog}: error: {' '.join(str(exc).split())}; free space or fix the permissions of --out and "
             "rerun the same command (finished images are kept)",
             file=sys.stderr,
         )
         return 2
     except KeyboardInterrupt:
         print(
-            f"{PROG}: interrupted; finished images are kept, rerun the same command to resume",
+            f"{prog}: interrupted; finished images are kept, rerun the same command to resume",
             file=sys.stderr,
         )
         return 130

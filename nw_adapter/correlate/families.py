@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nw_adapter.correlate.spec import DEFAULT_IP_ADAPTER, TINY, ModelLoadError, ModelSpec, write_tiny_cache
+from nw_adapter.correlate.spec import (
+    DEFAULT_IP_ADAPTER,
+    TINY,
+    ModelLoadError,
+    ModelSpec,
+    hub_offline_reason,
+    write_tiny_cache,
+)
 
 UNET = "unet"
 SD3 = "sd3"
@@ -108,9 +115,12 @@ def _class_name_of(model: str) -> str | None:
     index = folder / "model_index.json"
     if not index.is_file() and not folder.exists() and model.count("/") == 1:
         try:
-            from huggingface_hub import hf_hub_download
+            from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-            index = Path(hf_hub_download(model, "model_index.json"))
+            cached = try_to_load_from_cache(model, "model_index.json")  # no network when cached
+            if not isinstance(cached, str) and hub_offline_reason() is not None:
+                return None  # offline: loading.check_hub_files names what is missing, without retries
+            index = Path(cached if isinstance(cached, str) else hf_hub_download(model, "model_index.json"))
         except Exception:  # offline or unknown id: loading the pipeline reports it properly
             return None
     try:
@@ -191,13 +201,14 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
     )
 
 
-def load_ip_adapter(pipe: Any, spec: Any, dtype: Any) -> None:
+def load_ip_adapter(pipe: Any, spec: Any, dtype: Any, **hub: Any) -> None:
     """``pipe.load_ip_adapter`` with the arguments of the pipeline's family.
 
     SD 3 / 3.5 (``SD3IPAdapterMixin``): the SigLIP encoder comes from ``image_encoder_folder``;
     Flux (``FluxIPAdapterMixin``): the CLIP encoder from
     ``image_encoder_pretrained_model_name_or_path``, in the pipeline's dtype; UNet pipelines: the
-    encoder inside the adapter repository, as before.
+    encoder inside the adapter repository, as before. ``hub``: Hub options passed on as they are
+    (``local_files_only=True`` offline).
     """
     family = family_of_pipeline(pipe)
     if family == SD3:
@@ -206,6 +217,7 @@ def load_ip_adapter(pipe: Any, spec: Any, dtype: Any) -> None:
             subfolder=spec.subfolder or None,
             weight_name=spec.weight_name,
             image_encoder_folder=_as_path_like(spec.image_encoder),
+            **hub,
         )
     elif family == FLUX:
         pipe.load_ip_adapter(
@@ -214,9 +226,10 @@ def load_ip_adapter(pipe: Any, spec: Any, dtype: Any) -> None:
             weight_name=spec.weight_name,
             image_encoder_pretrained_model_name_or_path=spec.image_encoder,
             image_encoder_dtype=dtype,
+            **hub,
         )
     else:
-        pipe.load_ip_adapter(spec.ip_adapter, subfolder=spec.subfolder, weight_name=spec.weight_name)
+        pipe.load_ip_adapter(spec.ip_adapter, subfolder=spec.subfolder, weight_name=spec.weight_name, **hub)
 
 
 def _as_path_like(encoder: str | None) -> str | None:

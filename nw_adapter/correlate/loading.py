@@ -13,11 +13,17 @@ and Flux models (``tiny-sd3``, ``tiny-flux``) are written once into a cache fold
 :func:`~nw_adapter.correlate.spec.write_tiny_cache`.
 
 Every failure becomes a :class:`~nw_adapter.correlate.spec.ModelLoadError` with one line saying
-what to do.
+what to do. Without network nothing is attempted and retried: whether the Hub can be reached is
+decided once, before the first Hub call (:func:`hub_offline_reason`); offline, a Hub id whose files
+are not in the Hugging Face cache is that one line at once, and cached ones load with
+``local_files_only=True``. A ``--model`` that is neither a folder, a Hub id nor an offline model
+(``tiny-sd15``) is refused while the options are parsed, with the closest offline names
+(:func:`check_model_name`).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import warnings
 from pathlib import Path
@@ -32,8 +38,10 @@ from nw_adapter.correlate.spec import (
     SDXL_SUBFOLDER,
     SDXL_WEIGHT_NAME,
     TINY,
+    TINY_DIGITS_DIR,
     ModelLoadError,
     ModelSpec,
+    hub_offline_reason,
     tiny_cache_dir,
     write_tiny_cache,
 )
@@ -50,7 +58,11 @@ __all__ = [
     "TINY",
     "ModelLoadError",
     "ModelSpec",
+    "OFFLINE_MODELS",
     "build_pipeline",
+    "check_hub_files",
+    "check_model_name",
+    "hub_offline_reason",
     "resolve_device",
     "resolve_dtype",
     "resolve_spec",
@@ -78,9 +90,77 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+OFFLINE_MODELS: dict[str, str] = {
+    TINY: "SD 1.5, trained on digits",
+    **{name: f"{family.label}, random weights" for name, family in families.TINY_MODELS.items()},
+}
+"""``--model`` names that need no download -> what they are: the trained tiny digits model
+(``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
 
 def _is_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """Whether ``name`` would be looked up on the Hub (not a local folder, not a tiny model)."""
+    return bool(name) and name not in OFFLINE_MODELS and not _is_local(name)
+
+
+def check_model_name(name: str, option: str = "--model") -> None:
+    """Refuse a ``--model`` / ``--ip-adapter`` that is no folder, no ``owner/name`` and no offline model.
+
+    Hub pipelines and adapters are ``owner/name``; a bare name that is not a local folder is a
+    misspelt offline model (``tiny-sd15``) or a typo, so the message names the closest offline
+    names (:func:`difflib.get_close_matches`) and all of them.
+
+    Raises:
+        ModelLoadError: the one line, naming ``option``.
+    """
+    offline = OFFLINE_MODELS if option == "--model" else {TINY: "the SD 1.5 digits adapter"}
+    if name in offline or "/" in name or "\\" in name or _is_local(name):
+        return
+    close = difflib.get_close_matches(name, list(offline), n=2, cutoff=0.5)
+    guess = f"did you mean {' or '.join(close)}? " if close else ""
+    listed = ", ".join(f"{known} ({what})" for known, what in offline.items())
+    raise ModelLoadError(
+        f"{option} '{name}': not a local folder, a Hub id (owner/name) or an offline model; {guess}"
+        f"offline: {listed}"
+    )
+
+
+def _cached(repo_id: str, filename: str) -> bool:
+    """Whether ``filename`` of the Hub repository is in the Hugging Face cache (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, filename), str)
+    except ValueError:  # not a valid repository id
+        return False
+
+
+def check_hub_files(spec: ModelSpec) -> None:
+    """Offline: every Hub id of the resolved ``spec`` must be in the cache; else the one-line hint now.
+
+    Called on the resolved spec before anything is loaded (the command line: before torch is
+    imported; :func:`build_pipeline` again). Online, or with local folders and tiny models only,
+    it does nothing.
+
+    Checks the file each loader reads first (``model_index.json``, the adapter's weight file, the
+    image encoder's ``config.json``); a pipeline cached only in part is found by the load itself,
+    which then runs with ``local_files_only=True`` and ends in the same hint.
+    """
+    needed = [
+        (spec.model, "model_index.json", "--model"),
+        (spec.ip_adapter, f"{spec.subfolder}/{spec.weight_name}" if spec.subfolder else spec.weight_name,
+         "--ip-adapter"),
+        (spec.image_encoder, "config.json", "--image-encoder"),
+    ]  # fmt: skip
+    needed = [(name, file, option) for name, file, option in needed if _is_hub_id(name)]
+    if not needed or hub_offline_reason() is None:
+        return
+    for name, filename, option in needed:
+        if not _cached(name, filename):
+            raise ModelLoadError(_offline_hint(name, option, spec if option == "--ip-adapter" else None))
 
 
 def _model_class_name(model: str) -> str | None:
@@ -96,6 +176,10 @@ def _model_class_name(model: str) -> str | None:
 def resolve_spec(spec: ModelSpec) -> ModelSpec:
     """Replace ``tiny`` by the shipped trained model's folder and fill the adapter defaults.
 
+    Nothing is fetched: the family of a Hub id is read from its cached ``model_index.json``
+    (downloaded only when online). Offline, :func:`check_hub_files` says which Hub ids cannot be
+    loaded.
+
     Raises:
         ModelLoadError: A local model folder that is not a diffusers pipeline, or a local
             adapter folder without the weight file.
@@ -105,9 +189,7 @@ def resolve_spec(spec: ModelSpec) -> ModelSpec:
         return flow_spec
     model, adapter = spec.model, spec.ip_adapter
     if model == TINY or adapter == TINY:
-        from nw_adapter.models.tiny_digits import SHIPPED_DIR  # the trained model shipped in the package
-
-        tiny_model = tiny_adapter = SHIPPED_DIR
+        tiny_model = tiny_adapter = TINY_DIGITS_DIR  # the trained model shipped in the package
         model = str(tiny_model) if model == TINY else model
         adapter = str(tiny_adapter) if adapter in (TINY, None) else adapter
     adapter = adapter or DEFAULT_IP_ADAPTER
@@ -259,6 +341,8 @@ def download_command(name: str, option: str, spec: ModelSpec | None = None) -> s
         if encoder and not _is_local(encoder) and encoder != "tiny":
             command += f" && hf download {encoder} {' '.join(IMAGE_ENCODER_FILES)}"
         return command
+    if option == "--image-encoder":
+        return f"hf download {name} {' '.join(IMAGE_ENCODER_FILES)}"
     if name == DEFAULT_MODEL:
         return f"hf download {name} {' '.join(SD15_FILES)}"
     return f"hf download {name} {' '.join(DIFFUSERS_FOLDER_PATTERNS)}"
@@ -307,13 +391,17 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
     import torch
     from diffusers import DiffusionPipeline
 
+    check_hub_files(spec)
     dtype = dtype or torch.float32
     local = _is_local(spec.model)
+    uses_hub = any(_is_hub_id(name) for name in (spec.model, spec.ip_adapter, spec.image_encoder))
+    # offline: the cache only, so that huggingface_hub does not retry a connection for a minute
+    offline = {"local_files_only": True} if uses_hub and hub_offline_reason() is not None else {}
     try:
         with warnings.catch_warnings():
             # diffusers >= 0.36 renamed torch_dtype to dtype; torch_dtype works in the whole range.
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            pipe = DiffusionPipeline.from_pretrained(spec.model, torch_dtype=dtype)
+            pipe = DiffusionPipeline.from_pretrained(spec.model, torch_dtype=dtype, **offline)
     except (OSError, ValueError) as exc:
         if not local and _looks_offline(exc):
             raise ModelLoadError(_offline_hint(spec.model, "--model")) from None
@@ -326,7 +414,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
             "Stable Diffusion 1.5, SDXL, SD 3.5 or Flux pipeline"
         )
     try:
-        families.load_ip_adapter(pipe, spec, dtype)
+        families.load_ip_adapter(pipe, spec, dtype, **offline)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         if not _is_local(spec.ip_adapter) and _looks_offline(exc):
             raise ModelLoadError(_offline_hint(spec.ip_adapter, "--ip-adapter", spec)) from None

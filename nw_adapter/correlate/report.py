@@ -36,9 +36,10 @@ from nw_adapter.integration.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-
 from nw_adapter.integration.records import aggregate as aggregate_records
 from nw_adapter.integration.records import analysis_half, csv_text
 from nw_adapter.integration.schema import RECORD_KEYS, RUN_KEYS, SUMMARY_STATS
+from nw_adapter.integration.validation import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
 
-SCHEMA = "nw-adapter/rho"
-SCHEMA_VERSION = 1
+SCHEMA = REPORT_SCHEMA
+SCHEMA_VERSION = REPORT_SCHEMA_VERSION  # --replot refuses any other (validation.check_report)
 
 PAPER_TIMESTEPS: tuple[int, ...] = (981, 761, 501, 261, 1)
 """Timesteps the paper reports (50 DDIM/PNDM steps of SD 1.5)."""
@@ -71,6 +72,23 @@ h_eff ...) is in ``rho.json``'s ``table`` / ``steps`` rows and in ``rho.csv``.
 
 OPTIONAL_COLUMNS: frozenset[str] = frozenset({"rho_untrained", "nw_gain_untrained"})
 """Table columns printed only when recorded (the untrained-adapter control on)."""
+
+COLUMN_LEGEND: dict[str, str] = {
+    "step": "denoiser call (0 = the first)",
+    "timestep": "the scheduler's timestep t at that call",
+    "rho": "Spearman rho of attention vs NW (Gaussian-kernel) weights per query row, from logits",
+    "rho_perm_null": "rho with the keys permuted: chance level",
+    "rho_norm_matched_null": "rho of random query directions with the same norms",
+    "rho_spread_null": "rho with each row's q.k kept and the key norms shuffled: what q.k spread alone gives",
+    "kl": "KL divergence of the attention A from the NW weights: sum of A log(A / NW) over the tokens",
+    "nw_gain": "KL to the query-averaged attention minus KL to the best NW fit (> 0: NW predicts better)",
+    "rho_untrained": "rho of the untrained-adapter control (same queries; keys of the recipe's "
+    "initialisation)",
+    "nw_gain_untrained": "nw-gain of the untrained-adapter control",
+    "frac_rho_gt_0_9": "fraction of (layer, head) records with rho > 0.9",
+}
+"""What each column of :data:`TABLE_COLUMNS` shows (row key -> words), printed under the table
+(:func:`format_legend`); docs/cli.md has the same words."""
 
 
 def aggregate(
@@ -131,6 +149,18 @@ def format_table(rows: Sequence[dict]) -> str:
             cells.append(text.rjust(w))
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def format_legend(rows: Sequence[dict]) -> str:
+    """The legend of the columns :func:`format_table` shows for ``rows``: one line per column.
+
+    ``legend (means over layers, heads and reference images):`` then ``  <header>  <words>``, the
+    headers as the table prints them, aligned; at most 105 characters a line, as the table.
+    """
+    columns = _shown_columns(rows)
+    width = max(len(header) for _, header, _ in columns)
+    lines = [f"  {header:<{width}}  {COLUMN_LEGEND[key]}" for key, header, _ in columns]
+    return "\n".join(["legend (means over layers, heads and reference images):", *lines])
 
 
 def parse_table(text: str) -> list[dict]:
@@ -273,7 +303,7 @@ def random_weights_note(report: dict) -> str | None:
 
 
 def format_report(report: dict) -> str:
-    """What the command line prints: a context line, the table and the verdict line."""
+    """What the command line prints: a context line, the table, its legend and the verdict."""
     records = report["records"]
     half = report["half"]
     kept = [r for r in records if r.get("half") == half]
@@ -289,7 +319,8 @@ def format_report(report: dict) -> str:
     note = repeated_timestep_note(report)
     if note:
         context += f"; note: {note}"
-    lines = [context, format_table(report["table"]), format_verdict(report["verdict"])]
+    table = report["table"]
+    lines = [context, format_table(table), format_legend(table), format_verdict(report["verdict"])]
     warning = random_weights_note(report)
     if warning:
         lines.insert(0, f"WARNING: {warning}")

@@ -1,5 +1,6 @@
 """Where the command line's pipeline and adapter come from: :class:`ModelSpec`, the defaults,
-the tiny-model cache, and :class:`ModelLoadError`.
+the tiny-model cache and the shipped folders, whether the Hub can be reached
+(:func:`hub_offline_reason`), and :class:`ModelLoadError`. Imports neither torch nor diffusers.
 
 Shared by :mod:`~nw_adapter.correlate.loading` (UNet pipelines, the loading itself) and
 :mod:`~nw_adapter.correlate.families` (the SD3 / Flux defaults); both import this module and
@@ -8,7 +9,11 @@ neither imports the other's callers back (no import circle).
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +26,12 @@ DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 SDXL_SUBFOLDER = "sdxl_models"
 SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
 TINY = "tiny"
+TINY_DIGITS_DIR = Path(__file__).resolve().parents[1] / "models" / "weights" / "tiny_digits"
+"""``--model tiny``: the trained model shipped in the package (``nw_adapter.models.tiny_digits.SHIPPED_DIR``,
+named here without importing torch)."""
+EXAMPLE_DIR = TINY_DIGITS_DIR / "examples"
+"""The tiny model's bundled held-out reference digits, ``digit_0.png`` ... ``digit_9.png``
+(``correlate.py --example-dir`` prints it; :func:`nw_adapter.models.tiny_digits.example_image_path`)."""
 
 
 class ModelLoadError(ValueError):
@@ -93,3 +104,38 @@ def write_tiny_cache(model: str, root: Path, build: Callable[[], _T]) -> _T:
             f"--model {model}: cannot write the tiny model to '{root}' ({reason[:200]}); "
             "free space or set NW_ADAPTER_CACHE to a writable folder"
         ) from None
+
+
+HUB_CONNECT_TIMEOUT_S = 5.0
+"""How long :func:`hub_offline_reason` waits for a TCP connection to the Hub (or the proxy)."""
+
+
+def hub_offline_reason() -> str | None:
+    """Why the Hugging Face Hub cannot be used now, or None when it can.
+
+    Asked before the first Hub call, so that no download is tried (and retried, with back-off,
+    for a minute) without network: ``HF_HUB_OFFLINE`` set (huggingface_hub's own switch), or no
+    TCP connection within :data:`HUB_CONNECT_TIMEOUT_S` to the Hub's endpoint (``HF_ENDPOINT``),
+    or to the environment's proxy for it when one is set. The connection test runs once per
+    process and endpoint.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    parts = urllib.parse.urlsplit(constants.ENDPOINT)
+    host = parts.hostname or ""
+    proxy = urllib.request.getproxies().get(parts.scheme or "https")
+    if proxy and not urllib.request.proxy_bypass(host):
+        parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _no_connection(parts.hostname or host, port)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_connection(host: str, port: int) -> str | None:
+    try:
+        with socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return f"no connection to {host}:{port} ({exc.strerror or type(exc).__name__})"

@@ -44,7 +44,7 @@ from typing import Any
 
 from nw_adapter.correlate.images import ReferenceImage
 from nw_adapter.integration.config import BANDWIDTH_RANGE
-from nw_adapter.integration.consequence import DEFAULT_RULES
+from nw_adapter.integration.config import BANDWIDTH_RULES as DEFAULT_RULES  # consequence's, without torch
 
 __all__ = [
     "CompareSwapError",

@@ -1,8 +1,10 @@
 """Command line of the failure-regime experiments (shared by the scripts in ``scripts/``).
 
-``python scripts/run_experiments.py --out DIR [--quick]`` runs all three regimes; the per-regime
-scripts run one. Exit codes: 0 done, 2 bad input (one-line message), 130 interrupted (rerun to resume),
-1 unexpected failure.
+``python scripts/run_experiments.py --out DIR [--quick]`` (installed: ``nw-experiments``; also
+``python -m nw_adapter.experiments.cli`` and ``python -m nw_adapter experiments``) runs all three
+regimes; the per-regime scripts run one. Exit codes: 0 done, 2 bad input (one line on stderr naming
+the option), 130 interrupted (rerun to resume), 1 unexpected failure. ``--help`` and the argument
+errors answer before torch is imported.
 """
 
 from __future__ import annotations
@@ -13,34 +15,77 @@ import sys
 import time
 from pathlib import Path
 
+from nw_adapter.commands import OneLineParser, invoked_as
 from nw_adapter.experiments.scale import FULL, QUICK, REGIMES, Scale
 
 __all__ = ["build_parser", "main"]
 
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from err
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must list integers >= 1")
-    return values
+PROG = "run_experiments.py"
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+class ArgumentError(ValueError):
+    """A bad option: printed as one line naming it, exit status 2."""
 
 
-def build_parser(description: str, regimes: tuple[str, ...] | None) -> argparse.ArgumentParser:
+class _Parser(OneLineParser):
+    """ArgumentParser whose errors raise :class:`ArgumentError` (one line, no usage block)."""
+
+    error_class = ArgumentError
+
+
+def _int_list(name: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a comma-separated list of whole numbers, got {text!r}"
+            ) from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{name} must list whole numbers >= 1, got {text!r}")
+        return values
+
+    return parse
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {text!r}")
+        return value
+
+    return parse
+
+
+HIDDEN_INT_OPTIONS = (
+    "--steps",
+    "--digits-steps",
+    "--eval-tasks",
+    "--eval-generated",
+    "--eval-targets",
+    "--digits-targets",
+    "--digits-tasks-per-class",
+    "--grid-points",
+    "--d-model",
+    "--tasks-per-batch",
+    "--targets-per-task",
+    "--head-tasks",
+    "--head-targets",
+)
+HIDDEN_LIST_OPTIONS = ("--dims", "--shell-dims", "--support-sizes")
+"""Scale overrides (for tests and tuning), not shown by ``--help``; each sets the :class:`Scale` field
+of its name (``--eval-generated`` -> ``eval_generated``)."""
+
+
+def build_parser(
+    description: str, regimes: tuple[str, ...] | None, prog: str = PROG
+) -> argparse.ArgumentParser:
     """Parser with the public options and hidden scale overrides (for tests and tuning)."""
-    p = argparse.ArgumentParser(description=description)
+    p = _Parser(prog=prog, description=description)
     p.add_argument("--out", required=True, type=Path, help="run folder (created; rerun to resume)")
     p.add_argument("--quick", action="store_true", help="small scale, under 5 minutes on 2 CPU cores")
     if regimes is None:
@@ -49,12 +94,16 @@ def build_parser(description: str, regimes: tuple[str, ...] | None) -> argparse.
         )
     p.add_argument(
         "--workers",
-        type=_positive,
+        type=_positive("--workers"),
         default=min(2, os.cpu_count() or 1),
         help="parallel worker processes (default: min(2, CPUs))",
     )
-    p.add_argument("--threads", type=_positive, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--seeds", type=_positive, default=None, help="training seeds per configuration")
+    p.add_argument(
+        "--threads", type=_positive("--threads"), default=1, help="torch threads per worker (default 1)"
+    )
+    p.add_argument(
+        "--seeds", type=_positive("--seeds"), default=None, help="training seeds per configuration"
+    )
     p.add_argument(
         "--features",
         type=Path,
@@ -64,25 +113,46 @@ def build_parser(description: str, regimes: tuple[str, ...] | None) -> argparse.
     p.add_argument("--labels", type=Path, default=None, help="labels .npy for a .npy --features matrix")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     hidden = argparse.SUPPRESS
-    for flag in (
-        "--steps",
-        "--digits-steps",
-        "--eval-tasks",
-        "--eval-generated",
-        "--eval-targets",
-        "--digits-targets",
-        "--digits-tasks-per-class",
-        "--grid-points",
-        "--d-model",
-        "--tasks-per-batch",
-        "--targets-per-task",
-        "--head-tasks",
-        "--head-targets",
-    ):
-        p.add_argument(flag, type=_positive, default=None, help=hidden)
-    for flag in ("--dims", "--shell-dims", "--support-sizes"):
-        p.add_argument(flag, type=_int_list, default=None, help=hidden)
+    for flag in HIDDEN_INT_OPTIONS:
+        p.add_argument(flag, type=_positive(flag), default=None, help=hidden)
+    for flag in HIDDEN_LIST_OPTIONS:
+        p.add_argument(flag, type=_int_list(flag), default=None, help=hidden)
     return p
+
+
+def _check_feature_options(args: argparse.Namespace) -> None:
+    """``--features`` / ``--labels``: what :func:`~nw_adapter.experiments.tasks.load_feature_file` needs.
+
+    Raises:
+        ArgumentError: ``--labels`` without ``--features``, a ``.npy`` matrix without ``--labels``, a
+            missing ``--labels`` file, or the file's own problem, each naming its option.
+    """
+    if args.features is None:
+        if args.labels is not None:
+            raise ArgumentError("--labels needs --features (the labels of a .npy feature matrix)")
+        return
+    if args.features.suffix == ".npy" and args.labels is None:
+        raise ArgumentError(
+            f"--features {str(args.features)!r} is a .npy matrix; pass its labels with --labels"
+        )
+    if args.labels is not None and not args.labels.is_file():
+        raise ArgumentError(f"--labels {str(args.labels)!r} does not exist; pass the labels .npy")
+    from nw_adapter.experiments.tasks import load_feature_file
+
+    try:
+        load_feature_file(args.features, args.labels)
+    except ValueError as err:
+        raise ArgumentError(f"--features: {err}") from None
+    except OSError as err:  # an unreadable file
+        raise ArgumentError(f"--features / --labels: cannot read ({err.strerror or err})") from None
+
+
+def _scale_error(err: ValueError) -> str:
+    """The :class:`Scale` check's message with its field names as the options that set them."""
+    text = str(err)
+    for flag in (*HIDDEN_INT_OPTIONS, *HIDDEN_LIST_OPTIONS, "--seeds"):
+        text = text.replace(f"{flag[2:].replace('-', '_')}=", f"{flag} ")
+    return text
 
 
 def main(
@@ -90,23 +160,48 @@ def main(
     *,
     regimes: tuple[str, ...] | None = None,
     description: str = "Reproduce the paper's three failure regimes.",
+    prog: str | None = None,
 ) -> int:
-    """Parse arguments, run the experiments, print where the report is; returns the exit code."""
-    parser = build_parser(description, regimes)
-    args = parser.parse_args(argv)
+    """Parse arguments, run the experiments, print where the report is; returns the exit code.
+
+    ``prog``: the command's name in the usage line and the messages (default: as invoked for the
+    real command line, :func:`nw_adapter.commands.invoked_as`; ``run_experiments.py`` for an
+    ``argv`` passed in).
+    """
+    if prog is None:
+        prog = invoked_as(PROG) if argv is None else PROG
+    try:
+        args, regimes = _parse(argv, regimes, description, prog)
+    except ArgumentError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return _run(args, regimes, prog)
+
+
+def _parse(
+    argv: list[str] | None, regimes: tuple[str, ...] | None, description: str, prog: str
+) -> tuple[argparse.Namespace, tuple[str, ...]]:
+    """The options and the regimes to run, checked (features loaded once to check them).
+
+    Raises:
+        ArgumentError: the first bad option, naming it.
+    """
+    args = build_parser(description, regimes, prog).parse_args(argv)
     if regimes is None:
         regimes = tuple(r.strip() for r in args.regimes.split(",") if r.strip())
         bad = set(regimes) - set(REGIMES)
         if not regimes or bad:
-            parser.error(f"--regimes {args.regimes!r}: use a comma-separated subset of {','.join(REGIMES)}")
-    if args.labels is not None and args.features is None:
-        parser.error("--labels needs --features")
+            raise ArgumentError(
+                f"--regimes {args.regimes!r}: use a comma-separated subset of {','.join(REGIMES)}"
+            )
+    _check_feature_options(args)
+    return args, regimes
+
+
+def _run(args: argparse.Namespace, regimes: tuple[str, ...], prog: str) -> int:
+    """Build the scale, run the experiments, print the matrix and where the report is."""
     base: Scale = QUICK if args.quick else FULL
     try:
-        from nw_adapter.experiments.tasks import load_feature_file
-
-        if args.features is not None:
-            load_feature_file(args.features, args.labels)
         scale = base.replace(
             seeds=args.seeds,
             steps=args.steps,
@@ -138,7 +233,7 @@ def main(
                 "exceeds the smallest digits class (174); use sizes <= 50"
             )
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {_scale_error(err)}", file=sys.stderr)
         return 2
     from nw_adapter.experiments.runner import run_experiments
 
@@ -153,13 +248,17 @@ def main(
             progress=not args.no_progress,
         )
     except ValueError as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        print(f"{prog}: error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted; rerun the same command to resume from {args.out}", file=sys.stderr)
+        print(f"{prog}: interrupted; rerun the same command to resume from {args.out}", file=sys.stderr)
         return 130
     matrix = report.parent / "matrix.md"
     if matrix.exists() and matrix.read_text().strip():
         print(matrix.read_text())
     print(f"report: {report} ({time.time() - t0:.0f} s)")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,6 +42,8 @@ __all__ = [
 
 RECORDS_SCHEMA = "nw-adapter/records"
 REPORT_SCHEMA = "nw-adapter/rho"
+REPORT_SCHEMA_VERSION = 1
+"""The one ``schema_version`` of ``rho.json`` this version writes and reads (``correlate.py --replot``)."""
 
 HALVES: tuple[str, ...] = ("cond", "uncond", "all", "perturbed")
 """Values of a record's ``half`` (docs/rho_json_schema.md)."""
@@ -314,7 +316,8 @@ def check_image_entry(entry: Any, where: str, *, source: str, fix: str) -> Mappi
 def check_report(document: Any, *, source: str, fix: str = "rerun the original command") -> Mapping:
     """Check a ``rho.json`` before a report is rebuilt from it (``correlate.py --replot``).
 
-    Checks the schema, ``config`` (an object; its ``model`` an object or null), ``versions``
+    Checks the schema and its ``schema_version`` (:data:`REPORT_SCHEMA_VERSION`; another is refused,
+    not guessed at), ``config`` (an object; its ``model`` an object or null), ``versions``
     (an object of text or null), every ``images[]`` entry (unique keys), and every record
     (:data:`REPORT_FIELDS` present, ``timestep`` finite, ``reference`` naming an image).
 
@@ -326,6 +329,12 @@ def check_report(document: Any, *, source: str, fix: str = "rerun the original c
         raise RecordError(
             f"{source}: is not a correlate.py report (schema {document.get('schema')!r}, expected "
             f"{REPORT_SCHEMA!r}); {fix}"
+        )
+    version = document.get("schema_version")
+    if isinstance(version, bool) or version != REPORT_SCHEMA_VERSION:
+        raise RecordError(
+            f"{source}: schema_version {_shown(version)} is not {REPORT_SCHEMA_VERSION}, the only version "
+            f"this nw-adapter reads; {fix} (or read the file with the nw-adapter version that wrote it)"
         )
     config = document.get("config", {})
     if not isinstance(config, Mapping):

@@ -82,10 +82,14 @@ def verdict_start(lines: list[str]) -> int:
 
 
 def printed_table(stdout: str) -> tuple[str, str]:
+    """The printed table and verdict (the legend between them checked: one line per column shown)."""
     lines = stdout.strip().splitlines()
     assert lines[0].startswith("attention vs NW weights")
     index = verdict_start(lines)
-    return "\n".join(lines[1:index]), "\n".join(lines[index:])
+    legend = next(i for i, line in enumerate(lines) if line.startswith("legend (means over layers"))
+    table = lines[1:legend]
+    assert [line.split()[0] for line in lines[legend + 1 : index]] == table[0].split()
+    return "\n".join(table), "\n".join(lines[index:])
 
 
 def key_of(report: dict, stem: str) -> str:
