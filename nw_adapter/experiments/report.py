@@ -408,6 +408,11 @@ def _paper_points(ax, xs, values: dict, *, scale: float = 1.0, offset: float = 1
                 markersize=4, linestyle="None", label="paper")
 
 
+def _legend_below(ax) -> None:
+    """The axes' legend under its x label (clear of the data and of reference lines)."""
+    ax.legend(fontsize=6, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1)
+
+
 def _log2_ticks(ax, xs) -> None:
     from matplotlib.ticker import NullFormatter
 
@@ -429,7 +434,7 @@ def dims_figure(rows: list[dict]):
     from matplotlib.figure import Figure
 
     ds = [r["d"] for r in rows]
-    fig = Figure(figsize=(PAGE, 2.6), layout="constrained")
+    fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
     left, right = fig.subplots(1, 2)
     left.errorbar(ds, [r["neff"] for r in rows], yerr=_errors([r["neff"] for r in rows],
                   [r.get("neff_ci") for r in rows]), fmt="o", color="C0", capsize=3, markersize=4,
@@ -449,7 +454,7 @@ def dims_figure(rows: list[dict]):
            title="benefit of the NW head")
     for ax in (left, right):
         _log2_ticks(ax, ds)
-        ax.legend(fontsize=6, frameon=False, loc="best")
+        _legend_below(ax)
     return fig
 
 
@@ -460,7 +465,7 @@ def shells_figure(rows: list[dict]):
     from matplotlib.figure import Figure
 
     ds = [r["d"] for r in rows]
-    fig = Figure(figsize=(COLUMN, 2.8), layout="constrained")
+    fig = Figure(figsize=(COLUMN, 3.0), layout="constrained")
     ax = fig.subplots()
     seeds = max((r.get("seeds", 0) for r in rows), default=0)
     ax.errorbar(ds, [r["ratio"] for r in rows], yerr=_errors([r["ratio"] for r in rows],
@@ -472,7 +477,7 @@ def shells_figure(rows: list[dict]):
     _log2_ticks(ax, ds)
     _style(ax, xlabel="dimension d", ylabel="MMD^2 plug-in / MMD^2 learned",
            title="shells: geometry mismatch (> 1: learned better)")
-    ax.legend(fontsize=6, frameon=False)
+    _legend_below(ax)
     return fig
 
 
@@ -485,7 +490,7 @@ def digits_figure(rows: list[dict]):
     from nw_adapter.core.intervals import t_interval
 
     ms = [r["m"] for r in rows]
-    fig = Figure(figsize=(PAGE, 2.6), layout="constrained")
+    fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
     left, right = fig.subplots(1, 2)
     arms = (("learned", "learned", "C0", "o"), ("plugin", "plug-in NW", "C1", "s"))
     for key, label, colour, marker in arms:
@@ -511,7 +516,7 @@ def digits_figure(rows: list[dict]):
 
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.legend(fontsize=6, frameon=False)
+        _legend_below(ax)
     return fig
 
 
