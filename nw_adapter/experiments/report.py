@@ -483,8 +483,9 @@ def shells_figure(rows: list[dict]):
 
 def digits_figure(rows: list[dict]):
     """``digits.png``: MMD^2 of the learned model and the plug-in against the support size m
-    (means, with the 95% Student t interval over test classes as a band when per-class values are
-    there), and the learned model's advantage with its bootstrap interval (``advantage_ci``). 7 in wide."""
+    (means, with the 95% Student t interval of log MMD^2 over test classes as a band when per-class
+    values are there: a geometric interval, above 0 as MMD^2 is), and the learned model's advantage
+    with its bootstrap interval (``advantage_ci``). 7 in wide."""
     from matplotlib.figure import Figure
 
     from nw_adapter.core.intervals import t_interval
@@ -497,10 +498,11 @@ def digits_figure(rows: list[dict]):
         left.plot(ms, [r[f"mmd2_{key}"] for r in rows], marker=marker, color=colour, markersize=3,
                   linewidth=1.0, label=label)
         per_class = [r.get(f"mmd2_{key}_per_class") for r in rows]
-        if all(v is not None and len(v) >= 2 for v in per_class):
-            bounds = np.array([t_interval(v)[1:] for v in per_class])
-            left.fill_between(ms, np.clip(bounds[:, 0], 1e-12, None), bounds[:, 1], color=colour, alpha=0.2,
-                              linewidth=0, label=f"{label}: 95% t interval over {len(per_class[0])} classes")
+        if all(v is not None and len(v) >= 2 and min(v) > 0 for v in per_class):
+            # on log MMD^2 (a positive quantity on a log axis): a geometric interval that stays above 0
+            bounds = np.exp([t_interval(np.log(v))[1:] for v in per_class])
+            left.fill_between(ms, bounds[:, 0], bounds[:, 1], color=colour, alpha=0.2, linewidth=0,
+                              label=f"{label}: 95% t interval over {len(per_class[0])} classes (log scale)")
     left.set_xscale("log")
     left.set_yscale("log")
     _style(left, xlabel="support size m", ylabel="MMD^2", title="support scarcity")
