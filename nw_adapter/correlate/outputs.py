@@ -225,7 +225,10 @@ def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
         image_hw=(generated.height, generated.width),
         cfg=any(r.get("half") in ("cond", "uncond") for r in records),
     )
-    return plot_attention_maps(generated, panels, folder / "attention_maps.png", previews=previews)
+    reference = next((r["reference"] for r in records if r.get("reference")), folder.name)
+    return plot_attention_maps(
+        generated, panels, folder / "attention_maps.png", previews=previews, reference=reference
+    )
 
 
 def check_image_result_file(result: dict, key: str, source: str) -> None:
@@ -336,6 +339,8 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
         f"{len(report.get('images', []))} reference(s)",
         note="; ".join(n for n in (random_weights_note(report), repeated_timestep_note(report)) if n) or None,
+        units=report["records"],
+        half=report["half"],
     )
     drawn = plot_bandwidth(
         report["records"],

@@ -17,25 +17,39 @@ from pathlib import Path
 
 import numpy as np
 
-from nw_adapter.atomic import atomic_write
 from nw_adapter.integration import records
 
 
-def rho_figure(block_rows: Sequence[dict], *, title: str | None = None, note: str | None = None):
-    """rho against the timestep, one panel per block, with the band of the three nulls.
+def rho_figure(
+    block_rows: Sequence[dict],
+    *,
+    title: str | None = None,
+    note: str | None = None,
+    units: Sequence[dict] | None = None,
+    half: str | None = None,
+):
+    """rho against the timestep, one panel per block, beside its three nulls.
 
     :func:`nw_adapter.integration.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
     :func:`nw_adapter.correlate.report.aggregate`); ``note`` is a line under the title (e.g. why
-    two steps share a timestep: they are drawn at the same x).
+    two steps share a timestep: they are drawn at the same x). ``units``: the run's records (with
+    their ``reference`` key) and ``half`` their CFG half: with two or more reference images, rho
+    carries its 95% Student t interval over them.
     """
-    return records.rho_figure(block_rows, panel_key="block", title=title, note=note)
+    return records.rho_figure(block_rows, panel_key="block", title=title, note=note, units=units, half=half)
 
 
 def plot_rho(
-    block_rows: Sequence[dict], path: str | os.PathLike, *, title: str | None = None, note: str | None = None
+    block_rows: Sequence[dict],
+    path: str | os.PathLike,
+    *,
+    title: str | None = None,
+    note: str | None = None,
+    units: Sequence[dict] | None = None,
+    half: str | None = None,
 ) -> Path:
     """Write :func:`rho_figure` to ``path`` (PNG, atomically) and return ``path``."""
-    return records.save_figure(rho_figure(block_rows, title=title, note=note), path)
+    return records.save_figure(rho_figure(block_rows, title=title, note=note, units=units, half=half), path)
 
 
 @dataclass(frozen=True)
@@ -115,36 +129,48 @@ def panels_from_maps(
     return panels
 
 
-def plot_attention_maps(
+def attention_maps_figure(
     generated,
     panels: Sequence[MapPanel],
-    path: str | os.PathLike,
     *,
     previews: Mapping[int, object] | None = None,
     alpha: float = 0.65,
-) -> Path:
+    reference: str | None = None,
+):
     """Per stored step and shown image token: A, NW and A - NW over what the model predicted.
 
     One row per stored step. First column: the x0 estimate of that step,
     x0 = (x_t - sigma_t eps) / alpha_t decoded by the VAE (``previews[step]``), or the final
-    image where no preview is given (labelled so). Then per image token three maps (means over
-    layers and heads), drawn over that image in grey:
+    image where no preview is given (labelled so). Then the maps of the shown image tokens
+    (means over layers and heads) drawn over that image in grey, grouped by kind (A of every
+    token, then NW, then A - NW):
 
-    - A[:, token] and W[:, token] on one diverging scale centred on the uniform level 1/tokens
-      (white: the token gets an even share of the query's weight; red: more; blue: less),
-      symmetric and as wide as the larger deviation of the two, so A and W compare directly;
-    - A - W on a diverging scale centred on 0 (red: attention above NW).
+    - A[:, token] and W[:, token] on one diverging scale shared by every token and step, centred
+      on the uniform level 1/tokens (white: the token gets an even share of the query's weight;
+      red: more; blue: less) and as wide as the largest deviation of any of them, so every A and
+      W panel compares with every other;
+    - A - NW on one diverging scale centred on 0 shared by every panel (red: attention above NW).
+
+    The two colour bars under the panels are labelled; the title names the reference image.
+    7 in wide (a paper's full width).
 
     Args:
         generated: The generated :class:`PIL.Image.Image`.
         panels: Output of :func:`panels_from_maps`.
-        path: Output PNG (written atomically).
         previews: Step -> x0-estimate image (PIL), optional.
         alpha: Opacity of the maps over the image.
+        reference: The reference image's name, for the title.
+
+    Returns:
+        A :class:`matplotlib.figure.Figure`.
+
+    Raises:
+        ValueError: no panels.
     """
     from matplotlib.figure import Figure
 
     from nw_adapter.integration.heatmaps import draw_overlay, grey_image, resize_map
+    from nw_adapter.integration.records import wrap_title
 
     if not panels:
         raise ValueError("panels: no stored maps to draw; run with --store-maps on at least one step")
@@ -153,50 +179,80 @@ def plot_attention_maps(
     per_step = {s: [p for p in panels if p.step == s] for s in steps}
     shown = max(len(v) for v in per_step.values())
     ncols = 1 + 3 * shown
-    fig = Figure(figsize=(1.45 * ncols + 0.6, 1.55 * len(steps) + 0.6), layout="constrained")
-    axes = fig.subplots(len(steps), ncols, squeeze=False)
+    width = 7.0
+    cell = (width - 0.5) / ncols
+    uniform = panels[0].uniform
+    spread = max(float(np.abs(m - uniform).max()) for p in panels for m in (p.attn, p.nw)) or 1e-12
+    diff_spread = max(float(np.abs(p.attn - p.nw).max()) for p in panels) or 1e-12
+    title = (
+        f"reference {reference}: " if reference else ""
+    ) + f"image-branch attention A and NW weights W per image token, mean over {len(panels[0].layers)} " \
+        "layer(s) and the stored heads; one colour scale for every A and W panel, one for every A - NW"
+    title = wrap_title(title, width - 0.2, 8)
+    height = cell * len(steps) + 0.45 + 0.13 * title.count("\n") + 0.75
+    fig = Figure(figsize=(width, height), layout="constrained")
+    grid = fig.add_gridspec(len(steps) + 1, ncols, height_ratios=[1.0] * len(steps) + [0.07])
+    axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(ncols)] for r in range(len(steps))])
+    weight_shown = diff_shown = None
     for row, step in enumerate(steps):
         row_panels = per_step[step]
-        label = f"step {step}, t={row_panels[0].timestep:.0f}"
         beneath = previews.get(step, generated)
         grey = grey_image(beneath)
         first = axes[row][0]
         first.imshow(np.asarray(beneath.convert("RGB")))
-        caption = f"x0 estimate\n{label}" if step in previews else f"final image\n({label} maps)"
-        first.set_title(caption, fontsize=8)
         first.set_xticks([])
         first.set_yticks([])
+        source = "x0 est." if step in previews else "final img."
+        first.set_ylabel(f"step {step}\nt={row_panels[0].timestep:.0f}\n{source}", fontsize=7)
         for col, panel in enumerate(row_panels):
-            uniform = panel.uniform
-            spread = float(max(np.abs(panel.attn - uniform).max(), np.abs(panel.nw - uniform).max())) or 1e-12
-            diff = panel.attn - panel.nw
-            diff_spread = float(np.abs(diff).max()) or 1e-12
-            cells = axes[row][1 + 3 * col : 4 + 3 * col]
+            cells = [axes[row][1 + col + shown * group] for group in range(3)]  # A | NW | A - NW columns
             kinds = (
                 ("A", panel.attn, uniform, spread),
                 ("NW", panel.nw, uniform, spread),
-                ("A - NW", diff, 0.0, diff_spread),
+                ("A - NW", panel.attn - panel.nw, 0.0, diff_spread),
             )
-            for ax, (name, data, centre, width) in zip(cells, kinds, strict=True):
+            for ax, (name, data, centre, half_width) in zip(cells, kinds, strict=True):
                 mappable = draw_overlay(
-                    ax, grey, resize_map(data, grey.shape), centre=centre, spread=width, alpha=alpha
+                    ax, grey, resize_map(data, grey.shape), centre=centre, spread=half_width, alpha=alpha
                 )
-                ax.set_title(f"{name}, token {panel.token}", fontsize=8)
-                if name != "A":
-                    bar = fig.colorbar(mappable, ax=ax, fraction=0.06, pad=0.02)
-                    bar.set_ticks([centre - width, centre, centre + width])
-                    middle = "0" if centre == 0 else f"1/{round(1 / uniform)}"
-                    bar.set_ticklabels([f"{centre - width:.2g}", middle, f"{centre + width:.2g}"])
-                    bar.ax.tick_params(labelsize=7)
-        for ax in axes[row][1 + 3 * len(row_panels) :]:
-            ax.set_visible(False)
-    layers = panels[0].layers
-    fig.suptitle(
-        f"image-branch attention A vs NW weights per image token (white = uniform share); mean over "
-        f"{len(layers)} layer(s) and the stored heads",
-        fontsize=9,
-    )
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
+                if name == "A - NW":
+                    diff_shown = mappable
+                else:
+                    weight_shown = mappable
+                if row == 0:
+                    ax.set_title(f"{name}\ntoken {panel.token}", fontsize=7)
+        for col in range(len(row_panels), shown):
+            for group in range(3):
+                axes[row][1 + col + shown * group].set_visible(False)
+    tokens = round(1 / uniform)
+    middle_col = 1 + 2 * shown
+    for mappable, where, centre, half_width, label in (
+        (weight_shown, grid[-1, 1:middle_col], uniform, spread,
+         f"A, NW: weight on the token\n(white = 1/{tokens}, an even share)"),
+        (diff_shown, grid[-1, middle_col:], 0.0, diff_spread, "A - NW\n(white = 0, red: A above NW)"),
+    ):
+        bar = fig.colorbar(mappable, cax=fig.add_subplot(where), orientation="horizontal")
+        bar.set_ticks([centre - half_width, centre, centre + half_width])
+        middle = "0" if centre == 0 else f"1/{tokens}"
+        bar.set_ticklabels([f"{centre - half_width:.2g}", middle, f"{centre + half_width:.2g}"])
+        bar.ax.tick_params(labelsize=7)
+        bar.set_label(label, fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    return fig
+
+
+def plot_attention_maps(
+    generated,
+    panels: Sequence[MapPanel],
+    path: str | os.PathLike,
+    *,
+    previews: Mapping[int, object] | None = None,
+    alpha: float = 0.65,
+    reference: str | None = None,
+) -> Path:
+    """Write :func:`attention_maps_figure` to ``path`` (PNG, atomically) and return ``path``."""
+    fig = attention_maps_figure(generated, panels, previews=previews, alpha=alpha, reference=reference)
+    return records.save_figure(fig, path)
 
 
 def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
@@ -204,10 +260,12 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
 
     Per step, the geometric mean over reference images of each image's geometric-mean ``h_eff``
     over layers, heads and adapters (:func:`nw_adapter.correlate.verdict.image_step_means`), for the
-    trained adapter and, when recorded, the untrained-adapter control; thin lines are the single
-    images. The dotted line ``h_eff = c h`` (slope 1, ``c`` the geometric mean ratio of the trained
+    trained adapter and, when recorded, the untrained-adapter control; with two or more images a
+    band of the 95% Student t interval of the mean log h_eff over them (the unit: the reference
+    image). The dotted line ``h_eff = c h`` (slope 1, ``c`` the geometric mean ratio of the trained
     points) is what a bandwidth that follows the schedule would give: the verdict's clause
     "bandwidth follows the schedule" tests the slope of each image's line against the control's.
+    3.5 in wide (a paper's column).
 
     Returns:
         A :class:`matplotlib.figure.Figure`, or None when no step has both a positive ``h_eff``
@@ -215,7 +273,9 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     """
     from matplotlib.figure import Figure
 
+    from nw_adapter.core.intervals import t_interval
     from nw_adapter.correlate.verdict import image_step_means
+    from nw_adapter.integration.records import wrap_title
 
     by_image = image_step_means(records, half)
     arms = (
@@ -229,37 +289,40 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
 
     if not any(points(rows, "log_h_eff")[0].size for rows in by_image.values()):
         return None
-    fig = Figure(figsize=(4.8, 4.0), layout="constrained")
+    fig = Figure(figsize=(3.5, 3.6), layout="constrained")
     ax = fig.subplots()
     trained_ratio: list[float] = []
     for key, label, color in arms:
         per_step: dict[float, list[float]] = {}
         for rows in by_image.values():
             x, y = points(rows, key)
-            if x.size:
-                ax.plot(np.exp(x), np.exp(y), color=color, linewidth=0.6, alpha=0.35)
-                for xi, yi in zip(x, y, strict=True):
-                    per_step.setdefault(float(xi), []).append(float(yi))
-                if key == "log_h_eff":
-                    trained_ratio += list(y - x)
-        if per_step:
-            xs = np.array(sorted(per_step))
-            ys = np.array([np.mean(per_step[x]) for x in xs])
-            ax.plot(np.exp(xs), np.exp(ys), marker="o", markersize=3, color=color, linewidth=1.8,
-                    label=f"{label} (mean of {len(by_image)} image(s))")
+            for xi, yi in zip(x, y, strict=True):
+                per_step.setdefault(float(xi), []).append(float(yi))
+            if key == "log_h_eff":
+                trained_ratio += list(y - x)
+        if not per_step:
+            continue
+        xs = np.array(sorted(per_step))
+        stats = np.array([t_interval(per_step[x]) for x in xs])  # [steps, (mean, low, high)]
+        n = max(len(v) for v in per_step.values())
+        ax.plot(np.exp(xs), np.exp(stats[:, 0]), marker="o", markersize=2, color=color, linewidth=1.2,
+                label=f"{label} (mean of {n} image(s))")
+        if n >= 2:
+            ax.fill_between(np.exp(xs), np.exp(stats[:, 1]), np.exp(stats[:, 2]), color=color, alpha=0.25,
+                            linewidth=0, label=f"{label}: 95% t interval over images")
     h_all = [r["h_schedule"] for rows in by_image.values() for r in rows if (r.get("h_schedule") or 0) > 0]
     grid = np.geomspace(min(h_all), max(h_all), 50)
-    ax.plot(grid, grid * math.exp(float(np.mean(trained_ratio))), color="0.3", linestyle=":", linewidth=1.2,
+    ax.plot(grid, grid * math.exp(float(np.mean(trained_ratio))), color="0.3", linestyle=":", linewidth=1.0,
             label="slope 1: h_eff = c h")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=9)
-    ax.set_ylabel("fitted bandwidth h_eff (geometric mean)", fontsize=9)
-    ax.tick_params(labelsize=8)
+    ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=8)
+    ax.set_ylabel("fitted bandwidth h_eff", fontsize=8)
+    ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, frameon=False)
+    fig.legend(loc="outside lower center", fontsize=7, frameon=False, ncol=1)
     if title:
-        ax.set_title(title, fontsize=9)
+        fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
     return fig
 
 

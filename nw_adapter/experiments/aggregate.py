@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nw_adapter.core.intervals import t_interval
 from nw_adapter.experiments.evaluation import benefit, paired_tests
 from nw_adapter.experiments.inference import cluster_means, gain_interval, holm, ratio_interval
 from nw_adapter.experiments.matrix import aggregate_matrix, baseline_rows
@@ -113,6 +114,7 @@ def _aggregate_dims(results: dict, scale: Scale) -> dict:
             {
                 "d": d,
                 "neff": _mean(plug["neff"]),
+                "neff_ci": list(t_interval(plug["neff"])[1:]),  # over tasks: the dims figure's interval
                 "mmd2_plugin": mmd_plugin,
                 "mmd2_off": mmd_off,
                 "mmd2_on": float(seeds_on.mean()),

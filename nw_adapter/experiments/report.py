@@ -372,12 +372,174 @@ def _head_sets(summary: dict) -> list[tuple[str, list[dict]]]:
     ]
 
 
+FIGURE_DPI = 300
+"""Resolution of the PNGs: print quality at the figures' width (3.5 in a column, 7 in a page)."""
+
+COLUMN, PAGE = 3.5, 7.0
+"""A paper's column and full width, in inches."""
+
+
 def _save_fig(fig, path: Path) -> None:
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, bbox_inches="tight"))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=FIGURE_DPI))
 
 
-def _matrix_plot(mat: dict, out_dir: Path, plt) -> None:
-    """Heat map of the gap shares (rows: fields and learned ON; columns: settings); grey = no gap."""
+def _style(ax, *, xlabel: str = "", ylabel: str = "", title: str = "") -> None:
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+
+
+def _errors(means, cis, scale: float = 1.0) -> np.ndarray:
+    """``[2, n]`` distances below and above each mean of its interval (NaN interval: none drawn)."""
+    means = np.asarray(means, dtype=np.float64) * scale
+    lo = np.array([math.nan if c is None else c[0] for c in cis], dtype=np.float64) * scale
+    hi = np.array([math.nan if c is None else c[1] for c in cis], dtype=np.float64) * scale
+    return np.nan_to_num(np.vstack([means - lo, hi - means]), nan=0.0).clip(min=0.0)
+
+
+def _paper_points(ax, xs, values: dict, *, scale: float = 1.0, offset: float = 1.0) -> None:
+    """The paper's numbers as open squares at the same x (no line: they are not a series)."""
+    kept = [(x, values[x]) for x in xs if values.get(x) is not None]
+    if kept:
+        ax.plot([x * offset for x, _ in kept], [scale * v for _, v in kept], "s", mfc="none", color="k",
+                markersize=4, linestyle="None", label="paper")
+
+
+def _legend_below(ax) -> None:
+    """The axes' legend under its x label (clear of the data and of reference lines)."""
+    ax.legend(fontsize=6, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=1)
+
+
+def _log2_ticks(ax, xs) -> None:
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(min(xs) / 1.6, max(xs) * 1.6)
+
+
+def dims_figure(rows: list[dict]):
+    """``dims.png``: plug-in n_eff and the exact head's benefit per dimension d, as points with
+    their 95% intervals (no line: two or three d values are not a curve).
+
+    Left: the plug-in's n_eff at t = 0.56, mean and Student t interval over tasks (``neff_ci``).
+    Right: the benefit of the exact NW head as input (learned ON vs OFF, median-sigma MMD^2),
+    with its bootstrap interval over seeds and tasks (``benefit_ci``); the fixed-sigma benefit as
+    a second point. The paper's values are open squares. 7 in wide.
+    """
+    from matplotlib.figure import Figure
+
+    ds = [r["d"] for r in rows]
+    fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    left.errorbar(ds, [r["neff"] for r in rows], yerr=_errors([r["neff"] for r in rows],
+                  [r.get("neff_ci") for r in rows]), fmt="o", color="C0", capsize=3, markersize=4,
+                  label="ours (plug-in, 95% t interval over tasks)")
+    _paper_points(left, ds, PAPER["dims"]["neff"], offset=1.12)
+    _style(left, xlabel="dimension d", ylabel="n_eff at t = 0.56", title="nearest-neighbour collapse")
+    seeds = max((r.get("seeds", 0) for r in rows), default=0)
+    right.errorbar(ds, [100 * r["benefit"] for r in rows],
+                   yerr=_errors([r["benefit"] for r in rows], [r.get("benefit_ci") for r in rows], 100),
+                   fmt="o", color="C0", capsize=3, markersize=4,
+                   label=f"ours, median sigma (95% bootstrap, {seeds} seeds x tasks)")
+    right.plot([d / 1.12 for d in ds], [100 * r["benefit_fixed"] for r in rows], "^", color="C1",
+               markersize=4, linestyle="None", label="ours, fixed sigma")
+    _paper_points(right, ds, PAPER["dims"]["benefit"], scale=100, offset=1.12)
+    right.axhline(0, color="0.4", lw=0.6)
+    _style(right, xlabel="dimension d", ylabel="benefit of the exact head (%)",
+           title="benefit of the NW head")
+    for ax in (left, right):
+        _log2_ticks(ax, ds)
+        _legend_below(ax)
+    return fig
+
+
+def shells_figure(rows: list[dict]):
+    """``shells.png``: plug-in MMD^2 / learned MMD^2 per dimension, a point with its 95% bootstrap
+    interval over seeds and tasks (``ratio_ci``); above 1 the learned model matches the shells
+    better. The paper's ratios are open squares. 3.5 in wide."""
+    from matplotlib.figure import Figure
+
+    ds = [r["d"] for r in rows]
+    fig = Figure(figsize=(COLUMN, 3.0), layout="constrained")
+    ax = fig.subplots()
+    seeds = max((r.get("seeds", 0) for r in rows), default=0)
+    ax.errorbar(ds, [r["ratio"] for r in rows], yerr=_errors([r["ratio"] for r in rows],
+                [r.get("ratio_ci") for r in rows]), fmt="o", color="C0", capsize=3, markersize=4,
+                label=f"ours (95% bootstrap, {seeds} seeds x tasks)")
+    _paper_points(ax, ds, PAPER["shells"]["ratio"], offset=1.12)
+    ax.axhline(1.0, color="0.4", lw=0.6)
+    ax.set_yscale("log")
+    _log2_ticks(ax, ds)
+    _style(ax, xlabel="dimension d", ylabel="MMD^2 plug-in / MMD^2 learned",
+           title="shells: geometry mismatch (> 1: learned better)")
+    _legend_below(ax)
+    return fig
+
+
+def digits_figure(rows: list[dict]):
+    """``digits.png``: MMD^2 of the learned model and the plug-in against the support size m
+    (means, with the 95% Student t interval of log MMD^2 over test classes as a band when per-class
+    values are there: a geometric interval, above 0 as MMD^2 is), and the learned model's advantage
+    with its bootstrap interval (``advantage_ci``). 7 in wide."""
+    from matplotlib.figure import Figure
+
+    from nw_adapter.core.intervals import t_interval
+
+    ms = [r["m"] for r in rows]
+    fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    arms = (("learned", "learned", "C0", "o"), ("plugin", "plug-in NW", "C1", "s"))
+    for key, label, colour, marker in arms:
+        left.plot(ms, [r[f"mmd2_{key}"] for r in rows], marker=marker, color=colour, markersize=3,
+                  linewidth=1.0, label=label)
+        per_class = [r.get(f"mmd2_{key}_per_class") for r in rows]
+        if all(v is not None and len(v) >= 2 and min(v) > 0 for v in per_class):
+            # on log MMD^2 (a positive quantity on a log axis): a geometric interval that stays above 0
+            bounds = np.exp([t_interval(np.log(v))[1:] for v in per_class])
+            left.fill_between(ms, bounds[:, 0], bounds[:, 1], color=colour, alpha=0.2, linewidth=0,
+                              label=f"{label}: 95% t interval over {len(per_class[0])} classes (log scale)")
+    left.set_xscale("log")
+    left.set_yscale("log")
+    _style(left, xlabel="support size m", ylabel="MMD^2", title="support scarcity")
+    right.errorbar(ms, [100 * r["advantage"] for r in rows],
+                   yerr=_errors([r["advantage"] for r in rows], [r.get("advantage_ci") for r in rows], 100),
+                   fmt="o", color="C0", capsize=3, markersize=4, label="ours (95% bootstrap over classes)")
+    _paper_points(right, ms, PAPER["digits"]["advantage"], scale=100, offset=1.12)
+    right.axhline(0, color="0.4", lw=0.6)
+    right.set_xscale("log")
+    _style(right, xlabel="support size m", ylabel="advantage of learned (%)", title="learned vs plug-in")
+    for ax in (left, right):
+        from matplotlib.ticker import NullFormatter
+
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        _legend_below(ax)
+    return fig
+
+
+MATRIX_ROW_LABELS = {
+    "smoothed": "smoothed support,\nLOO tau",
+    "local_cov": "local covariance\n(manifold Parzen)",
+    "projected": "projected NW +\nGaussian compl.",
+    "amortised": "smoothed support,\namortised tau",
+    "learned_on": "learned ON\n(NW head as input)",
+}
+"""The matrix figure's row labels, short enough for a page's width."""
+
+
+def matrix_figure(mat: dict):
+    """``matrix.png``: share of the plug-in -> learned OFF gap each method closes (rows: the
+    training-free fields and learned ON; columns: the settings), with its 95% bootstrap interval;
+    grey cells: no gap to close. The colour scale is symmetric and reaches the largest share of
+    any cell (nothing clipped). 7 in wide."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
     from nw_adapter.experiments.matrix import ROWS
 
     cols = mat["columns"]
@@ -387,109 +549,81 @@ def _matrix_plot(mat: dict, out_dir: Path, plt) -> None:
         for j, cell in enumerate(mat["cells"][r]):
             if cell is not None and cols[j]["has_gap"]:
                 share[i, j] = 100 * cell["share"]
-    fig, ax = plt.subplots(figsize=(1.25 * len(cols) + 3.2, 0.55 * len(rows) + 1.6))
-    cmap = plt.get_cmap("RdBu").with_extremes(bad="0.85")
-    img = ax.imshow(np.clip(share, -150, 150), cmap=cmap, vmin=-150, vmax=150, aspect="auto")
-    for i, r in enumerate(rows):
-        for j, cell in enumerate(mat["cells"][r]):
+    reach = float(np.nanmax(np.abs(share))) if np.isfinite(share).any() else 100.0
+    reach = 50.0 * math.ceil(max(reach, 100.0) / 50.0)
+    fig = Figure(figsize=(PAGE, 0.5 * len(rows) + 1.5), layout="constrained")
+    ax = fig.subplots()
+    cmap = colormaps["RdBu"].with_extremes(bad="0.88")
+    img = ax.imshow(share, cmap=cmap, vmin=-reach, vmax=reach, aspect="auto")
+    for i, _ in enumerate(rows):
+        for j, cell in enumerate(mat["cells"][rows[i]]):
             if cell is None:
                 continue
             if not cols[j]["has_gap"]:
-                text = f"no gap\n({100 * cell['gain_vs_plugin']:+.0f}% vs plug-in)"
+                text = f"no gap\n{100 * cell['gain_vs_plugin']:+.0f}% vs plug-in"
                 if cell["beats_learned"]:
                     text += "\nbeats learned"
             else:
                 lo, hi = cell["share_ci"]
                 text = f"{share[i, j]:+.0f}%\n[{100 * lo:+.0f}, {100 * hi:+.0f}]"
-            dark = np.isfinite(share[i, j]) and abs(share[i, j]) > 90
-            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
-    ax.set_xticks(range(len(cols)), [f"{c['regime']}\n{c['setting']}" for c in cols], fontsize=8)
-    ax.set_yticks(range(len(rows)), [ROW_LABELS[r] for r in rows], fontsize=8)
-    ax.set_title("share of the plug-in -> learned OFF gap closed (100% = learned OFF)", fontsize=9)
-    fig.colorbar(img, ax=ax, label="share closed (%)", shrink=0.8)
-    _save_fig(fig, out_dir / "matrix.png")
-    plt.close(fig)
+            dark = np.isfinite(share[i, j]) and abs(share[i, j]) > 0.6 * reach
+            ax.text(j, i, text, ha="center", va="center", fontsize=5.5, color="white" if dark else "black")
+    ax.set_xticks(range(len(cols)), [f"{c['regime']}\n{c['setting']}" for c in cols], fontsize=6.5)
+    ax.set_yticks(range(len(rows)), [MATRIX_ROW_LABELS.get(r, ROW_LABELS[r]) for r in rows], fontsize=6.5)
+    ax.tick_params(length=0)
+    ax.set_title("share of the plug-in -> learned OFF gap closed (100% = learned OFF; "
+                 "[95% bootstrap interval]; grey: no gap)", fontsize=7)
+    bar = fig.colorbar(img, ax=ax, shrink=0.9, aspect=15, pad=0.01)
+    bar.set_label("share closed (%)", fontsize=7)
+    bar.ax.tick_params(labelsize=6)
+    return fig
+
+
+def heads_figure(head_sets: list[tuple[str, list[dict]]]):
+    """``heads.png``: rho per t of the trained heads (solid, circles) and the untrained baseline
+    (dashed, crosses), head space (left) and data space (right), one colour per sub-experiment;
+    the legend shows each colour's two line styles exactly as drawn. 7 in wide."""
+    from matplotlib.figure import Figure
+    from matplotlib.legend_handler import HandlerTuple
+
+    fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
+    left, right = fig.subplots(1, 2, sharey=True)
+    handles, labels = [], []
+    for i, (label, rows) in enumerate(head_sets):
+        ts, colour = [h["t"] for h in rows], f"C{i % 10}"
+        drawn = []
+        for ax, key in ((left, "rho_head"), (right, "rho_data")):
+            trained = ax.plot(ts, [h[key] for h in rows], "o-", color=colour, markersize=3, linewidth=1.0)[0]
+            untrained = ax.plot(ts, [h[f"untrained_{key}"] for h in rows], "x--", color=colour,
+                                markersize=3, linewidth=0.8)[0]
+            drawn = [trained, untrained]
+        handles.append(tuple(drawn))
+        labels.append(label)
+    _style(left, xlabel="t", ylabel="Spearman rho", title="head space, matched h (high by algebra)")
+    _style(right, xlabel="t", title="data space, exact posterior")
+    fig.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=None, pad=0.6)},
+               loc="outside lower center",
+               ncol=min(4, len(labels)), fontsize=7, frameon=False, handlelength=4,
+               title="each colour: trained (solid, o) | untrained baseline (dashed, x)", title_fontsize=7)
+    return fig
 
 
 def _plots(summary: dict, out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    written = []
+    figures = []
     if summary.get("dims", {}).get("rows"):
-        rows = summary["dims"]["rows"]
-        ds = [r["d"] for r in rows]
-        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
-        ax[0].plot(ds, [r["neff"] for r in rows], "o-", label="ours")
-        ax[0].plot(list(PAPER["dims"]["neff"]), list(PAPER["dims"]["neff"].values()), "s--", label="paper")
-        ax[0].set(xlabel="d", ylabel="n_eff at t = 0.56", title="nearest-neighbour collapse")
-        ax[1].plot(ds, [100 * r["benefit"] for r in rows], "o-", label="ours (median sigma)")
-        ax[1].plot(ds, [100 * r["benefit_fixed"] for r in rows], "^:", label="ours (fixed sigma)")
-        ax[1].plot(
-            list(PAPER["dims"]["benefit"]),
-            [100 * v for v in PAPER["dims"]["benefit"].values()],
-            "s--",
-            label="paper",
-        )
-        ax[1].axhline(0, color="grey", lw=0.8)
-        ax[1].set(xlabel="d", ylabel="benefit of exact head (%)")
-        for a in ax:
-            a.set_xscale("log", base=2)
-            a.set_xticks(ds, [str(d) for d in ds])
-            a.xaxis.set_minor_formatter(NullFormatter())
-            a.legend(fontsize=8)
-        _save_fig(fig, out_dir / "dims.png")
-        plt.close(fig)
-        written.append("dims.png")
+        figures.append(("dims.png", dims_figure(summary["dims"]["rows"])))
     if summary.get("shells", {}).get("rows"):
-        rows = summary["shells"]["rows"]
-        x = np.arange(len(rows))
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        ax.bar(x - 0.2, [r["mmd2_learned"] for r in rows], 0.4, label="learned")
-        ax.bar(x + 0.2, [r["mmd2_plugin"] for r in rows], 0.4, label="plug-in NW")
-        ax.set_xticks(x, [f"d={r['d']}" for r in rows])
-        ax.set(ylabel="MMD^2", title="shells: geometry mismatch")
-        ax.legend(fontsize=8)
-        _save_fig(fig, out_dir / "shells.png")
-        plt.close(fig)
-        written.append("shells.png")
+        figures.append(("shells.png", shells_figure(summary["shells"]["rows"])))
     if summary.get("digits", {}).get("rows"):
-        rows = summary["digits"]["rows"]
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        ms = [r["m"] for r in rows]
-        ax.plot(ms, [r["mmd2_learned"] for r in rows], "o-", label="learned")
-        ax.plot(ms, [r["mmd2_plugin"] for r in rows], "s-", label="plug-in NW")
-        ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD^2", title="support scarcity")
-        ax.set_xticks(ms, [str(m) for m in ms])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.legend(fontsize=8)
-        _save_fig(fig, out_dir / "digits.png")
-        plt.close(fig)
-        written.append("digits.png")
+        figures.append(("digits.png", digits_figure(summary["digits"]["rows"])))
     if summary.get("matrix", {}).get("columns"):
-        _matrix_plot(summary["matrix"], out_dir, plt)
-        written.append("matrix.png")
+        figures.append(("matrix.png", matrix_figure(summary["matrix"])))
     head_sets = _head_sets(summary)
     if head_sets:
-        fig, ax = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True, layout="constrained")
-        for i, (label, rows) in enumerate(head_sets):
-            ts, colour = [h["t"] for h in rows], f"C{i % 10}"
-            ax[0].plot(ts, [h["rho_head"] for h in rows], "o-", color=colour, label=label)
-            ax[1].plot(ts, [h["rho_data"] for h in rows], "o-", color=colour, label=label)
-            ax[0].plot(ts, [h["untrained_rho_head"] for h in rows], "x--", color=colour, alpha=0.6)
-            ax[1].plot(ts, [h["untrained_rho_data"] for h in rows], "x--", color=colour, alpha=0.6)
-        ax[0].set(xlabel="t", ylabel="rho", title="head space, matched h (high by algebra)")
-        ax[1].set(xlabel="t", title="data space, exact posterior")
-        ax[0].plot([], [], "kx--", alpha=0.6, label="untrained (dashed)")
-        ax[0].legend(fontsize=7)
-        ax[1].legend(fontsize=7)
-        _save_fig(fig, out_dir / "heads.png")
-        plt.close(fig)
-        written.append("heads.png")
-    return written
+        figures.append(("heads.png", heads_figure(head_sets)))
+    for name, fig in figures:
+        _save_fig(fig, out_dir / name)
+    return [name for name, _ in figures]
 
 
 def write_report(out_dir: str | Path, scale: Scale, regimes: tuple[str, ...] = REGIMES) -> Path:

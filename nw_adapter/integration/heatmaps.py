@@ -11,7 +11,8 @@ where in the generated image image token ``k`` is attended to.
   ``W`` or ``A - W``, averaged over the chosen steps, layers and heads, from a recorder (no file
   written) or from loaded arrays;
 - :meth:`TokenHeatMaps.plot_overlay` draws each token's map over an image (the generated image
-  or an x0 estimate), each on its own colour scale with the uniform level ``1 / tokens`` marked.
+  or an x0 estimate), on one colour scale for every token with the uniform level ``1 / tokens``
+  marked on its labelled colour bar.
 
 Averaging: per selected map, the batch row (default the last: the conditional half under
 classifier-free guidance), the mean over the chosen heads, the query rows laid out on their grid
@@ -39,7 +40,7 @@ MAP_NAME = re.compile(r"^call(\d+)/step(\d+)/(.+)/adapter(\d+)/image(\d+)/(attn|
 """Names of the stored maps (see the module docstring)."""
 
 KINDS: tuple[str, ...] = ("attn", "nw", "diff")
-"""``attn``: the attention A; ``nw``: the NW weights W; ``diff``: A - W."""
+"""``attn``: the attention A; ``nw``: the NW weights W; ``diff``: A - W (drawn as "A - NW")."""
 
 
 @dataclass(frozen=True)
@@ -178,14 +179,45 @@ def token_maps(
         raise ValueError(f"token_maps: {_no_match(maps, kind, steps, layers, adapter, image)}")
     grids = []
     for array in chosen.values():
+        _check_selection(array.shape, heads=heads, batch_row=batch_row)
         head_axis = array[batch_row]  # [H, rows, tokens]
         if heads is not None:
-            head_axis = head_axis[sorted(heads)]
+            head_axis = head_axis[sorted(set(heads))]
         mean = head_axis.mean(axis=0)  # [rows, tokens]
         gh, gw = query_grid(mean.shape[0], image_hw)
         grids.append(mean.T.reshape(mean.shape[1], gh, gw))
     finest = max((g.shape[1:] for g in grids), key=lambda s: s[0] * s[1])
     return np.stack([upsample(g, finest) for g in grids]).mean(axis=0)
+
+
+def _check_selection(shape: tuple[int, ...], *, heads: Collection[int] | None, batch_row: int) -> None:
+    """Refuse, in one line naming the parameter and its valid range, a head or batch row that a
+    stored map ``[batch rows, heads, query positions, image tokens]`` of ``shape`` does not have.
+
+    Heads are positions 0..H-1 within the stored head axis (no negative positions: ``heads=[-1]``
+    would silently be the last head); ``batch_row`` counts from the end when negative, as in numpy.
+    """
+    rows, stored = shape[0], shape[1]
+    if not -rows <= batch_row < rows:
+        raise ValueError(
+            f"batch_row={batch_row} is out of range: the stored maps have {rows} batch row(s) "
+            f"(0..{rows - 1}, or -{rows}..-1 from the end; under CFG the last is the conditional one)"
+        )
+    if heads is None:
+        return
+    chosen = list(heads)
+    if not chosen:
+        raise ValueError(f"heads=[] selects no head; pass positions in 0..{stored - 1}, or None for all")
+    bad = [
+        h for h in chosen
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 <= h < stored
+    ]  # fmt: skip
+    if bad:
+        hint = " (maps stored with map_head_mean=True keep one, the mean)" if stored == 1 else ""
+        raise ValueError(
+            f"heads={chosen}: {bad[0]!r} is not a stored head; the stored maps have {stored} head(s), "
+            f"positions 0..{stored - 1}{hint}"
+        )
 
 
 @dataclass(frozen=True)
@@ -242,62 +274,91 @@ class TokenHeatMaps:
         alpha: float = 0.6,
         columns: int = 4,
         title: str | None = None,
-        panel_inches: float = 2.0,
+        reference: str | None = None,
+        width_inches: float = 7.0,
     ):
-        """Each token's map over ``image``, one panel per token, each with its own colour bar.
+        """Each token's map over ``image``, one panel per token, on one colour scale for all.
 
         One diverging colour map, centred on the level that means "no preference": for A and W
         the uniform level ``1 / tokens`` (red: the token draws more than an even share of the
-        query's weight there, blue: less), for A - W zero (red: attention above NW). Each
-        token's scale is symmetric about that centre and as wide as the token's largest
-        deviation, so small tokens are not washed out by large ones; the colour bar marks the
-        centre.
+        query's weight there, blue: less), for A - NW zero (red: attention above NW). The scale
+        is symmetric about that centre, as wide as the largest deviation of any shown token, and
+        shared by every panel, so tokens compare; one labelled colour bar under the panels.
 
         Args:
-            image: a PIL image or an ``[H, W(, C)]`` array (the generated image or an x0
-                estimate); drawn in grey beneath the heat map.
+            image: the generated image or an x0 estimate, drawn in grey beneath the maps: a PIL
+                image, or an array / tensor ``[H, W]``, ``[H, W, C]`` or ``[C, H, W]`` (integers
+                0-255, floats [0, 1]; the rule: :func:`grey_image`).
             tokens: which tokens (default all).
             alpha: opacity of the heat map (0 = only the image, 1 = only the map).
             columns: panels per row.
-            title: the figure's title (default: kind, steps and layers averaged).
-            panel_inches: width of one panel.
+            title: the figure's title (default: what is drawn, the reference, steps and layers).
+            reference: the reference image's name, for the default title.
+            width_inches: the figure's width (7 in: a paper's full width; 3.5 in: a column).
 
         Returns:
             A :class:`matplotlib.figure.Figure` (no pyplot state touched; ``fig.savefig(path)``).
+
+        Raises:
+            ValueError: ``alpha`` outside [0, 1], no tokens, or an image :func:`grey_image` refuses.
+            IndexError: a token these maps do not have (the message names ``tokens`` and the range).
         """
         from matplotlib.figure import Figure
+
+        from nw_adapter.integration.records import wrap_title
 
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         grey = grey_image(image)
         chosen = list(range(self.num_tokens)) if tokens is None else [int(k) for k in tokens]
+        if not chosen:
+            raise ValueError(f"tokens=[] selects no token; pass indices in 0..{self.num_tokens - 1}, or None")
         for k in chosen:
-            self.token(k)
+            if not -self.num_tokens <= k < self.num_tokens:
+                raise IndexError(
+                    f"tokens: token {k} is out of range; these maps have {self.num_tokens} image tokens "
+                    f"(0..{self.num_tokens - 1})"
+                )
         heat = self.resized(grey.shape)
         cols = max(1, min(columns, len(chosen)))
         rows = math.ceil(len(chosen) / cols)
-        fig = Figure(figsize=(panel_inches * cols, 0.82 * panel_inches * rows + 0.45), layout="constrained")
+        centre = self.uniform
+        spread = max(float(np.abs(heat[k] - centre).max()) for k in chosen) or 1e-12
+        label = {"attn": "attention A", "nw": "NW weights W", "diff": "A - NW (attention minus NW weights)"}[
+            self.kind
+        ]
+        centre_text = (
+            "white = 0, red: A above NW" if centre == 0 else f"white = uniform share 1/{self.num_tokens}"
+        )
+        heading = title or (
+            (f"reference {reference}: " if reference else "")
+            + f"{label} per image token ({centre_text}); steps {_span(self.steps)}, "
+            f"{len(self.layers)} layer(s); one colour scale for all tokens"
+        )
+        heading = wrap_title(heading, width_inches - 0.2, 8)
+        cell = width_inches / cols
+        fig = Figure(
+            figsize=(width_inches, cell * rows + 0.35 + 0.13 * heading.count("\n") + 0.65),
+            layout="constrained",
+        )
         axes = fig.subplots(rows, cols, squeeze=False)
         for ax in axes.flat[len(chosen) :]:
             ax.set_visible(False)
-        centre = self.uniform
+        shown = None
         for ax, k in zip(axes.flat, chosen, strict=False):
-            data = heat[k]
-            spread = float(np.abs(data - centre).max()) or 1e-12
-            shown = draw_overlay(ax, grey, data, centre=centre, spread=spread, alpha=alpha)
-            ax.set_title(f"token {k}", fontsize=9)
-            bar = fig.colorbar(shown, ax=ax, fraction=0.05, pad=0.03)
-            bar.set_ticks([centre - spread, centre, centre + spread])
-            bar.set_ticklabels([f"{centre - spread:.3g}", "0" if centre == 0 else f"1/{self.num_tokens}",
-                                f"{centre + spread:.3g}"])
-            bar.ax.tick_params(labelsize=8)
-        label = {"attn": "attention A", "nw": "NW weights W", "diff": "A - W"}[self.kind]
-        centre_text = "white = 0" if centre == 0 else f"white = uniform 1/{self.num_tokens}"
-        fig.suptitle(
-            title or f"{label} per image token ({centre_text}); steps {_span(self.steps)}, "
-            f"{len(self.layers)} layer(s)",
-            fontsize=10,
+            shown = draw_overlay(ax, grey, heat[k], centre=centre, spread=spread, alpha=alpha)
+            ax.set_title(f"token {k}", fontsize=8)
+        used = [ax for ax in axes.flat if ax.get_visible()]
+        bar = fig.colorbar(shown, ax=used, location="bottom", shrink=0.8, aspect=35, pad=0.02)
+        bar.set_ticks([centre - spread, centre, centre + spread])
+        bar.set_ticklabels(
+            [f"{centre - spread:.3g}", "0" if centre == 0 else f"1/{self.num_tokens}",
+             f"{centre + spread:.3g}"]
         )
+        bar.ax.tick_params(labelsize=7)
+        what = "A - NW" if self.kind == "diff" else "weight on the token"
+        bar.set_label(f"{what} ({centre_text})", fontsize=7)
+        fig.suptitle(heading, fontsize=8)
         return fig
 
 
@@ -330,14 +391,80 @@ def resize_map(data: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     return out.reshape(*data.shape[:-2], *hw).numpy()
 
 
-def grey_image(image: Any) -> np.ndarray:
-    """``[H, W]`` in [0, 1] from a PIL image or an array (uint8 or float, grey or colour)."""
-    array = np.asarray(image.convert("L") if hasattr(image, "convert") else image, dtype=np.float64)
+CHANNEL_SIZES = (1, 3, 4)
+"""Sizes of a channel axis (grey, RGB, RGBA) :func:`grey_image` recognises."""
+
+FLOAT_TOLERANCE = 0.01
+"""How far outside [0, 1] a float image may reach (rounding of a decoder's output) before it is refused."""
+
+
+def _image_array(image: Any) -> np.ndarray:
+    """``[H, W]`` or ``[H, W, C]`` from a PIL image, an array or a tensor (HWC or CHW, see
+    :func:`grey_image`)."""
+    if hasattr(image, "convert"):
+        return np.asarray(image.convert("L"), dtype=np.uint8)
+    if hasattr(image, "detach"):  # a torch tensor
+        image = image.detach().cpu().numpy()
+    array = np.asarray(image)
+    if array.ndim == 4 and array.shape[0] == 1:
+        array = array[0]
     if array.ndim == 3:
-        array = array[..., :3].mean(axis=-1)
-    if array.ndim != 2:
-        raise ValueError(f"image: expected a PIL image or an [H, W(, C)] array, got shape {array.shape}")
-    return array / 255.0 if array.max() > 1.0 else array
+        if array.shape[-1] in CHANNEL_SIZES:
+            return array
+        if array.shape[0] in CHANNEL_SIZES:
+            return np.moveaxis(array, 0, -1)
+    if array.ndim == 2:
+        return array
+    raise ValueError(
+        f"image: expected a PIL image or an [H, W], [H, W, C] or [C, H, W] array or tensor with C in "
+        f"{CHANNEL_SIZES}, got shape {tuple(array.shape)}"
+    )
+
+
+def grey_image(image: Any) -> np.ndarray:
+    """``[H, W]`` float64 in [0, 1]: the image in grey, to draw maps over.
+
+    The rule, by type:
+
+    - a PIL image: its luminance (``convert("L")``), 0-255;
+    - an array or tensor ``[H, W]``, ``[H, W, C]`` or ``[C, H, W]`` (C in 1, 3, 4; a leading batch
+      axis of 1 is dropped): the channel axis is the last if its size is 1, 3 or 4, else the first
+      (so torch's CHW images work); colour is the mean of the first three channels;
+    - integer values are 0-255 (refused outside it); float values are [0, 1]: within
+      :data:`FLOAT_TOLERANCE` outside it they are clipped with a warning, further out they are
+      refused (a float image in 0-255: divide it by 255 or pass uint8). The range is never guessed
+      from the maximum.
+
+    Raises:
+        ValueError: another shape, a non-finite value, or values outside the type's range.
+    """
+    import warnings
+
+    array = _image_array(image)
+    if array.dtype == bool:
+        array = array.astype(np.float64)
+    if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
+        raise ValueError(f"image: expected numbers, got dtype {array.dtype}")
+    values = array.astype(np.float64)
+    if values.ndim == 3:
+        values = values[..., :3].mean(axis=-1)
+    if not np.isfinite(values).all():
+        raise ValueError("image: has NaN or infinite values; pass a finite image")
+    low, high = float(values.min()), float(values.max())
+    if np.issubdtype(array.dtype, np.integer):
+        if low < 0 or high > 255:
+            raise ValueError(f"image: integer values are read as 0-255, got {low:g}..{high:g}")
+        return values / 255.0
+    if low < -FLOAT_TOLERANCE or high > 1 + FLOAT_TOLERANCE:
+        raise ValueError(
+            f"image: float values are read as [0, 1], got {low:.4g}..{high:.4g}; divide a 0-255 image "
+            "by 255 (or pass uint8), map a [-1, 1] image with (x + 1) / 2"
+        )
+    if low < 0 or high > 1:
+        warnings.warn(
+            f"image: float values {low:.4g}..{high:.4g} slightly outside [0, 1] were clipped", stacklevel=3
+        )
+    return np.clip(values, 0.0, 1.0)
 
 
 def heat_maps(

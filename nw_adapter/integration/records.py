@@ -49,8 +49,6 @@ STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")
 BLOCKS: tuple[str, ...] = ("down", "mid", "up")
 """UNet blocks, in drawing order; other denoisers' layers (SD3, Flux) are block ``"other"``."""
 
-_COLORS = {"down": "#1f77b4", "mid": "#2ca02c", "up": "#d62728", "other": "#1f77b4", "all": "#1f77b4"}
-
 
 def block_of(layer: str) -> str:
     """``"down"``, ``"mid"`` or ``"up"`` from an attention-processor name (else ``"other"``)."""
@@ -166,26 +164,31 @@ def csv_text(
     return buffer.getvalue()
 
 
-_SUMMARY_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("call", "{:d}"),
-    ("step", "{:d}"),
-    ("half", "{}"),
-    ("timestep", "{:.0f}"),
-    ("rho", "{:.3f}"),
-    ("rho_perm_null", "{:.3f}"),
-    ("rho_norm_matched_null", "{:.3f}"),
-    ("rho_spread_null", "{:.3f}"),
-    ("pearson", "{:.3f}"),
-    ("kl", "{:.4f}"),
-    ("neff_attn", "{:.2f}"),
-    ("neff_nw", "{:.2f}"),
-    ("frac_rho_gt_0_9", "{:.3f}"),
-    ("count", "{:d}"),
+_SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("call", "call", "{:d}"),
+    ("step", "step", "{:d}"),
+    ("timestep", "t", "{:.0f}"),
+    ("rho", "rho", "{:.3f}"),
+    ("rho_perm_null", "perm-null", "{:.3f}"),
+    ("rho_norm_matched_null", "norm-null", "{:.3f}"),
+    ("rho_spread_null", "spread-null", "{:.3f}"),
+    ("rho_untrained", "rho-untr", "{:.3f}"),
+    ("kl", "KL", "{:.4f}"),
+    ("count", "records", "{:d}"),
+)
+"""(key, header, format) of the columns :meth:`Summary.table` prints (the main ones)."""
+
+_SUMMARY_LEGEND = (
+    "perm-null / norm-null / spread-null: rho of the permutation, norm-matched and q.k-spread nulls; "
+    "rho-untr: rho against the untrained adapter (control); KL: KL(A || NW); records: records averaged"
 )
 
 
 class Summary(list):
     """The rows of :meth:`Records.summary`: a plain list of dicts that prints as a table.
+
+    Every row (one per call, step and CFG half) keeps every statistic; printed, it is one line per
+    step of one half (:meth:`table`).
 
     ``empty_reason``: why there are no rows, when it is known (e.g. swap mode without statistics).
     ``error``: one line on the steps whose side computation failed in every layer (their rows are
@@ -195,26 +198,47 @@ class Summary(list):
     empty_reason: str | None = None
     error: str | None = None
 
-    def table(self) -> str:
-        """The rows as an aligned text table (NaN as ``nan``); the main statistics only; the
-        ``error`` line, if any, above it."""
-        table = self._rows_table()
+    def table(self, half: str | None = None) -> str:
+        """The rows of one CFG half as an aligned text table: one line per (call,) step, the main
+        statistics only, under a line saying what the numbers are and over a legend of the columns;
+        the ``error`` line, if any, above it.
+
+        Args:
+            half: the CFG half (default ``cond`` if present, else ``all``, else ``uncond``); every
+                column of every half stays in the rows themselves (``summary[i]``).
+        """
+        table = self._rows_table(half)
         return f"error: {self.error}\n{table}" if self.error else table
 
-    def _rows_table(self) -> str:
+    def _rows_table(self, half: str | None) -> str:
         if not self:
             return f"(no records: {self.empty_reason})" if self.empty_reason else "(no records)"
-        columns = [(key, fmt) for key, fmt in _SUMMARY_COLUMNS if key in self[0]]
-        cells = [[key for key, _ in columns]]
-        for row in self:
+        half = half or analysis_half(self)
+        rows = [r for r in self if r.get("half") == half]
+        halves = sorted({r.get("half") for r in self})
+        if not rows:
+            return f"(no rows of half {half!r}; halves: {', '.join(map(str, halves))})"
+        calls = {r.get("call") for r in rows}
+        columns = [
+            c for c in _SUMMARY_COLUMNS
+            if any(c[0] in r and r[c[0]] is not None for r in rows) and (c[0] != "call" or len(calls) > 1)
+        ]
+        cells = [[header for _, header, _ in columns]]
+        for row in rows:
             line = []
-            for key, fmt in columns:
+            for key, _, fmt in columns:
                 value = row.get(key)
                 is_nan = value is None or (isinstance(value, float) and not math.isfinite(value))
                 line.append("nan" if is_nan else fmt.format(value))
             cells.append(line)
         widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+        others = [h for h in halves if h != half]
+        heading = (
+            f"{half} half: mean over layers, heads, adapters and images per step"
+            + (f" (other halves: table(half={others[0]!r}))" if others else "")
+        )
+        body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+        return "\n".join([heading, *body, _SUMMARY_LEGEND])
 
     def __repr__(self) -> str:
         return self.table()
@@ -246,20 +270,84 @@ def _panel_title(name: str, panel_key: str | None) -> str:
     return "all IP layers" if name == "other" else f"{name} block"
 
 
+def wrap_title(text: str, width_inches: float, fontsize: float) -> str:
+    """``text`` with each line wrapped to fit ``width_inches`` at ``fontsize`` points.
+
+    A conservative estimate of DejaVu Sans' mean character width (0.6 em), so a title never runs
+    past the figure's edges (matplotlib's own ``wrap=True`` is not seen by ``get_window_extent``).
+    """
+    import textwrap
+
+    chars = max(20, int(width_inches * 72 / (0.6 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+
+def unit_key(records: Sequence[dict]) -> str | None:
+    """The key naming the independent unit of the records: ``reference`` (the command line's
+    reference images), else ``call`` (one pipeline call per reference in a notebook); None when
+    the records hold fewer than two units (no interval can be drawn)."""
+    for key in ("reference", "call"):
+        if records and all(key in r for r in records) and len({r[key] for r in records}) >= 2:
+            return key
+    return None
+
+
+def unit_intervals(
+    records: Sequence[dict], panel_key: str | None, *, half: str | None, stat: str = "rho"
+) -> dict[tuple[Any, float], tuple[float, float, int]]:
+    """Student t 95% interval of ``stat`` over the independent units, per (panel, timestep).
+
+    Per unit (:func:`unit_key`), the mean over its layers and heads (:func:`aggregate`); then
+    :func:`nw_adapter.core.intervals.t_interval` over the units of each (panel, step).
+
+    Returns:
+        ``{(panel, timestep): (low, high, n units)}``; empty with fewer than two units.
+    """
+    from nw_adapter.core.intervals import t_interval
+
+    key = unit_key(records)
+    if key is None:
+        return {}
+    by = (key, panel_key, "step") if panel_key else (key, "step")
+    per_unit: dict[tuple[Any, float], list[float]] = {}
+    for row in aggregate(records, by, half=half):
+        value = row.get(stat)
+        if value is not None and math.isfinite(value):
+            panel = row[panel_key] if panel_key else None
+            per_unit.setdefault((panel, float(row["timestep"])), []).append(float(value))
+    out = {}
+    for where, values in per_unit.items():
+        if len(values) >= 2:
+            _, low, high = t_interval(values)
+            out[where] = (max(-1.0, low), min(1.0, high), len(values))  # rho lies in [-1, 1]
+    return out
+
+
+RHO_COLOR = "#1f77b4"
+"""The colour of rho in every panel (the legend names it once)."""
+
+RHO_BAND_LABEL = "rho: 95% t interval over {n} {unit}s"
+
+
 def rho_figure(
     rows: Sequence[dict],
     *,
     panel_key: str | None = "block",
     title: str | None = None,
     note: str | None = None,
+    units: Sequence[dict] | None = None,
+    half: str | None = None,
 ):
     """rho against the timestep beside each of its three nulls, one panel per block (or one).
 
     Each null is its own named line (permutation, norm-matched, q.k-spread): a rho on or under
     any of them is not evidence of NW-like attention beyond what that null gives. When the rows
     hold ``rho_untrained`` (the untrained-adapter control), it is drawn too: a rho on or under it
-    is what the architecture gives without adapter training. Fonts are
-    sized for a paper column (9-10 pt at the figure's size); the legend is under the panels.
+    is what the architecture gives without adapter training. With the records of two or more
+    independent units (``units``: reference images, or pipeline calls), rho carries its 95%
+    Student t interval over the units as a band (:func:`unit_intervals`). Printed at a paper's
+    width (7 in for three panels, 3.5 in for one) with 7-9 pt text; the legend is under the
+    panels and names every line.
 
     Args:
         rows: :func:`aggregate` rows (``timestep``, ``rho`` and the nulls of
@@ -267,7 +355,10 @@ def rho_figure(
         panel_key: the key whose values get a panel each (``"block"``: down, mid, up; the
             layers of SD3 / Flux transformers are one panel, "all IP layers"); None: one panel of
             every row, labelled by its ``half``.
-        title: figure title. note: a line under it (e.g. why two steps share a timestep).
+        title: figure title. note: a line under it (e.g. why two steps share a timestep); both
+            are wrapped to the figure's width.
+        units: the records behind ``rows`` (with ``reference`` or ``call``), for the band.
+        half: the CFG half of ``rows`` (the band's records are filtered to it).
 
     Returns:
         A :class:`matplotlib.figure.Figure` (the Agg canvas: the pyplot backend is untouched).
@@ -285,13 +376,14 @@ def rho_figure(
         panels = [(name, [r for r in rows if r.get(panel_key) == name]) for name in names]
     if not panels or not panels[0][1]:
         raise ValueError("rows: nothing to plot (did the run record any layer and step?)")
-    lines = 2 if title and note else 1 if (title or note) else 0
-    single = len(panels) == 1
-    legend_rows = 4 if single else 2
-    fig = Figure(
-        figsize=(2.9 * len(panels) + (1.6 if single else 0.9), 3.3 + 0.2 * (lines + legend_rows)),
-        layout="constrained",
-    )
+    bands = unit_intervals(units or [], panel_key, half=half)
+    unit = unit_key(units or [])
+    width = 7.0 if len(panels) > 1 else 3.5
+    heading = "\n".join(t for t in (title, note) if t)
+    heading = wrap_title(heading, width - 0.2, 8) if heading else ""
+    lines = heading.count("\n") + 1 if heading else 0
+    legend_rows = 6 if len(panels) == 1 else 3
+    fig = Figure(figsize=(width, 2.5 + 0.14 * (lines + legend_rows)), layout="constrained")
     lowest = min(
         float(np.nanmin(_series(rows, key)))
         for key in ("rho", *NULL_STATS)
@@ -303,50 +395,57 @@ def rho_figure(
         t = _series(panel_rows, "timestep")
         for stat in NULL_STATS:
             label, color, style = _NULL_STYLES[stat]
-            ax.plot(t, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.4, label=label)
+            ax.plot(t, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.0, label=label)
         if any(r.get(CONTROL_RHO) is not None for r in panel_rows):
             label, color, style = _CONTROL_STYLE
             control = _series(panel_rows, CONTROL_RHO)
-            ax.plot(t, control, color=color, linestyle=style, linewidth=1.4, label=label)
+            ax.plot(t, control, color=color, linestyle=style, linewidth=1.0, label=label)
+        panel = name if panel_key else None
+        band = [bands.get((panel, float(x)), (math.nan, math.nan, 0)) for x in t]
+        if any(n for *_, n in band):
+            n_units = max(n for *_, n in band)
+            ax.fill_between(
+                t, [b[0] for b in band], [b[1] for b in band], color=RHO_COLOR, alpha=0.25, linewidth=0,
+                label=RHO_BAND_LABEL.format(n=n_units, unit=unit),
+            )
         ax.plot(
-            t,
-            _series(panel_rows, "rho"),
-            marker="o",
-            markersize=3,
-            linewidth=1.8,
-            color=_COLORS.get(name, "#1f77b4"),
+            t, _series(panel_rows, "rho"), marker="o", markersize=2, linewidth=1.4, color=RHO_COLOR,
             label="rho (attention vs NW)",
         )
         ax.axhline(0.0, color="0.3", linewidth=0.6)
         ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
-        ax.set_xticks([1000, 750, 500, 250, 0])
+        ax.set_xticks([1000, 500, 0])
         ax.set_ylim(max(-1.05, min(-0.2, lowest - 0.05)), 1.05)
-        ax.set_xlabel("timestep (denoising \u2192)", fontsize=9)
-        ax.set_title(_panel_title(name, panel_key), fontsize=10)
-        ax.tick_params(labelsize=8)
+        ax.set_xlabel("timestep (denoising \u2192)", fontsize=8)
+        ax.set_title(_panel_title(name, panel_key), fontsize=9)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("Spearman rho", fontsize=9)
+    axes[0].set_ylabel("Spearman rho", fontsize=8)
     handles, labels = axes[0].get_legend_handles_labels()
     first = [labels.index("rho (attention vs NW)")] + [
-        i for i, s in enumerate(labels) if s == _CONTROL_STYLE[0]
+        i for i, s in enumerate(labels) if s == _CONTROL_STYLE[0] or s.startswith("rho: 95%")
     ]
     order = first + [i for i, s in enumerate(labels) if "null" in s]
     fig.legend(
         [handles[i] for i in order],
         [labels[i] for i in order],
         loc="outside lower center",
-        ncol=1 if single else 2,
-        fontsize=8,
+        ncol=1 if len(panels) == 1 else 2,
+        fontsize=7,
         frameon=False,
     )
-    if title or note:
-        fig.suptitle("\n".join(t for t in (title, note) if t), fontsize=9)
+    if heading:
+        fig.suptitle(heading, fontsize=8)
     return fig
 
 
+FIGURE_DPI = 300
+"""Resolution of every PNG the package writes: print quality at the figure's width in inches."""
+
+
 def save_figure(fig: Any, path: str | os.PathLike) -> Path:
-    """Write a figure as PNG atomically (dpi 110) and return the path."""
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    """Write a figure as PNG atomically (:data:`FIGURE_DPI`) and return the path."""
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=FIGURE_DPI))
 
 
 class Records(list):
@@ -397,7 +496,14 @@ class Records(list):
         return pandas.DataFrame.from_records(self, columns=columns)
 
     def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
-        """Figure of the mean rho per step against the timestep, beside each of its nulls.
+        """The command line's ``rho.png`` (the README's headline figure) of these records.
+
+        rho against the timestep beside each of its nulls (and the untrained-adapter control
+        when recorded), one panel per UNet block (SD3 / Flux: one panel of all IP layers), the
+        means over layers and heads; with two or more reference images (the ``reference`` key
+        of the command line's records) or pipeline calls, a band of rho's 95% Student t interval
+        over them (:func:`rho_figure`). Unlike the command line it has no title: the run's
+        model, steps and bandwidth are the caller's to state.
 
         Args:
             half: CFG half to draw (default ``cond`` if recorded, else ``all``, else ``uncond``).
@@ -410,11 +516,11 @@ class Records(list):
             reason = self.empty_reason or "run the pipeline first, or load a file"
             raise ValueError(f"plot: nothing recorded ({reason})")
         half = half or analysis_half(self)
-        rows = aggregate(self, ("call", "step"), half=half)
+        rows = aggregate(self, ("block", "step"), half=half)
         if not rows:
             halves = sorted({r["half"] for r in self})
             raise ValueError(f"plot: no records of half {half!r}; pick one of {halves}")
-        fig = rho_figure(rows, panel_key=None)
+        fig = rho_figure(rows, panel_key="block", units=self, half=half)
         if path is not None:
             save_figure(fig, path)
         return fig

@@ -76,3 +76,74 @@ def test_overlay_draws_one_panel_per_token_over_the_image(recorded, tmp_path):
 def test_a_recorder_without_maps_says_how_to_store_them():
     with pytest.raises(ValueError, match="store_maps=True"):
         heat_maps({}, "attn")
+
+
+def synthetic_maps(heads: int = 2, rows: int = 2) -> dict[str, np.ndarray]:
+    """One stored step of one layer: ``[rows, heads, 16 query positions (4 x 4), 4 tokens]``."""
+    values = np.random.default_rng(0).dirichlet(np.ones(4), size=(rows, heads, 16))
+    return {f"call0/step0/up_blocks.1.a/adapter0/image0/{kind}": values for kind in ("attn", "nw")}
+
+
+@pytest.mark.parametrize(
+    ("selection", "message"),
+    [
+        ({"heads": [5]}, r"heads=\[5\]: 5 is not a stored head; the stored maps have 2 head\(s\), "
+         r"positions 0\.\.1"),
+        ({"heads": [-1]}, r"heads=\[-1\]: -1 is not a stored head.*positions 0\.\.1"),  # was the last head
+        ({"heads": []}, r"heads=\[\] selects no head; pass positions in 0\.\.1"),  # was NaN maps
+        ({"batch_row": 2}, r"batch_row=2 is out of range: the stored maps have 2 batch row\(s\)"),
+        ({"batch_row": -3}, r"batch_row=-3 is out of range"),
+    ],
+)
+def test_a_selection_out_of_range_is_one_line_naming_the_parameter(selection, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        heat_maps(synthetic_maps(), "attn", image_hw=(32, 32), **selection)
+    assert "\n" not in str(caught.value)
+
+
+def test_head_mean_maps_say_they_keep_one_head():
+    with pytest.raises(ValueError, match=r"1 head\(s\), positions 0\.\.0 \(maps stored with map_head_mean"):
+        heat_maps(synthetic_maps(heads=1), "attn", image_hw=(32, 32), heads=[1])
+
+
+def test_overlay_tokens_out_of_range_or_empty_name_the_parameter():
+    maps = heat_maps(synthetic_maps(), "attn", image_hw=(32, 32))
+    image = np.zeros((32, 32))
+    with pytest.raises(IndexError, match=r"tokens: token 4 is out of range; these maps have 4 image tokens"):
+        maps.plot_overlay(image, tokens=[4])
+    with pytest.raises(ValueError, match=r"tokens=\[\] selects no token"):
+        maps.plot_overlay(image, tokens=[])
+
+
+def test_grey_image_reads_chw_and_hwc_tensors_and_arrays_alike():
+    from nw_adapter.integration.heatmaps import grey_image
+
+    rgb = np.random.default_rng(0).random((3, 8, 12))  # CHW, torch's layout: 8 x 12 pixels
+    expected = rgb.mean(axis=0)
+    np.testing.assert_allclose(grey_image(torch.from_numpy(rgb)), expected)  # was a 3 x 12 image
+    np.testing.assert_allclose(grey_image(rgb), expected)
+    np.testing.assert_allclose(grey_image(np.moveaxis(rgb, 0, -1)), expected)  # HWC
+    np.testing.assert_allclose(grey_image(torch.from_numpy(rgb)[None]), expected)  # a batch of one
+    assert grey_image(np.full((8, 12), 255, dtype=np.uint8)).max() == 1.0  # integers are 0-255
+    with pytest.raises(ValueError, match=r"image: expected a PIL image or an \[H, W\]"):
+        grey_image(np.zeros((5, 8, 12)))
+
+
+def test_a_float_image_is_zero_to_one_never_guessed_from_its_maximum():
+    from nw_adapter.integration.heatmaps import grey_image
+
+    image = np.full((4, 4), 0.5)
+    image[0, 0] = 1.0001  # a decoder's rounding: was read as 0-255 (everything black)
+    with pytest.warns(UserWarning, match=r"slightly outside \[0, 1\] were clipped"):
+        grey = grey_image(image)
+    assert grey[1, 1] == 0.5 and grey[0, 0] == 1.0
+    with pytest.raises(ValueError, match=r"float values are read as \[0, 1\], got 0\.5\.\.200; divide"):
+        grey_image(np.where(image > 1, 200.0, image))
+
+
+def test_overlay_of_a_chw_tensor_draws_the_image_at_its_own_shape(recorded):
+    rec, image = recorded
+    chw = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    fig = heat_maps(rec, "attn").plot_overlay(chw)
+    beneath = fig.axes[0].get_images()[0].get_array()
+    assert beneath.shape == (image.height, image.width)
