@@ -7,9 +7,10 @@ seeds), prints the table and writes, atomically, into ``--out``:
 
 - ``compare_swap.json``: schema ``nw-adapter/compare-swap``: the options (``config``), package
   versions, the references (file, SHA-256, class label if known), one row per (reference, rule)
-  with the values :func:`compare_swap` returned, the per-rule summary (means with Student t 95%
-  intervals over references, kept-class counts with Clopper-Pearson 95% intervals), the options'
-  fingerprint and the SHA-256 of its own content (``digest``);
+  with the values :func:`compare_swap` returned, the per-rule summary (means with 95% intervals
+  over references inside the quantities' ranges, kept-class counts with Clopper-Pearson 95%
+  intervals, the conclusion), the options' fingerprint and the SHA-256 of its own content
+  (``digest``);
 - ``compare_swap.csv``: the per-reference rows, written from the JSON document (both files:
   :mod:`~nw_adapter.correlate.swap_files`).
 
@@ -24,13 +25,13 @@ is measured with ``--model tiny`` only; the classes are those of the bundled hel
 the order the references are listed). Without known classes there is no agreement column, and
 the output says why.
 
-One reference runs too, but its table has no intervals (a Student t interval needs two or more
-references) and says so. Resuming is all or nothing: the comparison pairs reference ``i`` with
-seeds ``seed + i`` and ``seed + n + i``, so its rows only mean something as one run; a finished
-``compare_swap.json`` is reused (nothing is generated) only when it is an intact document of this
-tool (its content digest intact), with the same fingerprint (options, model, rules, labels) and
-the same references (key and SHA-256, in order); anything else is recomputed from the start, with
-a note saying why.
+One reference runs too, but its table has no intervals (``too few``: an interval needs two or more
+references) and its conclusion says that nothing follows. Resuming is all or nothing: the
+comparison pairs reference ``i`` with seeds ``seed + i`` and ``seed + n + i``, so its rows only
+mean something as one run; a finished ``compare_swap.json`` is reused (nothing is generated) only
+when it is an intact document of this tool (its content digest intact), with the same fingerprint
+(options, model, rules, labels) and the same references (key and SHA-256, in order); anything
+else is recomputed from the start, with a note saying why.
 """
 
 from __future__ import annotations
