@@ -385,6 +385,49 @@ def _rule_name(rule: Any) -> Any:
         raise ValueError(f"compare_swap: unknown rule {rule!r} ({error})") from None
 
 
+_OWN_CALL_ARGUMENTS = {
+    "generator": "compare_swap seeds every generation itself (reference i: seed + i, its control "
+    "seed + n + i); drop generator= and pass seed=",
+    "latents": "fixed latents would make the other-seed control the same image; drop latents= and pass seed=",
+    "ip_adapter_image": "the references are the IP-Adapter images; pass them as references",
+    "ip_adapter_image_embeds": "compare_swap embeds the references itself; pass them as references",
+    "output_type": "compare_swap reads every generation as an array (output_type='np'); drop output_type=",
+}
+"""Pipeline call arguments ``compare_swap`` sets itself, and why each is refused in ``**call_kwargs``."""
+
+
+def _validate_call(num_inference_steps: Any, seed: Any, call_kwargs: dict[str, Any]) -> None:
+    """Refuse generation settings that would fail deep in the pipeline or defeat the comparison."""
+    for name, value in (("num_inference_steps", num_inference_steps), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"compare_swap: {name} must be an integer, got {value!r}")
+    if num_inference_steps < 1:
+        raise ValueError(
+            f"compare_swap: num_inference_steps must be 1 or more, got {num_inference_steps}; pass the "
+            "number of denoising steps (e.g. 25)"
+        )
+    for name in call_kwargs:
+        if name in _OWN_CALL_ARGUMENTS:
+            raise ValueError(f"compare_swap: {name}= is not accepted: {_OWN_CALL_ARGUMENTS[name]}")
+
+
+def _judged(judge: Callable[[list[Any]], Sequence[Any]], images: list[Any]) -> list[Any]:
+    """The judge's labels of ``images``, checked to be one per image."""
+    answer = judge(images)
+    if isinstance(answer, (str, bytes)) or not hasattr(answer, "__len__") or not hasattr(answer, "__iter__"):
+        raise ValueError(
+            f"compare_swap: judge= returned a value of type {type(answer).__name__}, not a list of labels; "
+            "it must map a list of PIL images to a list with one label per image"
+        )
+    predicted = list(answer)
+    if len(predicted) != len(images):
+        raise ValueError(
+            f"compare_swap: judge= returned {len(predicted)} label(s) for {len(images)} images; it must "
+            "return one label per image it is given"
+        )
+    return predicted
+
+
 def _validate(references: Any, rules: Any, judge: Any, labels: Any) -> tuple[list, tuple]:
     from PIL import Image
 
@@ -497,7 +540,9 @@ def compare_swap(
         judge: Optional classifier: list of PIL images -> list of labels.
         labels: The references' true labels (needs ``judge``).
         keep_images: Keep the generations in the result (``stock_images``, ``swap_images``).
-        **call_kwargs: Further pipeline call arguments (e.g. ``height``, ``negative_prompt``).
+        **call_kwargs: Further pipeline call arguments (e.g. ``height``, ``negative_prompt``); not
+            ``generator``, ``latents`` (the seeds are ``seed``), ``ip_adapter_image``,
+            ``ip_adapter_image_embeds`` (the references) or ``output_type``, which it sets itself.
 
     Returns:
         The :class:`SwapComparison`.
@@ -505,9 +550,12 @@ def compare_swap(
     Raises:
         ValueError: No references, a reference that is not a PIL image, an unknown or repeated rule,
             labels without a judge (or the reverse), or as many labels as references not given;
-            NW processors already installed on ``pipe``.
+            ``num_inference_steps`` below 1 or not an integer, a ``seed`` that is not an integer, a
+            call argument it sets itself (``generator=`` ...); a judge that does not return one label
+            per image; NW processors already installed on ``pipe``.
     """
     references, names = _validate(references, rules, judge, labels)
+    _validate_call(num_inference_steps, seed, call_kwargs)
     if active_recorder(pipe) is not None:
         raise ValueError(
             "compare_swap: NW processors are installed on this pipeline (its stock images would not be "
@@ -535,7 +583,7 @@ def compare_swap(
         generated = [_to_pil(stock), *(_to_pil(swaps[name]) for name in names)]
         embeds, _ = encode_images(pipe, generated)
         similarity = [_cosine(embed, reference_embeds[index]) for embed in embeds]
-        predicted = list(judge(generated)) if judge is not None else None
+        predicted = _judged(judge, generated) if judge is not None else None
         for position, name in enumerate(names, start=1):
             row: dict[str, Any] = {
                 "reference": index,

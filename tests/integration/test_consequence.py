@@ -176,6 +176,21 @@ def test_encoder_without_projection_falls_back_to_pooler_output(pipe, references
         ({"labels": [3]}, "labels without a judge"),
         ({"judge": lambda images: [0] * len(images)}, "a judge without labels"),
         ({"judge": lambda images: [0] * len(images), "labels": [3, 7, 1]}, "3 labels for 1 references"),
+        ({"num_inference_steps": 0}, "num_inference_steps must be 1 or more, got 0"),
+        ({"num_inference_steps": 2.5}, "num_inference_steps must be an integer"),
+        ({"seed": "1"}, "seed must be an integer"),
+        ({"generator": torch.Generator()}, "generator= is not accepted: .* pass seed="),
+        ({"latents": torch.zeros(1, 4, 4, 4)}, "latents= is not accepted"),
+        ({"output_type": "pil"}, "output_type= is not accepted"),
+        ({"ip_adapter_image": tiny_digit_image(1)}, "ip_adapter_image= is not accepted"),
+        (  # stock and one swap: two images to judge
+            {"judge": lambda images: [3], "labels": [3], "rules": ("matched",)},
+            r"judge= returned 1 label\(s\) for 2 images",
+        ),
+        (
+            {"judge": lambda images: 3, "labels": [3]},
+            "judge= returned a value of type int, not a list of labels",
+        ),
     ],
 )
 def test_bad_input_raises_one_line(pipe, kwargs, message):
