@@ -242,6 +242,12 @@ IMAGE = str(example_image_path(3))
         (["--image", IMAGE, "--model", "tiny", "--labels", "3"], "add --compare-swap"),
         ([*BASE, "--image", IMAGE, "--labels", "3,7"], "1 distinct reference image"),
         ([*BASE, "--image", IMAGE, "--labels", "12"], "digit classes are 0-9"),
+        ([*BASE, "--image", IMAGE, "--labels", "\uff13"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--labels", "\u0663"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--labels", "0_3"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--labels", "+3"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--swap-rules", "1_0"], "'1_0' is not a rule"),
+        ([*BASE, "--image", IMAGE, "--swap-rules", "\uff11"], "is not a rule"),
         ([*BASE, "--image", IMAGE, "--labels", "3", "--height", "64"], "reads 32 x 32 images"),
         (
             ["--compare-swap", "--image", IMAGE, "--model", "some-org/some-model", "--labels", "3"],
