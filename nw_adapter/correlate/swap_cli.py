@@ -7,9 +7,10 @@ seeds), prints the table and writes, atomically, into ``--out``:
 
 - ``compare_swap.json``: schema ``nw-adapter/compare-swap``: the options (``config``), package
   versions, the references (file, SHA-256, class label if known), one row per (reference, rule)
-  with the values :func:`compare_swap` returned, the per-rule summary (means with Student t 95%
-  intervals over references, kept-class counts with Clopper-Pearson 95% intervals), the options'
-  fingerprint and the SHA-256 of its own content (``digest``);
+  with the values :func:`compare_swap` returned, the per-rule summary (means with 95% intervals
+  over references inside the quantities' ranges, kept-class counts with Clopper-Pearson 95%
+  intervals, the conclusion), the options' fingerprint and the SHA-256 of its own content
+  (``digest``);
 - ``compare_swap.csv``: the per-reference rows, written from the JSON document (both files:
   :mod:`~nw_adapter.correlate.swap_files`).
 
@@ -24,19 +25,20 @@ is measured with ``--model tiny`` only; the classes are those of the bundled hel
 the order the references are listed). Without known classes there is no agreement column, and
 the output says why.
 
-One reference runs too, but its table has no intervals (a Student t interval needs two or more
-references) and says so. Resuming is all or nothing: the comparison pairs reference ``i`` with
-seeds ``seed + i`` and ``seed + n + i``, so its rows only mean something as one run; a finished
-``compare_swap.json`` is reused (nothing is generated) only when it is an intact document of this
-tool (its content digest intact), with the same fingerprint (options, model, rules, labels) and
-the same references (key and SHA-256, in order); anything else is recomputed from the start, with
-a note saying why.
+One reference runs too, but its table has no intervals (``too few``: an interval needs two or more
+references) and its conclusion says that nothing follows. Resuming is all or nothing: the
+comparison pairs reference ``i`` with seeds ``seed + i`` and ``seed + n + i``, so its rows only
+mean something as one run; a finished ``compare_swap.json`` is reused (nothing is generated) only
+when it is an intact document of this tool (its content digest intact), with the same fingerprint
+(options, model, rules, labels) and the same references (key and SHA-256, in order); anything
+else is recomputed from the start, with a note saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -72,6 +74,12 @@ class CompareSwapError(ValueError):
     """Bad input to ``--compare-swap``: printed as one line, exit status 2."""
 
 
+_ASCII_INTEGER = re.compile(r"[0-9]+", re.ASCII)
+_ASCII_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+"""What ``--labels`` / ``--swap-rules`` read as numbers: ASCII decimals only (Python's ``int`` and
+``float`` also take other scripts' digits and underscores, ``"\uff11"`` or ``"1_0"``)."""
+
+
 def _rules(text: str) -> tuple[str | float, ...]:
     """Parse ``--swap-rules``: comma-separated rule names or bandwidths h in :data:`BANDWIDTH_RANGE`."""
     low, high = BANDWIDTH_RANGE
@@ -80,13 +88,12 @@ def _rules(text: str) -> tuple[str | float, ...]:
         if part in DEFAULT_RULES:
             rules.append(part)
             continue
-        try:
-            value = float(part)
-        except ValueError:
+        if not _ASCII_NUMBER.fullmatch(part):
             raise argparse.ArgumentTypeError(
                 f"--swap-rules: '{part}' is not a rule; use {', '.join(DEFAULT_RULES)} or a number h in "
                 f"[{low:g}, {high:g}], comma-separated"
-            ) from None
+            )
+        value = float(part)
         if not math.isfinite(value) or not low <= value <= high:
             raise argparse.ArgumentTypeError(
                 f"--swap-rules: bandwidth '{part}' is outside the usable range [{low:g}, {high:g}]"
@@ -98,13 +105,13 @@ def _rules(text: str) -> tuple[str | float, ...]:
 
 
 def _labels(text: str) -> list[int]:
-    """Parse ``--labels``: comma-separated digit classes 0-9, one per reference."""
-    try:
-        labels = [int(part) for part in text.split(",")]
-    except ValueError:
+    """Parse ``--labels``: comma-separated digit classes 0-9 (ASCII), one per reference."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(_ASCII_INTEGER.fullmatch(part) for part in parts):
         raise argparse.ArgumentTypeError(
-            f"--labels must be comma-separated digits 0-9 (one per reference), got '{text}'"
-        ) from None
+            f"--labels must be comma-separated ASCII digits 0-9 (one per reference, e.g. 3,7), got '{text}'"
+        )
+    labels = [int(part) for part in parts]
     if not all(0 <= label <= 9 for label in labels):
         raise argparse.ArgumentTypeError(f"--labels: digit classes are 0-9, got '{text}'")
     return labels

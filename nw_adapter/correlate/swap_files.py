@@ -5,9 +5,11 @@
   ``versions``, ``images`` (each reference's key, file, SHA-256 and class label or null),
   ``embedding``, ``settings``, ``rules``, ``per_reference`` (one row per (reference, rule): the values
   :func:`~nw_adapter.integration.consequence.compare_swap` returned, with the reference's ``key``),
-  ``summary`` (per rule: means with Student t 95% intervals over references; kept-class counts with
-  Clopper-Pearson 95% intervals), ``fingerprint`` (of the options) and ``digest`` (SHA-256 of the
-  rest of the content, :func:`nw_adapter.correlate.sweep.content_digest`);
+  ``summary`` (per rule: means with 95% intervals over references inside the quantities' ranges,
+  the conclusion's ``change_vs_seed`` / ``clip_i_effect``, kept-class counts with Clopper-Pearson
+  95% intervals: :meth:`~nw_adapter.integration.consequence.SwapComparison.summary`),
+  ``fingerprint`` (of the options) and ``digest`` (SHA-256 of the rest of the content,
+  :func:`nw_adapter.correlate.sweep.content_digest`);
 - :func:`reusable_document` / :func:`document_problem` decide whether a saved document belongs to
   a run (resuming);
 - :func:`comparison_of` and :func:`format_document` rebuild the printed table from a document;
@@ -42,7 +44,8 @@ __all__ = [
 ]
 
 SCHEMA = "nw-adapter/compare-swap"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the summary's intervals stay in range and carry the conclusion (1: plain Student t)."""
 JSON_NAME = "compare_swap.json"
 CSV_NAME = "compare_swap.csv"
 SWAP_FILES = (JSON_NAME, CSV_NAME)
@@ -145,11 +148,12 @@ def document_problem(
 ) -> str | None:
     """Why a parsed ``compare_swap.json`` cannot be reused for this run (None: it can).
 
-    Checks: a JSON object of :data:`SCHEMA` whose content still has its digest, with the fields the
-    printed table reads, for the same references (keys and SHA-256, in order) and classes
-    (``labels``, when given), made with the same fingerprint (the options), with exactly one row
-    per (reference, rule) whose metrics are numbers. A changed reference list and changed options
-    are both named (the reference list as reordered or changed, with the files), not one as the other.
+    Checks: a JSON object of :data:`SCHEMA` and :data:`SCHEMA_VERSION` whose content still has its
+    digest, with the fields the printed table reads, for the same references (keys and SHA-256, in
+    order) and classes (``labels``, when given), made with the same fingerprint (the options), with
+    exactly one row per (reference, rule) whose metrics are numbers. A changed reference list and
+    changed options are both named (the reference list as reordered or changed, with the files), not
+    one as the other.
     """
     from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
 
@@ -157,6 +161,8 @@ def document_problem(
         return f"{JSON_NAME} is not a JSON object"
     if document.get("schema") != SCHEMA:
         return f"{JSON_NAME} is of another schema ({document.get('schema')!r})"
+    if document.get("schema_version") != SCHEMA_VERSION:
+        return f"{JSON_NAME} is of schema version {document.get('schema_version')!r}, not {SCHEMA_VERSION}"
     if document.get(DIGEST_FIELD) != content_digest(document):
         return f"{JSON_NAME} was changed after it was written (its content digest does not match)"
     config = document.get("config")
@@ -238,7 +244,8 @@ def comparison_of(document: dict) -> Any:
 
 
 def format_document(document: dict) -> str:
-    """What the command prints: a context line, the table, and the notes that qualify it."""
+    """What the command prints: a context line, the table (with its conclusion and legend), and the notes
+    that qualify it."""
     from nw_adapter.correlate.report import random_weights_note
 
     config = document["config"]
@@ -250,8 +257,6 @@ def format_document(document: dict) -> str:
         f"seed {config['seed']} (reference i: seed + i)",
         comparison_of(document).table(),
     ]
-    if count < 2:
-        lines.append("note: one reference: no intervals (a Student t interval needs 2 or more references)")
     source = config["labels"]
     if source == "bundled":
         lines.append("classes: the bundled held-out digits' own classes (recognised by SHA-256)")

@@ -88,6 +88,18 @@ def test_writes_parseable_files_and_prints_the_table(finished):
     assert "stock keeps class" in printed and "bundled held-out digits" in printed
 
 
+def test_printed_table_has_bounded_intervals_units_a_legend_and_a_conclusion(finished):
+    document = json.loads((finished["out"] / JSON_NAME).read_text())
+    printed = finished["stdout"]
+    assert " px" not in printed and "|swap-stock| (0-1)" in printed and "columns:" in printed
+    (conclusion,) = [line for line in printed.splitlines() if line.startswith("conclusion")]
+    assert conclusion == comparison_of(document).conclusion() + "."
+    for row in document["summary"]:
+        for column, (low, high) in consequence.RANGES.items():
+            assert low <= row[f"{column}_low"] <= row[f"{column}_high"] <= high, column
+        assert row["change_vs_seed"] in {"less", "more", "unclear"}
+
+
 def test_json_values_equal_the_functions(finished, direct):
     document = json.loads((finished["out"] / JSON_NAME).read_text())
     assert len(document["per_reference"]) == len(direct.per_reference)
@@ -207,7 +219,8 @@ def test_unknown_reference_without_labels_has_no_agreement(capsys, tmp_path):
     document = json.loads((tmp_path / "out" / JSON_NAME).read_text())
     assert document["images"][0]["label"] is None and "swap_keeps" not in document["per_reference"][0]
     assert "keeps class" not in printed and "other.png is not one of the bundled held-out digits" in printed
-    assert "one reference: no intervals" in printed and "nan, nan" in printed  # n = 1: no t interval
+    assert "[too few]" in printed and "nan" not in printed  # n = 1: no interval
+    assert "conclusion: too few references for intervals" in printed
 
 
 IMAGE = str(example_image_path(3))
@@ -229,6 +242,12 @@ IMAGE = str(example_image_path(3))
         (["--image", IMAGE, "--model", "tiny", "--labels", "3"], "add --compare-swap"),
         ([*BASE, "--image", IMAGE, "--labels", "3,7"], "1 distinct reference image"),
         ([*BASE, "--image", IMAGE, "--labels", "12"], "digit classes are 0-9"),
+        ([*BASE, "--image", IMAGE, "--labels", "\uff13"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--labels", "\u0663"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--labels", "0_3"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--labels", "+3"], "--labels must be comma-separated ASCII digits"),
+        ([*BASE, "--image", IMAGE, "--swap-rules", "1_0"], "'1_0' is not a rule"),
+        ([*BASE, "--image", IMAGE, "--swap-rules", "\uff11"], "is not a rule"),
         ([*BASE, "--image", IMAGE, "--labels", "3", "--height", "64"], "reads 32 x 32 images"),
         (
             ["--compare-swap", "--image", IMAGE, "--model", "some-org/some-model", "--labels", "3"],
@@ -300,6 +319,10 @@ def _other_schema(document: dict) -> None:
     document["schema"] = "nw-adapter/rho"
 
 
+def _first_schema_version(document: dict) -> None:
+    document["schema_version"] = 1  # plain t intervals, no conclusion: its summary is not today's
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -307,6 +330,7 @@ def _other_schema(document: dict) -> None:
         (_without_a_row, "one row per (reference, rule)"),
         (_text_value, "non-numeric value"),
         (_other_schema, "another schema"),
+        (_first_schema_version, "schema version 1, not 2"),
     ],
 )
 def test_a_resealed_but_malformed_document_is_not_reused(finished, change, reason):

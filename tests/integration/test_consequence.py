@@ -12,6 +12,7 @@ from scipy.stats import binomtest, ttest_1samp
 
 import nw_adapter
 from nw_adapter import load_tiny_digits, tiny_digit_image
+from nw_adapter.integration import consequence
 from nw_adapter.integration.consequence import SwapComparison, compare_swap, encode_images, t_interval
 from nw_adapter.models.digits_quality import digit_judge
 
@@ -175,6 +176,21 @@ def test_encoder_without_projection_falls_back_to_pooler_output(pipe, references
         ({"labels": [3]}, "labels without a judge"),
         ({"judge": lambda images: [0] * len(images)}, "a judge without labels"),
         ({"judge": lambda images: [0] * len(images), "labels": [3, 7, 1]}, "3 labels for 1 references"),
+        ({"num_inference_steps": 0}, "num_inference_steps must be 1 or more, got 0"),
+        ({"num_inference_steps": 2.5}, "num_inference_steps must be an integer"),
+        ({"seed": "1"}, "seed must be an integer"),
+        ({"generator": torch.Generator()}, "generator= is not accepted: .* pass seed="),
+        ({"latents": torch.zeros(1, 4, 4, 4)}, "latents= is not accepted"),
+        ({"output_type": "pil"}, "output_type= is not accepted"),
+        ({"ip_adapter_image": tiny_digit_image(1)}, "ip_adapter_image= is not accepted"),
+        (  # stock and one swap: two images to judge
+            {"judge": lambda images: [3], "labels": [3], "rules": ("matched",)},
+            r"judge= returned 1 label\(s\) for 2 images",
+        ),
+        (
+            {"judge": lambda images: 3, "labels": [3]},
+            "judge= returned a value of type int, not a list of labels",
+        ),
     ],
 )
 def test_bad_input_raises_one_line(pipe, kwargs, message):
@@ -207,3 +223,159 @@ def test_installed_processors_are_refused_not_silently_removed():
         assert active_recorder(pipe) is rec  # the user's installation is untouched
     finally:
         remove_nw_processor(pipe)
+
+
+# ---- the summary's intervals, conclusion and legend, on constructed rows (no model) ----
+
+
+def _rows(clip_i_change: list[float], abs_diff: list[float], other_seed: list[float], rule="matched") -> list:
+    return [
+        {
+            "reference": index,
+            "rule": rule,
+            "abs_diff": diff,
+            "abs_diff_other_seed": seed,
+            "clip_i_stock": 0.9,
+            "clip_i_swap": 0.9 + change,
+            "clip_i_change": change,
+        }
+        for index, (change, diff, seed) in enumerate(zip(clip_i_change, abs_diff, other_seed, strict=True))
+    ]
+
+
+def _comparison(rows: list, rules=("matched",)) -> SwapComparison:
+    return SwapComparison(rules=tuple(rules), per_reference=rows, embedding="image_embeds", settings={})
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_intervals_stay_inside_what_the_quantity_can_take(n):
+    """Two or three spread references: the plain t interval leaves [0, 1] and [-1, 1]; these do not."""
+    change = [-0.9, 0.05, 0.0][:n]
+    rows = _rows(change, [0.001, 0.4, 0.01][:n], [0.002, 0.3, 0.02][:n])
+    for row, value in zip(rows, [0.95, -0.2, 0.9], strict=False):
+        row["clip_i_stock"] = value
+        row["clip_i_swap"] = value + row["clip_i_change"]
+    (summary,) = _comparison(rows).summary()
+    for column, (low, high) in consequence.RANGES.items():
+        assert low <= summary[f"{column}_low"] <= summary[column] <= summary[f"{column}_high"] <= high, column
+    assert summary["abs_diff_low"] >= 0.0 and summary["clip_i_stock_high"] <= 1.0
+    _, t_low, _ = t_interval([row["abs_diff"] for row in rows])
+    assert t_low < 0.0  # the case the cut is for
+
+
+def _beta_on(low: float, high: float, a: float, b: float):
+    mean = low + (high - low) * a / (a + b)
+    return (lambda rng, size: low + (high - low) * rng.beta(a, b, size)), mean, (low, high)
+
+
+# Shapes like the measurements (README: mean |diff| 0.05 with sd 0.04, CLIP-I 0.88 with sd 0.085),
+# the uniform as an unskewed one, and changes: two alike arms, or a drop in one arm only.
+SHAPES = {
+    "log": {
+        "mean |diff| beta(1.4, 24)": _beta_on(0, 1, 1.37, 24),
+        "mean |diff| beta(5, 40)": _beta_on(0, 1, 5, 40),
+        "uniform": _beta_on(0, 1, 1, 1),
+        "CLIP-I beta(28.5, 1.8) on [-1, 1]": _beta_on(-1, 1, 28.5, 1.8),
+        "CLIP-I beta(20, 2) on [-1, 1]": _beta_on(-1, 1, 20, 2),
+    },
+    "t": {
+        "swap - seed, alike arms": (
+            lambda rng, size: rng.beta(1.37, 24, size) - rng.beta(5, 40, size),
+            1.37 / 25.37 - 5 / 45,
+            (-1.0, 1.0),
+        ),
+        "CLIP-I change, alike arms": (
+            lambda rng, size: 2 * rng.beta(28.5, 1.8, size) - 2 * rng.beta(40, 3, size),
+            2 * 28.5 / 30.3 - 2 * 40 / 43,
+            (-2.0, 2.0),
+        ),
+    },
+}
+CASES = [(method, shape) for method, shapes in SHAPES.items() for shape in shapes]
+
+
+@pytest.mark.parametrize("n", [2, 3, 10])
+@pytest.mark.parametrize(("method", "shape"), CASES)
+def test_bounded_interval_covers_at_least_93_percent(method, shape, n):
+    """Coverage by simulation (20000 samples of n references, fixed seed) at nominal 95%."""
+    sampler, true_mean, bounds = SHAPES[method][shape]
+    samples = sampler(np.random.default_rng(n), (20000, n))
+    mean, low, high = consequence.bounded_interval(samples, bounds, method)
+    assert np.all((bounds[0] <= low) & (low <= mean) & (mean <= high) & (high <= bounds[1]))
+    assert np.mean((low <= true_mean) & (true_mean <= high)) >= 0.93
+    one = consequence.bounded_interval(samples[0], bounds, method)  # a 1-D sample gives the same floats
+    assert one == pytest.approx((mean[0], low[0], high[0])) and isinstance(one[1], float)
+
+
+def test_plain_t_interval_would_not_cover_the_skewed_shapes():
+    """Why the log scale: the Student t interval covers a mean |diff| shaped like the README's less
+    often than it claims (under 93% at 3 references)."""
+    sampler, true_mean, _ = SHAPES["log"]["mean |diff| beta(1.4, 24)"]
+    samples = sampler(np.random.default_rng(3), (20000, 3))
+    _, low, high = consequence.bounded_interval(samples, (0.0, 1.0), "t")
+    assert np.mean((low <= true_mean) & (true_mean <= high)) < 0.93
+
+
+def test_bounded_interval_on_the_bound_falls_back_to_t_and_stays_inside():
+    mean, low, high = consequence.bounded_interval([0.0, 0.02, 0.04], (0.0, 1.0), "log")
+    t_mean, t_low, t_high = t_interval([0.0, 0.02, 0.04])
+    assert (mean, low, high) == pytest.approx((t_mean, 0.0, t_high))
+    assert consequence.bounded_interval([0.3, 0.3, 0.3], (0.0, 1.0), "log") == pytest.approx((0.3, 0.3, 0.3))
+
+
+def test_one_reference_has_no_interval_and_says_too_few():
+    comparison = _comparison(_rows([-0.2], [0.05], [0.1]))
+    (summary,) = comparison.summary()
+    assert math.isnan(summary["abs_diff_low"]) and summary["change_vs_seed"] == "too few"
+    table = comparison.table()
+    assert "[too few]" in table and "nan" not in table
+    assert "conclusion: too few references for intervals (fewer than 2)" in table
+
+
+def test_conclusion_follows_from_the_intervals():
+    rng = np.random.default_rng(0)
+    noise = list(rng.normal(0.0, 0.01, 10))
+    clear = _rows(
+        [-0.2 + e for e in noise], [0.03 + abs(e) for e in noise], [0.10 + abs(e) for e in noise[::-1]]
+    )
+    none = _rows(
+        [e * 5 for e in noise],
+        [0.10 + abs(e) for e in noise],
+        [0.10 + abs(e) for e in noise[::-1]],
+        rule="fitted",
+    )
+    comparison = _comparison(clear + none, rules=("matched", "fitted"))
+    matched, fitted = comparison.summary()
+    assert (matched["change_vs_seed"], matched["clip_i_effect"]) == ("less", "lower")
+    assert (fitted["change_vs_seed"], fitted["clip_i_effect"]) == ("unclear", "unclear")
+    line = comparison.conclusion()
+    assert "\n" not in line and line.startswith("conclusion (95% intervals over 10 references)")
+    assert "moves the image less than a new seed does under matched" in line
+    assert "cannot be told apart from a new seed's under fitted" in line
+    assert "CLIP-I lower than stock under matched" in line and "no CLIP-I change shown under fitted" in line
+    assert line in comparison.table()
+    (only_clear,) = _comparison(clear).summary()
+    assert "less than a new seed does under every rule" in consequence.conclusion([only_clear])
+    more = _rows([0.2 + e for e in noise], [0.3 + abs(e) for e in noise], [0.1 + abs(e) for e in noise])
+    assert "more than a new seed does" in _comparison(more).conclusion()
+    assert "CLIP-I higher than stock" in _comparison(more).conclusion()
+
+
+def test_table_names_its_units_and_explains_every_column(result):
+    table = result.table()
+    assert " px" not in table and "(0-1)" in table
+    header = table.splitlines()[0]
+    legend = table[table.index("columns:") :]
+    for name in [*consequence.HEADERS.values(), "rule", "n", "stock keeps class", "swap keeps class"]:
+        assert name in header
+    for name in [
+        "rule:",
+        "n:",
+        "|swap-stock| (0-1):",
+        "|seed-stock| (0-1):",
+        "swap - seed:",
+        "CLIP-I stock / swap:",
+        "CLIP-I change:",
+        "stock / swap keeps class:",
+    ]:
+        assert name in legend, name
