@@ -173,3 +173,11 @@ def test_the_readme_python_blocks_run_offline_as_written(tmp_path: Path, monkeyp
     assert namespace["maps"].steps == (24,)
     assert namespace["records"] and set(namespace["readings"]) >= {"rho", "nw_gain", "r2_key", "h_eff"}
     assert namespace["pipe"].nw_recorder is None  # the README's last call restores the processors
+
+
+def test_the_stated_size_of_the_shipped_model_is_its_size_on_disk() -> None:
+    from nw_adapter.models.tiny_digits import SHIPPED_DIR
+
+    files = [path for path in SHIPPED_DIR.rglob("*") if path.is_file()]
+    stated = f"{sum(path.stat().st_size for path in files) / 1e6:.1f} MB of files"
+    assert stated in README and stated in (REPO / "docs" / "cli.md").read_text(), stated
