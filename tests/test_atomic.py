@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 from nw_adapter import atomic
 from nw_adapter.atomic import WriteError, atomic_write, atomic_write_text
@@ -74,7 +75,9 @@ def test_file_size_limit_is_a_write_error(tmp_path: Path) -> None:
         "    print(exc); sys.exit(3)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=SUBPROCESS_TIMEOUT_S
+    )
     assert proc.returncode == 3, proc.stderr
     assert "File too large" in proc.stdout
     assert list(tmp_path.iterdir()) == []

@@ -39,15 +39,59 @@ def correlate_argv(command: str) -> list[str]:
     raise AssertionError(f"no correlate.py call in {command!r}")
 
 
-def test_setup_is_two_commands_cpu_torch_then_main_job_then_tests() -> None:
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def torch_requirement() -> str:
+    """The torch requirement of pyproject.toml's dependencies, e.g. ``torch>=2.4,<3``."""
+    (requirement,) = re.findall(r'^\s*"(torch[<>=!~][^"]*)",', (REPO / "pyproject.toml").read_text(), re.M)
+    return requirement
+
+
+def test_setup_is_two_commands_cpu_torch_or_fallback_then_main_job_then_tests() -> None:
     install_and_run, install_and_test = setup_commands()
     steps = [s.strip() for s in install_and_run.split("&&")]
-    assert steps[0] == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    cpu_index, fallback = (s.strip() for s in steps[0].split("||"))
+    assert cpu_index == CPU_TORCH
+    assert shlex.split(fallback) == ["pip", "install", torch_requirement()]  # pip's own index
     assert steps[1] == "pip install -e ."
     argv = correlate_argv(install_and_run)
     args = parse_args(argv)
     assert args.model == "tiny" and all((REPO / image).is_file() for image in args.image)
     assert install_and_test == 'pip install -e ".[test]" && python -m pytest -n 2 -q'
+
+
+def _run_setup_with_fake_tools(tmp_path: Path, index_reachable: bool) -> list[str]:
+    """The README's first set-up command run by bash, with ``pip`` and ``python`` replaced by
+    shell functions that log their arguments; ``pip`` fails whenever it is given the PyTorch
+    index and that index is not reachable (as on a machine with only a package mirror)."""
+    import subprocess
+
+    from subprocess_limits import SUBPROCESS_TIMEOUT_S
+
+    log = tmp_path / "calls.log"
+    fail = "" if index_reachable else '[[ "$*" == *download.pytorch.org* ]] && return 1; '
+    script = (
+        f'pip() {{ echo "pip $*" >> {shlex.quote(str(log))}; {fail}return 0; }}\n'
+        f'python() {{ echo "python $1" >> {shlex.quote(str(log))}; }}\n'
+        f"{setup_commands()[0]}\n"
+    )
+    proc = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines()
+
+
+def test_setup_falls_back_to_pips_own_index_when_the_pytorch_index_is_unreachable(tmp_path: Path) -> None:
+    calls = _run_setup_with_fake_tools(tmp_path, index_reachable=False)
+    fallback = f"pip install {torch_requirement()}"
+    assert calls == [CPU_TORCH, fallback, "pip install -e .", "python scripts/correlate.py"]
+
+
+def test_setup_uses_the_cpu_index_alone_when_it_is_reachable(tmp_path: Path) -> None:
+    calls = _run_setup_with_fake_tools(tmp_path, index_reachable=True)
+    assert calls == [CPU_TORCH, "pip install -e .", "python scripts/correlate.py"]
 
 
 def test_ci_runs_exactly_the_readme_test_command() -> None:
@@ -129,3 +173,11 @@ def test_the_readme_python_blocks_run_offline_as_written(tmp_path: Path, monkeyp
     assert namespace["maps"].steps == (24,)
     assert namespace["records"] and set(namespace["readings"]) >= {"rho", "nw_gain", "r2_key", "h_eff"}
     assert namespace["pipe"].nw_recorder is None  # the README's last call restores the processors
+
+
+def test_the_stated_size_of_the_shipped_model_is_its_size_on_disk() -> None:
+    from nw_adapter.models.tiny_digits import SHIPPED_DIR
+
+    files = [path for path in SHIPPED_DIR.rglob("*") if path.is_file()]
+    stated = f"{sum(path.stat().st_size for path in files) / 1e6:.1f} MB of files"
+    assert stated in README and stated in (REPO / "docs" / "cli.md").read_text(), stated

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from sklearn.datasets import load_sample_image
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 from nw_adapter.correlate.cli import main
 
@@ -66,7 +67,7 @@ def test_two_processes_match_one(
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from sklearn.datasets import load_sample_image
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 from nw_adapter.correlate.cli import main
 from nw_adapter.correlate.report import STAT_FIELDS, format_table, format_verdict, parse_table
@@ -171,7 +172,7 @@ def test_captured_output_has_clean_lines_notes_and_no_library_noise(tmp_path, ph
     env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
     env["PYTHONPATH"] = str(script.parents[1])
     proc = subprocess.run(argv + ["-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          timeout=300)  # fmt: skip
+                          timeout=SUBPROCESS_TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, proc.stdout
     assert "\r" not in proc.stdout and "%|" not in proc.stdout
     lines = proc.stdout.splitlines()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 from test_images import BAD_KINDS, EXPECTED_WORDS, make_bad_file, photo
 
 from nw_adapter.correlate.cli import main
@@ -265,7 +266,7 @@ def test_real_process_exit_status_and_stderr(kind, extra, words, tmp_path: Path,
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=SUBPROCESS_TIMEOUT_S,
         cwd=tmp_path,
     )
     assert proc.returncode == 2
@@ -478,7 +479,9 @@ def test_file_size_limit_while_writing_the_tiny_model_is_one_line(tmp_path: Path
         f"'--out', {str(tmp_path / 'out')!r}]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "NW_ADAPTER_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=SUBPROCESS_TIMEOUT_S
+    )
     assert proc.stdout == ""
     assert_one_line_error(proc.returncode, proc.stderr, "cannot write the tiny model", "File too large")
     leftovers = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]

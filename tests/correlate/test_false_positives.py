@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 from nw_adapter.correlate.false_positives import MODELS, count_verdicts
 
@@ -43,5 +44,5 @@ def test_random_models_say_evidence_in_at_most_5_percent_of_runs(tmp_path, model
 def test_the_script_runs() -> None:
     script = ROOT / "scripts" / "verdict_false_positives.py"
     proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT)}, timeout=120)  # fmt: skip
+                          env={"PYTHONPATH": str(ROOT)}, timeout=SUBPROCESS_TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0 and "--seeds" in proc.stdout

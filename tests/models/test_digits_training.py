@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 from nw_adapter.models.digits_data import class_captions, digit_features, load_digit_splits, to_model_range
 from nw_adapter.models.tiny_digits import (
@@ -170,7 +171,7 @@ def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=600,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
 
 
@@ -209,7 +210,7 @@ def test_train_script_rejects_a_file_as_out(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert result.returncode == 2
     assert "is a file" in result.stderr and "Traceback" not in result.stderr
