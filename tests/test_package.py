@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 import nw_adapter
 
@@ -38,11 +40,18 @@ def wheel(tmp_path_factory):
     """The project's wheel, built from this checkout (no network: the installed setuptools)."""
     out = tmp_path_factory.mktemp("wheel")
     root = Path(__file__).resolve().parents[1]
+    # A copy of what the build reads: setuptools writes build/ and *.egg-info into the source
+    # folder, so two pytest workers building from the checkout itself would race there.
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(root / name, source / name)
+    shutil.copytree(root / "nw_adapter", source / "nw_adapter", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out)]
-        + [str(root)],
+        + [str(source)],
         check=True,
         capture_output=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     (path,) = out.glob("nw_adapter-*.whl")
     return path
@@ -98,7 +107,7 @@ def installed(wheel, tmp_path_factory):
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
          str(wheel)],
-        check=True, capture_output=True, timeout=300, cwd=work, env=_clean_environment(),
+        check=True, capture_output=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=work, env=_clean_environment(),
     )  # fmt: skip
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -122,7 +131,9 @@ def _clean_environment(path_first: Path | None = None) -> dict[str, str]:
 
 def _run_installed(installed, command: list[str]) -> subprocess.CompletedProcess:
     env = _clean_environment(installed["bin"])
-    return subprocess.run(command, capture_output=True, text=True, cwd=installed["cwd"], env=env, timeout=300)
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=installed["cwd"], env=env, timeout=SUBPROCESS_TIMEOUT_S
+    )
 
 
 @pytest.mark.parametrize(

@@ -516,11 +516,12 @@ class Records(list):
             reason = self.empty_reason or "run the pipeline first, or load a file"
             raise ValueError(f"plot: nothing recorded ({reason})")
         half = half or analysis_half(self)
-        rows = aggregate(self, ("block", "step"), half=half)
+        panel = "block" if all(r.get("block") is not None for r in self) else None  # else one panel
+        rows = aggregate(self, (panel, "step") if panel else ("step",), half=half)
         if not rows:
             halves = sorted({r["half"] for r in self})
             raise ValueError(f"plot: no records of half {half!r}; pick one of {halves}")
-        fig = rho_figure(rows, panel_key="block", units=self, half=half)
+        fig = rho_figure(rows, panel_key=panel, units=self, half=half)
         if path is not None:
             save_figure(fig, path)
         return fig

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "diffusers", "transformers", "accelerate", "huggingface_hub")
@@ -48,7 +49,7 @@ def run_cases(cases: list[tuple[str, list[str]]], cwd: Path) -> list[dict]:
         text=True,
         env=env,
         cwd=cwd,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
         check=True,
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -130,7 +131,7 @@ def test_the_real_script_answers_help_without_torch(tmp_path: Path) -> None:
         [sys.executable, "-X", "importtime", str(REPO / "scripts" / "correlate.py"), "--help"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=SUBPROCESS_TIMEOUT_S,
         cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 from nw_adapter.correlate import loading, spec
 from nw_adapter.correlate.cli import main
@@ -50,7 +51,7 @@ def run_offline(argv: list[str], hf_home: Path, cwd: Path, **env: str) -> tuple[
     )
     proc = subprocess.run(
         [sys.executable, "-c", _RUNNER, *argv], capture_output=True, text=True, env=environment, cwd=cwd,
-        timeout=600,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )  # fmt: skip
     assert proc.stdout.strip(), proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr

@@ -129,16 +129,14 @@ def test_summary_prints_as_a_table(observed):
     summary = observed.summary()
     text = repr(summary)
     lines = text.splitlines()
-    assert lines[0].split()[:5] == ["call", "step", "half", "timestep", "rho"]
-    assert "frac_rho_gt_0_9" in lines[0] and len(lines) == 1 + len(summary)
-    first = summary[0]
-    assert lines[1].split()[:4] == [
-        str(first["call"]),
-        str(first["step"]),
-        first["half"],
-        f"{first['timestep']:.0f}",
-    ]
+    assert lines[0].startswith("cond half: mean over layers, heads, adapters and images per step")
+    assert lines[1].split()[:5] == ["call", "step", "t", "rho", "perm-null"]
+    cond = [r for r in summary if r["half"] == "cond"]
+    assert len(lines) == 2 + len(cond) + 1 and lines[-1].startswith("perm-null / norm-null")
+    first = cond[0]
+    assert lines[2].split()[:3] == [str(first["call"]), str(first["step"]), f"{first['timestep']:.0f}"]
     assert str(summary) == text and isinstance(summary, list)
+    assert all("frac_rho_gt_0_9" in row for row in summary)  # the rows keep every statistic
 
 
 def test_from_json_round_trips_records_summary_and_config(observed, tmp_path):
@@ -199,13 +197,18 @@ def test_tidy_exports_dataframe_or_csv(observed, tmp_path, monkeypatch):
 def test_plot_draws_rho_beside_each_null(observed, tmp_path):
     from PIL import Image
 
+    from nw_adapter.integration.records import aggregate
+
     fig = observed.plot(path=tmp_path / "rho.png")
-    ax = fig.axes[0]
-    cond = [r for r in observed.summary() if r["half"] == "cond"]
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    assert list(lines["rho (attention vs NW)"].get_ydata()) == pytest.approx([r["rho"] for r in cond])
-    spread = lines["q.k-spread null (key norms shuffled)"]
-    assert list(spread.get_ydata()) == pytest.approx([r["rho_spread_null"] for r in cond])
+    rows = aggregate(observed.records(), ("block", "step"), half="cond")
+    blocks = [b for b in ("down", "mid", "up") if any(r["block"] == b for r in rows)]
+    assert len(fig.axes) == len(blocks)  # one panel per UNet block, as the command line draws
+    for ax, block in zip(fig.axes, blocks, strict=True):
+        expected = sorted((r for r in rows if r["block"] == block), key=lambda r: -float(r["timestep"]))
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert list(lines["rho (attention vs NW)"].get_ydata()) == pytest.approx([r["rho"] for r in expected])
+        spread = lines["q.k-spread null (key norms shuffled)"]
+        assert list(spread.get_ydata()) == pytest.approx([r["rho_spread_null"] for r in expected])
     with Image.open(tmp_path / "rho.png") as img:
         assert img.format == "PNG"
     with pytest.raises(ValueError, match="nothing recorded"):
