@@ -9,9 +9,20 @@ import pytest
 import torch
 from PIL import Image
 
-from nw_adapter.models.tiny import TINY_IMAGE_SIZE
+from nw_adapter.models.tiny import TINY_IMAGE_SIZE, ip_adapter_weight_name
 
 SIZE = TINY_IMAGE_SIZE
+
+
+def load_sd15(model_dir, ip_dir, variant: str = "base"):
+    """``StableDiffusionPipeline.from_pretrained(model_dir)`` + the tiny IP-Adapter (``"base"`` or
+    ``"plus"``) in the public layout, as a user would."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(model_dir)
+    pipe.load_ip_adapter(ip_dir, subfolder="models", weight_name=ip_adapter_weight_name(variant))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def random_image(seed: int = 1, size: int = SIZE) -> Image.Image:

@@ -8,22 +8,16 @@ import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline
 from flow_helpers import generate as generate_flow
 from flow_helpers import load_flux, load_sd3
-from tiny_helpers import generate
+from tiny_helpers import generate, load_sd15
 
 from nw_adapter.integration.untrained import build_untrained_adapter, untrained_keys
-from nw_adapter.models.tiny import ip_adapter_weight_name
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module", params=["base", "plus"])
 def sd15(request, tiny_sd15_dir, tiny_ip_adapter_dir):
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)
-    pipe.load_ip_adapter(
-        tiny_ip_adapter_dir, subfolder="models", weight_name=ip_adapter_weight_name(request.param)
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_sd15(tiny_sd15_dir, tiny_ip_adapter_dir, request.param)
 
 
 @pytest.fixture(scope="module")

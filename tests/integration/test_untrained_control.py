@@ -16,7 +16,7 @@ import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline
 from flow_helpers import generate as generate_flow
 from flow_helpers import load_flux, load_sd3
-from tiny_helpers import generate, random_image
+from tiny_helpers import generate, load_sd15, random_image
 
 from nw_adapter.core import bandwidth as bw
 from nw_adapter.integration import stats
@@ -34,12 +34,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module", params=["base", "plus"])
 def sd15(request, tiny_sd15_dir, tiny_ip_adapter_dir):
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)
-    pipe.load_ip_adapter(
-        tiny_ip_adapter_dir, subfolder="models", weight_name=ip_adapter_weight_name(request.param)
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_sd15(tiny_sd15_dir, tiny_ip_adapter_dir, request.param)
 
 
 @pytest.fixture(scope="module", params=["sd15-base", "sd15-plus", "sd3", "flux", "flux-2-adapters"])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import AnimateDiffPipeline, DDIMScheduler, MotionAdapter, StableDiffusionPipeline
-from tiny_helpers import random_image
+from tiny_helpers import load_sd15, random_image
 
 from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
 from nw_adapter.integration.untrained import untrained_keys
@@ -55,12 +55,7 @@ def animatediff(tiny_sd15_dir, tiny_ip_adapter_dir):
 
 @pytest.fixture(scope="module", params=["base", "plus"])
 def sd15(request, tiny_sd15_dir, tiny_ip_adapter_dir):
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)
-    pipe.load_ip_adapter(
-        tiny_ip_adapter_dir, subfolder="models", weight_name=ip_adapter_weight_name(request.param)
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_sd15(tiny_sd15_dir, tiny_ip_adapter_dir, request.param)
 
 
 def _video(pipe) -> np.ndarray:
