@@ -288,8 +288,11 @@ class StepTracker:
                 embeds = input_embeds(kwargs)
             except Exception:  # noqa: BLE001 - an unreadable input only means "content unknown"
                 embeds = []
+            self._input_digests.pop(self.state.call, None)  # a digest is of this call's embeddings only
             if embeds:
                 self._input_embeds[self.state.call] = embeds
+            else:
+                self._input_embeds.pop(self.state.call, None)
 
     def input_digest_of(self, call: int) -> str | None:
         """The digest (:func:`embeds_digest`) of ``call``'s IP-Adapter image embeddings; None if unknown."""
