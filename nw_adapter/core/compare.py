@@ -38,7 +38,7 @@ from nw_adapter.core.metrics import (
     spearman_rho,
     top1_agreement,
 )
-from nw_adapter.core.readings import READING_NAMES, nw_readings
+from nw_adapter.core.readings import READING_NAMES, SCALE_NAMES, key_rms, logit_scale, nw_readings
 
 __all__ = ["BANDWIDTH_RULES", "COMPARISON_NAMES", "NAN_REASONS", "AttentionComparison", "compare_attention"]
 
@@ -60,6 +60,7 @@ COMPARISON_NAMES: tuple[str, ...] = (
     "top1",
     "key_norm_cv",
     "qk_spread_ratio",
+    *SCALE_NAMES,
     *READING_NAMES,
 )
 
@@ -304,6 +305,9 @@ def compare_attention(
     - ``top1``: share of rows whose largest weight is on the same key;
     - ``key_norm_cv``: std / mean of ``||k_i||``; ``qk_spread_ratio``: mean over rows of
       ``std_i(q.k_i) / std_i(||k_i||^2 / 2)`` (what rho is a function of);
+    - ``logit_scale``: the RMS of the row-centred logits ``scale q.k`` (the effective inverse
+      temperature; ``c / h^2`` for an NW head), ``key_rms``: the RMS key norm
+      (:mod:`nw_adapter.core.readings`; scale readings: their log trends and ratios are scale-free);
     - ``r2_key``, ``r2_nw``, ``kl_nw_fit``, ``kl_key_prior``, ``nw_gain``, ``h_eff``: see
       :func:`nw_adapter.core.readings.nw_readings` (``h_eff`` fitted on all N rows).
 
@@ -391,6 +395,8 @@ def compare_attention(
             "top1": top1_agreement(qk, scores_nw, row_mask).to(dtype).mean(-1),
             "key_norm_cv": masked_std(key_norm, mask) / _masked_mean(key_norm, mask),
             "qk_spread_ratio": spread,
+            "logit_scale": logit_scale(attn_logits, mask),
+            "key_rms": key_rms(k, mask),
             **readings,
         }
     values = {name: out[name] for name in COMPARISON_NAMES}

@@ -41,9 +41,12 @@ from nw_adapter.core.metrics import kl_from_logits
 
 __all__ = [
     "READING_NAMES",
+    "SCALE_NAMES",
     "fit_nw_to_attention",
     "key_prior_log_weights",
+    "key_rms",
     "kl_key_prior",
+    "logit_scale",
     "nw_readings",
     "r2_key",
     "r2_nw",
@@ -52,6 +55,11 @@ __all__ = [
 
 #: The readings of :func:`nw_readings`, in order.
 READING_NAMES: tuple[str, ...] = ("r2_key", "r2_nw", "kl_nw_fit", "kl_key_prior", "nw_gain", "h_eff")
+
+
+#: The scale readings (:func:`logit_scale`, :func:`key_rms`): constant gains on q or k change them
+#: by a factor, so their logarithms' trends over denoising (and ratios to a control) are scale-free.
+SCALE_NAMES: tuple[str, ...] = ("logit_scale", "key_rms")
 
 
 def _key_mask(valid: Tensor | None, logits: Tensor) -> Tensor:
@@ -270,3 +278,57 @@ def nw_readings(logits: Tensor, query: Tensor, key: Tensor, valid: Tensor | None
         "nw_gain": prior - kl_fit,
         "h_eff": h_eff,
     }
+
+
+def logit_scale(logits: Tensor, valid: Tensor | None = None) -> Tensor:
+    """The RMS of the row-centred attention logits: the head's effective inverse temperature (nats).
+
+    ``logit_scale = sqrt((1 / (n m')) sum_j sum_{i valid} L~_ji^2)`` with ``L~`` the logits
+    row-centred over the ``m'`` valid keys (:func:`row_centred`). For NW logits
+    ``-||q_j - s_i||^2 / 2h^2`` over fixed queries and support it is ``c / h^2`` (``c`` set by the
+    geometry), so ``d log logit_scale / d log h = -2`` for Theorem 3's exact head at any support and
+    0 for a head of fixed temperature; a constant gain ``g`` on q or on k multiplies it by ``g``
+    (adds ``log g`` to its logarithm, leaving that slope unchanged).
+
+    Args:
+        logits: ``[..., n, m]`` attention logits (``scale q k^T``).
+        valid: optional bool ``[..., m]`` key mask.
+
+    Returns:
+        ``[...]``; 0 where every row is constant over its valid keys.
+
+    Example:
+        >>> logit_scale(torch.tensor([[[0.0, 2.0]]])).item()
+        1.0
+    """
+    centred = row_centred(logits, valid)
+    mask = _key_mask(valid, centred)
+    with no_autocast(centred.device):
+        count = mask.sum(-1).to(centred.dtype).clamp_min(1.0)  # [..., 1]
+        per_row = centred.square().sum(-1) / count  # [..., n]
+        return per_row.mean(-1).sqrt()
+
+
+def key_rms(key: Tensor, valid: Tensor | None = None) -> Tensor:
+    """The RMS norm of the valid keys, ``sqrt((1/m') sum_{i valid} ||k_i||^2)`` (head space).
+
+    The ratio of two adapters' ``key_rms`` over the same image tokens is their change of scale:
+    a gain ``c`` on the image tokens of a bias-free key projection multiplies it by ``|c|``.
+
+    Args:
+        key: ``[..., m, d]`` keys.
+        valid: optional bool ``[..., m]`` key mask.
+
+    Returns:
+        ``[...]`` in the compute dtype (float32, float64 for float64 input).
+    """
+    if not isinstance(key, Tensor) or key.dim() < 2 or not key.is_floating_point():
+        raise ValueError("key must be a floating-point tensor [..., m, d]")
+    k = key.to(compute_dtype(key))
+    square = k.square().sum(-1)  # [..., m]
+    with no_autocast(k.device):
+        if valid is None:
+            return square.mean(-1).sqrt()
+        mask = _key_mask(valid, square[..., None, :])[..., 0, :]
+        weight = mask.to(k.dtype)
+        return ((square * weight).sum(-1) / weight.sum(-1).clamp_min(1.0)).sqrt()

@@ -313,7 +313,7 @@ def test_extreme_finite_inputs_give_the_values_of_the_rescaled_problem(case: str
     out = compare_attention((q * c).float(), (k * c).float(), scale=s / c**2, bandwidth=scaled)
     assert out.nan_reasons == {}
     for name in COMPARISON_NAMES:
-        expected = reference[name] * (c if name in ("bandwidth", "h_eff") else 1.0)
+        expected = reference[name] * (c if name in ("bandwidth", "h_eff", "key_rms") else 1.0)
         if name in ("rho_norm_matched_null", "rho_spread_null", "rho_perm_null"):  # seeded draws
             expected = reference[name]
         np.testing.assert_allclose(
