@@ -145,9 +145,10 @@ def greater_than_zero(
 
 TWO_LEVEL_TEST = (
     "two-level test over reference images x control draws: d_r = trained_r - mean_k control_rk, "
-    "SE^2 = a + b with a = s_d^2 / R (s_d: SD of d_r over the R references) and b = (1 + 1/K) s_draws^2 / K "
-    "(s_draws: SD over the K draws of the per-draw mean differences; the factor 1 + 1/K counts the "
-    "trained adapter as one more draw of the initialisation when nothing was learned); one-sided, "
+    "SE^2 = a + b with a = s_d^2 / R (s_d: SD of d_r over the R references) and b = s_draws^2 / K + "
+    "s_draws^2 (s_draws: SD over the K draws of the per-draw mean differences; s_draws^2 / K for the "
+    "control's mean, s_draws^2 for the trained adapter's own draw of the initialisation, which it is "
+    "when nothing was learned); one-sided, "
     "mean - margin > sqrt(t_{R-1}^2 a + t_{K-1}^2 b) (Banerjee's conservative critical value, at "
     "1 - alpha quantiles; the 95% interval at 0.975 quantiles); K = 1: one-sample t test over references"
 )
@@ -248,7 +249,9 @@ def _banerjee_p(excess: float, a: float, b: float, n: int, draws: int) -> float:
     return upper if excess > 0 else 1.0 - upper
 
 
-def two_level_rejects(differences: np.ndarray, *, margin: float = 0.0, alpha: float = 0.05) -> np.ndarray:
+def two_level_rejects(
+    differences: np.ndarray, *, margin: float = 0.0, alpha: float = 0.05, trained_is_a_draw: bool = True
+) -> np.ndarray:
     """Vectorised decision of :func:`two_level_test` for many data sets at once (simulations).
 
     Args:
@@ -263,7 +266,7 @@ def two_level_rejects(differences: np.ndarray, *, margin: float = 0.0, alpha: fl
     data = np.asarray(differences, dtype=np.float64)
     _, n, draws = data.shape
     a = data.mean(2).var(1, ddof=1) / n
-    b = (1 + 1 / draws) * data.mean(1).var(1, ddof=1) / draws
+    b = (1 / draws + float(trained_is_a_draw)) * data.mean(1).var(1, ddof=1)
     q_refs, q_draws = student_t.isf(alpha, n - 1), student_t.isf(alpha, draws - 1)
     critical = np.sqrt(q_refs**2 * a + q_draws**2 * b)
     return (data.mean((1, 2)) - margin > critical) & (a + b > 0)
@@ -275,18 +278,22 @@ def two_level_test(
     margin: float = 0.0,
     alpha: float = 0.05,
     confidence: float = CONFIDENCE,
+    trained_is_a_draw: bool = True,
 ) -> TwoLevelTest:
     """One-sided test of ``mean > margin`` over references x control draws (:data:`TWO_LEVEL_TEST`).
 
     ``differences[r, k]`` is unit ``r``'s trained value minus control draw ``k``'s. With
     ``d_r = mean_k differences[r, k]`` and ``m_k = mean_r differences[r, k]``:
-    ``a = var_r(d_r) / R`` and ``b = (1 + 1/K) var_k(m_k) / K``; ``SE^2 = a + b``. The draws share
+    ``a = var_r(d_r) / R`` and ``b = (1 + 1/K) var_k(m_k)``; ``SE^2 = a + b``. The draws share
     their offset across references, so ``b`` does not shrink with ``R``: more references never
-    turn an offset between draws into evidence. The critical value ``sqrt(t_a^2 a + t_b^2 b)``
-    (Banerjee 1960) keeps the size at most ``alpha`` for every ratio of the two variances, where
-    the Welch-Satterthwaite degrees of freedom do not with 2 or 3 draws (tests/core/test_intervals.py
-    simulates both). With ``K = 1`` it is the one-sample t test of ``d_r - margin`` (``b`` cannot
-    be estimated: :data:`ONE_DRAW_CAVEAT`).
+    turn an offset between draws into evidence. ``b`` counts the offset twice: ``var_k / K`` for
+    the mean of the K control draws, and ``var_k`` once more for the trained adapter, which, when
+    nothing was learned, is one more draw of the initialisation with an offset of its own. The
+    critical value ``sqrt(t_{R-1}^2 a + t_{K-1}^2 b)`` (Banerjee 1960) keeps the size at most
+    ``alpha`` for every ratio of the two variances, where the Welch-Satterthwaite degrees of
+    freedom do not with 2 or 3 draws (tests/core/test_intervals.py simulates both). With ``K = 1``
+    it is the one-sample t test of ``d_r - margin`` (``b`` cannot be estimated:
+    :data:`ONE_DRAW_CAVEAT`).
 
     Draws without any finite value are dropped, then references missing a value of a kept draw.
 
@@ -295,6 +302,10 @@ def two_level_test(
         margin: the smallest effect counted (>= 0): values within it of the control never count.
         alpha: size of the test.
         confidence: coverage of the two-sided interval.
+        trained_is_a_draw: count the trained adapter's own offset (``var_k`` in ``b``); False
+            tests the trained value against the mean of the control's draws only (``b = var_k / K``),
+            which keeps the size when only the control's draws have offsets, not when the
+            trained adapter's initialisation had one (tests/core/test_intervals.py).
 
     Returns:
         :class:`TwoLevelTest`.
@@ -323,7 +334,7 @@ def two_level_test(
     if n < 2:
         return replace(untested, mean=mean)
     a = float(per_ref.var(ddof=1)) / n
-    b = (1 + 1 / draws) * float(kept.mean(0).var(ddof=1)) / draws if draws > 1 else 0.0
+    b = (1 / draws + float(trained_is_a_draw)) * float(kept.mean(0).var(ddof=1)) if draws > 1 else 0.0
     se = math.sqrt(a + b)
     half = _critical((1 - confidence) / 2, a, b, n, draws)
     measured = replace(untested, mean=mean, low=mean - half, high=mean + half, se=se)
