@@ -150,10 +150,11 @@ def test_a_pure_gain_is_no_shape_effect_and_its_scale_ratio_is_the_gain(gain) ->
     assert ratio["low"] == pytest.approx(gain, rel=1e-5) and ratio["high"] == pytest.approx(gain, rel=1e-5)
 
 
-def test_without_the_matching_a_gain_reads_as_a_shape_effect() -> None:
-    """The raw control of c4889a3 (the same keys without the gain): rho - control is far from 0."""
-    parts = {p["key"]: p for p in verdict(gain_records(0.5, matched=False))["clauses"]["training"]["parts"]}
-    assert abs(parts["rho_minus_control"]["mean"]) > 0.05, parts["rho_minus_control"]
+def test_without_the_matching_a_gain_reads_as_learning() -> None:
+    """The raw control of c4889a3 (the same keys without the gain), gain 0.5: measured nw_gain -
+    control +0.160 [+0.128, +0.192], rho - control +0.191 [+0.164, +0.218]: the clause "holds"."""
+    training = verdict(gain_records(0.5, matched=False))["clauses"]["training"]
+    assert all(p["mean"] > 0.1 for p in training["parts"]) and training["holds"] is True
 
 
 def growing_query_records(schedule: list[float]) -> list[dict]:
