@@ -91,6 +91,7 @@ class UnitTest:
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-ready fields (NaN as None)."""
+
         def clean(x: float) -> float | None:
             return x if math.isfinite(x) else None
 
@@ -193,6 +194,7 @@ class TwoLevelTest:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (NaN as None)."""
+
         def clean(x: float) -> float | None:
             return x if math.isfinite(x) else None
 
@@ -317,9 +319,7 @@ def two_level_test(
     """
     from scipy.stats import t as student_t
 
-    data = np.array(
-        [[math.nan if v is None else float(v) for v in row] for row in differences], dtype=np.float64
-    ).reshape(len(differences), -1)
+    data = np.asarray(differences, dtype=np.float64).reshape(len(differences), -1)  # None -> NaN
     kept, dropped_refs, dropped_draws = _complete_cases(data)
     n, draws = kept.shape
     nan = math.nan
@@ -367,14 +367,8 @@ def two_level_greater(
         >>> result.draws, round(result.mean, 3)
         (2, 0.883)
     """
-    def as_array(x: Any) -> np.ndarray:
-        return np.array(
-            [[math.nan if v is None else float(v) for v in row] if isinstance(row, Sequence | np.ndarray)
-             else (math.nan if row is None else float(row)) for row in x], dtype=np.float64,
-        )  # fmt: skip
-
-    control_values = as_array(control)
-    trained_values = as_array(trained)
+    control_values = np.asarray(control, dtype=np.float64)  # None -> NaN
+    trained_values = np.asarray(trained, dtype=np.float64)
     if trained_values.ndim == 1:
         trained_values = trained_values[:, None]
     return two_level_test(trained_values - control_values, margin=margin, alpha=alpha, confidence=confidence)

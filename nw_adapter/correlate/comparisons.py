@@ -132,8 +132,10 @@ def _check_arguments(
         raise ValueError(f"reference must be a non-empty string naming the reference, got {reference!r}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a whole number >= 0 (the denoising step index), got {step!r}")
-    if isinstance(h_schedule, bool) or not isinstance(h_schedule, int | float) or not (
-        math.isfinite(h_schedule) and h_schedule > 0
+    if (
+        isinstance(h_schedule, bool)
+        or not isinstance(h_schedule, int | float)
+        or not (math.isfinite(h_schedule) and h_schedule > 0)
     ):
         raise ValueError(f"h_schedule must be a finite number > 0 (sigma_t / alpha_t), got {h_schedule!r}")
 

@@ -108,7 +108,7 @@ MARGINS: dict[str, float] = {
 1e-3 nats of ``nw_gain`` and 1e-3 of rho (per image, mean over steps), 0.01 of the exponent
 (1/200 of Theorem 3's 2) and 1e-3 of rho per unit of ``log h``: far above what float32 rounding of
 an exactly matched control gives (a control whose keys equal the trained keys after the matching
-differs by ~1e-7; tests/correlate/test_verdict_acceptance.py), far below the effects worth a claim
+differs by at most 7e-9 in tests/correlate/test_verdict_acceptance.py), far below the effects worth a claim
 (the issue's scale effects were 0.03 - 0.17 of rho and nw_gain)."""
 
 
@@ -661,8 +661,10 @@ def skipped_values(records: Sequence[dict], half: str, columns: Sequence[str]) -
         if column not in present:
             continue
         reasons: dict[str, int] = {}
-        positive = column in LOG_COLUMNS or column.startswith(KEY_SCALE) or any(
-            column.startswith(s + CONTROL_INFIX) for s in CONTROL_LOG_OF
+        positive = (
+            column in LOG_COLUMNS
+            or column.startswith(KEY_SCALE)
+            or any(column.startswith(s + CONTROL_INFIX) for s in CONTROL_LOG_OF)
         )
         for record in kept:
             x = _number(record.get(column))
