@@ -923,10 +923,10 @@ def _unit_line(result: dict) -> str:
     merged = result.get("duplicates_merged") or 0
     same = f" ({merged} of the same content merged: counted once)" if merged else ""
     draws = result.get("draws") or 0
-    control = f"; control: {draws} draws" if draws else ""
+    control = f", {draws} control draws" if draws else ""
     return (
         f"  unit: {result['unit']}, one seed each, n {result['images']}{same}{control}; "
-        f"mean [95% interval], one-sided p, alpha {result['alpha']}"
+        f"mean [95% interval], one-sided, alpha {result['alpha']}"
     )
 
 
