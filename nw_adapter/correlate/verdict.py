@@ -522,7 +522,8 @@ def _missing_reason(columns: Sequence[str]) -> str:
 
 
 LEGACY_REASON = (
-    "older file: one raw untrained draw (*_untrained), not the scale-matched draws <stat>_control_<k>"
+    "only the one raw untrained draw of older versions (*_untrained), not the scale-matched draws "
+    "<stat>_control_<k>"
 )
 """Why a part against the control is not measured on a file of the one-draw, unmatched control."""
 
