@@ -384,3 +384,14 @@ def test_records_without_a_reference_take_their_call_as_the_image() -> None:
     result = top_level_verdict(records)
     assert result["images"] == 3
     assert [image["reference"] for image in result["per_image"]] == ["call 0", "call 1", "call 2"]
+
+
+def test_one_control_draw_is_the_one_sample_t_test_with_its_caveat_printed() -> None:
+    result = verdict(make_records(draws=1))
+    assert result["draws"] == 1
+    part = result["clauses"]["training"]["parts"][0]
+    assert part["test"] == "one-sample t (one draw)" and "one control draw" in part["caveat"]
+    values = [v["nw_gain_minus_control"] - MARGINS["nw_gain_minus_control"] for v in result["per_image"]]
+    assert part["p"] == pytest.approx(stats.ttest_1samp(values, 0.0, alternative="greater").pvalue)
+    text = " ".join(format_verdict(result).split())
+    assert "caveat: one control draw: the variance between draws is not estimated" in text
