@@ -138,8 +138,12 @@ CONTROL_MEAN_SUFFIX = "_control"
 """Suffix of a summary field: the draws' mean of ``{X}_control_{k}`` (the scale-matched control,
 K draws), e.g. ``rho_control``; ``key_scale`` is the draws' geometric mean of ``key_scale_{k}``."""
 
-CONTROL_LABEL = "scale-matched control ({draws} draws)"
-"""How reports and figures name the draws' mean of the control (format with ``draws``)."""
+
+
+def control_label(draws: int) -> str:
+    """How reports and figures name the draws' mean of the control: ``"scale-matched control (K
+    draws)"`` (``"1 draw"`` for K = 1)."""
+    return f"scale-matched control ({draws} draw{'' if draws == 1 else 's'})"
 
 _CONTROL_PATTERN = re.compile(r"^(?:(?P<stat>[a-z0-9_]+?)_control|key_scale)_(?P<draw>\d+)$")
 
@@ -201,6 +205,25 @@ def control_mean(record: dict, stat: str) -> float | None:
         return math.exp(sum(logs) / len(logs)) if logs else math.nan
     kept = [x for x in numbers if math.isfinite(x)]
     return sum(kept) / len(kept) if kept else math.nan
+
+
+def control_mean_fields(records: Iterable[dict]) -> tuple[int, dict[str, list[float | None]]]:
+    """The draws' means of the scale-matched control over ``records``, per summary field.
+
+    Returns:
+        ``(K, {field: [value per record]})``: K the most draws any record holds (0: none, and an
+        empty dict); the fields ``{X}_control`` for every X of :data:`CONTROL_OF` some record holds
+        and ``key_scale`` (:func:`control_mean`; None for a record without the column).
+    """
+    records = list(records)
+    per_record = [control_draws(r) for r in records]
+    draws = max(per_record, default=0)
+    if not draws:
+        return 0, {}
+    held = [x for x in CONTROL_OF if any(control_column(x, k) in r for r in records for k in range(draws))]
+    means = {x + CONTROL_MEAN_SUFFIX: [control_mean(r, x) for r in records] for x in held}
+    means[KEY_SCALE] = [control_mean(r, KEY_SCALE) for r in records]
+    return draws, means
 
 
 def _draw(draw: int) -> int:
