@@ -184,7 +184,6 @@ _SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rho_norm_matched_null", "norm-null", "{:.3f}"),
     ("rho_spread_null", "spread-null", "{:.3f}"),
     ("rho_control", "rho-ctrl", "{:.3f}"),
-    ("key_scale", "key-scale", "{:.3f}"),
     ("kl", "KL", "{:.4f}"),
     ("count", "records", "{:d}"),
 )
@@ -193,8 +192,8 @@ _SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
 _SUMMARY_LEGEND = (
     "perm-null / norm-null / spread-null: rho of the permutation, norm-matched and q.k-spread nulls; "
     "rho-ctrl: rho of the scale-matched control (the untrained adapter's keys rescaled to the trained "
-    "keys' RMS norm; mean over its draws); key-scale: key RMS trained / untrained (geometric mean over "
-    "the draws); KL: KL(A || NW); records: records averaged"
+    "keys' RMS norm; mean over its draws; its key_scale and other readings are in the rows); "
+    "KL: KL(A || NW); records: records averaged"
 )
 
 
