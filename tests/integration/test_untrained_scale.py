@@ -195,3 +195,32 @@ def test_flow_controls_record_every_draw(flow_pipe) -> None:
     # control's rho is 1 in every draw, docs/controls.md)
     assert any(r[control_column("kl", 0)] != r[control_column("kl", 1)] for r in ip)
     check_records(records, source="test", fix="none")
+
+
+def test_files_with_the_old_untrained_columns_still_load_and_validate(sd15, tmp_path) -> None:
+    """A records file of an earlier version: one unmatched draw as ``*_untrained`` columns, no
+    ``untrained_draws`` in its config. It validates, loads and summarises; it has no control draws."""
+    import json
+
+    from nw_adapter.integration.recorder import NWRecorder
+
+    recorder = apply_nw_processor(sd15, untrained_control=True, untrained_draws=1, steps=[0])
+    try:
+        generate(sd15, steps=2)
+    finally:
+        remove_nw_processor(sd15)
+    path = tmp_path / "records.json"
+    recorder.to_json(path)
+    document = json.loads(path.read_text())
+    document["config"].pop("untrained_draws")
+    for record in document["records"]:  # rewritten as the old control's columns
+        for stat in CONTROL_RECORDED:
+            record[stat + "_untrained"] = record.pop(control_column(stat, 0))
+        record.pop(key_scale_column(0))
+    path.write_text(json.dumps(document))
+    loaded = NWRecorder.from_json(path)
+    records = loaded.to_records()
+    check_records(records, source="old file", fix="none")
+    assert records and all("rho_untrained" in r and control_draws(r) == 0 for r in records)
+    summary = loaded.summary()
+    assert all("rho_untrained" in row and "rho_control" not in row for row in summary)
