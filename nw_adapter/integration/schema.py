@@ -190,17 +190,27 @@ def control_draws(columns: Iterable[str]) -> int:
     return max(found) + 1 if found else 0
 
 
-def control_mean(record: dict, stat: str) -> float | None:
+def control_mean(record: dict, stat: str, draws: int | None = None) -> float | None:
     """The draws' mean of the scale-matched control of ``stat`` in one record: the arithmetic mean
     of the finite ``{stat}_control_{k}``, or for ``stat = "key_scale"`` the geometric mean of the
-    finite positive ``key_scale_{k}``; NaN when no draw is finite, None when none is recorded."""
-    draws = control_draws(record)
-    names = [key_scale_column(k) if stat == KEY_SCALE else control_column(stat, k) for k in range(draws)]
+    finite positive ``key_scale_{k}``; NaN when no draw is finite, None when none is recorded.
+
+    ``draws``: the number of draws to look at (default :func:`control_draws` of the record).
+    """
+    draws = control_draws(record) if draws is None else draws
+    return _draws_mean(record, _draw_names(stat, draws), geometric=stat == KEY_SCALE)
+
+
+def _draw_names(stat: str, draws: int) -> tuple[str, ...]:
+    return tuple(key_scale_column(k) if stat == KEY_SCALE else control_column(stat, k) for k in range(draws))
+
+
+def _draws_mean(record: dict, names: tuple[str, ...], *, geometric: bool) -> float | None:
     values = [record[n] for n in names if n in record]
     if not values:
         return None
     numbers = [math.nan if v is None else float(v) for v in values]
-    if stat == KEY_SCALE:
+    if geometric:
         logs = [math.log(x) for x in numbers if math.isfinite(x) and x > 0]
         return math.exp(sum(logs) / len(logs)) if logs else math.nan
     kept = [x for x in numbers if math.isfinite(x)]
@@ -216,13 +226,17 @@ def control_mean_fields(records: Iterable[dict]) -> tuple[int, dict[str, list[fl
         and ``key_scale`` (:func:`control_mean`; None for a record without the column).
     """
     records = list(records)
-    per_record = [control_draws(r) for r in records]
-    draws = max(per_record, default=0)
+    names = set().union(*(r.keys() for r in records)) if records else set()
+    draws = control_draws(names)  # the column names of every record, matched once
     if not draws:
         return 0, {}
-    held = [x for x in CONTROL_OF if any(control_column(x, k) in r for r in records for k in range(draws))]
-    means = {x + CONTROL_MEAN_SUFFIX: [control_mean(r, x) for r in records] for x in held}
-    means[KEY_SCALE] = [control_mean(r, KEY_SCALE) for r in records]
+    held = [x for x in CONTROL_OF if any(control_column(x, k) in names for k in range(draws))]
+    fields = {x + CONTROL_MEAN_SUFFIX: (_draw_names(x, draws), False) for x in held}
+    fields[KEY_SCALE] = (_draw_names(KEY_SCALE, draws), True)
+    means = {
+        field: [_draws_mean(r, columns, geometric=geometric) for r in records]
+        for field, (columns, geometric) in fields.items()
+    }
     return draws, means
 
 
