@@ -80,7 +80,7 @@ from nw_adapter.correlate.outputs import (
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
 from nw_adapter.correlate.spec import EXAMPLE_DIR
 from nw_adapter.correlate.swap_cli import CompareSwapError
-from nw_adapter.integration.config import BANDWIDTH_RANGE
+from nw_adapter.integration.config import BANDWIDTH_RANGE, MAX_CONTROL_DRAWS
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 
 PROG = "correlate.py"
@@ -316,14 +316,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--no-untrained-control",
         dest="untrained_control",
         action="store_false",
-        help="skip the untrained-adapter control (the same queries against the keys of the IP-Adapter "
-        "training recipe's initialisation, *_untrained columns; on by default)",
+        help="skip the scale-matched untrained-adapter control (the same queries against the keys of the "
+        "IP-Adapter training recipe's initialisation, rescaled to the trained keys' RMS norm; "
+        "{X}_control_{k} and key_scale_{k} columns; on by default; docs/controls.md)",
+    )
+    nw.add_argument(
+        "--control-draws",
+        type=_positive_int("--control-draws", maximum=MAX_CONTROL_DRAWS),
+        default=3,
+        metavar="K",
+        help="number of untrained-adapter control draws, seeded --untrained-seed + k (default 3)",
     )
     nw.add_argument(
         "--untrained-seed",
         type=_seed("--untrained-seed"),
         default=0,
-        help="seed of the untrained adapter's initialisation (default 0)",
+        help="seed s of the untrained adapters' initialisation: draw k uses s + k (default 0)",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="correlate_out", help="output folder (default ./correlate_out)")
@@ -408,6 +416,7 @@ def processor_config(args: argparse.Namespace, map_steps: Sequence[int] | None =
         "store_maps": args.store_maps,
         "untrained_control": args.untrained_control,
         "untrained_seed": args.untrained_seed,
+        "untrained_draws": args.control_draws,
     }
     if args.store_maps:
         options.update(map_steps=list(map_steps) if map_steps else None, map_head_mean=True)
@@ -433,6 +442,7 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
         "store_maps": args.store_maps,
         "untrained_control": args.untrained_control,
         "untrained_seed": args.untrained_seed if args.untrained_control else None,
+        "untrained_draws": args.control_draws if args.untrained_control else None,
         "device": device,
         "dtype": dtype,
     }

@@ -397,6 +397,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         images=saved.get("images", []),
         targets=() if all_steps else PAPER_TIMESTEPS,
         versions=saved.get("versions"),
+        control=saved.get("control"),  # the saved meta (an end-to-end control's included)
     )
     keys = [image["key"] for image in report["images"]]
     for key in keys:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from nw_adapter.integration import records
+from nw_adapter.integration.schema import control_column, control_draws, control_label
 
 
 def rho_figure(
@@ -255,12 +256,44 @@ def plot_attention_maps(
     return records.save_figure(fig, path)
 
 
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+CONTROL_ARM = "log_h_eff_control"
+"""The bandwidth figure's key of the scale-matched control's mean log h_eff per image and step."""
+
+
+def control_step_log_h_eff(records: Sequence[dict], half: str) -> dict[str, dict[int, float]]:
+    """Per reference image and step, the mean over layers, heads and adapters of the scale-matched
+    control's log h_eff: per record, the mean over draws k of ``log h_eff_control_k`` (positive
+    finite values only); a record without ``reference`` belongs to its pipeline ``call``.
+
+    Returns:
+        ``{reference: {step: mean log h_eff}}``, only where some value is finite.
+    """
+    sums: dict[str, dict[int, list[float]]] = {}
+    for record in records:
+        if record.get("half") != half:
+            continue
+        logs = [
+            math.log(v)
+            for k in range(control_draws(record))
+            if _positive(v := record.get(control_column("h_eff", k)))
+        ]
+        if logs:
+            unit = record["reference"] if "reference" in record else f"call {record.get('call')}"
+            sums.setdefault(unit, {}).setdefault(int(record["step"]), []).append(sum(logs) / len(logs))
+    return {unit: {step: float(np.mean(v)) for step, v in steps.items()} for unit, steps in sums.items()}
+
+
 def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
     """Fitted bandwidth h_eff against the schedule's h per step, log-log, with the line of slope 1.
 
     Per step, the geometric mean over reference images of each image's geometric-mean ``h_eff``
     over layers, heads and adapters (:func:`nw_adapter.correlate.verdict.image_step_means`), for the
-    trained adapter and, when recorded, the untrained-adapter control; with two or more images a
+    trained adapter and, when recorded, the scale-matched control (per record the geometric mean
+    of ``h_eff_control_k`` over its draws, :func:`control_step_log_h_eff`); with two or more images a
     band of the 95% Student t interval of the mean log h_eff over them (the unit: the reference
     image). The dotted line ``h_eff = c h`` (slope 1, ``c`` the geometric mean ratio of the trained
     points) is what a bandwidth that follows the schedule would give: the verdict's clause
@@ -278,9 +311,14 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     from nw_adapter.integration.records import wrap_title
 
     by_image = image_step_means(records, half)
+    control = control_step_log_h_eff(records, half)
+    for reference, rows in by_image.items():  # the control's arm beside the trained one, per step
+        for row in rows:
+            row[CONTROL_ARM] = control.get(reference, {}).get(int(row["step"]))
+    draws = control_draws({name for r in records for name in r})
     arms = (
         ("log_h_eff", "trained adapter", "#1f77b4"),
-        ("log_h_eff_untrained", "untrained adapter", "#ff7f0e"),
+        (CONTROL_ARM, control_label(draws), "#ff7f0e"),
     )
 
     def points(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
