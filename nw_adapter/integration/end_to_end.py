@@ -403,6 +403,11 @@ def _config(recorder_config: NWProcessorConfig | Mapping[str, Any] | None) -> NW
             f"end_to_end_control: recorder_config.mode must be 'observe', got {config.mode!r}; the "
             "control compares the recorded statistics of two generations"
         )
+    if config.untrained_control:
+        raise NWConfigError(
+            "end_to_end_control: recorder_config.untrained_control must be False (the per-layer and the "
+            "end-to-end control write the same control columns); record them in separate runs"
+        )
     return config
 
 
@@ -540,14 +545,15 @@ def end_to_end_control(
         draws: K, the number of control draws (>= 1).
         seed: Seed of draw 0 (draw k: ``seed + k``).
         scale_match: Rescale the untrained keys and values to the trained RMS norms.
-        recorder_config: The observe configuration (``NWProcessorConfig`` or its fields; its
-            per-layer control is turned off in the control passes).
+        recorder_config: The observe configuration (``NWProcessorConfig`` or its fields), the
+            same for every pass; its per-layer control must be off.
 
     Returns:
         The :class:`EndToEndResult`.
 
     Raises:
-        NWConfigError: bad ``draws`` / ``seed`` / ``recorder_config``.
+        NWConfigError: bad ``draws`` / ``seed`` / ``recorder_config`` (not observe, or with the
+            per-layer control on).
         NWInstallError: no adapter, NW processors already installed, SD 3.5, or a call that
             passes no image embeddings through the image projection.
     """
@@ -556,7 +562,6 @@ def end_to_end_control(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise NWConfigError(f"end_to_end_control: seed must be an int >= 0, got {seed!r}")
     config = _config(recorder_config)
-    control_config = dataclasses.replace(config, untrained_control=False)
     denoiser = _denoiser(pipe)
     if active_recorder(pipe) is not None:
         raise NWInstallError("end_to_end_control: remove the installed NW processors first")
@@ -582,7 +587,7 @@ def end_to_end_control(
             ),
             random_state.replay(),
         ):
-            output, control_records = _observe(pipe, control_config, call_kwargs)
+            output, control_records = _observe(pipe, config, call_kwargs)
         outputs.append(output)
         unmatched.append(_merge(records, control_records, k, by_half))
     meta = {

@@ -115,14 +115,16 @@ def _queries_of(unet, layer: str, into: list):
 def test_control_pass_runs_the_untrained_adapter_in_every_layer(sd15) -> None:
     unet = sd15.unet
     names = list(_ip_layers(unet))
-    last = names[-1]
+    first, last = names[0], names[-1]
     trained_q: list = []
-    handle = _queries_of(unet, last, trained_q)
+    trained_first: list = []
+    handles = [_queries_of(unet, last, trained_q), _queries_of(unet, first, trained_first)]
     try:
         with nw_processor(sd15) as rec:
             plain = sd15(**_kwargs()).images
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     plain_records = _by_key(rec.to_records(key_set=None))
     seen_weights: list[bool] = []
 
@@ -133,7 +135,12 @@ def test_control_pass_runs_the_untrained_adapter_in_every_layer(sd15) -> None:
         ))  # fmt: skip
 
     pass_q: list = []
-    handles = [unet.register_forward_pre_hook(check, with_kwargs=True), _queries_of(unet, last, pass_q)]
+    pass_first: list = []
+    handles = [
+        unet.register_forward_pre_hook(check, with_kwargs=True),
+        _queries_of(unet, last, pass_q),
+        _queries_of(unet, first, pass_first),
+    ]
     try:
         result = end_to_end_control(sd15, _kwargs(), draws=1, scale_match=False)
     finally:
@@ -160,6 +167,9 @@ def test_control_pass_runs_the_untrained_adapter_in_every_layer(sd15) -> None:
     assert all(torch.equal(a, b) for a, b in zip(control_q, swapped_q, strict=True))
     assert torch.equal(result.control_outputs[0].images, control_image)
     assert not torch.equal(control_q[-1], trained_q[-1])
+    # the first IP layer at the first step: no image branch has acted yet, so the same queries
+    assert torch.equal(pass_first[steps], trained_first[0])
+    assert not torch.equal(pass_first[-1], trained_first[-1])  # the next step's: shaped by the branch
     differs = [r["key_norm_cv"] != r["key_norm_cv_control_0"] for r in result.records]
     assert all(differs)
     assert result.control["kind"] == "end-to-end" and result.control["matched"] is None
@@ -249,6 +259,8 @@ def test_bad_arguments_are_one_line_errors(sd15) -> None:
         end_to_end_control(sd15, _kwargs(), seed=-1)
     with pytest.raises(NWConfigError, match="mode must be 'observe'"):
         end_to_end_control(sd15, _kwargs(), recorder_config={"mode": "swap"})
+    with pytest.raises(NWConfigError, match="untrained_control must be False"):
+        end_to_end_control(sd15, _kwargs(), recorder_config={"untrained_control": True})
 
 
 def test_flux_end_to_end_control(tiny_flux_dir, tiny_flux_ip_adapter_dir) -> None:
