@@ -288,3 +288,15 @@ def test_sd3_is_refused_naming_the_limit(tiny_sd3_dir, tiny_sd3_ip_adapter_dir) 
     pipe = load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
     with pytest.raises(NWInstallError, match="SD 3.5 is not supported .* per-head RMSNorm"):
         end_to_end_control(pipe, dict(prompt="a cat", ip_adapter_image=random_image(1, 32)))
+
+
+def test_plus_adapter_end_to_end_control(tiny_sd15_dir, tiny_ip_adapter_dir) -> None:
+    pipe = load_sd15(tiny_sd15_dir, tiny_ip_adapter_dir, "plus")
+    before = _state_bytes(pipe.unet)
+    with nw_processor(pipe):
+        plain = pipe(**_kwargs()).images
+    result = end_to_end_control(pipe, _kwargs(), draws=1)
+    assert torch.equal(result.trained_output.images, plain)
+    assert result.unmatched == [0]
+    assert not torch.equal(result.control_outputs[0].images, plain)
+    assert _state_bytes(pipe.unet) == before
