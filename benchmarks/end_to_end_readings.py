@@ -37,6 +37,12 @@ STATS = ("rho", "nw_gain", "kl", "key_norm_cv")
 KEY = ("call", "step", "layer", "head", "half", "adapter", "image", "key_set")
 
 
+def _per_layer(record: dict[str, Any], stat: str) -> float:
+    """The per-layer control's value: ``{stat}_untrained`` (raw, one draw), or after issue 26's
+    renaming ``{stat}_control_0`` (then scale matched per batch row and head, not raw)."""
+    return record[f"{stat}_untrained"] if f"{stat}_untrained" in record else record[f"{stat}_control_0"]
+
+
 def _mean(records: list[dict[str, Any]], column: str) -> float:
     values = [r[column] for r in records if math.isfinite(r[column])]
     return float(np.mean(values)) if values else math.nan
@@ -71,7 +77,7 @@ def measure(*, steps: int, digits: int) -> dict[str, Any]:
         for stat in STATS:
             row[stat] = _mean(cond, stat)
             row[f"{stat}_per_layer"] = _mean(
-                [{stat: per_layer[tuple(r.get(k) for k in KEY)][f"{stat}_untrained"]} for r in cond], stat
+                [{stat: _per_layer(per_layer[tuple(r.get(k) for k in KEY)], stat)} for r in cond], stat
             )
             row[f"{stat}_e2e"] = _mean(cond, f"{stat}_control_0")
             row[f"{stat}_e2e_matched"] = _mean(cond_matched, f"{stat}_control_0")
@@ -80,7 +86,7 @@ def measure(*, steps: int, digits: int) -> dict[str, Any]:
         layers: dict[str, list[float]] = defaultdict(list)
         for r in cond:
             twin = per_layer[tuple(r.get(k) for k in KEY)]
-            layers[r["layer"]].append(r["rho_control_0"] - twin["rho_untrained"])
+            layers[r["layer"]].append(r["rho_control_0"] - _per_layer(twin, "rho"))
         for layer, gaps in layers.items():
             by_layer[layer].append(float(np.mean(gaps)))
     return {"per_reference": per_reference, "rho_e2e_minus_per_layer_by_layer": dict(by_layer)}
