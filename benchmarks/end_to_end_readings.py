@@ -13,7 +13,8 @@ unmatched end-to-end control use the same untrained keys algebra (same seed, sam
 differ only in the queries (trained against untrained upstream branch), which is the limit of
 the per-layer control. Per reference: the cond half's mean over steps, layers and heads; then the
 mean and a 95% Student t interval over references of the paired differences, and per IP layer the
-mean over references of (end-to-end - per-layer) rho.
+mean over references of (end-to-end - per-layer) rho (against the scale-matched end-to-end run
+where the per-layer control is scale matched itself, issue 26's ``{stat}_control_0`` columns).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def measure(*, steps: int, digits: int) -> dict[str, Any]:
         row["log_key_scale"] = float(np.mean([math.log(r["key_scale_0"]) for r in cond]))
         per_reference.append(row)
         layers: dict[str, list[float]] = defaultdict(list)
-        for r in cond:
+        raw_per_layer = any("rho_untrained" in r for r in per_layer.values())
+        for r in cond if raw_per_layer else cond_matched:  # the e2e run of the per-layer's matching
             twin = per_layer[tuple(r.get(k) for k in KEY)]
             layers[r["layer"]].append(r["rho_control_0"] - _per_layer(twin, "rho"))
         for layer, gaps in layers.items():
