@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,9 +82,17 @@ def test_an_unknown_form_or_bandwidth_is_refused():
         exact_nw_head(torch.Generator().manual_seed(0), 0.0)
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture(scope="module")
 def folded_sweep():
-    return measure_bandwidth_sweep(draws=6)
+    return measure_bandwidth_sweep(draws=10)
+
+
+@pytest.fixture(scope="module")
+def scaled_sweep():
+    return measure_bandwidth_sweep(draws=10, form="scaled")
 
 
 def test_the_head_space_readings_fail_theorem_3s_head_at_small_bandwidths(folded_sweep):
@@ -96,9 +105,9 @@ def test_the_head_space_readings_fail_theorem_3s_head_at_small_bandwidths(folded
     assert all(slope < -1.0 for slope in folded_sweep.h_eff_slopes())
 
 
-def test_the_same_attention_in_another_head_space_reads_otherwise(folded_sweep):
+def test_the_same_attention_in_another_head_space_reads_otherwise(folded_sweep, scaled_sweep):
     """Same logits, other q/k: nw_gain and h_eff change with the representation, logit_scale does not."""
-    scaled = measure_bandwidth_sweep(draws=6, form="scaled")
+    scaled = scaled_sweep
     assert scaled.share_negative_gain()[0] == 0.0 < folded_sweep.share_negative_gain()[0]
     assert all(slope > 0 for slope in scaled.h_eff_slopes())
     np.testing.assert_allclose(scaled.logit_scale, folded_sweep.logit_scale, rtol=1e-10)
@@ -130,9 +139,8 @@ def test_log_log_slope_skips_what_is_not_a_positive_number():
 
 def test_the_script_prints_the_tables(capsys):
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "head_space_limits.py"
+    path = REPO / "scripts" / "head_space_limits.py"
     spec = importlib.util.spec_from_file_location("head_space_limits_script", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -142,3 +150,30 @@ def test_the_script_prints_the_tables(capsys):
     assert "augmented-space identity" in out
     with pytest.raises(SystemExit):
         script.main(["--draws", "1"])
+
+
+def _row(values: list[float], pattern: str) -> str:
+    return " | ".join(pattern.format(v) for v in values)
+
+
+def test_the_published_numbers_are_the_measured_ones(folded_sweep, scaled_sweep):
+    """THEORY.md's table and the README's sentence state what 10 draws measure."""
+    theory = (REPO / "docs" / "THEORY.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    for sweep in (folded_sweep, scaled_sweep):
+        shares = _row([100 * v for v in sweep.share_negative_gain()], "{:.0f}%")
+        medians = sweep.median_h_eff()
+        slope = log_log_slope(sweep.bandwidths, medians)
+        assert f"draws with nw_gain < 0 | {shares} |" in theory
+        assert f"median h_eff | {_row(medians, '{:.3g}')} | {slope:+.2f} |" in theory
+    share = folded_sweep.share_negative_gain()
+    medians = folded_sweep.median_h_eff()
+    slope = log_log_slope(folded_sweep.bandwidths, medians)
+    assert (
+        f"`nw_gain < 0` in {100 * share[0]:.0f}% of draws at\n  h = 0.25 and {100 * share[1]:.0f}% at h = 0.5"
+        in readme
+    )
+    assert (
+        f"(median {medians[0]:.0f} at\n  h = 0.25, {medians[-1]:.1f} at h = 4, log-log slope {slope:.2f})"
+        in readme
+    )
