@@ -1,4 +1,9 @@
-"""Every reading of "is this attention head a Nadaraya-Watson smoother?" for any q and k (THEORY.md 4).
+"""Every reading that compares a dot-product attention head with NW weights, for any q and k (THEORY.md 4).
+
+None of them decides whether a head is a Nadaraya-Watson smoother of its data: any dot-product head
+is one in some augmented space, and the head-space readings do not recognise Theorem 3's exact head
+(docs/THEORY.md, "What the readings can and cannot establish"). ``logit_scale``'s trend over log h
+(the bandwidth path) and comparisons with a scale-matched control are the testable uses.
 
 :func:`compare_attention` takes the queries and keys of a dot-product attention head, recomputes
 its weights ``A = softmax(scale q k^T)`` and compares them with the NW weights in the head's own

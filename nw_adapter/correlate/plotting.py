@@ -296,8 +296,10 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     of ``h_eff_control_k`` over its draws, :func:`control_step_log_h_eff`); with two or more images a
     band of the 95% Student t interval of the mean log h_eff over them (the unit: the reference
     image). The dotted line ``h_eff = c h`` (slope 1, ``c`` the geometric mean ratio of the trained
-    points) is what a bandwidth that follows the schedule would give: the verdict's clause
-    "bandwidth follows the schedule" tests the slope of each image's line against the control's.
+    points) is what a head-space bandwidth proportional to the schedule's would give. ``h_eff`` is a
+    head-space fit and does not identify a kernel smoother's bandwidth (Theorem 3's exact head reads
+    an ``h_eff`` that falls as h rises; docs/THEORY.md, "What the readings can and cannot
+    establish"); the verdict's bandwidth clause reads the path from ``logit_scale`` instead.
     3.5 in wide (a paper's column).
 
     Returns:
