@@ -99,3 +99,29 @@ def test_runs_with_and_without_the_control(
     assert main([*common[:-1], "--no-untrained-control", "--out", str(on_out)]) == 0
     resumed = json.loads((on_out / "rho.json").read_text())
     assert not any(n in r for r in resumed["records"] for n in control_columns(1))
+
+
+def test_end_to_end_control_from_the_command_line(
+    image: Path, tmp_path: Path, tiny_sd15_dir, tiny_ip_adapter_dir, capsys
+) -> None:
+    """``--end-to-end-control``: the control columns come from the untrained passes (the per-layer
+    control is off), rho.json names the kind, and the generated image is the observed run's."""
+    common = ["--image", str(image), "--model", str(tiny_sd15_dir), "--ip-adapter", str(tiny_ip_adapter_dir)]
+    common += ["--steps", "2", "--scheduler", "ddim", "-qq"]
+    plain, e2e = tmp_path / "plain", tmp_path / "e2e"
+    assert main([*common, "--no-untrained-control", "--out", str(plain)]) == 0, capsys.readouterr().err
+    assert main([*common, "--end-to-end-control", "--end-to-end-draws", "2", "--out", str(e2e)]) == 0
+    report = json.loads((e2e / "rho.json").read_text())
+    assert report["control"]["kind"] == "end-to-end" and report["control"]["seeds"] == [0, 1]
+    assert report["config"]["untrained_control"] is False
+    assert all(all(n in r for n in ("rho_control_0", "rho_control_1", "key_scale_1")) for r in report["records"])
+    first = json.loads((plain / "rho.json").read_text())["images"][0]["generated"]
+    assert (plain / first).read_bytes() == (e2e / report["images"][0]["generated"]).read_bytes()
+
+
+def test_end_to_end_control_refuses_swap_at_once(image: Path, tmp_path: Path, capsys) -> None:
+    argv = ["--image", str(image), "--model", "tiny", "--end-to-end-control", "--mode", "swap"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--end-to-end-control needs --mode observe" in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
