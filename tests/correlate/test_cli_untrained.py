@@ -114,7 +114,8 @@ def test_end_to_end_control_from_the_command_line(
     report = json.loads((e2e / "rho.json").read_text())
     assert report["control"]["kind"] == "end-to-end" and report["control"]["seeds"] == [0, 1]
     assert report["config"]["untrained_control"] is False
-    assert all(all(n in r for n in ("rho_control_0", "rho_control_1", "key_scale_1")) for r in report["records"])
+    columns = ("rho_control_0", "rho_control_1", "key_scale_1")
+    assert all(all(n in r for n in columns) for r in report["records"])
     first = json.loads((plain / "rho.json").read_text())["images"][0]["generated"]
     assert (plain / first).read_bytes() == (e2e / report["images"][0]["generated"]).read_bytes()
 
