@@ -97,31 +97,29 @@ class KeyNorms(NamedTuple):
 # --- the producer of every statistic ------------------------------------------------------------
 
 
-def _pearson(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms, scale: float) -> None:
+def _pearson(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
     """Pearson of A and W over all rows and valid keys: ``cov / sqrt(var_A var_W)`` (row means)."""
     moments = head[..., HEAD["var_a"]] * head[..., HEAD["var_b"]]
     w.write(out, torch.mul, head[..., HEAD["cov_ab"]], torch.rsqrt(moments))
 
 
-def _key_norm_cv(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms, scale: float) -> None:
+def _key_norm_cv(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
     """``std_i ||k_i|| / mean_i ||k_i||``."""
     w.write(out, torch.div, keys.std[KEY["norm"]], keys.mean[KEY["norm"]])
 
 
-def _qk_spread_ratio(
-    w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms, scale: float
-) -> None:
+def _qk_spread_ratio(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
     """``mean std_i(q.k_i) / std_i(||k_i||^2)``; its gain 2 makes the denominator ``std(||k||^2 / 2)``."""
     w.write(out, torch.div, head[..., HEAD["mean_qk_std"]], keys.std[KEY["sq_norm"]])
 
 
-def _logit_scale(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms, scale: float) -> None:
-    """``s sqrt(mean_j var_i(q.k_i))``: the RMS of the row-centred logits (the row variances of
-    ``q.k`` over the valid keys are the squared row features ``qk_std``)."""
-    w.write(out, torch.sqrt, head[..., HEAD["mean_qk_var"]]).mul_(scale)
+def _logit_scale(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
+    """``sqrt(mean_j var_i(q.k_i))``, times s (its gain): the RMS of the row-centred logits (the row
+    variances of ``q.k`` over the valid keys are the squared row features ``qk_std``)."""
+    w.write(out, torch.sqrt, head[..., HEAD["mean_qk_var"]])
 
 
-def _key_rms(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms, scale: float) -> None:
+def _key_rms(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
     """``sqrt(mean_i ||k_i||^2)`` over the valid keys (pass 1's mean of the squared norms)."""
     w.write(out, torch.sqrt, keys.mean[KEY["sq_norm"]])
 
@@ -143,7 +141,7 @@ PRODUCERS: dict[str, Producer] = {
     "q_norm": RowMean({"q_norm": 1.0}),
     "key_norm_cv": PerHead(_key_norm_cv),
     "qk_spread_ratio": PerHead(_qk_spread_ratio, gain=2.0),
-    "logit_scale": PerHead(_logit_scale),
+    "logit_scale": PerHead(_logit_scale, scaled=True),
     "key_rms": PerHead(_key_rms),
     "r2_key": Reading(),
     "r2_nw": Reading(),
@@ -237,7 +235,7 @@ def layer_statistics(
     pairs = _pairs(w, q, k, keys, feats, draws, valid_rows)
     rho_sums = _pooled_rank_correlations(w, pairs, valid_rows, halves, n, n0)
     z, masked, inv_count = _weights_and_row_features(w, pairs[:, :, :n], scale, h, valid_rows, feats)
-    head = _per_head(w, feats, keys, h, scale)
+    head = _per_head(w, feats, keys, h)
     if readings:
         columns = {name: head[..., HEAD[name]] for name in (*READINGS, CODE)}
         attn, neg_entropy = z[..., Z["a"], :], feats[..., ROW["a.lA"]]
@@ -248,7 +246,7 @@ def layer_statistics(
     means = _half_means(head, halves)
     if readings and q.shape[0] != halves:  # a half's reason: the first among its batch rows
         means[..., HEAD[CODE]] = _first_reason(head[..., HEAD[CODE]], halves)
-    stats = _statistics(w, means, rho_sums, h, draws is not None, fit)
+    stats = _statistics(w, means, rho_sums, h, scale, draws is not None, fit)
     return stats, z[..., Z.slice("a", "b"), :].movedim(-2, 0)
 
 
@@ -368,9 +366,7 @@ def _weights_and_row_features(
     return z, observed, inv_count
 
 
-def _per_head(
-    w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float, scale: float
-) -> torch.Tensor:
+def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float) -> torch.Tensor:
     """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`; the readings' columns written later)."""
     b, nh, n, _ = feats.shape
     tensor_h = isinstance(h, torch.Tensor)
@@ -382,7 +378,7 @@ def _per_head(
     w.products(head.view(b * nh, 1, -1)[..., ROW_MEAN_SPAN], feats.view(b * nh, 1, -1), matrix)
     for name, producer in PRODUCERS.items():
         if isinstance(producer, PerHead):
-            producer.write(w, head[..., HEAD[name]], head, keys, scale)
+            producer.write(w, head[..., HEAD[name]], head, keys)
     if tensor_h:
         head[..., HEAD["bandwidth"]].copy_(h.expand(b, nh))
     return head
@@ -409,15 +405,16 @@ def _statistics(
     head: torch.Tensor,
     rho_sums: torch.Tensor,
     h: torch.Tensor | float,
+    scale: float,
     nulls: bool,
     fit: int | None,
 ) -> torch.Tensor:
-    """``[S, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls
+    """``[S + 1, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls
     written (``fit``: the readings' fit rows, None = readings off)."""
     halves, nh = head.shape[:2]
     h_offset = None if isinstance(h, torch.Tensor) else float(h)
-    key = ("affine", h_offset, nulls, fit, head.device)
-    gain_offset = w.constant(key, lambda: _affine(h_offset, nulls, fit, head.device))
+    key = ("affine", h_offset, scale, nulls, fit, head.device)
+    gain_offset = w.constant(key, lambda: _affine(h_offset, scale, nulls, fit, head.device))
     out = torch.addcmul(gain_offset[1], head, gain_offset[0])  # [halves, H, C]
     segments = len(SEGMENTS) if nulls else 1
     sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
@@ -453,7 +450,9 @@ def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
     return matrix.repeat(1, n).to(device)
 
 
-def _affine(h: float | None, nulls: bool, fit: int | None, device: torch.device) -> torch.Tensor:
+def _affine(
+    h: float | None, scale: float, nulls: bool, fit: int | None, device: torch.device
+) -> torch.Tensor:
     """``[2, C]`` (gain, offset) of every HEAD column, from the producers."""
     gain, offset = [0.0] * len(HEAD), [0.0] * len(HEAD)
     for name, producer in PRODUCERS.items():
@@ -465,6 +464,7 @@ def _affine(h: float | None, nulls: bool, fit: int | None, device: torch.device)
                 gain[i], offset[i] = (0.0, float(fit)) if producer.constant else (1.0, 0.0)
         elif isinstance(producer, RowMean | PerHead):
             gain[i], offset[i] = getattr(producer, "gain", 1.0), producer.offset
+            gain[i] *= scale if getattr(producer, "scaled", False) else 1.0
         elif isinstance(producer, Bandwidth):
             gain[i], offset[i] = (1.0, 0.0) if h is None else (0.0, h)
         elif not nulls and producer.segment != "rho":

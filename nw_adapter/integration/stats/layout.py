@@ -81,11 +81,13 @@ class RankPool:
 
 @dataclass(frozen=True)
 class PerHead:
-    """``offset + gain * value``, where ``write(writer, out, head, keys)`` writes the value into ``out``."""
+    """``offset + gain * value`` (times the softmax scale s when ``scaled``), where
+    ``write(writer, out, head, keys)`` writes the value into ``out``."""
 
     write: Callable[..., Any]
     gain: float = 1.0
     offset: float = 0.0
+    scaled: bool = False
 
 
 @dataclass(frozen=True)

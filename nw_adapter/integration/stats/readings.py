@@ -102,14 +102,13 @@ def write_readings(
     if count < n:
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
     beta, moments = _fit(w, shifted, valid_rows, rows, scale)
-    identified = _write_reason(w, out, beta, inv_count, scale)
-    nan = w.constant(("nan", g.device), lambda: f32(float("nan"), g.device))
-    w.write(out["h_eff"], torch.where, identified, torch.rsqrt(beta), nan)
+    unidentified = _write_reason(w, out, beta, inv_count, scale)
+    w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
     if count == n:
-        out["h_eff_se"].fill_(0.0).masked_fill_(~identified, float("nan"))
+        out["h_eff_se"].fill_(0.0)
     else:
         _write_standard_error(w, out["h_eff_se"], beta, moments, count, n)
-        out["h_eff_se"].masked_fill_(~identified, float("nan"))
+    out["h_eff_se"].masked_fill_(unidentified, float("nan"))
     lse = torch.logsumexp(shifted * beta[..., None, None], -1)  # [B, H, N]
     kl_fit = w.write(out["kl_nw_fit"], torch.add, mean_neg_entropy, lse.mean(-1)).clamp_min_(0.0)
     w.write(out["nw_gain"], torch.sub, out["kl_key_prior"], kl_fit)
@@ -125,19 +124,21 @@ def _write_reason(
     """h_eff's reason code into ``out["h_eff_reason"]`` ``[B, H]``, as the specification's
     :func:`~nw_adapter.core.specification.h_eff_reason_code`: 1 fewer than 2 valid keys, 2
     query-blind (``1 - r2_key < 1e-6``, or r2_key NaN: constant logits), 3 beta within 1e-3
-    (relative) of an end of its bracket, else 0. Returns the bool ``[B, H]`` identified cells."""
+    (relative) of an end of its bracket, else 0. Returns the bool ``[B, H]`` of the cells whose
+    h_eff is not identified."""
     low, high = (end * scale for end in BETA_RANGE)
-    at_low = torch.le(beta, low * (1.0 + H_EFF_EDGE_TOLERANCE))
-    edge = at_low.logical_or_(torch.ge(beta, high * (1.0 - H_EFF_EDGE_TOLERANCE)))
+    inside = (low * (1.0 + H_EFF_EDGE_TOLERANCE), high * (1.0 - H_EFF_EDGE_TOLERANCE))
+    edge = torch.clamp(beta, *inside) != beta
     code = w.write(out["h_eff_reason"], torch.mul, edge, 3.0)
     seen = torch.le(out["r2_key"], 1.0 - H_EFF_BLIND_TOLERANCE)  # False for NaN: blind
-    code.masked_fill_(seen.logical_not_(), 2.0)
+    two = w.constant(("reason 2", beta.device), lambda: f32(2.0, beta.device))
+    w.write(code, torch.where, seen, code, two)
     if isinstance(inv_count, float):
         if inv_count > 0.5:
             code.fill_(1.0)
     else:
         code.masked_fill_(inv_count.view(-1, 1) > 0.5, 1.0)  # [B, 1, 1, 1, 1] -> [B, 1]
-    return code == 0
+    return code != 0
 
 
 def _rows(n: int, count: int, device: torch.device) -> torch.Tensor:
