@@ -253,7 +253,7 @@ def compare_attention(
     Returned, each ``[B, H]`` and averaged over the N query rows where a row statistic:
 
     - ``bandwidth``: the h used for ``NW`` (``"matched"``: ``h = scale^(-1/2)``; ``"fitted"``: ``h_eff``,
-      NaN with fewer than 2 valid keys, and so are the NW statistics then; ``"median"``:
+      NaN where h_eff is not identified, and so are the NW statistics then; ``"median"``:
       ``h^2 = median ||q - k||^2 / 2``; a float: that h);
     - ``rho``: per-row Spearman between A and NW (ranks of ``q.k`` and of ``q.k - ||k||^2 / 2``;
       any h) and its nulls ``rho_perm_null`` (NW scores shuffled across keys),
@@ -262,14 +262,21 @@ def compare_attention(
     - ``pearson``: Pearson r of the flattened (rows x valid keys) matrices A and NW;
     - ``kl`` = ``KL(A || NW)``, ``js``: Jensen-Shannon, both from logits, in nats;
     - ``neff_attn``, ``neff_nw``: ``1 / sum_i w_i^2`` of A and of NW;
-    - ``top1``: share of rows whose largest weight is on the same key;
+    - ``top1``: share of rows whose largest weight is on the same key; ``q_norm``: mean ``||q_j||``;
     - ``key_norm_cv``: std / mean of ``||k_i||``; ``qk_spread_ratio``: mean over rows of
       ``std_i(q.k_i) / std_i(||k_i||^2 / 2)`` (what rho is a function of);
     - ``logit_scale``: the RMS of the row-centred logits ``scale q.k`` (the effective inverse
       temperature; ``c / h^2`` for an NW head), ``key_rms``: the RMS key norm
       (:mod:`nw_adapter.core.readings`; scale readings: their log trends and ratios are scale-free);
     - ``r2_key``, ``r2_nw``, ``kl_nw_fit``, ``kl_key_prior``, ``nw_gain``, ``h_eff``: see
-      :func:`nw_adapter.core.readings.nw_readings` (``h_eff`` fitted on all N rows).
+      :func:`nw_adapter.core.readings.nw_readings` (``h_eff`` fitted on all N rows; NaN where it
+      is not identified: fewer than 2 valid keys, query-blind attention with
+      ``1 - r2_key < 1e-6``, or the fit at an end of its range ``[1e-6, 1e6] * scale``, the
+      reasons of :data:`~nw_adapter.core.specification.H_EFF_REASONS` in ``nan_reasons``).
+
+    Each is the function of that name in :data:`nw_adapter.core.specification.SPECIFICATION`
+    (per-row statistics averaged over the rows, NaN rows left out), with the nulls' draws of
+    :func:`~nw_adapter.core.specification.draw_nulls` on every query row.
 
     Args:
         q: ``[B, H, N, d]`` queries of the head (after any normalisation the layer applies).
