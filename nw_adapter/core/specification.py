@@ -476,7 +476,7 @@ def h_eff_reason_code(x: Softmax) -> Tensor:
     """
     beta = x.fitted_beta
     ends = [end * x.scale for end in BETA_RANGE]
-    edge = torch.zeros_like(beta, dtype=torch.bool)
+    edge = ~torch.isfinite(beta)  # no minimiser found at all: nothing identified either
     for end in ends:
         edge = edge | ((beta / end - 1.0).abs() <= H_EFF_EDGE_TOLERANCE)
     blind = ~(1.0 - r2_key(x) >= H_EFF_BLIND_TOLERANCE)

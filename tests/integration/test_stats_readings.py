@@ -191,3 +191,21 @@ def test_an_identified_head_keeps_its_bandwidth_and_reason_code_0():
     stats, _, _ = softmax_statistics(q, k, scale=0.7**-2, h=1.0, fit_rows=None)
     assert float(stats[STAT_ROWS.index("h_eff")]) == pytest.approx(0.7, rel=1e-3)
     assert float(stats[STAT_ROWS.index("h_eff_reason")]) == 0.0
+
+
+def test_a_half_of_several_batch_rows_takes_the_first_reason_among_them():
+    """CFG half of 3 batch rows: identified, query-blind, identified -> the half's h_eff is NaN with
+    the query-blind code, in the fast path as in the specification; the other half keeps a number."""
+    blind_q, blind_k = _query_blind_head(rows=64, keys=8, dim=16, noise=0.0)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 1, 64, 16, generator=g)
+    k = torch.randn(6, 1, 8, 16, generator=g) * (1.0 + torch.rand(6, 1, 8, 1, generator=g))
+    q[1], k[1] = blind_q[0], blind_k[0]
+    stats, _, _ = softmax_statistics(q, k, scale=0.25, h=1.0, halves=2, fit_rows=None)
+    want = reference_statistics(
+        q.double(), k.double(), scale=0.25, h=1.0, halves=2, fit_rows=None, codes=True
+    )
+    code = STAT_ROWS.index("h_eff_reason")
+    assert stats[code, :, 0].tolist() == want[code, :, 0].tolist() == [2.0, 0.0]
+    h_eff = stats[STAT_ROWS.index("h_eff"), :, 0]
+    assert math.isnan(float(h_eff[0])) and math.isfinite(float(h_eff[1]))
