@@ -26,11 +26,19 @@ from typing import Any
 import torch
 
 from nw_adapter.atomic import atomic_write_text
+from nw_adapter.core.specification import STAT_ROWS
 from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.maps import MapStore
 from nw_adapter.integration.records import Records, Summary, block_of
 from nw_adapter.integration.records_file import RECORDS_SCHEMA, read_records_file, records_document
-from nw_adapter.integration.schema import CONTROL_RECORDED, STAT_NAMES, control_column, key_scale_column
+from nw_adapter.integration.schema import (
+    CONTROL_RECORDED,
+    H_EFF_REASON_FIELD,
+    H_EFF_REASONS,
+    STAT_NAMES,
+    control_column,
+    key_scale_column,
+)
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
 from nw_adapter.integration.steps import StepState, StepTracker
 
@@ -76,6 +84,12 @@ class _Entry:
     control: torch.Tensor | None = None  # [draws, CONTROL_ROWS, num_halves, num_heads]: the control's
 
 
+def _reason(code: float) -> str | None:
+    """The text of h_eff's reason code (:data:`~nw_adapter.core.specification.H_EFF_REASONS`;
+    None for 0: identified, or the readings off)."""
+    return H_EFF_REASONS[int(code) - 1] if code >= 1 else None
+
+
 def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[str, Any]]:
     """One record dict per (entry, half, head); every tensor moved to the host in one transfer.
 
@@ -96,7 +110,7 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
     offset = 0
     for e in entries:
         n_h, n_k = len(e.halves), len(e.heads)
-        size = len(STAT_NAMES) * n_h * n_k
+        size = len(STAT_ROWS) * n_h * n_k
         vals = flat[offset : offset + size]
         offset += size
         mass = None
@@ -132,6 +146,7 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
                 }
                 for si, name in enumerate(STAT_NAMES):
                     rec[name] = vals[(si * n_h + hi) * n_k + ki]
+                rec[H_EFF_REASON_FIELD] = _reason(vals[(len(STAT_NAMES) * n_h + hi) * n_k + ki])
                 if mass is not None:
                     rec["ip_mass"] = mass[hi * n_k + ki]
                 if control is not None:
@@ -262,7 +277,9 @@ class NWRecorder:
         ip_mass: torch.Tensor | None = None,
         control: torch.Tensor | None = None,
     ) -> None:
-        """Store one layer's statistics, ``stats`` of shape [len(STAT_NAMES), len(halves), len(heads)].
+        """Store one layer's statistics, ``stats`` of shape [len(STAT_ROWS), len(halves), len(heads)]
+        (:data:`~nw_adapter.core.specification.STAT_ROWS`: the statistics, then h_eff's reason code,
+        written as the record's text column ``h_eff_reason``).
 
         ``key_set`` names the keys of the compared softmax (:data:`~nw_adapter.integration.schema.KEY_SETS`);
         ``ip_mass`` [len(halves), len(heads)] is the joint softmax's mass on the IP keys (SD3 only);
@@ -270,9 +287,9 @@ class NWRecorder:
         statistics per draw (:data:`CONTROL_COLUMNS`, then the key scale; recorded as
         ``{X}_control_{k}`` and ``key_scale_{k}``), when the control is on.
         """
-        if stats.shape != (len(STAT_NAMES), len(halves), len(heads)):
+        if stats.shape != (len(STAT_ROWS), len(halves), len(heads)):
             raise ValueError(
-                f"stats must have shape {(len(STAT_NAMES), len(halves), len(heads))}, "
+                f"stats must have shape {(len(STAT_ROWS), len(halves), len(heads))}, "
                 f"got {tuple(stats.shape)}"
             )
         expected = (CONTROL_ROWS, len(halves), len(heads))
@@ -407,7 +424,8 @@ class NWRecorder:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
 
         See :meth:`~nw_adapter.integration.records.Records.summary` (``nonfinite`` counts the
-        values each mean left out; ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
+        values each mean left out, ``nan_reasons`` the NaN h_eff values per reason;
+        ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
         Of the recorder's own records, ``error`` holds :meth:`failed_steps_line` (steps whose side
         computation failed in every layer), printed above the table.
         """

@@ -26,7 +26,9 @@ from typing import Any
 
 from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.integration.schema import (
+    H_EFF_REASON_FIELD,
     LEGACY_NAMES,
+    NAN_REASONS_FIELD,
     NULL_STATS,
     OPTIONAL_STATS,
     RECORD_KEYS,
@@ -41,7 +43,7 @@ from nw_adapter.integration.schema import (
 RHO_THRESHOLD = 0.9
 """The paper's "% of heads with rho > 0.9" threshold (``frac_rho_gt_0_9``)."""
 
-CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_NAMES)
+CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_NAMES, H_EFF_REASON_FIELD)
 """Column order of a records CSV (the columns present; extra record keys follow, sorted)."""
 
 STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")
@@ -89,6 +91,20 @@ def _common_value(values: list[Any]) -> float:
     return finite_mean(numbers)[0]
 
 
+def nan_reasons(records: Iterable[dict]) -> dict[str, dict[str, int]]:
+    """``{stat: {reason: count}}``: the records whose statistic is NaN for a recorded reason.
+
+    Today ``h_eff`` (its reason in the record's ``h_eff_reason``, one of
+    :data:`~nw_adapter.core.specification.H_EFF_REASONS`: not identified); ``{}`` when none.
+    """
+    counts: dict[str, int] = {}
+    for record in records:
+        reason = record.get(H_EFF_REASON_FIELD)
+        if reason:
+            counts[reason] = counts.get(reason, 0) + 1
+    return {"h_eff": counts} if counts else {}
+
+
 def aggregate(
     records: Iterable[dict],
     by: Sequence[str] = ("step",),
@@ -116,8 +132,8 @@ def aggregate(
         One dict per group, sorted by the group keys: the group keys, ``half``, the step columns,
         the mean of every statistic of :data:`~nw_adapter.integration.schema.SUMMARY_STATS` over
         its finite values (NaN when none), ``nonfinite`` (statistic -> number of NaN/inf values
-        its mean left out), ``frac_rho_gt_0_9`` (share of records with rho > 0.9, a NaN rho
-        counted as not) and ``count`` (records averaged).
+        its mean left out), ``nan_reasons`` (:func:`nan_reasons`), ``frac_rho_gt_0_9`` (share of
+        records with rho > 0.9, a NaN rho counted as not) and ``count`` (records averaged).
     """
     groups: dict[tuple, list[dict]] = {}
     for record in records:
@@ -147,6 +163,7 @@ def aggregate(
             if draws:
                 row["control_draws"] = draws
         row["nonfinite"] = nonfinite
+        row[NAN_REASONS_FIELD] = nan_reasons(members)
         rhos = [_stat(r, "rho") for r in members]
         row["frac_rho_gt_0_9"] = sum(1 for v in rhos if v is not None and v > RHO_THRESHOLD) / len(members)
         row["count"] = len(members)

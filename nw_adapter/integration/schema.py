@@ -11,6 +11,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from nw_adapter.core.specification import H_EFF_REASONS  # noqa: F401 (re-exported)
+from nw_adapter.core.specification import READING_STATS as _SPEC_READING_STATS
+from nw_adapter.core.specification import STAT_NAMES as _SPEC_STAT_NAMES
+
 #: Keys that identify a record and its noise level, in column order.
 RECORD_KEYS: tuple[str, ...] = (
     "call",
@@ -47,18 +51,11 @@ KEY_SETS: tuple[str, ...] = ("ip", "joint")
 #: (:mod:`nw_adapter.core.readings`, THEORY.md section 4): ``r2_key`` (share of the row-centred
 #: logit variance explained by a query-blind key bias), ``r2_nw`` (by one NW term),
 #: ``kl_nw_fit`` = KL(A || NW at the fitted bandwidth ``h_eff``), ``kl_key_prior`` = KL(A || the
-#: query-averaged attention), ``nw_gain`` = kl_key_prior - kl_nw_fit, ``h_eff`` with ``h_eff_se``
-#: (its standard error from fitting on ``fit_rows`` query rows, 0 when every row was used).
-READING_STATS: tuple[str, ...] = (
-    "r2_key",
-    "r2_nw",
-    "kl_nw_fit",
-    "kl_key_prior",
-    "nw_gain",
-    "h_eff",
-    "h_eff_se",
-    "fit_rows",
-)
+#: query-averaged attention), ``nw_gain`` = kl_key_prior - kl_nw_fit, ``h_eff`` (NaN when not
+#: identified, with its reason in the record's ``h_eff_reason``) with ``h_eff_se`` (its standard
+#: error from fitting on ``fit_rows`` query rows, 0 when every row was used). Defined, with every
+#: statistic, in :mod:`nw_adapter.core.specification` (re-exported here).
+READING_STATS: tuple[str, ...] = _SPEC_READING_STATS
 
 #: Suffix of a statistic of the old untrained-adapter control (one seeded draw, keys not matched
 #: in scale): files of earlier versions hold these columns; this version no longer writes them
@@ -82,31 +79,22 @@ UNTRAINED_OF: tuple[str, ...] = (
 #: The old control's columns, in :data:`UNTRAINED_OF` order (read, never written).
 UNTRAINED_STATS: tuple[str, ...] = tuple(name + UNTRAINED_SUFFIX for name in UNTRAINED_OF)
 
-#: Statistics of one (layer, head, half, adapter, image), in the order of the processor's stats tensor.
+#: Statistics of one (layer, head, half, adapter, image), in the order of the processor's stats tensor
+#: (the table of :data:`nw_adapter.core.specification.SPECIFICATION`, re-exported here).
 #: The three nulls of rho: ``rho_perm_null`` (NW scores shuffled across keys, ~0),
 #: ``rho_norm_matched_null`` (queries of the same norms in random directions) and
 #: ``rho_spread_null`` (each row's q.k values kept, their pairing with the key norms shuffled).
 #: ``key_norm_cv`` = std/mean of ||k_i|| and ``qk_spread_ratio`` = mean over rows of
-#: std_i(q.k_i) / std_i(||k_i||^2 / 2), both with population standard deviations. Then the
-#: readings of :data:`READING_STATS` (NaN when ``NWProcessorConfig(readings=False)``; files written
-#: before they existed load with them missing).
-STAT_NAMES: tuple[str, ...] = (
-    "bandwidth",
-    "rho",
-    "rho_perm_null",
-    "rho_norm_matched_null",
-    "rho_spread_null",
-    "pearson",
-    "kl",
-    "js",
-    "neff_attn",
-    "neff_nw",
-    "top1",
-    "q_norm",
-    "key_norm_cv",
-    "qk_spread_ratio",
-    *READING_STATS,
-)
+#: std_i(q.k_i) / std_i(||k_i||^2 / 2), both with population standard deviations;
+#: ``logit_scale`` = the RMS of the row-centred logits and ``key_rms`` = the RMS key norm (the scale
+#: readings). Then the readings of :data:`READING_STATS` (NaN when
+#: ``NWProcessorConfig(readings=False)``; files written before they existed load with them missing).
+STAT_NAMES: tuple[str, ...] = _SPEC_STAT_NAMES
+
+#: The per-record text column of why ``h_eff`` is NaN (one of :data:`H_EFF_REASONS`; None when
+#: identified), and the summary's / export's field counting them: ``{stat: {reason: count}}``.
+H_EFF_REASON_FIELD = "h_eff_reason"
+NAN_REASONS_FIELD = "nan_reasons"
 
 #: The statistics of the scale-matched untrained-adapter control (THEORY.md section 4), per draw
 #: k: ``{X}_control_{k}`` is statistic X of the same queries against draw k's untrained keys
