@@ -346,7 +346,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         report["records"],
         report["half"],
         out_dir / "bandwidth.png",
-        title=f"{model}: fitted vs schedule bandwidth, {report['half']} half",
+        title=f"{model}: bandwidth path (logit_scale vs schedule h), {report['half']} half",
     )
     if drawn is None:
         remove_regular_file(out_dir / "bandwidth.png")
