@@ -1,4 +1,4 @@
-"""Trained vs untrained-adapter readings of correlate.py runs, as a markdown table with t intervals.
+"""Trained vs scale-matched control readings of correlate.py runs, as a markdown table with t intervals.
 
 Usage:
     python scripts/readings_table.py out_digits/rho.json           # unit: reference image
@@ -6,7 +6,11 @@ Usage:
 
 Reads each run's records (the verdict's CFG half, the IP key set, every recorded step), averages
 every reading per reference image, and prints the mean and Student t 95% interval over the unit of
-the trained value, the untrained-adapter control's value and their difference.
+the trained value, the scale-matched control's value (the untrained adapter's keys rescaled per
+layer and head to the trained keys' RMS norm; per record the mean over its K draws) and their
+difference, and the change of scale (the geometric mean of ``key_scale_k``). Files of earlier
+versions (``*_untrained`` columns: one draw, not matched in scale) have no scale-matched control:
+the script says so and stops.
 """
 
 from __future__ import annotations
@@ -19,31 +23,56 @@ from collections import defaultdict
 from pathlib import Path
 
 from nw_adapter.core.intervals import t_interval
+from nw_adapter.integration.schema import (
+    CONTROL_MEAN_SUFFIX,
+    KEY_SCALE,
+    control_draws,
+    control_label,
+    control_mean,
+)
 
 READINGS = ("rho", "r2_key", "r2_nw", "kl_nw_fit", "kl_key_prior", "nw_gain", "kl", "key_norm_cv")
 
 
-def image_means(path: Path) -> dict[str, dict[str, float]]:
-    """``{reference: {column: mean over its records}}`` of one run's rho.json."""
+def _log(value: float | None) -> float | None:
+    return math.log(value) if value is not None and math.isfinite(value) and value > 0 else None
+
+
+def image_means(path: Path) -> tuple[dict[str, dict[str, float]], int]:
+    """``({reference: {column: mean over its records}}, K)`` of one run's rho.json: every reading,
+    its scale-matched control ``{X}_control`` (the draws' mean per record) and ``log_key_scale``.
+
+    Raises:
+        SystemExit: the file has no scale-matched control (control off, or an earlier version's).
+    """
     document = json.loads(path.read_text())
     half = document["verdict"]["half"]
+    draws = max((control_draws(r) for r in document["records"]), default=0)
+    if not draws:
+        raise SystemExit(
+            f"{path}: no scale-matched control was recorded (control off, or a file of an earlier version "
+            "with the unmatched *_untrained columns); rerun correlate.py without --no-untrained-control"
+        )
     values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for record in document["records"]:
         if record.get("half") != half or record.get("key_set", "ip") != "ip":
             continue
-        for name in READINGS:
-            for column in (name, name + "_untrained"):
-                value = record.get(column)
-                if value is not None and math.isfinite(float(value)):
-                    values[record["reference"]][column].append(float(value))
-    return {ref: {c: sum(v) / len(v) for c, v in columns.items()} for ref, columns in values.items()}
+        cells = {name: record.get(name) for name in READINGS}
+        cells.update({name + CONTROL_MEAN_SUFFIX: control_mean(record, name) for name in READINGS})
+        cells["log_" + KEY_SCALE] = _log(control_mean(record, KEY_SCALE))
+        for column, value in cells.items():
+            if value is not None and math.isfinite(float(value)):
+                values[record["reference"]][column].append(float(value))
+    means = {ref: {c: sum(v) / len(v) for c, v in columns.items()} for ref, columns in values.items()}
+    return means, draws
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="rho.json of one or several runs")
     args = parser.parse_args(argv)
-    runs = [image_means(path) for path in args.files]
+    read = [image_means(path) for path in args.files]
+    runs, draws = [means for means, _ in read], min(k for _, k in read)
     if len(runs) == 1:
         units, unit = list(runs[0].values()), "reference image"
     else:
@@ -51,18 +80,24 @@ def main(argv: list[str] | None = None) -> int:
             {c: sum(i[c] for i in run.values()) / len(run) for c in next(iter(run.values()))} for run in runs
         ]
         unit = "run"
-    print(f"unit: {unit}, n = {len(units)}; mean [Student t 95% interval]\n")
-    print("| reading | trained | untrained | trained - untrained |")
+    label = control_label(draws)
+    print(f"unit: {unit}, n = {len(units)}; mean [Student t 95% interval]; control: {label}\n")
+    print(f"| reading | trained | {label} | trained - control |")
     print("|---|---|---|---|")
     for name in READINGS:
+        if not all(name in u and name + CONTROL_MEAN_SUFFIX in u for u in units):
+            continue  # not recorded (e.g. a reading this version does not control)
         trained = [u[name] for u in units]
-        control = [u[name + "_untrained"] for u in units]
+        control = [u[name + CONTROL_MEAN_SUFFIX] for u in units]
         cells = [
             t_interval(x) for x in (trained, control, [a - b for a, b in zip(trained, control, strict=True)])
         ]
         text = [f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in cells[:2]]
         text.append("{:+.3f} [{:+.3f}, {:+.3f}]".format(*cells[2]))
         print(f"| {name} | " + " | ".join(text) + " |")
+    logs = [u["log_" + KEY_SCALE] for u in units if "log_" + KEY_SCALE in u]
+    scale = [math.exp(x) for x in t_interval(logs)]  # geometric mean over the units, its interval
+    print("\nkey scale (key RMS trained / untrained): {:.3f} [{:.3f}, {:.3f}]".format(*scale))
     return 0
 
 

@@ -100,9 +100,11 @@ def make_records(references: int = 3, steps: int = 6, seed: int = 0) -> list[dic
                             "half": half, "adapter": 0, "image": 0, "scale": 1.0, "num_keys": 4,
                             "rho": 0.7 + level + rng.normal(0, 0.03), "kl": 0.1,
                             "rho_perm_null": rng.normal(0, 0.05), "rho_norm_matched_null": 0.6 + level,
-                            "rho_spread_null": 0.7 + level, "rho_untrained": 0.8 + level,
+                            "rho_spread_null": 0.7 + level, "rho_control_0": 0.8 + level,
+                            "rho_control_1": 0.78 + level, "key_scale_0": 1.2, "key_scale_1": 1.3,
                             "nw_gain": 0.01, "h_eff": 3.0 * math.exp(rng.normal(0, 0.1)),
-                            "h_eff_untrained": 2.0 * math.exp(rng.normal(0, 0.1)),
+                            "h_eff_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
+                            "h_eff_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
                         })  # fmt: skip
     return records
 
@@ -177,7 +179,8 @@ def test_summary_prints_one_line_per_step_of_one_half_with_a_legend() -> None:
     header = lines[1].split()
     assert header[:3] == ["step", "t", "rho"] and len(header) <= 10
     assert max(len(line) for line in lines[1:-1]) <= 80
-    assert "perm-null" in lines[-1] and "rho-untr" in lines[-1]
+    assert "perm-null" in lines[-1] and "rho-ctrl" in lines[-1]
+    assert summary[0]["key_scale"] == pytest.approx(math.sqrt(1.2 * 1.3))  # geometric mean over draws
     assert summary.table(half="uncond").startswith("uncond half")
 
 
@@ -186,7 +189,9 @@ def test_bandwidth_figure_fits_a_column_with_a_band_over_images() -> None:
 
     fig = bandwidth_figure(make_records(3), "cond", title="tiny: fitted vs schedule bandwidth, cond half")
     assert_printable(fig, max_width=3.5)
-    assert len(bands(fig.axes[0])) == 2  # trained and untrained, each over 3 images
+    assert len(bands(fig.axes[0])) == 2  # trained and the scale-matched control, each over 3 images
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert any(label.startswith("scale-matched control (2 draws)") for label in labels)
 
 
 # attention_maps.png and plot_overlay

@@ -11,6 +11,8 @@
 - :mod:`~nw_adapter.core.metrics`: rank and divergence statistics, nulls, MMD^2;
 - :mod:`~nw_adapter.core.readings`: key-prior vs NW-smoother readings of one head (r2_key, r2_nw,
   kl_nw_fit, kl_key_prior, nw_gain, h_eff);
+- :mod:`~nw_adapter.core.specification`: the one specification of every recorded statistic (the
+  names table, one plain function each, the nulls' random numbers, h_eff's reasons);
 - :mod:`~nw_adapter.core.compare`: :func:`~nw_adapter.core.compare.compare_attention`, every
   reading of any attention head from its q and k (the public reference);
 - :mod:`~nw_adapter.core.intervals`: Student t intervals and one-sided t tests over independent

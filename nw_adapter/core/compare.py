@@ -1,14 +1,21 @@
-"""Every reading of "is this attention head a Nadaraya-Watson smoother?" for any q and k (THEORY.md 4).
+"""Every reading that compares a dot-product attention head with NW weights, for any q and k (THEORY.md 4).
+
+None of them decides whether a head is a Nadaraya-Watson smoother of its data: any dot-product head
+is one in some augmented space, and the head-space readings do not recognise Theorem 3's exact head
+(docs/THEORY.md, "What the readings can and cannot establish"). ``logit_scale``'s trend over log h
+(the bandwidth path) and comparisons with a scale-matched control are the testable uses.
 
 :func:`compare_attention` takes the queries and keys of a dot-product attention head, recomputes
 its weights ``A = softmax(scale q k^T)`` and compares them with the NW weights in the head's own
 q/k space, ``NW = softmax(-||q - k_i||^2 / 2h^2)``, per (batch row, head): the rank statistics
 and their three nulls (:mod:`nw_adapter.core.metrics`), the divergences, effective sample sizes,
 and the readings that split the attention into a key prior and an NW smoother of the query
-(:mod:`nw_adapter.core.readings`). It is a plain reference of these statistics, computed
-in float64; a reading that cannot be computed is NaN with a counted reason
-(:attr:`AttentionComparison.nan_reasons`). The processors record all of them on the fly, per
-(layer, head, step, CFG half) (:mod:`nw_adapter.integration.stats`,
+(:mod:`nw_adapter.core.readings`). It is the one specification of these statistics
+(:mod:`nw_adapter.core.specification`) evaluated on all query rows, in float64; a reading that
+cannot be computed is NaN with a counted reason (:attr:`AttentionComparison.nan_reasons`;
+``h_eff`` is NaN where it is not identified, with a reason of
+:data:`~nw_adapter.core.specification.H_EFF_REASONS`). The processors record all of them on
+the fly, per (layer, head, step, CFG half) (:mod:`nw_adapter.integration.stats`,
 ``NWProcessorConfig(readings=True)``, the default), the readings with ``h_eff`` fitted on
 ``fit_rows`` evenly spaced query rows (``h_eff_se``: the standard error that adds) where this
 function fits it on all rows.
@@ -26,52 +33,31 @@ import warnings
 import torch
 from torch import Tensor
 
+from nw_adapter.core import specification
 from nw_adapter.core.bandwidth import matched_bandwidth, median_bandwidth
-from nw_adapter.core.kernels import compute_dtype, effective_sample_size, no_autocast, nw_logits
-from nw_adapter.core.metrics import (
-    js_from_logits,
-    kl_from_logits,
-    masked_std,
-    norm_matched_null_rho,
-    permutation_null_rho,
-    qk_spread_null_rho,
-    spearman_rho,
-    top1_agreement,
-)
-from nw_adapter.core.readings import READING_NAMES, SCALE_NAMES, key_rms, logit_scale, nw_readings
+from nw_adapter.core.kernels import compute_dtype, no_autocast
+from nw_adapter.core.specification import FAST_PATH_ONLY, H_EFF_REASONS, SPECIFICATION, STAT_NAMES, Softmax
 
 __all__ = ["BANDWIDTH_RULES", "COMPARISON_NAMES", "NAN_REASONS", "AttentionComparison", "compare_attention"]
 
 #: Bandwidth rules of :func:`compare_attention` (besides a positive float).
 BANDWIDTH_RULES: tuple[str, ...] = ("matched", "fitted", "median")
 
-#: The keys of :func:`compare_attention`'s result, in order.
-COMPARISON_NAMES: tuple[str, ...] = (
-    "bandwidth",
-    "rho",
-    "rho_perm_null",
-    "rho_norm_matched_null",
-    "rho_spread_null",
-    "pearson",
-    "kl",
-    "js",
-    "neff_attn",
-    "neff_nw",
-    "top1",
-    "key_norm_cv",
-    "qk_spread_ratio",
-    *SCALE_NAMES,
-    *READING_NAMES,
-)
+#: The keys of :func:`compare_attention`'s result, in order: the specification's statistics
+#: (:data:`~nw_adapter.core.specification.STAT_NAMES`) but the fast path's subsample-fit ones.
+COMPARISON_NAMES: tuple[str, ...] = tuple(n for n in STAT_NAMES if n not in FAST_PATH_ONLY)
 
 #: Why a reading of one (batch row, head) cannot be computed, in the order they are checked: a NaN
 #: value's reason is the first that holds for its cell (:attr:`AttentionComparison.nan_reasons`).
+#: ``h_eff`` (and the bandwidth of the ``"fitted"`` rule) has only the reasons of
+#: :data:`~nw_adapter.core.specification.H_EFF_REASONS` (the first is shared).
 NAN_REASONS: tuple[str, ...] = (
-    "fewer than 2 valid keys",
+    H_EFF_REASONS[0],
     "the valid keys are identical",
     "the queries are all zero",
     "the attention logits are constant over the keys in every row",
     "the NW scores are constant over the keys in every row",
+    *H_EFF_REASONS[1:],
     "the bandwidth is 0 (the median rule on coincident queries and keys)",
     "not defined for these inputs",
 )
@@ -173,45 +159,6 @@ def _as_key_mask(valid: Tensor) -> Tensor:
     return valid[:, None, :] if valid.dim() == 2 else valid
 
 
-def _centred_weights(logits: Tensor, key_mask: Tensor) -> Tensor:
-    """``softmax(logits) - 1/m'`` per row over the ``m'`` valid keys, from the logits, 0 at invalid keys.
-
-    ``w_i - 1/m' = expm1(delta_i) / m'`` with ``delta_i = l_i - c - log1p(mean_i expm1(l_i - c))``,
-    ``c = max_i l_i``: exact where the weights are within rounding of uniform (logits of 1e-30,
-    where ``softmax - 1/m'`` is 0 in floating point) and where they are one-hot.
-
-    Args:
-        logits: ``[..., n, m]``.
-        key_mask: bool ``[..., 1, m]`` (True = valid key; every row has one).
-
-    Returns:
-        ``[..., n, m]``, each row summing to 0.
-    """
-    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
-    top = torch.where(key_mask, logits, -math.inf).amax(-1, keepdim=True)
-    shifted = torch.where(key_mask, logits - top, zero)
-    count = key_mask.sum(-1, keepdim=True).to(logits.dtype)
-    mean_excess = torch.where(key_mask, torch.expm1(shifted), zero).sum(-1, keepdim=True) / count
-    delta = shifted - torch.log1p(mean_excess)
-    return torch.where(key_mask, torch.expm1(delta) / count, zero)
-
-
-def _pearson_from_logits(logits_a: Tensor, logits_b: Tensor, key_mask: Tensor) -> Tensor:
-    """Pearson r of the flattened ``[..., n, m]`` softmax weights over the valid entries, ``[...]``.
-
-    Each weight row's mean is ``1/m'``, so the centred weights are :func:`_centred_weights`; each
-    matrix is divided by its largest centred entry before the products (r does not change), so
-    weights that differ from uniform by 1e-200 still give r. NaN where either matrix is uniform.
-    """
-    a = _centred_weights(logits_a, key_mask)
-    b = _centred_weights(logits_b, key_mask)
-    a = a / a.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
-    b = b / b.abs().amax((-1, -2), keepdim=True).clamp_min(torch.finfo(b.dtype).tiny)
-    num = (a * b).sum((-1, -2))
-    den = torch.sqrt(a.square().sum((-1, -2)) * b.square().sum((-1, -2)))
-    return torch.where(den > 0, num / den, torch.full((), math.nan, dtype=num.dtype, device=num.device))
-
-
 def _spread(x: Tensor, mask: Tensor) -> Tensor:
     """``max - min`` of ``x`` ``[..., m]`` over the valid entries (``mask`` broadcastable), exact."""
     top = torch.where(mask, x, -math.inf).amax(-1)
@@ -219,34 +166,52 @@ def _spread(x: Tensor, mask: Tensor) -> Tensor:
     return top - bottom
 
 
-def _degenerate_cells(
-    q: Tensor, k: Tensor, attn_logits: Tensor, scores_nw: Tensor, h: Tensor, mask: Tensor
-) -> list[Tensor]:
+def _degenerate_cells(x: Softmax, mask: Tensor) -> list[Tensor]:
     """Per reason of :data:`NAN_REASONS`, the bool ``[B, H]`` cells where it holds.
 
-    ``mask``: bool ``[B, H, M]`` valid keys. The checks are exact (no tolerance): they name why
-    a value is NaN, they do not make values NaN.
+    ``mask``: bool ``[B, H, M]`` valid keys. The checks but h_eff's are exact (no tolerance): they
+    name why a value is NaN, they do not make values NaN.
     """
+    q, k, attn_logits, scores_nw, h = x.q, x.k, x.attn_logits, x.nw_scores, x.h
     row_mask = mask[..., None, :]
     keys = mask.sum(-1)
     identical = (_spread(k.transpose(-1, -2), row_mask) == 0).all(-1)
     zero_queries = (q == 0).flatten(-2).all(-1)
     constant_logits = (_spread(attn_logits, row_mask) == 0).all(-1)
     constant_scores = (_spread(scores_nw, row_mask) == 0).all(-1)
+    code = specification.h_eff_reason_code(x)
+    blind, edge = code == 2, code == 3
     no_bandwidth = ~(torch.isfinite(h) & (h > 0))
     always = torch.ones_like(no_bandwidth)
-    return [keys < 2, identical, zero_queries, constant_logits, constant_scores, no_bandwidth, always]
+    return [
+        keys < 2,
+        identical,
+        zero_queries,
+        constant_logits,
+        constant_scores,
+        blind,
+        edge,
+        no_bandwidth,
+        always,
+    ]
 
 
-def _nan_reasons(values: dict[str, Tensor], cells: list[Tensor]) -> dict[str, dict[str, int]]:
-    """``{reading: {reason: NaN cells}}`` for the readings with NaN values (first reason that holds)."""
+def _nan_reasons(values: dict[str, Tensor], cells: list[Tensor], fitted: bool) -> dict[str, dict[str, int]]:
+    """``{reading: {reason: NaN cells}}`` for the readings with NaN values (first reason that holds;
+    h_eff, and the bandwidth when ``fitted``, by the reasons of ``H_EFF_REASONS`` alone)."""
     reasons: dict[str, dict[str, int]] = {}
     for name, value in values.items():
         left = torch.isnan(value)
         if not bool(left.any()):
             continue
         counted: dict[str, int] = {}
+        only_h_eff = name == "h_eff" or (fitted and name == "bandwidth")
+        h_eff_follows = only_h_eff or fitted  # the NW statistics of the fitted rule share h_eff's NaN
         for reason, holds in zip(NAN_REASONS, cells, strict=True):
+            if only_h_eff and reason not in H_EFF_REASONS and reason != NAN_REASONS[-1]:
+                continue
+            if not h_eff_follows and reason in H_EFF_REASONS[1:]:
+                continue
             here = left & holds
             if bool(here.any()):
                 counted[reason] = int(here.sum())
@@ -293,7 +258,7 @@ def compare_attention(
     Returned, each ``[B, H]`` and averaged over the N query rows where a row statistic:
 
     - ``bandwidth``: the h used for ``NW`` (``"matched"``: ``h = scale^(-1/2)``; ``"fitted"``: ``h_eff``,
-      NaN with fewer than 2 valid keys, and so are the NW statistics then; ``"median"``:
+      NaN where h_eff is not identified, and so are the NW statistics then; ``"median"``:
       ``h^2 = median ||q - k||^2 / 2``; a float: that h);
     - ``rho``: per-row Spearman between A and NW (ranks of ``q.k`` and of ``q.k - ||k||^2 / 2``;
       any h) and its nulls ``rho_perm_null`` (NW scores shuffled across keys),
@@ -302,14 +267,21 @@ def compare_attention(
     - ``pearson``: Pearson r of the flattened (rows x valid keys) matrices A and NW;
     - ``kl`` = ``KL(A || NW)``, ``js``: Jensen-Shannon, both from logits, in nats;
     - ``neff_attn``, ``neff_nw``: ``1 / sum_i w_i^2`` of A and of NW;
-    - ``top1``: share of rows whose largest weight is on the same key;
+    - ``top1``: share of rows whose largest weight is on the same key; ``q_norm``: mean ``||q_j||``;
     - ``key_norm_cv``: std / mean of ``||k_i||``; ``qk_spread_ratio``: mean over rows of
       ``std_i(q.k_i) / std_i(||k_i||^2 / 2)`` (what rho is a function of);
     - ``logit_scale``: the RMS of the row-centred logits ``scale q.k`` (the effective inverse
       temperature; ``c / h^2`` for an NW head), ``key_rms``: the RMS key norm
       (:mod:`nw_adapter.core.readings`; scale readings: their log trends and ratios are scale-free);
     - ``r2_key``, ``r2_nw``, ``kl_nw_fit``, ``kl_key_prior``, ``nw_gain``, ``h_eff``: see
-      :func:`nw_adapter.core.readings.nw_readings` (``h_eff`` fitted on all N rows).
+      :func:`nw_adapter.core.readings.nw_readings` (``h_eff`` fitted on all N rows; NaN where it
+      is not identified: fewer than 2 valid keys, query-blind attention with
+      ``1 - r2_key < 1e-6``, or the fit at an end of its range ``[1e-6, 1e6] * scale``, the
+      reasons of :data:`~nw_adapter.core.specification.H_EFF_REASONS` in ``nan_reasons``).
+
+    Each is the function of that name in :data:`nw_adapter.core.specification.SPECIFICATION`
+    (per-row statistics averaged over the rows, NaN rows left out), with the nulls' draws of
+    :func:`~nw_adapter.core.specification.draw_nulls` on every query row.
 
     Args:
         q: ``[B, H, N, d]`` queries of the head (after any normalisation the layer applies).
@@ -347,60 +319,24 @@ def compare_attention(
     result_dtype = compute_dtype(q, k)
     dtype = result_dtype if q.device.type == "mps" else _WORK_DTYPE  # MPS has no float64
     q, k = q.to(dtype), k.to(device=q.device, dtype=dtype)
-    # key masks: [B, H, M] for the kernels and readings, [B, H, 1, M] against [B, H, N, M] rows (metrics)
-    full_mask = torch.ones(k.shape[:-1], dtype=torch.bool, device=q.device)
-    mask = None if valid is None else _as_key_mask(valid.to(q.device)).expand(q.shape[0], q.shape[1], -1)
-    row_mask = None if mask is None else mask[..., None, :]
+    b, nh, m = q.shape[0], q.shape[1], k.shape[-2]
+    mask = None if valid is None else _as_key_mask(valid.to(q.device)).expand(b, nh, m)
     generator = torch.Generator(device=q.device).manual_seed(seed)
     with no_autocast(q.device):
         qk = q @ k.transpose(-1, -2)  # [B, H, N, M]
-        half_norms = 0.5 * k.square().sum(-1)
         _check_in_range("q.k", qk, "scale q and k down (the attention uses scale * q.k only)")
-        _check_in_range("||k||^2", half_norms, "scale k down")
+        _check_in_range("||k||^2", 0.5 * k.square().sum(-1), "scale k down")
         _check_in_range("||q||^2", q.square().sum(-1), "scale q down")
-        scores_nw = qk - half_norms[..., None, :]
-        attn_logits = scale * qk
         bound = torch.finfo(dtype).max / float(qk.abs().amax().clamp_min(1.0))
-        _check_in_range("scale * q.k", attn_logits, f"scale must be at most {bound:.3g} for these q and k")
-        readings = _readings(attn_logits, q, k, mask, float(scale))
-        if bandwidth == "matched":
-            h = torch.full(q.shape[:2], matched_bandwidth(scale=float(scale)), dtype=dtype, device=q.device)
-        elif bandwidth == "fitted":
-            h = readings["h_eff"]
-        elif bandwidth == "median":
-            h = median_bandwidth(q, k, key_mask=mask)
-        else:
-            h = torch.full(q.shape[:2], float(bandwidth), dtype=dtype, device=q.device)
-        logits_nw = nw_logits(q, k, h, support_mask=mask, validate=False)
-        key_weight = torch.ones_like(qk) if row_mask is None else row_mask.expand_as(qk).to(dtype)
-        masked_attn = attn_logits.masked_fill(key_weight == 0, -math.inf)
-        weights_attn = torch.softmax(masked_attn, -1)
-        weights_nw = torch.softmax(logits_nw, -1)
-        key_norm = k.norm(dim=-1)
-        every_key = full_mask if mask is None else mask
-        cells = _degenerate_cells(q, k, attn_logits, scores_nw, h, every_key)
-        spread = masked_std(qk, row_mask).mean(-1) / masked_std(half_norms, mask)
-        spread = torch.where(cells[NAN_REASONS.index("the valid keys are identical")], math.nan, spread)
-        out = {
-            "bandwidth": h,
-            "rho": spearman_rho(qk, scores_nw, row_mask),
-            "rho_perm_null": permutation_null_rho(qk, scores_nw, row_mask, generator=generator),
-            "rho_norm_matched_null": norm_matched_null_rho(q, k, row_mask, generator=generator),
-            "rho_spread_null": qk_spread_null_rho(q, k, row_mask, generator=generator),
-            "pearson": _pearson_from_logits(masked_attn, logits_nw, every_key[..., None, :]),
-            "kl": kl_from_logits(attn_logits, logits_nw, row_mask).mean(-1),
-            "js": js_from_logits(attn_logits, logits_nw, row_mask).mean(-1),
-            "neff_attn": effective_sample_size(weights_attn).mean(-1),
-            "neff_nw": effective_sample_size(weights_nw).mean(-1),
-            "top1": top1_agreement(qk, scores_nw, row_mask).to(dtype).mean(-1),
-            "key_norm_cv": masked_std(key_norm, mask) / _masked_mean(key_norm, mask),
-            "qk_spread_ratio": spread,
-            "logit_scale": logit_scale(attn_logits, mask),
-            "key_rms": key_rms(k, mask),
-            **readings,
-        }
-    values = {name: out[name] for name in COMPARISON_NAMES}
-    reasons = _nan_reasons(values, cells)
+        _check_in_range("scale * q.k", scale * qk, f"scale must be at most {bound:.3g} for these q and k")
+        draws = specification.draw_nulls(q, m, None, generator)  # every query row, in random order
+        x = Softmax(q, k, float(scale), _bandwidth(q, k, scale, bandwidth, mask), mask, draws, None)
+        if bandwidth == "fitted":
+            x = Softmax(q, k, float(scale), SPECIFICATION["h_eff"].function(x), mask, draws, None)
+        values = {name: _over_rows(name, x) for name in COMPARISON_NAMES}
+        every_key = torch.ones(b, nh, m, dtype=torch.bool, device=q.device) if mask is None else mask
+        cells = _degenerate_cells(x, every_key)
+    reasons = _nan_reasons(values, cells, bandwidth == "fitted")
     if reasons:
         counted = "; ".join(
             f"{name}: " + ", ".join(f"{reason} ({n})" for reason, n in why.items())
@@ -412,20 +348,17 @@ def compare_attention(
     return AttentionComparison(_cast_results(values, result_dtype), reasons)
 
 
-def _readings(attn_logits: Tensor, q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> dict:
-    """:func:`~nw_adapter.core.readings.nw_readings` with ``h_eff`` fitted where the attention has
-    the standard scale: on ``r q``, ``r k`` with ``r^2 = scale sqrt(d)`` (the same logits
-    ``(r q).(r k) / sqrt(d)``), so the fit's bracket (relative to ``1/sqrt(d)``) holds any scale and
-    norm; ``h_eff = h'_eff / r`` (every other reading is unchanged by ``r``)."""
-    r = math.sqrt(scale * math.sqrt(q.shape[-1]))
-    readings = nw_readings(attn_logits, q * r, k * r, mask)
-    readings["h_eff"] = readings["h_eff"] / r
-    return readings
+def _bandwidth(q: Tensor, k: Tensor, scale: float, rule: str | float, mask: Tensor | None) -> Tensor:
+    """The h ``[B, H]`` of a rule (``"fitted"``: a placeholder, h_eff does not depend on it)."""
+    if rule == "median":
+        return median_bandwidth(q, k, key_mask=mask)
+    value = matched_bandwidth(scale=float(scale)) if isinstance(rule, str) else float(rule)
+    return torch.full(q.shape[:2], value, dtype=q.dtype, device=q.device)
 
 
-def _masked_mean(x: Tensor, valid: Tensor | None) -> Tensor:
-    """Mean over the last dim, over the valid entries only."""
-    if valid is None:
-        return x.mean(-1)
-    w = valid.to(x.dtype)
-    return (x * w).sum(-1) / w.sum(-1)
+def _over_rows(name: str, x: Softmax) -> Tensor:
+    """The specification's statistic ``name`` ``[B, H]``: per-row ones averaged over the query rows
+    (NaN rows left out)."""
+    statistic = SPECIFICATION[name]
+    value = statistic.function(x)
+    return torch.nanmean(value, dim=-1) if statistic.per_query_row else value

@@ -1,4 +1,12 @@
-"""Readings of one attention head that separate "a kernel smoother of the query" from algebra.
+"""Readings of one attention head in its own q/k space: a key prior against an NW term of the query.
+
+These readings describe how the attention splits in the head's own q/k space; they do not
+recognise a kernel smoother: every dot-product head is exactly an NW smoother in some augmented
+space (keys ``[k_i, sqrt(C - ||k_i||^2)]``), and Theorem 3's exact data-space head gets
+``nw_gain < 0`` at small bandwidths and an ``h_eff`` that falls as its h rises (docs/THEORY.md,
+"What the readings can and cannot establish"; :mod:`nw_adapter.experiments.head_space_limits`).
+The scale readings :func:`logit_scale` and :func:`key_rms` carry the testable claims: the
+bandwidth path (the slope of ``log logit_scale`` on ``log h``) and the change of scale.
 
 Softmax attention is, by algebra, an NW smoother in the head's own q/k space times a key prior
 (THEORY.md section 4): with attention logits ``L_ji = s q_j.k_i`` (softmax scale ``s``),

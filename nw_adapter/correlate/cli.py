@@ -47,6 +47,12 @@ from typing import Any
 from nw_adapter.atomic import WriteError
 from nw_adapter.commands import OneLineParser, invoked_as
 from nw_adapter.correlate import swap_cli
+from nw_adapter.correlate.end_to_end_cli import (
+    add_end_to_end_arguments,
+    end_to_end_error,
+    end_to_end_meta,
+    run_end_to_end,
+)
 from nw_adapter.correlate.families import UNET_BLOCKS
 from nw_adapter.correlate.images import (
     ImageInputError,
@@ -80,7 +86,7 @@ from nw_adapter.correlate.outputs import (
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
 from nw_adapter.correlate.spec import EXAMPLE_DIR
 from nw_adapter.correlate.swap_cli import CompareSwapError
-from nw_adapter.integration.config import BANDWIDTH_RANGE
+from nw_adapter.integration.config import BANDWIDTH_RANGE, MAX_CONTROL_DRAWS
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 
 PROG = "correlate.py"
@@ -316,14 +322,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--no-untrained-control",
         dest="untrained_control",
         action="store_false",
-        help="skip the untrained-adapter control (the same queries against the keys of the IP-Adapter "
-        "training recipe's initialisation, *_untrained columns; on by default)",
+        help="skip the scale-matched untrained-adapter control (the same queries against the keys of the "
+        "IP-Adapter training recipe's initialisation, rescaled to the trained keys' RMS norm; "
+        "{X}_control_{k} and key_scale_{k} columns; on by default; docs/controls.md)",
+    )
+    nw.add_argument(
+        "--control-draws",
+        type=_positive_int("--control-draws", maximum=MAX_CONTROL_DRAWS),
+        default=3,
+        metavar="K",
+        help="number of untrained-adapter control draws, seeded --untrained-seed + k (default 3)",
     )
     nw.add_argument(
         "--untrained-seed",
         type=_seed("--untrained-seed"),
         default=0,
-        help="seed of the untrained adapter's initialisation (default 0)",
+        help="seed s of the untrained adapters' initialisation: draw k uses s + k (default 0)",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="correlate_out", help="output folder (default ./correlate_out)")
@@ -354,6 +368,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="also show the libraries' own warnings and notes"
     )
     swap_cli.add_arguments(parser)  # --compare-swap, --swap-rules, --labels
+    add_end_to_end_arguments(parser)
     return parser
 
 
@@ -383,6 +398,9 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = PROG) -> argpar
         if not args.ip_adapter.strip():
             raise CLIError("--ip-adapter is empty; pass a Hub id, a local folder or tiny, or omit it")
         check_model_name(args.ip_adapter, "--ip-adapter")
+    refused = end_to_end_error(args, "unet")  # the options that need no model (SD 3.5: after loading)
+    if refused:
+        raise CLIError(refused)
     if not str(args.out).strip() or args.out_given_empty:
         raise CLIError("--out is empty; pass a folder path (e.g. --out correlate_out)")
     for option, values in (("--image", args.image), ("--image-dir", args.image_dir)):
@@ -406,8 +424,10 @@ def processor_config(args: argparse.Namespace, map_steps: Sequence[int] | None =
         "statistics": True,
         "seed": args.seed,
         "store_maps": args.store_maps,
-        "untrained_control": args.untrained_control,
+        # the end-to-end control writes the control columns itself (from its own passes)
+        "untrained_control": args.untrained_control and not args.end_to_end_control,
         "untrained_seed": args.untrained_seed,
+        "untrained_draws": args.control_draws,
     }
     if args.store_maps:
         options.update(map_steps=list(map_steps) if map_steps else None, map_head_mean=True)
@@ -416,6 +436,7 @@ def processor_config(args: argparse.Namespace, map_steps: Sequence[int] | None =
 
 def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: str) -> dict:
     """The options recorded in ``rho.json`` (and fingerprinted for resuming)."""
+    per_layer = args.untrained_control and not args.end_to_end_control
     return {
         "model": spec.to_dict(),
         "prompt": args.prompt,
@@ -431,8 +452,10 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
         "bandwidth": args.bandwidth,
         "layers": args.layers,
         "store_maps": args.store_maps,
-        "untrained_control": args.untrained_control,
-        "untrained_seed": args.untrained_seed if args.untrained_control else None,
+        "untrained_control": per_layer,
+        "untrained_seed": args.untrained_seed if per_layer else None,
+        "untrained_draws": args.control_draws if per_layer else None,
+        "end_to_end_control": end_to_end_meta(args),
         "device": device,
         "dtype": dtype,
     }
@@ -550,6 +573,23 @@ def _image_worker(
         reference, _ = load_reference_image(info.path)
         folder = image_dir(out_dir, key)
         generator = torch.Generator(device="cpu").manual_seed(args.seed)
+        call = {
+            "prompt": args.prompt,
+            "negative_prompt": args.negative_prompt,
+            "ip_adapter_image": reference,
+            "num_inference_steps": args.steps,
+            "guidance_scale": args.guidance_scale,
+            "height": args.height,
+            "width": args.width,
+            "generator": generator,
+            **(extra_call or {}),
+        }
+        run = {"run": run_id} if run_id else {}
+        if args.end_to_end_control:  # the trained call and K untrained passes (no maps: refused above)
+            output, recorded, _ = run_end_to_end(args, pipe, config, call)
+            atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))
+            entry = {**info.to_dict(), "generated": str(folder.relative_to(out_dir) / "generated.png")}
+            return entry, [{"reference": key, **record, **run} for record in recorded]
         with contextlib.ExitStack() as stack:
             recorder = stack.enter_context(nw_processor(pipe, config))
             previews = None
@@ -562,17 +602,7 @@ def _image_worker(
             stack.enter_context(warnings.catch_warnings())
             if not args.verbose:
                 warnings.filterwarnings("ignore", message="NWRecorder: the NW side computation failed")
-            output = pipe(
-                prompt=args.prompt,
-                negative_prompt=args.negative_prompt,
-                ip_adapter_image=reference,
-                num_inference_steps=args.steps,
-                guidance_scale=args.guidance_scale,
-                height=args.height,
-                width=args.width,
-                generator=generator,
-                **(extra_call or {}),
-            )
+            output = pipe(**call)
         generated = output.images[0]
         note = skipped_note(recorder, args.mode, info.path.name)
         if note and args.quiet < 2:
@@ -585,7 +615,6 @@ def _image_worker(
         entry = {**info.to_dict(), "generated": str(relative / "generated.png")}
         if families.write_joint_records(recorder, folder) is not None:  # SD 3.5's joint key set
             entry["joint_records"] = str(relative / "rho_joint.csv")
-        run = {"run": run_id} if run_id else {}
         records = [{"reference": key, **record, **run} for record in recorder.to_records()]
         if args.store_maps:
             recorder.save_maps(folder / "maps.safetensors")
@@ -696,6 +725,9 @@ def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceIma
     )
     config = processor_config(args, map_steps)
     check_layers(args.layers, pipe)
+    refused = end_to_end_error(args, families.family_of_pipeline(pipe))
+    if refused:
+        raise CLIError(refused)
     shown = ModelSpec(
         model=args.model,
         ip_adapter=args.ip_adapter or families.shown_adapter(args.model, spec),
@@ -750,6 +782,7 @@ def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceIma
         report = build_report(
             records,
             config=options,
+            control=options["end_to_end_control"],
             images=[result["image"] for result in outcome.results],
             targets=() if args.all_steps else PAPER_TIMESTEPS,
         )

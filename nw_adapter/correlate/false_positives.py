@@ -3,7 +3,8 @@
 :func:`count_verdicts` runs ``correlate.py`` (:func:`nw_adapter.correlate.cli.main`, in process) on a
 random tiny model (SD 1.5 with a random adapter, SD 3.5, Flux) once per seed, each run over the same
 few reference images (scikit-learn's sample photographs and their mirror images), each seed a new
-draw of all the model's weights, with the untrained-adapter control on, and counts the
+draw of all the model's weights, with the scale-matched untrained-adapter control on
+(:data:`CONTROL_DRAWS` draws per run, seeds that no other run uses), and counts the
 runs whose verdict is "evidence of learned kernel smoothing" and the runs in which each clause
 holds or was measured. The weights are random, so every "evidence" is a false positive; the
 verdict's design bounds its rate by alpha = 5% per run. Entry point:
@@ -16,6 +17,9 @@ import contextlib
 import io
 import json
 from pathlib import Path
+
+CONTROL_DRAWS = 3
+"""Control draws per run (``--control-draws``, the command line's default)."""
 
 MODELS: tuple[str, ...] = ("tiny-sd15-random", "tiny-sd3", "tiny-flux")
 """Random-weight models: ``tiny-sd15-random`` is built here (SD 1.5 layout + a random base adapter)."""
@@ -41,7 +45,8 @@ def model_arguments(model: str, folder: Path, seed: int) -> list[str]:
     """The ``correlate.py`` model options of the random model of ``seed`` (written once in ``folder``).
 
     Every seed is another draw of ALL the weights (denoiser, image encoder, adapter), so the runs
-    are independent models; the untrained-adapter control (on by default) is seeded the same way.
+    are independent models; the untrained-adapter control (on by default) is seeded apart too (run
+    ``seed``'s draws use seeds ``seed * CONTROL_DRAWS + k``, :func:`count_verdicts`).
     """
     if model == "tiny-sd15-random":
         from nw_adapter.models.tiny import save_tiny_ip_adapter, save_tiny_sd15, write_once
@@ -70,7 +75,9 @@ def count_verdicts(model: str, *, seeds: int, images: int, steps: int, out: Path
         argv = [
             *options,
             "--untrained-seed",
-            str(seed),
+            str(seed * CONTROL_DRAWS),  # draw k: seed * K + k, never a seed of another run
+            "--control-draws",
+            str(CONTROL_DRAWS),
             "--steps",
             str(steps),
             "--seed",

@@ -346,7 +346,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         report["records"],
         report["half"],
         out_dir / "bandwidth.png",
-        title=f"{model}: fitted vs schedule bandwidth, {report['half']} half",
+        title=f"{model}: bandwidth path (logit_scale vs schedule h), {report['half']} half",
     )
     if drawn is None:
         remove_regular_file(out_dir / "bandwidth.png")
@@ -397,6 +397,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         images=saved.get("images", []),
         targets=() if all_steps else PAPER_TIMESTEPS,
         versions=saved.get("versions"),
+        control=saved.get("control"),  # the saved meta (an end-to-end control's included)
     )
     keys = [image["key"] for image in report["images"]]
     for key in keys:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from nw_adapter.integration import records
+from nw_adapter.integration.schema import control_column, control_draws, control_label
 
 
 def rho_figure(
@@ -255,79 +256,132 @@ def plot_attention_maps(
     return records.save_figure(fig, path)
 
 
-def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
-    """Fitted bandwidth h_eff against the schedule's h per step, log-log, with the line of slope 1.
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
-    Per step, the geometric mean over reference images of each image's geometric-mean ``h_eff``
-    over layers, heads and adapters (:func:`nw_adapter.correlate.verdict.image_step_means`), for the
-    trained adapter and, when recorded, the untrained-adapter control; with two or more images a
-    band of the 95% Student t interval of the mean log h_eff over them (the unit: the reference
-    image). The dotted line ``h_eff = c h`` (slope 1, ``c`` the geometric mean ratio of the trained
-    points) is what a bandwidth that follows the schedule would give: the verdict's clause
-    "bandwidth follows the schedule" tests the slope of each image's line against the control's.
-    3.5 in wide (a paper's column).
+
+def step_log_scales(records: Sequence[dict], half: str, stat: str = "logit_scale") -> dict[str, dict]:
+    """Per reference image and step, the mean over layers, heads and adapters of ``log stat`` for
+    the trained adapter and for the scale-matched control (per record the mean over its draws k of
+    ``log {stat}_control_k``); positive finite values only. A record without ``reference``
+    belongs to its pipeline ``call``.
 
     Returns:
-        A :class:`matplotlib.figure.Figure`, or None when no step has both a positive ``h_eff``
-        and a positive schedule ``h`` (readings not recorded).
+        ``{reference: {step: {"h": schedule h, "trained": mean log, "control": mean log or None}}}``,
+        only steps with a positive schedule ``h`` and a finite trained value.
+    """
+    sums: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for record in records:
+        h = record.get("h_schedule")
+        if record.get("half") != half or not _positive(h) or not _positive(record.get(stat)):
+            continue
+        unit = record["reference"] if "reference" in record else f"call {record.get('call')}"
+        empty: dict[str, list[float]] = {"h": [], "trained": [], "control": []}
+        cell = sums.setdefault(unit, {}).setdefault(int(record["step"]), empty)
+        cell["h"].append(math.log(h))
+        cell["trained"].append(math.log(record[stat]))
+        logs = [
+            math.log(v)
+            for k in range(control_draws(record))
+            if _positive(v := record.get(control_column(stat, k)))
+        ]
+        if logs:
+            cell["control"].append(sum(logs) / len(logs))
+    return {
+        unit: {
+            step: {
+                "h": float(np.mean(c["h"])),
+                "trained": float(np.mean(c["trained"])),
+                "control": float(np.mean(c["control"])) if c["control"] else None,
+            }
+            for step, c in steps.items()
+        }
+        for unit, steps in sums.items()
+    }
+
+
+def _ols_slope(x: np.ndarray, y: np.ndarray) -> float:
+    return float(np.polyfit(x, y, 1)[0]) if x.size >= 2 and np.ptp(x) > 0 else math.nan
+
+
+def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
+    """The bandwidth path: ``logit_scale`` against the schedule's h per step, log-log, with slope -2.
+
+    ``logit_scale`` is the RMS of the row-centred attention logits, the branch's effective inverse
+    temperature (:func:`nw_adapter.core.readings.logit_scale`); an exact NW head over fixed queries
+    has ``logit_scale = c / h^2`` (slope -2 on log-log axes) whatever its support, a head of fixed
+    temperature a flat line, and a constant gain on q or k only moves a line up or down. Per step:
+    the geometric mean over reference images of each image's geometric mean over layers, heads and
+    adapters, for the trained adapter and, when recorded, the scale-matched control (per record the
+    geometric mean over its draws), with the 95% Student t interval over images as error bars (the
+    unit: the reference image; two or more images). The legend gives each arm's mean per-image OLS
+    slope (the verdict's bandwidth clause tests the trained exponent minus the control's). The
+    dotted line through the trained points' centre has slope -2. 3.5 in wide (a paper's column).
+
+    Returns:
+        A :class:`matplotlib.figure.Figure`, or None when no step has a positive ``logit_scale`` and
+        a positive schedule ``h`` (an older file, or steps at pure noise only).
     """
     from matplotlib.figure import Figure
 
     from nw_adapter.core.intervals import t_interval
-    from nw_adapter.correlate.verdict import image_step_means
     from nw_adapter.integration.records import wrap_title
 
-    by_image = image_step_means(records, half)
-    arms = (
-        ("log_h_eff", "trained adapter", "#1f77b4"),
-        ("log_h_eff_untrained", "untrained adapter", "#ff7f0e"),
-    )
-
-    def points(rows: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-        kept = [r for r in rows if r.get(key) is not None and (r.get("h_schedule") or 0) > 0]
-        return np.log([r["h_schedule"] for r in kept]), np.array([r[key] for r in kept])
-
-    if not any(points(rows, "log_h_eff")[0].size for rows in by_image.values()):
+    by_image = step_log_scales(records, half)
+    if not by_image:
         return None
-    fig = Figure(figsize=(3.5, 3.6), layout="constrained")
+    draws = control_draws({name for r in records for name in r})
+    arms = (("trained", "trained adapter", "#1f77b4", "o"), ("control", control_label(draws), "#ff7f0e", "s"))
+    fig = Figure(figsize=(3.5, 3.7), layout="constrained")
     ax = fig.subplots()
-    trained_ratio: list[float] = []
-    for key, label, color in arms:
-        per_step: dict[float, list[float]] = {}
-        for rows in by_image.values():
-            x, y = points(rows, key)
-            for xi, yi in zip(x, y, strict=True):
-                per_step.setdefault(float(xi), []).append(float(yi))
-            if key == "log_h_eff":
-                trained_ratio += list(y - x)
+    centre: tuple[float, float] | None = None
+    for key, label, color, marker in arms:
+        per_step: dict[int, list[tuple[float, float]]] = {}
+        slopes = []
+        for steps in by_image.values():
+            points = [(c["h"], c[key]) for _, c in sorted(steps.items()) if c[key] is not None]
+            for step, c in steps.items():
+                if c[key] is not None:
+                    per_step.setdefault(step, []).append((c["h"], c[key]))
+            if points:
+                xy = np.array(points)
+                slopes.append(_ols_slope(xy[:, 0], xy[:, 1]))
         if not per_step:
             continue
-        xs = np.array(sorted(per_step))
-        stats = np.array([t_interval(per_step[x]) for x in xs])  # [steps, (mean, low, high)]
-        n = max(len(v) for v in per_step.values())
-        ax.plot(np.exp(xs), np.exp(stats[:, 0]), marker="o", markersize=2, color=color, linewidth=1.2,
-                label=f"{label} (mean of {n} image(s))")
+        order = sorted(per_step, key=lambda step: np.mean([p[0] for p in per_step[step]]))
+        xs = np.array([np.mean([p[0] for p in per_step[s]]) for s in order])
+        stats = np.array([t_interval([p[1] for p in per_step[s]]) for s in order])  # [steps, 3]
+        n = max(len(per_step[s]) for s in order)
+        finite = [v for v in slopes if math.isfinite(v)]
+        slope = f", slope {np.mean(finite):+.2f}" if finite else ""
+        y = np.exp(stats[:, 0])
+        errors = None
         if n >= 2:
-            ax.fill_between(np.exp(xs), np.exp(stats[:, 1]), np.exp(stats[:, 2]), color=color, alpha=0.25,
-                            linewidth=0, label=f"{label}: 95% t interval over images")
-    h_all = [r["h_schedule"] for rows in by_image.values() for r in rows if (r.get("h_schedule") or 0) > 0]
-    grid = np.geomspace(min(h_all), max(h_all), 50)
-    ax.plot(grid, grid * math.exp(float(np.mean(trained_ratio))), color="0.3", linestyle=":", linewidth=1.0,
-            label="slope 1: h_eff = c h")
+            errors = np.vstack([y - np.exp(stats[:, 1]), np.exp(stats[:, 2]) - y])
+        ax.errorbar(np.exp(xs), y, yerr=errors, color=color, marker=marker, markersize=2.5, linewidth=1.0,
+                    elinewidth=0.7, capsize=1.5, label=f"{label} ({n} image(s){slope})")
+        if key == "trained":
+            centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
+    if centre is not None:
+        h_all = [c["h"] for steps in by_image.values() for c in steps.values()]
+        grid = np.linspace(min(h_all), max(h_all), 50)
+        ax.plot(np.exp(grid), np.exp(centre[1] - 2.0 * (grid - centre[0])), color="0.3", linestyle=":",
+                linewidth=1.0, label="slope -2: an exact NW head (c / h^2)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=8)
-    ax.set_ylabel("fitted bandwidth h_eff", fontsize=8)
+    ax.set_ylabel("logit_scale (RMS of row-centred logits)", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3, which="both")
-    fig.legend(loc="outside lower center", fontsize=7, frameon=False, ncol=1)
+    fig.legend(loc="outside lower center", fontsize=6.5, frameon=False, ncol=1)
     if title:
         fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
     return fig
 
 
 def plot_bandwidth(records: Sequence[dict], half: str, path: str | os.PathLike, *, title: str | None = None):
-    """Write :func:`bandwidth_figure` to ``path`` (PNG, atomically); None (nothing written) without h_eff."""
+    """Write :func:`bandwidth_figure` to ``path`` (PNG, atomically); None (nothing written) without
+    ``logit_scale``."""
     from nw_adapter.integration.records import save_figure
 
     fig = bandwidth_figure(records, half, title=title)

@@ -59,18 +59,19 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rho_spread_null", "spread-null", "{:>11.3f}"),
     ("kl", "KL", "{:>7.4f}"),
     ("nw_gain", "nw-gain", "{:>7.4f}"),
-    ("rho_untrained", "rho-untr", "{:>8.3f}"),
-    ("nw_gain_untrained", "gain-untr", "{:>9.4f}"),
+    ("rho_control", "rho-ctrl", "{:>8.3f}"),
+    ("nw_gain_control", "gain-ctrl", "{:>9.4f}"),
     ("frac_rho_gt_0_9", "rho>0.9", "{:>7.3f}"),
 )
 """(row key, header, format) of each terminal-table column (at most 105 characters wide).
 
-The untrained-adapter control's columns (:data:`OPTIONAL_COLUMNS`) are shown only when some row
+The scale-matched control's columns (:data:`OPTIONAL_COLUMNS`: the means over its draws; its change
+of scale ``key_scale`` is in the rows of ``rho.json``) are shown only when some row
 has them; every other statistic (Pearson, n_eff, the q.k spread ratio, the key-norm CV, r2_key,
 h_eff ...) is in ``rho.json``'s ``table`` / ``steps`` rows and in ``rho.csv``.
 """
 
-OPTIONAL_COLUMNS: frozenset[str] = frozenset({"rho_untrained", "nw_gain_untrained"})
+OPTIONAL_COLUMNS: frozenset[str] = frozenset({"rho_control", "nw_gain_control"})
 """Table columns printed only when recorded (the untrained-adapter control on)."""
 
 COLUMN_LEGEND: dict[str, str] = {
@@ -82,9 +83,8 @@ COLUMN_LEGEND: dict[str, str] = {
     "rho_spread_null": "rho with each row's q.k kept and the key norms shuffled: what q.k spread alone gives",
     "kl": "KL divergence of the attention A from the NW weights: sum of A log(A / NW) over the tokens",
     "nw_gain": "KL to the query-averaged attention minus KL to the best NW fit (> 0: NW predicts better)",
-    "rho_untrained": "rho of the untrained-adapter control (same queries; keys of the recipe's "
-    "initialisation)",
-    "nw_gain_untrained": "nw-gain of the untrained-adapter control",
+    "rho_control": "rho of the scale-matched control (untrained keys at the trained keys' RMS; draws' mean)",
+    "nw_gain_control": "nw-gain of the scale-matched control (mean over its draws)",
     "frac_rho_gt_0_9": "fraction of (layer, head) records with rho > 0.9",
 }
 """What each column of :data:`TABLE_COLUMNS` shows (row key -> words), printed under the table
@@ -99,8 +99,8 @@ def aggregate(
     :func:`nw_adapter.integration.records.aggregate` with the step's ``timestep``: one dict per
     group, sorted by the group keys, with ``half``, ``timestep``, the mean of every statistic
     over its finite values (None when there is none: JSON-ready; the readings and the
-    untrained-adapter control's columns where recorded), ``nonfinite``, ``frac_rho_gt_0_9`` and
-    ``count``.
+    scale-matched control's draws' means ``{X}_control``, ``key_scale`` and ``control_draws``
+    where recorded), ``nonfinite``, ``frac_rho_gt_0_9`` and ``count``.
     """
     half = half or analysis_half(records)
     return [json_ready(row) for row in aggregate_records(records, by, half=half, optional_stats=True)]
@@ -199,6 +199,40 @@ def json_ready(value: Any) -> Any:
     return value
 
 
+CONTROL_KINDS: tuple[str, ...] = ("per-layer", "end-to-end")
+"""Kinds of untrained-adapter control a run's ``control`` meta names (docs/controls.md)."""
+
+CONTROL_MATCHED = "keys rescaled per layer and head to the trained keys' RMS norm"
+"""How the control is matched in scale (the ``matched`` field of the ``control`` meta)."""
+
+
+def control_meta(*, draws: int, seed: int, kind: str = "per-layer") -> dict:
+    """The ``control`` field of ``rho.json``: ``{"kind", "draws", "seeds", "matched"}``.
+
+    Args:
+        draws: the number K of control draws. seed: the first draw's seed s (draw k: s + k).
+        kind: ``"per-layer"`` (the untrained keys of each layer against the trained run's
+            queries) or ``"end-to-end"`` (a second pass with the untrained adapter everywhere).
+
+    Raises:
+        ValueError: an unknown kind, or draws not an int >= 1.
+    """
+    if kind not in CONTROL_KINDS:
+        raise ValueError(f"control kind must be one of {CONTROL_KINDS}, got {kind!r}")
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise ValueError(f"control draws must be an int >= 1, got {draws!r}")
+    seeds = [seed + k for k in range(draws)]
+    return {"kind": kind, "draws": draws, "seeds": seeds, "matched": CONTROL_MATCHED}
+
+
+def _run_control(config: dict) -> dict | None:
+    """The per-layer control meta of a run's options (None when the control is off, or for the
+    options of an earlier version, whose one-draw control was not matched in scale)."""
+    if not config.get("untrained_control") or config.get("untrained_draws") is None:
+        return None
+    return control_meta(draws=int(config["untrained_draws"]), seed=int(config.get("untrained_seed") or 0))
+
+
 def build_report(
     records: Sequence[dict],
     *,
@@ -206,6 +240,7 @@ def build_report(
     images: Sequence[dict],
     targets: Sequence[float] = PAPER_TIMESTEPS,
     versions: dict | None = None,
+    control: dict | None = None,
 ) -> dict:
     """Assemble the ``rho.json`` document (schema: docs/rho_json_schema.md).
 
@@ -215,7 +250,11 @@ def build_report(
         images: Per-image descriptions (``ReferenceImage.to_dict()`` plus output paths).
         targets: Timesteps for the table (empty: every step).
         versions: Package versions (default :func:`package_versions`).
+        control: The ``control`` meta (:func:`control_meta`); default: the per-layer control of
+            ``config`` (``untrained_control``, ``untrained_draws``, ``untrained_seed``), absent
+            when it is off.
     """
+    control = control if control is not None else _run_control(config)
     half = analysis_half(records)
     steps = aggregate(records, ("step",), half=half)
     table = select_steps(steps, targets)
@@ -224,6 +263,7 @@ def build_report(
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
             "config": config,
+            **({"control": control} if control is not None else {}),
             "versions": versions if versions is not None else package_versions(),
             "images": list(images),
             "half": half,

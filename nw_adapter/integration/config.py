@@ -22,6 +22,8 @@ BANDWIDTH_RANGE = (1e-4, 1e4)
 """Usable fixed bandwidths h: 1 / 2h^2 times squared distances must stay finite in float32."""
 SEED_LIMIT = 2**63
 """Seeds must lie in [0, 2**63), the range of ``torch.Generator.manual_seed``."""
+MAX_CONTROL_DRAWS = 64
+"""The most untrained-adapter control draws a run may ask for (``untrained_draws``)."""
 
 
 def _err(option: str, problem: str, fix: str) -> NWConfigError:
@@ -108,12 +110,20 @@ class NWProcessorConfig:
             available a one-line warning says so and the eager code runs. Off by default (it
             is not measured on a GPU yet).
         untrained_control: also record, per softmax, the statistics of the same queries against
-            the keys of an *untrained* adapter (the IP-Adapter training recipe's initialisation,
-            THEORY.md section 4; :mod:`nw_adapter.integration.untrained`), built once at install,
-            as the ``*_untrained`` columns of :data:`~nw_adapter.integration.schema.UNTRAINED_STATS`
-            (without nulls). Every reading minus its untrained value is what adapter training did.
-            Costs one more statistics pass per softmax (benchmarks/README.md).
-        untrained_seed: seed of the untrained adapter's default initialisations.
+            the keys of *untrained* adapters (the IP-Adapter training recipe's initialisation,
+            THEORY.md section 4, docs/controls.md; :mod:`nw_adapter.integration.untrained`), built
+            once at install, one per draw. Draw k's keys ``k0`` are rescaled per (batch row, head)
+            to the trained keys' RMS norm, ``k0m = k0 key_rms(k) / key_rms(k0)`` (the
+            scale-matched control: same algebra, same scale, no learning); their statistics
+            (without nulls) are the ``{X}_control_{k}`` columns and the change of scale
+            ``key_rms(k) / key_rms(k0)`` the ``key_scale_{k}`` column
+            (:func:`~nw_adapter.integration.schema.control_columns`). Every reading minus its
+            control value is what adapter training changed in shape. Costs one more statistics
+            pass per softmax and draw (benchmarks/README.md).
+        untrained_draws: the number K of control draws (1 to :data:`MAX_CONTROL_DRAWS`; default
+            3): the verdict's intervals include the variance between draws.
+        untrained_seed: seed s of the untrained adapters' default initialisations: draw k uses
+            seed s + k.
         readings: record the readings that split the attention into a query-blind key prior and
             an NW smoother of the query (``r2_key``, ``r2_nw``, ``kl_key_prior``, ``kl_nw_fit``,
             ``nw_gain``, ``h_eff`` with ``h_eff_se`` and ``fit_rows``; THEORY.md section 4); False =
@@ -151,6 +161,7 @@ class NWProcessorConfig:
     chunk_size: int | None = None
     compile: bool = False
     untrained_control: bool = False
+    untrained_draws: int = 3
     untrained_seed: int = 0
     readings: bool = True
     fit_rows: int | None = 256
@@ -205,6 +216,19 @@ class NWProcessorConfig:
         if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us < SEED_LIMIT:
             raise _err(
                 "untrained_seed", f"must be an int in [0, 2**63), got {us!r}", "pass e.g. untrained_seed=0"
+            )
+        draws = self.untrained_draws
+        if isinstance(draws, bool) or not isinstance(draws, int) or not 1 <= draws <= MAX_CONTROL_DRAWS:
+            raise _err(
+                "untrained_draws",
+                f"must be an int in [1, {MAX_CONTROL_DRAWS}], got {draws!r}",
+                "pass e.g. untrained_draws=3",
+            )
+        if us + draws > SEED_LIMIT:
+            raise _err(
+                "untrained_seed",
+                f"+ untrained_draws must stay below 2**63 (draw k uses seed untrained_seed + k), got {us!r}",
+                "pass a smaller untrained_seed, e.g. 0",
             )
         if self.untrained_control and not self.record_statistics:
             raise _err(

@@ -51,11 +51,12 @@ class _NWState:
 
 
 def _build_control(unet: torch.nn.Module, config: NWProcessorConfig) -> UntrainedControl | None:
-    """The untrained-adapter control of ``config`` (built once, seeded), or None when it is off."""
+    """The untrained-adapter control of ``config`` (its ``untrained_draws`` draws built once, draw k
+    seeded ``untrained_seed + k``), or None when it is off."""
     if not config.untrained_control:
         return None
     try:
-        return UntrainedControl.build(unet, seed=config.untrained_seed)
+        return UntrainedControl.build(unet, seed=config.untrained_seed, draws=config.untrained_draws)
     except ValueError as error:
         raise NWInstallError(
             f"untrained_control: {error}; or pass untrained_control=False (command line: "
@@ -120,8 +121,9 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     installs the new configuration with a fresh recorder.
 
     With ``untrained_control=True`` the untrained-adapter control
-    (:class:`~nw_adapter.integration.control.UntrainedControl`) is built once here, seeded with
-    ``untrained_seed``, and its two forward pre-hooks (denoiser, image projection) registered;
+    (:class:`~nw_adapter.integration.control.UntrainedControl`) is built once here, its
+    ``untrained_draws`` draws seeded ``untrained_seed + k``, and its two forward pre-hooks
+    (denoiser, image projection) registered;
     :func:`remove_nw_processor` removes them and drops the control.
 
     Args:

@@ -26,31 +26,45 @@ from typing import Any
 import torch
 
 from nw_adapter.atomic import atomic_write_text
+from nw_adapter.core.specification import STAT_ROWS
 from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.maps import MapStore
 from nw_adapter.integration.records import Records, Summary, block_of
 from nw_adapter.integration.records_file import RECORDS_SCHEMA, read_records_file, records_document
-from nw_adapter.integration.schema import STAT_NAMES, UNTRAINED_OF, UNTRAINED_SUFFIX
+from nw_adapter.integration.schema import (
+    CONTROL_RECORDED,
+    H_EFF_REASON_FIELD,
+    H_EFF_REASONS,
+    STAT_NAMES,
+    control_column,
+    key_scale_column,
+)
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
 from nw_adapter.integration.steps import StepState, StepTracker
 
 __all__ = [
     "RECORDS_SCHEMA",
     "STAT_NAMES",
-    "UNTRAINED_COLUMNS",
-    "UNTRAINED_RECORDED",
+    "CONTROL_COLUMNS",
+    "CONTROL_ROWS",
     "NWRecorder",
     "StepState",
     "Summary",
     "block_of",
 ]
 
-UNTRAINED_COLUMNS: tuple[int, ...] = tuple(STAT_NAMES.index(n) for n in UNTRAINED_OF if n in STAT_NAMES)
-"""Rows of the stats tensor (:data:`STAT_NAMES` order) recorded for the untrained-adapter control:
-the statistics of :data:`~nw_adapter.integration.schema.UNTRAINED_OF` this version computes."""
+CONTROL_COLUMNS: tuple[int, ...] = tuple(STAT_NAMES.index(n) for n in CONTROL_RECORDED)
+"""Rows of the stats tensor (:data:`STAT_NAMES` order) recorded for the scale-matched control: the
+statistics of :data:`~nw_adapter.integration.schema.CONTROL_OF` this version computes."""
 
-UNTRAINED_RECORDED: tuple[str, ...] = tuple(STAT_NAMES[i] + UNTRAINED_SUFFIX for i in UNTRAINED_COLUMNS)
-"""Their record names (``rho_untrained``, ...), in :data:`UNTRAINED_COLUMNS` order."""
+CONTROL_ROWS: int = len(CONTROL_COLUMNS) + 1
+"""Rows of one draw's control tensor: the statistics of :data:`CONTROL_COLUMNS`, then the key scale."""
+
+
+def _control_names(draws: int) -> list[list[str]]:
+    """Per draw k, the record names of its :data:`CONTROL_ROWS` rows (``rho_control_k``, ...,
+    ``key_scale_k``)."""
+    return [[*(control_column(n, k) for n in CONTROL_RECORDED), key_scale_column(k)] for k in range(draws)]
 
 
 @dataclass
@@ -67,7 +81,13 @@ class _Entry:
     stats: torch.Tensor  # [num_stats, num_halves, num_heads], float32, on the model's device
     key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
     ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
-    untrained: torch.Tensor | None = None  # [len(UNTRAINED_COLUMNS), num_halves, num_heads]: the control's
+    control: torch.Tensor | None = None  # [draws, CONTROL_ROWS, num_halves, num_heads]: the control's
+
+
+def _reason(code: float) -> str | None:
+    """The text of h_eff's reason code (:data:`~nw_adapter.core.specification.H_EFF_REASONS`;
+    None for 0: identified, or the readings off)."""
+    return H_EFF_REASONS[int(code) - 1] if code >= 1 else None
 
 
 def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[str, Any]]:
@@ -81,8 +101,8 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
         parts.append(e.stats.reshape(-1).float())
         if e.ip_mass is not None:
             parts.append(e.ip_mass.reshape(-1).float())
-        if e.untrained is not None:
-            parts.append(e.untrained.reshape(-1).float())
+        if e.control is not None:
+            parts.append(e.control.reshape(-1).float())
     flat = torch.cat(parts).cpu().tolist()
     info_cache: dict[tuple[int, int], dict[str, float]] = {}
     run_cache: dict[int, dict[str, str]] = {}
@@ -90,17 +110,18 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
     offset = 0
     for e in entries:
         n_h, n_k = len(e.halves), len(e.heads)
-        size = len(STAT_NAMES) * n_h * n_k
+        size = len(STAT_ROWS) * n_h * n_k
         vals = flat[offset : offset + size]
         offset += size
         mass = None
         if e.ip_mass is not None:
             mass = flat[offset : offset + n_h * n_k]
             offset += n_h * n_k
-        control = None
-        if e.untrained is not None:
-            control = flat[offset : offset + len(UNTRAINED_RECORDED) * n_h * n_k]
-            offset += len(UNTRAINED_RECORDED) * n_h * n_k
+        control, names = None, []
+        if e.control is not None:
+            size = e.control.shape[0] * CONTROL_ROWS * n_h * n_k
+            control, names = flat[offset : offset + size], _control_names(e.control.shape[0])
+            offset += size
         key = (e.call, e.step)
         if key not in info_cache:
             info_cache[key] = step_info(*key)
@@ -125,11 +146,13 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
                 }
                 for si, name in enumerate(STAT_NAMES):
                     rec[name] = vals[(si * n_h + hi) * n_k + ki]
+                rec[H_EFF_REASON_FIELD] = _reason(vals[(len(STAT_NAMES) * n_h + hi) * n_k + ki])
                 if mass is not None:
                     rec["ip_mass"] = mass[hi * n_k + ki]
                 if control is not None:
-                    for ui, name in enumerate(UNTRAINED_RECORDED):
-                        rec[name] = control[(ui * n_h + hi) * n_k + ki]
+                    for di, row_names in enumerate(names):
+                        for ui, name in enumerate(row_names):
+                            rec[name] = control[((di * CONTROL_ROWS + ui) * n_h + hi) * n_k + ki]
                 records.append(rec)
     return records
 
@@ -252,25 +275,28 @@ class NWRecorder:
         stats: torch.Tensor,
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
-        untrained: torch.Tensor | None = None,
+        control: torch.Tensor | None = None,
     ) -> None:
-        """Store one layer's statistics, ``stats`` of shape [len(STAT_NAMES), len(halves), len(heads)].
+        """Store one layer's statistics, ``stats`` of shape [len(STAT_ROWS), len(halves), len(heads)]
+        (:data:`~nw_adapter.core.specification.STAT_ROWS`: the statistics, then h_eff's reason code,
+        written as the record's text column ``h_eff_reason``).
 
         ``key_set`` names the keys of the compared softmax (:data:`~nw_adapter.integration.schema.KEY_SETS`);
         ``ip_mass`` [len(halves), len(heads)] is the joint softmax's mass on the IP keys (SD3 only);
-        ``untrained`` [len(UNTRAINED_COLUMNS), len(halves), len(heads)] the untrained-adapter
-        control's statistics (:data:`UNTRAINED_RECORDED`), when the control is on.
+        ``control`` [draws, CONTROL_ROWS, len(halves), len(heads)] the scale-matched control's
+        statistics per draw (:data:`CONTROL_COLUMNS`, then the key scale; recorded as
+        ``{X}_control_{k}`` and ``key_scale_{k}``), when the control is on.
         """
-        if stats.shape != (len(STAT_NAMES), len(halves), len(heads)):
+        if stats.shape != (len(STAT_ROWS), len(halves), len(heads)):
             raise ValueError(
-                f"stats must have shape {(len(STAT_NAMES), len(halves), len(heads))}, "
+                f"stats must have shape {(len(STAT_ROWS), len(halves), len(heads))}, "
                 f"got {tuple(stats.shape)}"
             )
-        expected = (len(UNTRAINED_COLUMNS), len(halves), len(heads))
-        if untrained is not None and untrained.shape != expected:
-            raise ValueError(f"untrained must have shape {expected}, got {tuple(untrained.shape)}")
+        expected = (CONTROL_ROWS, len(halves), len(heads))
+        if control is not None and (control.dim() != 4 or tuple(control.shape[1:]) != expected):
+            raise ValueError(f"control must have shape (draws, *{expected}), got {tuple(control.shape)}")
         mass = None if ip_mass is None else ip_mass.detach()
-        control = None if untrained is None else untrained.detach()
+        control = None if control is None else control.detach()
         where = (self.state.call, self.state.step, layer, adapter, image, halves, heads)
         self._entries.append(_Entry(*where, float(scale), num_keys, stats.detach(), key_set, mass, control))
 
@@ -398,7 +424,8 @@ class NWRecorder:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
 
         See :meth:`~nw_adapter.integration.records.Records.summary` (``nonfinite`` counts the
-        values each mean left out; ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
+        values each mean left out, ``nan_reasons`` the NaN h_eff values per reason;
+        ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
         Of the recorder's own records, ``error`` holds :meth:`failed_steps_line` (steps whose side
         computation failed in every layer), printed above the table.
         """

@@ -26,21 +26,24 @@ from typing import Any
 
 from nw_adapter.atomic import atomic_write, atomic_write_text
 from nw_adapter.integration.schema import (
+    H_EFF_REASON_FIELD,
     LEGACY_NAMES,
+    NAN_REASONS_FIELD,
     NULL_STATS,
     OPTIONAL_STATS,
     RECORD_KEYS,
     RUN_KEYS,
     STAT_NAMES,
     SUMMARY_STATS,
-    UNTRAINED_SUFFIX,
+    control_label,
+    control_mean_fields,
     finite_mean,
 )
 
 RHO_THRESHOLD = 0.9
 """The paper's "% of heads with rho > 0.9" threshold (``frac_rho_gt_0_9``)."""
 
-CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_NAMES)
+CSV_COLUMNS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_NAMES, H_EFF_REASON_FIELD)
 """Column order of a records CSV (the columns present; extra record keys follow, sorted)."""
 
 STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")
@@ -88,6 +91,20 @@ def _common_value(values: list[Any]) -> float:
     return finite_mean(numbers)[0]
 
 
+def nan_reasons(records: Iterable[dict]) -> dict[str, dict[str, int]]:
+    """``{stat: {reason: count}}``: the records whose statistic is NaN for a recorded reason.
+
+    Today ``h_eff`` (its reason in the record's ``h_eff_reason``, one of
+    :data:`~nw_adapter.core.specification.H_EFF_REASONS`: not identified); ``{}`` when none.
+    """
+    counts: dict[str, int] = {}
+    for record in records:
+        reason = record.get(H_EFF_REASON_FIELD)
+        if reason:
+            counts[reason] = counts.get(reason, 0) + 1
+    return {"h_eff": counts} if counts else {}
+
+
 def aggregate(
     records: Iterable[dict],
     by: Sequence[str] = ("step",),
@@ -107,14 +124,16 @@ def aggregate(
             mean if the records disagree).
         optional_stats: also average the statistics of
             :data:`~nw_adapter.integration.schema.OPTIONAL_STATS` present in some record of the
-            group (the readings are among the summary statistics).
+            group (the readings are among the summary statistics) and, where the scale-matched
+            control was recorded, its draws' means ``{X}_control`` and ``key_scale``
+            (:func:`~nw_adapter.integration.schema.control_mean_fields`) with ``control_draws``.
 
     Returns:
         One dict per group, sorted by the group keys: the group keys, ``half``, the step columns,
         the mean of every statistic of :data:`~nw_adapter.integration.schema.SUMMARY_STATS` over
         its finite values (NaN when none), ``nonfinite`` (statistic -> number of NaN/inf values
-        its mean left out), ``frac_rho_gt_0_9`` (share of records with rho > 0.9, a NaN rho
-        counted as not) and ``count`` (records averaged).
+        its mean left out), ``nan_reasons`` (:func:`nan_reasons`), ``frac_rho_gt_0_9`` (share of
+        records with rho > 0.9, a NaN rho counted as not) and ``count`` (records averaged).
     """
     groups: dict[tuple, list[dict]] = {}
     for record in records:
@@ -135,7 +154,16 @@ def aggregate(
             row[name], dropped = finite_mean(_stat(r, name) for r in members)
             if dropped:
                 nonfinite[name] = dropped
+        if optional_stats:
+            draws, means = control_mean_fields(members)
+            for name, values in means.items():
+                row[name], dropped = finite_mean(values)
+                if dropped:
+                    nonfinite[name] = dropped
+            if draws:
+                row["control_draws"] = draws
         row["nonfinite"] = nonfinite
+        row[NAN_REASONS_FIELD] = nan_reasons(members)
         rhos = [_stat(r, "rho") for r in members]
         row["frac_rho_gt_0_9"] = sum(1 for v in rhos if v is not None and v > RHO_THRESHOLD) / len(members)
         row["count"] = len(members)
@@ -172,7 +200,7 @@ _SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("rho_perm_null", "perm-null", "{:.3f}"),
     ("rho_norm_matched_null", "norm-null", "{:.3f}"),
     ("rho_spread_null", "spread-null", "{:.3f}"),
-    ("rho_untrained", "rho-untr", "{:.3f}"),
+    ("rho_control", "rho-ctrl", "{:.3f}"),
     ("kl", "KL", "{:.4f}"),
     ("count", "records", "{:d}"),
 )
@@ -180,7 +208,9 @@ _SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 _SUMMARY_LEGEND = (
     "perm-null / norm-null / spread-null: rho of the permutation, norm-matched and q.k-spread nulls; "
-    "rho-untr: rho against the untrained adapter (control); KL: KL(A || NW); records: records averaged"
+    "rho-ctrl: rho of the scale-matched control (the untrained adapter's keys rescaled to the trained "
+    "keys' RMS norm; mean over its draws; its key_scale and other readings are in the rows); "
+    "KL: KL(A || NW); records: records averaged"
 )
 
 
@@ -259,9 +289,10 @@ _NULL_STYLES: dict[str, tuple[str, str, str]] = {
 }
 """Label, colour and line style of each null of rho in the figures (THEORY.md section 4)."""
 
-CONTROL_RHO = "rho" + UNTRAINED_SUFFIX
-_CONTROL_STYLE = ("rho, untrained adapter (control)", "0.1", "-")
-"""rho of the same queries against the untrained adapter's keys: drawn when it was recorded."""
+CONTROL_RHO = "rho_control"
+_CONTROL_STYLE = ("rho, " + control_label(0).split(" (")[0], "0.1", "-")
+"""rho of the same queries against the scale-matched control's keys (the draws' mean): drawn when it
+was recorded, labelled :func:`~nw_adapter.integration.schema.control_label` with its draws."""
 
 
 def _panel_title(name: str, panel_key: str | None) -> str:
@@ -342,8 +373,9 @@ def rho_figure(
 
     Each null is its own named line (permutation, norm-matched, q.k-spread): a rho on or under
     any of them is not evidence of NW-like attention beyond what that null gives. When the rows
-    hold ``rho_untrained`` (the untrained-adapter control), it is drawn too: a rho on or under it
-    is what the architecture gives without adapter training. With the records of two or more
+    hold ``rho_control`` (the scale-matched untrained-adapter control, the mean over its draws),
+    it is drawn too: a rho on or under it is what the architecture gives at the trained keys'
+    scale without adapter training. With the records of two or more
     independent units (``units``: reference images, or pipeline calls), rho carries its 95%
     Student t interval over the units as a band (:func:`unit_intervals`). Printed at a paper's
     width (7 in for three panels, 3.5 in for one) with 7-9 pt text; the legend is under the
@@ -397,7 +429,8 @@ def rho_figure(
             label, color, style = _NULL_STYLES[stat]
             ax.plot(t, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.0, label=label)
         if any(r.get(CONTROL_RHO) is not None for r in panel_rows):
-            label, color, style = _CONTROL_STYLE
+            _, color, style = _CONTROL_STYLE
+            label = "rho, " + control_label(max(int(r.get("control_draws") or 0) for r in rows))
             control = _series(panel_rows, CONTROL_RHO)
             ax.plot(t, control, color=color, linestyle=style, linewidth=1.0, label=label)
         panel = name if panel_key else None
@@ -423,7 +456,7 @@ def rho_figure(
     axes[0].set_ylabel("Spearman rho", fontsize=8)
     handles, labels = axes[0].get_legend_handles_labels()
     first = [labels.index("rho (attention vs NW)")] + [
-        i for i, s in enumerate(labels) if s == _CONTROL_STYLE[0] or s.startswith("rho: 95%")
+        i for i, s in enumerate(labels) if s.startswith(_CONTROL_STYLE[0]) or s.startswith("rho: 95%")
     ]
     order = first + [i for i, s in enumerate(labels) if "null" in s]
     fig.legend(
@@ -498,8 +531,8 @@ class Records(list):
     def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
         """The command line's ``rho.png`` (the README's headline figure) of these records.
 
-        rho against the timestep beside each of its nulls (and the untrained-adapter control
-        when recorded), one panel per UNet block (SD3 / Flux: one panel of all IP layers), the
+        rho against the timestep beside each of its nulls (and the scale-matched control, the mean
+        over its draws, when recorded), one panel per UNet block (SD3 / Flux: one panel of all IP layers), the
         means over layers and heads; with two or more reference images (the ``reference`` key
         of the command line's records) or pipeline calls, a band of rho's 95% Student t interval
         over them (:func:`rho_figure`). Unlike the command line it has no title: the run's
@@ -517,7 +550,7 @@ class Records(list):
             raise ValueError(f"plot: nothing recorded ({reason})")
         half = half or analysis_half(self)
         panel = "block" if all(r.get("block") is not None for r in self) else None  # else one panel
-        rows = aggregate(self, (panel, "step") if panel else ("step",), half=half)
+        rows = aggregate(self, (panel, "step") if panel else ("step",), half=half, optional_stats=True)
         if not rows:
             halves = sorted({r["half"] for r in self})
             raise ValueError(f"plot: no records of half {half!r}; pick one of {halves}")

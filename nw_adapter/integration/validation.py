@@ -27,7 +27,14 @@ from collections.abc import Collection, Mapping
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
-from nw_adapter.integration.schema import KEY_SETS, LEGACY_NAMES, OPTIONAL_STATS, RUN_KEYS, STAT_NAMES
+from nw_adapter.integration.schema import (
+    KEY_SETS,
+    LEGACY_NAMES,
+    OPTIONAL_STATS,
+    RUN_KEYS,
+    STAT_NAMES,
+    is_control_column,
+)
 
 __all__ = [
     "FIELD_KINDS",
@@ -69,7 +76,10 @@ FIELD_KINDS: dict[str, str] = {
     **{name: "number" for name in (*STAT_NAMES, *OPTIONAL_STATS, *LEGACY_NAMES)},
 }
 """Kind of every known record field: ``index`` (whole number >= 0), ``number`` (a number or null),
-``text`` (non-empty text), ``half`` (one of :data:`HALVES`), ``key_set`` (one of ``KEY_SETS``)."""
+``text`` (non-empty text), ``half`` (one of :data:`HALVES`), ``key_set`` (one of ``KEY_SETS``).
+The scale-matched control's columns (``{X}_control_{k}``, ``key_scale_{k}``; their number follows
+the draws) are numbers too (:func:`~nw_adapter.integration.schema.is_control_column`); the old
+control's ``*_untrained`` columns of earlier files are among :data:`OPTIONAL_STATS`."""
 
 RECORDS_FILE_FIELDS: tuple[str, ...] = ("call", "step", "half", "rho")
 """Fields every record of a file for ``NWRecorder.from_json`` must have (its summary groups by
@@ -181,7 +191,7 @@ def check_record(
     for name, value in record.items():
         if not isinstance(name, str):  # not from JSON, but a caller's dict
             raise _fail(source, where, f"field name {_name(repr(name))} is not text", fix)
-        kind = FIELD_KINDS.get(name)
+        kind = FIELD_KINDS.get(name) or ("number" if is_control_column(name) else None)
         if kind is None:
             if not isinstance(value, _SCALARS):
                 raise _fail(source, where, _nested(name, value), fix)

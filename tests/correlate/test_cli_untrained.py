@@ -1,6 +1,7 @@
 """correlate.py and the untrained-adapter control: on by default, ``--no-untrained-control`` turns it
-off, ``--untrained-seed`` seeds it, and both are part of the run's fingerprint (a resumed run never
-mixes results with and without the control)."""
+off, ``--untrained-seed`` seeds it, ``--control-draws`` sets its draws, and all are part of the run's
+fingerprint (a resumed run never mixes results with and without the control); ``rho.json`` carries
+the control's meta."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from PIL import Image
 from nw_adapter.correlate.cli import main, parse_args, processor_config, run_options
 from nw_adapter.correlate.spec import ModelSpec
 from nw_adapter.correlate.sweep import fingerprint
-from nw_adapter.integration.recorder import UNTRAINED_RECORDED
+from nw_adapter.integration.schema import control_columns
 
 
 @pytest.fixture
@@ -35,15 +36,18 @@ def test_default_on_flag_off_and_seed_in_the_config_and_the_fingerprint(image: P
     assert processor_config(on).untrained_control is True and processor_config(on).untrained_seed == 0
     assert processor_config(off).untrained_control is False
     assert processor_config(parse_args([*base, "--untrained-seed", "7"])).untrained_seed == 7
+    assert processor_config(on).untrained_draws == 3
+    assert processor_config(parse_args([*base, "--control-draws", "1"])).untrained_draws == 1
     identities = {
         _identity(base),
         _identity([*base, "--no-untrained-control"]),
         _identity([*base, "--untrained-seed", "7"]),
+        _identity([*base, "--control-draws", "2"]),
     }
-    assert len(identities) == 3
+    assert len(identities) == 4
     # the seed of a control that is off does not split runs
     assert _identity([*base, "--no-untrained-control"]) == _identity(
-        [*base, "--no-untrained-control", "--untrained-seed", "7"]
+        [*base, "--no-untrained-control", "--untrained-seed", "7", "--control-draws", "5"]
     )
 
 
@@ -53,23 +57,40 @@ def test_bad_untrained_seed_is_one_line_exit_2(image: Path, capsys) -> None:
     assert code == 2 and "--untrained-seed" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "three", "65"])
+def test_bad_control_draws_is_one_line_exit_2(image: Path, capsys, value: str) -> None:
+    code = main(["--image", str(image), "--model", "tiny", "--control-draws", value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--control-draws" in err[0] and "Traceback" not in err[0]
+
+
 def test_runs_with_and_without_the_control(
     image: Path, tmp_path: Path, tiny_sd15_dir, tiny_ip_adapter_dir, capsys
 ) -> None:
     common = ["--image", str(image), "--model", str(tiny_sd15_dir), "--ip-adapter", str(tiny_ip_adapter_dir)]
     common += ["--steps", "2", "--scheduler", "ddim", "-qq"]
     reports = {}
-    for name, extra in (("on", []), ("off", ["--no-untrained-control"])):
+    on_args = ["--control-draws", "2", "--untrained-seed", "4"]
+    variants = (("on", on_args), ("off", ["--no-untrained-control"]))
+    for name, extra in variants:
         out = tmp_path / name
         assert main([*common, *extra, "--out", str(out)]) == 0, capsys.readouterr().err
         reports[name] = (out, json.loads((out / "rho.json").read_text()))
     on_out, on = reports["on"]
     off_out, off = reports["off"]
     assert on["config"]["untrained_control"] is True and off["config"]["untrained_control"] is False
-    assert all(all(n in r for n in UNTRAINED_RECORDED) for r in on["records"])
-    assert not any(n in r for r in off["records"] for n in UNTRAINED_RECORDED)
-    assert any(r["rho_untrained"] is not None for r in on["records"])
-    assert "rho_untrained" in (on_out / "rho.csv").read_text().splitlines()[0].split(",")
+    assert all(all(n in r for n in control_columns(2)) for r in on["records"])
+    assert not any(n in r for r in off["records"] for n in control_columns(1))
+    assert any(r["rho_control_1"] is not None for r in on["records"])
+    assert "key_scale_1" in (on_out / "rho.csv").read_text().splitlines()[0].split(",")
+    assert on["control"] == {
+        "kind": "per-layer",
+        "draws": 2,
+        "seeds": [4, 5],
+        "matched": "keys rescaled per layer and head to the trained keys' RMS norm",
+    }
+    assert "control" not in off
+    assert on["table"][0]["control_draws"] == 2 and on["table"][0]["rho_control"] is not None
     # the control only observes: the generated images are the same
     generated = [out / report["images"][0]["generated"] for out, report in reports.values()]
     assert generated[0].read_bytes() == generated[1].read_bytes()
@@ -77,4 +98,31 @@ def test_runs_with_and_without_the_control(
     capsys.readouterr()
     assert main([*common[:-1], "--no-untrained-control", "--out", str(on_out)]) == 0
     resumed = json.loads((on_out / "rho.json").read_text())
-    assert not any(n in r for r in resumed["records"] for n in UNTRAINED_RECORDED)
+    assert not any(n in r for r in resumed["records"] for n in control_columns(1))
+
+
+def test_end_to_end_control_from_the_command_line(
+    image: Path, tmp_path: Path, tiny_sd15_dir, tiny_ip_adapter_dir, capsys
+) -> None:
+    """``--end-to-end-control``: the control columns come from the untrained passes (the per-layer
+    control is off), rho.json names the kind, and the generated image is the observed run's."""
+    common = ["--image", str(image), "--model", str(tiny_sd15_dir), "--ip-adapter", str(tiny_ip_adapter_dir)]
+    common += ["--steps", "2", "--scheduler", "ddim", "-qq"]
+    plain, e2e = tmp_path / "plain", tmp_path / "e2e"
+    assert main([*common, "--no-untrained-control", "--out", str(plain)]) == 0, capsys.readouterr().err
+    assert main([*common, "--end-to-end-control", "--end-to-end-draws", "2", "--out", str(e2e)]) == 0
+    report = json.loads((e2e / "rho.json").read_text())
+    assert report["control"]["kind"] == "end-to-end" and report["control"]["seeds"] == [0, 1]
+    assert report["config"]["untrained_control"] is False
+    columns = ("rho_control_0", "rho_control_1", "key_scale_1")
+    assert all(all(n in r for n in columns) for r in report["records"])
+    first = json.loads((plain / "rho.json").read_text())["images"][0]["generated"]
+    assert (plain / first).read_bytes() == (e2e / report["images"][0]["generated"]).read_bytes()
+
+
+def test_end_to_end_control_refuses_swap_at_once(image: Path, tmp_path: Path, capsys) -> None:
+    argv = ["--image", str(image), "--model", "tiny", "--end-to-end-control", "--mode", "swap"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--end-to-end-control needs --mode observe" in err and "\n" not in err
+    assert not (tmp_path / "o").exists()

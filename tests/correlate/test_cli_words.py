@@ -32,7 +32,7 @@ def _report(untrained: bool) -> dict:
     records = make_records(references=("ref-a", "ref-b"))
     if untrained:
         for record in records:
-            record.update(rho_untrained=0.1, nw_gain_untrained=0.0)
+            record.update(rho_control_0=0.1, nw_gain_control_0=0.0, key_scale_0=1.0)
     images = [{"key": "ref-a"}, {"key": "ref-b"}]
     return build_report(records, config={"steps": 3, "model": {"model": "tiny"}}, images=images, versions={})
 
@@ -60,7 +60,7 @@ def test_the_printed_report_explains_each_column_it_shows_under_the_table(untrai
     for line in legend_lines[1:]:
         header = line.split()[0]
         assert line.endswith(COLUMN_LEGEND[by_header[header]])
-    assert ("rho-untr" in headers) is untrained and ("gain-untr" in legend) is untrained
+    assert ("rho-ctrl" in headers) is untrained and ("gain-ctrl" in legend) is untrained
     assert max(len(line) for line in legend_lines) <= 105  # as wide as the table at most
 
 

@@ -22,6 +22,7 @@ from nw_adapter.correlate.report import (
     aggregate,
     analysis_half,
     build_report,
+    control_meta,
     format_report,
     format_table,
     format_verdict,
@@ -31,7 +32,7 @@ from nw_adapter.correlate.report import (
     write_report_files,
 )
 from nw_adapter.integration.recorder import NWRecorder
-from nw_adapter.integration.schema import NULL_STATS
+from nw_adapter.integration.schema import NULL_STATS, control_column, key_scale_column
 
 DDIM_50 = [981 - 20 * i for i in range(50)]  # SD 1.5, 50 DDIM steps, steps_offset=1
 
@@ -147,17 +148,62 @@ def test_table_round_trips_and_shows_nan() -> None:
         assert back["rho_spread_null"] == pytest.approx(row["rho_spread_null"], abs=5e-4)
 
 
-def test_table_shows_the_readings_and_the_untrained_control_within_110_columns() -> None:
+def _with_control(records: list[dict], draws: int = 3) -> list[dict]:
+    """The records with a scale-matched control of ``draws`` draws: draw k's rho -0.5 + 0.1 k,
+    nw_gain -0.0123, key scale 2^(k - 1) (geometric mean 1 over three draws)."""
+    for record in records:
+        for k in range(draws):
+            record.update({
+                control_column("rho", k): -0.5 + 0.1 * k,
+                control_column("nw_gain", k): -0.0123,
+                key_scale_column(k): 2.0 ** (k - 1),
+            })  # fmt: skip
+    return records
+
+
+def test_table_shows_the_readings_and_the_scale_matched_control_within_110_columns() -> None:
     records = make_records()
     for i, record in enumerate(records):
-        record.update(nw_gain=0.01 * i, rho_untrained=-0.5, nw_gain_untrained=-0.0123)
-    rows = aggregate(records)
+        record.update(nw_gain=0.01 * i)
+    rows = aggregate(_with_control(records))
     text = format_table(rows)
-    assert text.splitlines()[0].split()[-4:] == ["nw-gain", "rho-untr", "gain-untr", "rho>0.9"]
+    assert text.splitlines()[0].split()[-4:] == ["nw-gain", "rho-ctrl", "gain-ctrl", "rho>0.9"]
     assert max(len(line) for line in text.splitlines()) <= 110
     for row, back in zip(rows, parse_table(text), strict=True):
         assert back["nw_gain"] == pytest.approx(row["nw_gain"], abs=5e-5)
-        assert back["rho_untrained"] == -0.5 and back["nw_gain_untrained"] == pytest.approx(-0.0123)
+        assert back["rho_control"] == pytest.approx(-0.4)  # the draws' mean
+        assert back["nw_gain_control"] == pytest.approx(-0.0123)
+        assert row["key_scale"] == pytest.approx(1.0)  # the draws' geometric mean, in the rows
+        assert row["control_draws"] == 3
+
+
+def test_old_untrained_columns_are_no_control_of_the_table_but_still_averaged() -> None:
+    """Files of earlier versions (one unmatched draw, ``*_untrained``) load: their columns are
+    averaged into the rows as before, but the table's control columns are the scale-matched ones."""
+    records = make_records()
+    for record in records:
+        record.update(rho_untrained=-0.5, nw_gain_untrained=-0.0123)
+    rows = aggregate(records)
+    assert all(row["rho_untrained"] == -0.5 and "rho_control" not in row for row in rows)
+    assert "rho-ctrl" not in format_table(rows).splitlines()[0]
+
+
+def test_the_report_carries_the_control_meta() -> None:
+    records = _with_control(make_records(references=("ref-a",)), draws=2)
+    config = {"untrained_control": True, "untrained_draws": 2, "untrained_seed": 5}
+    report = build_report(records, config=config, images=[{"key": "ref-a"}], versions={})
+    assert report["control"] == {
+        "kind": "per-layer",
+        "draws": 2,
+        "seeds": [5, 6],
+        "matched": "keys rescaled per layer and head to the trained keys' RMS norm",
+    }
+    off = build_report(records, config={"untrained_control": False}, images=[{"key": "ref-a"}], versions={})
+    assert "control" not in off
+    old = build_report(records, config={"untrained_control": True}, images=[{"key": "ref-a"}], versions={})
+    assert "control" not in old  # an earlier version's one unmatched draw is not this control
+    with pytest.raises(ValueError, match="kind"):
+        control_meta(draws=1, seed=0, kind="both")
 
 
 def test_non_finite_values_are_counted_not_silently_dropped() -> None:

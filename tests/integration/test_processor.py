@@ -306,7 +306,8 @@ def test_statistics_match_brute_force(rule):
                     ]
                     assert len(got) == 1
                     want = float(per_half[hi, head])
-                    assert got[0] == pytest.approx(want, rel=2e-4, abs=2e-5), (name, half, head)
+                    # NaN in both where h_eff is not identified (the uncond half's equal image tokens)
+                    assert got[0] == pytest.approx(want, rel=2e-4, abs=2e-5, nan_ok=True), (name, half, head)
         rows = [r for r in records if r["adapter"] == j]
         assert all(r["timestep"] == 500.0 and r["h_schedule"] == pytest.approx(0.8 / 0.6) for r in rows)
 

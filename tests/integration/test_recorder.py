@@ -334,3 +334,45 @@ def test_a_records_file_written_before_the_readings_still_loads(observed, tmp_pa
     now, before = observed.summary()[0], loaded.summary()[0]
     assert before["rho"] == now["rho"] and math.isfinite(now["r2_key"])
     assert math.isnan(before["r2_key"]) and before["nonfinite"]["r2_key"] == now["count"]
+
+
+def test_query_blind_heads_record_h_eff_nan_with_its_reason_and_the_summary_counts_them(
+    pipe, observed, tmp_path
+):
+    """Zero-initialised IP key projections (the degenerate recipe of issue 26: every image key is
+    0) give uniform attention, the same for every query: no bandwidth is identified. Every record
+    has h_eff NaN with the query-blind reason; the summary and the records file count them; the
+    trained adapter's records keep their numbers (reason None)."""
+    from nw_adapter.core.specification import H_EFF_REASONS
+
+    saved = []
+    for proc in pipe.unet.attn_processors.values():
+        if isinstance(proc, IPAdapterAttnProcessor2_0):
+            for linear in proc.to_k_ip:
+                saved.append((linear.weight, linear.weight.detach().clone()))
+    assert saved
+    try:
+        with torch.no_grad():
+            for weight, _ in saved:
+                weight.zero_()
+        rec = pipe.set_ip_adapter_nw_processor()
+        try:
+            _run(pipe, steps=1)
+        finally:
+            pipe.unset_ip_adapter_nw_processor()
+    finally:
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+    records = rec.to_records()
+    blind = H_EFF_REASONS[1]
+    assert records and all(math.isnan(r["h_eff"]) and r["h_eff_reason"] == blind for r in records)
+    for row in rec.summary():
+        assert row["nan_reasons"] == {"h_eff": {blind: row["count"]}}
+    document = json.loads(rec.to_json(tmp_path / "records.json").read_text())
+    assert document["summary"][0]["nan_reasons"] == {"h_eff": {blind: document["summary"][0]["count"]}}
+    assert NWRecorder.from_json(tmp_path / "records.json").summary() == rec.summary()
+    csv_rows = list(csv.DictReader(open(rec.to_csv(tmp_path / "records.csv"), newline="")))
+    assert {row["h_eff_reason"] for row in csv_rows} == {blind}
+    assert all(r["h_eff_reason"] is None and math.isfinite(r["h_eff"]) for r in observed.to_records())
+    assert all(row["nan_reasons"] == {} for row in observed.summary())

@@ -14,6 +14,7 @@ from nw_adapter.integration.records import (
     aggregate,
     block_of,
     csv_text,
+    nan_reasons,
 )
 from nw_adapter.integration.schema import RECORD_KEYS, RUN_KEYS, STAT_NAMES, SUMMARY_STATS
 
@@ -86,6 +87,17 @@ def test_summary_rows_match_a_direct_computation():
     assert "rho" in repr(summary).splitlines()[1].split()  # the header, under what the table shows
 
 
+def test_summary_counts_the_nan_reasons_of_h_eff():
+    reason = "query-blind attention (1 - r2_key < 1e-6): no bandwidth of a query smoother is identified"
+    records = _records()
+    for r in records[:2]:
+        r.update(h_eff=math.nan, h_eff_reason=reason)
+    rows = aggregate(records, ("call", "step", "half"))
+    assert sum(row["nan_reasons"].get("h_eff", {}).get(reason, 0) for row in rows) == 2
+    assert all(set(row["nan_reasons"]) <= {"h_eff"} for row in rows)
+    assert nan_reasons(records) == {"h_eff": {reason: 2}} and nan_reasons(records[2:]) == {}
+
+
 def test_legacy_names_are_read_as_their_current_names():
     rename = {"rho_norm_matched_null": "rho_norm_null"}
     old = [{rename.get(k, k): v for k, v in r.items()} for r in _records()]
@@ -97,7 +109,8 @@ def test_legacy_names_are_read_as_their_current_names():
 def test_csv_orders_columns_and_keeps_extra_keys():
     records = [{**r, "reference": "img", "zzz": 1, "ip_mass": None, "run": "r1"} for r in _records()]
     header = next(csv.reader(io.StringIO(csv_text(records))))
-    assert header == [c for c in CSV_COLUMNS if c not in RUN_KEYS[1:]] + ["ip_mass", "zzz"]
+    absent = (*RUN_KEYS[1:], "h_eff_reason")  # not in these records
+    assert header == [c for c in CSV_COLUMNS if c not in absent] + ["ip_mass", "zzz"]
     assert header.index("run") == header.index("key_set") + 1  # the run fields follow the record keys
     report_order = ("reference", *RECORD_KEYS, *RUN_KEYS, *SUMMARY_STATS)
     header = next(csv.reader(io.StringIO(csv_text(records, order=report_order))))

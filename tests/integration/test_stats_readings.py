@@ -11,12 +11,16 @@ at a known bandwidth).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from nw_adapter.core.compare import compare_attention
+from nw_adapter.core.specification import H_EFF_REASONS, STAT_ROWS
 from nw_adapter.integration.schema import READING_STATS, STAT_NAMES
 from nw_adapter.integration.stats import draw_nulls, softmax_statistics
+from nw_adapter.integration.stats.reference import reference_statistics
 
 torch.set_num_threads(1)
 
@@ -138,3 +142,70 @@ def test_h_eff_standard_error_matches_the_spread_over_random_subsamples():
     full = _readings(q, k, 0.25, fit_rows=None)["h_eff"][0]
     z = (got["h_eff"] - full) / got["h_eff_se"]
     assert float(z.abs().mean()) < 1.5 and math.isfinite(float(z.abs().max()))
+
+
+def _collinear_keys_head(rows=96, keys=6, dim=8, seed=0):
+    """An anti-NW head: keys ``c_i u`` along one direction with c_i in [1, 3], queries ``a_j u``
+    (a_j in [0.2, 0.8]) plus directions no key sees. The attention prefers the long keys (``q.k_i
+    = a_j c_i``) and the NW scores ``a_j c_i - c_i^2 / 2`` the short ones, so the cross-entropy
+    falls towards beta -> 0: the fit ends at the lower end of its range."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.zeros(dim, dtype=torch.float64)
+    u[0] = 1.0
+    c = torch.linspace(1.0, 3.0, keys, dtype=torch.float64)
+    a = 0.2 + 0.6 * torch.rand(rows, generator=g, dtype=torch.float64)
+    q = (
+        a[:, None] * u
+        + torch.cat([torch.zeros(rows, 1), torch.randn(rows, dim - 1, generator=g)], -1).double()
+    )
+    return q[None, None], (c[:, None] * u)[None, None]
+
+
+NOT_IDENTIFIED = {
+    # queries that differ only in directions orthogonal to every key: one attention row for all
+    "query-blind": (lambda: _query_blind_head(noise=0.0), 0.25, H_EFF_REASONS[1]),
+    "fit at the edge of its range": (_collinear_keys_head, 0.5, H_EFF_REASONS[2]),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_IDENTIFIED))
+def test_h_eff_not_identified_is_nan_with_its_reason_in_the_spec_compare_and_the_fast_path(case):
+    make, scale, reason = NOT_IDENTIFIED[case]
+    q, k = make()
+    code = float(H_EFF_REASONS.index(reason) + 1)
+    with pytest.warns(RuntimeWarning, match="h_eff: " + re.escape(reason.split(" (")[0])):
+        out = compare_attention(q.double(), k.double(), scale=scale)
+    assert math.isnan(float(out["h_eff"])) and out.nan_reasons["h_eff"] == {reason: 1}
+    assert math.isfinite(float(out["kl_nw_fit"]))  # the best NW weights of the range: a number
+    stats, _, _ = softmax_statistics(q.float(), k.float(), scale=scale, h=1.0, fit_rows=None)
+    assert math.isnan(float(stats[STAT_ROWS.index("h_eff")])) and math.isnan(
+        float(stats[STAT_ROWS.index("h_eff_se")])
+    )
+    assert float(stats[STAT_ROWS.index("h_eff_reason")]) == code
+    want = reference_statistics(q.double(), k.double(), scale=scale, h=1.0, fit_rows=None, codes=True)
+    assert float(want[STAT_ROWS.index("h_eff_reason")]) == code
+
+
+def test_an_identified_head_keeps_its_bandwidth_and_reason_code_0():
+    q, k = _augmented_nw_head(0.7)
+    stats, _, _ = softmax_statistics(q, k, scale=0.7**-2, h=1.0, fit_rows=None)
+    assert float(stats[STAT_ROWS.index("h_eff")]) == pytest.approx(0.7, rel=1e-3)
+    assert float(stats[STAT_ROWS.index("h_eff_reason")]) == 0.0
+
+
+def test_a_half_of_several_batch_rows_takes_the_first_reason_among_them():
+    """CFG half of 3 batch rows: identified, query-blind, identified -> the half's h_eff is NaN with
+    the query-blind code, in the fast path as in the specification; the other half keeps a number."""
+    blind_q, blind_k = _query_blind_head(rows=64, keys=8, dim=16, noise=0.0)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 1, 64, 16, generator=g)
+    k = torch.randn(6, 1, 8, 16, generator=g) * (1.0 + torch.rand(6, 1, 8, 1, generator=g))
+    q[1], k[1] = blind_q[0], blind_k[0]
+    stats, _, _ = softmax_statistics(q, k, scale=0.25, h=1.0, halves=2, fit_rows=None)
+    want = reference_statistics(
+        q.double(), k.double(), scale=0.25, h=1.0, halves=2, fit_rows=None, codes=True
+    )
+    code = STAT_ROWS.index("h_eff_reason")
+    assert stats[code, :, 0].tolist() == want[code, :, 0].tolist() == [2.0, 0.0]
+    h_eff = stats[STAT_ROWS.index("h_eff"), :, 0]
+    assert math.isnan(float(h_eff[0])) and math.isfinite(float(h_eff[1]))

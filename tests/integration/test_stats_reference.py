@@ -1,8 +1,11 @@
-"""The fast statistics equal the plain reference, statistic by statistic, on the same null draws.
+"""The fast statistics equal the one specification, statistic by statistic, on the same null draws.
 
-The reference (:mod:`nw_adapter.integration.stats.reference`) runs in float64 on the float32
-inputs the fast path sees; every column of the fast path is compared by name, so a column
-moved, swapped or fed by the wrong producer fails here.
+The specification (:mod:`nw_adapter.core.specification`, pooled per CFG half by
+:mod:`nw_adapter.integration.stats.reference`) runs in float64 on the float32 inputs the fast
+path sees; every column of the fast path (h_eff's reason code included) is compared by name, so
+a column moved, swapped or fed by the wrong producer fails here. The structure of the names is
+enforced too: one table in core, one fast-path writer per name, compare_attention its names
+but the fast-path-only ones.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import math
 import pytest
 import torch
 
-from nw_adapter.integration.schema import READING_STATS, STAT_NAMES
+from nw_adapter.core import compare, specification
+from nw_adapter.core.specification import FAST_PATH_ONLY, READING_STATS, SPECIFICATION, STAT_NAMES, STAT_ROWS
+from nw_adapter.integration import schema
 from nw_adapter.integration.stats import draw_nulls, fast, softmax_statistics
 from nw_adapter.integration.stats.layout import Columns
 from nw_adapter.integration.stats.reference import reference_statistics
@@ -60,10 +65,18 @@ def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows,
     )
     h64 = h if isinstance(h, float) else h.double()
     want = reference_statistics(
-        q.double(), k.double(), scale=scale, h=h64, draws=draws, valid=valid, halves=halves, fit_rows=fit_rows
+        q.double(),
+        k.double(),
+        scale=scale,
+        h=h64,
+        draws=draws,
+        valid=valid,
+        halves=halves,
+        fit_rows=fit_rows,
+        codes=True,
     )
-    assert got.shape == want.shape == (len(STAT_NAMES), halves, HEADS)
-    for i, name in enumerate(STAT_NAMES):
+    assert got.shape == want.shape == (len(STAT_ROWS), halves, HEADS)
+    for i, name in enumerate(STAT_ROWS):
         message = lambda m, n=name: f"{n}: {m}"  # noqa: E731
         torch.testing.assert_close(
             got[i].double(), want[i], rtol=1e-4, atol=2e-5, equal_nan=True, msg=message
@@ -115,3 +128,33 @@ def test_named_columns_refuse_what_a_slice_cannot_select():
         cols.slice("b", "a")
     with pytest.raises(KeyError, match="no column 'e'"):
         cols["e"]
+
+
+def test_one_table_of_names_one_writer_each_and_compare_attention_its_names():
+    """Adding a statistic touches the specification and the fast path only: the names are the
+    specification's table (schema re-exports that very tuple), the fast path has exactly one
+    writer per name (in order), and compare_attention returns the names but the fast-path-only
+    ones, each computed by the specification's function (no second list, no second writing)."""
+    assert STAT_NAMES == tuple(SPECIFICATION)
+    assert schema.STAT_NAMES is STAT_NAMES and schema.READING_STATS is READING_STATS
+    assert tuple(fast.PRODUCERS) == STAT_NAMES
+    assert fast.HEAD.names[: len(STAT_ROWS)] == STAT_ROWS
+    assert set(FAST_PATH_ONLY) == {"h_eff_se", "fit_rows"}
+    assert compare.COMPARISON_NAMES == tuple(n for n in STAT_NAMES if n not in FAST_PATH_ONLY)
+    assert all(callable(SPECIFICATION[n].function) for n in STAT_NAMES)
+    from nw_adapter.integration.stats import reference
+
+    assert reference.SPECIFICATION is specification.SPECIFICATION
+    assert not hasattr(reference, "REFERENCE")  # the old second writing is gone
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 2, 12, 4, generator=g, dtype=torch.float64), torch.randn(1, 2, 5, 4, generator=g)
+    k = k.double()
+    out = compare.compare_attention(q, k, scale=0.5, bandwidth=0.9, seed=3)
+    x = specification.Softmax(
+        q, k, 0.5, torch.full((1, 2), 0.9, dtype=torch.float64), None,
+        specification.draw_nulls(q, 5, None, torch.Generator().manual_seed(3)),
+    )  # fmt: skip
+    for name in compare.COMPARISON_NAMES:
+        value = SPECIFICATION[name].function(x)
+        value = value.nanmean(-1) if SPECIFICATION[name].per_query_row else value
+        torch.testing.assert_close(out[name], value, rtol=0, atol=0, equal_nan=True, msg=name)

@@ -1,8 +1,9 @@
 """The untrained-adapter control wired into the processors (config.untrained_control).
 
 Every family (SD 1.5 base / Plus, SD3, Flux): the keys the control uses are those of
-``untrained_keys``; observe stays bit-identical to stock with the control on; the recorded
-``*_untrained`` values are the statistics of the same queries against those keys; hooks and
+``untrained_keys`` (every draw); observe stays bit-identical to stock with the control on; the
+recorded ``{X}_control_{k}`` values are the statistics of the same queries against those keys
+rescaled to the trained keys' RMS norm, ``key_scale_{k}`` the ratio of the norms; hooks and
 processors are restored after an exception; a failure of the control is skipped, never raised.
 """
 
@@ -20,11 +21,18 @@ from tiny_helpers import generate, load_sd15, random_image
 
 from nw_adapter.core import bandwidth as bw
 from nw_adapter.integration import stats
-from nw_adapter.integration.control import UntrainedControl
+from nw_adapter.integration.control import UntrainedControl, scale_matched
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.mixin import apply_nw_processor, nw_processor, remove_nw_processor
-from nw_adapter.integration.recorder import UNTRAINED_COLUMNS, UNTRAINED_RECORDED, NWRecorder
-from nw_adapter.integration.schema import STAT_NAMES, UNTRAINED_OF, UNTRAINED_STATS
+from nw_adapter.integration.recorder import CONTROL_COLUMNS, NWRecorder
+from nw_adapter.integration.schema import (
+    CONTROL_OF,
+    CONTROL_RECORDED,
+    STAT_NAMES,
+    control_column,
+    control_columns,
+    key_scale_column,
+)
 from nw_adapter.integration.untrained import projection_module, untrained_keys
 from nw_adapter.integration.validation import check_records
 from nw_adapter.models.tiny import ip_adapter_weight_name
@@ -75,12 +83,13 @@ def _hook_counts(pipe) -> tuple[int, int]:
 
 
 def _spy_keys(control: UntrainedControl, into: list) -> None:
-    """Record every (layer, adapter, keys) the control hands a processor."""
+    """Record every (layer, adapter, keys) of draw 0 the control hands a processor."""
     keys = control.keys
 
-    def spy(layer, states, *, adapter=0):
-        out = keys(layer, states, adapter=adapter)
-        into.append((layer, adapter, out.clone()))
+    def spy(layer, states, *, adapter=0, draw=0):
+        out = keys(layer, states, adapter=adapter, draw=draw)
+        if draw == 0:
+            into.append((layer, adapter, out.clone()))
         return out
 
     control.keys = spy
@@ -132,9 +141,9 @@ def test_control_keys_are_untrained_keys_and_observe_is_bit_identical(any_pipe) 
             control.adapter, layer, seen["embeds"], adapter=adapter, timestep=seen["timestep"]
         )
         torch.testing.assert_close(keys, expected, rtol=0, atol=0)
-    records = recorder.to_records()
-    assert records and all(name in r for r in records for name in UNTRAINED_RECORDED)
-    assert sum(math.isfinite(r["rho_untrained"]) for r in records) > 0.9 * len(records)
+    records = [r for r in recorder.to_records() if r["key_set"] == "ip"]
+    assert records and all(name in r for r in records for name in control_columns(control.draws))
+    assert sum(math.isfinite(r["rho_control_0"]) for r in records) > 0.9 * len(records)
     check_records(records, source="test", fix="none")
 
 
@@ -147,49 +156,74 @@ def recorder_control(pipe) -> UntrainedControl:
                 if getattr(p, "untrained_control", None) is not None)  # fmt: skip
 
 
+def _check_control_values(records: list[dict], q, k, keys0: list, halves: tuple[str, ...]) -> None:
+    """Every draw's recorded control values equal the statistics of ``q`` [B, H, N, d] against that
+    draw's keys rescaled per (row, head) to the RMS norm of the trained keys ``k``, at the matched
+    bandwidth without nulls; ``key_scale_k`` the ratio of the norms averaged over each half."""
+    scale = q.shape[-1] ** -0.5
+    for draw, k0 in enumerate(keys0):
+        matched, ratio = scale_matched(k, k0)
+        values, _, _ = stats.softmax_statistics(
+            q, matched, scale=scale, h=bw.matched_bandwidth(scale=scale), draws=None, halves=len(halves)
+        )
+        ratio = ratio.view(len(halves), -1, ratio.shape[-1]).mean(dim=1)
+        for r in records:
+            half = halves.index(r["half"])
+            for column, name in zip(CONTROL_COLUMNS, CONTROL_RECORDED, strict=True):
+                expected = float(values[column, half, r["head"]])
+                got = r[control_column(name, draw)]
+                assert got == pytest.approx(expected, rel=1e-4, abs=1e-5, nan_ok=True), (name, draw)
+            assert r[key_scale_column(draw)] == pytest.approx(float(ratio[half, r["head"]]), rel=1e-5)
+
+
 def test_recorded_control_values_are_the_statistics_of_the_untrained_keys(sd15) -> None:
-    """Independent recomputation for one layer at step 0: q from the layer's to_q, the untrained keys
-    from the raw embeddings, the statistics at the matched bandwidth without nulls."""
+    """Independent recomputation for one layer at step 0: q from the layer's to_q, the trained keys
+    from its to_k_ip, every draw's untrained keys from the raw embeddings, rescaled to the trained
+    keys' RMS norm; the statistics at the matched bandwidth without nulls."""
     layer = next(n for n, p in sd15.unet.attn_processors.items() if hasattr(p, "to_k_ip"))
     attn = sd15.unet.get_submodule(layer.removesuffix(".processor"))
     captured: dict = {}
 
-    def grab_q(module, args, output):
-        captured.setdefault("q", output.clone())
+    def grab(name):
+        def hook(module, args, output):
+            captured.setdefault(name, output.clone())
+
+        return hook
 
     recorder = apply_nw_processor(sd15, untrained_control=True, steps=[0], layers=[layer.split(".attn")[0]])
     control = recorder_control(sd15)
-    handle = attn.to_q.register_forward_hook(grab_q)
+    handles = [
+        attn.to_q.register_forward_hook(grab("q")),
+        sd15.unet.attn_processors[layer].to_k_ip[0].register_forward_hook(grab("k")),
+    ]
     try:
         seen = _first_forward_inputs(sd15, lambda: _run(sd15))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         remove_nw_processor(sd15)
-    q_all = captured["q"]
     heads = attn.heads
-    q = q_all.view(q_all.shape[0], q_all.shape[1], heads, -1).transpose(1, 2).float()
-    k0 = untrained_keys(control.adapter, layer, seen["embeds"]).float()
-    scale = q.shape[-1] ** -0.5
-    values, _, _ = stats.softmax_statistics(
-        q, k0, scale=scale, h=bw.matched_bandwidth(scale=scale), draws=None, halves=2
-    )
+
+    def split(x):
+        return x.view(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2).float()
+
+    q, k = split(captured["q"]), split(captured["k"])
+    keys0 = [untrained_keys(a, layer, seen["embeds"]).float() for a in control.adapters]
     records = [r for r in recorder.to_records() if r["layer"] == layer and r["step"] == 0]
-    assert len(records) == 2 * heads
-    for r in records:
-        half = ("uncond", "cond").index(r["half"])
-        for column, name in zip(UNTRAINED_COLUMNS, UNTRAINED_RECORDED, strict=True):
-            expected = float(values[column, half, r["head"]])
-            assert r[name] == pytest.approx(expected, rel=1e-5, abs=1e-6) or (
-                math.isnan(expected) and math.isnan(r[name])
-            ), name
-    # the trained and untrained values differ (the control is another adapter)
-    assert any(abs(r["rho"] - r["rho_untrained"]) > 1e-3 for r in records)
+    assert len(records) == 2 * heads and control.draws == 3
+    _check_control_values(records, q, k, keys0, ("uncond", "cond"))
+    # the trained and control values differ (the control is another adapter)
+    assert any(abs(r["rho"] - r["rho_control_0"]) > 1e-3 for r in records)
 
 
 def test_columns_follow_the_schema() -> None:
-    assert UNTRAINED_RECORDED == tuple(n + "_untrained" for n in UNTRAINED_OF if n in STAT_NAMES)
-    assert set(UNTRAINED_RECORDED) <= set(UNTRAINED_STATS)
-    assert {"rho_untrained", "kl_untrained"} <= set(UNTRAINED_RECORDED)
+    assert CONTROL_RECORDED == tuple(n for n in CONTROL_OF if n in STAT_NAMES)
+    assert CONTROL_COLUMNS == tuple(STAT_NAMES.index(n) for n in CONTROL_RECORDED)
+    assert control_columns(2)[: len(CONTROL_RECORDED) + 1] == (
+        *(f"{n}_control_0" for n in CONTROL_RECORDED),
+        "key_scale_0",
+    )
+    assert {"rho_control_1", "kl_control_1", "key_scale_1"} <= set(control_columns(2))
 
 
 def test_off_by_default_and_removal_drops_the_control(sd15, tmp_path) -> None:
@@ -198,7 +232,7 @@ def test_off_by_default_and_removal_drops_the_control(sd15, tmp_path) -> None:
         _run(sd15)
     finally:
         remove_nw_processor(sd15)
-    assert not any("rho_untrained" in r for r in recorder.to_records())
+    assert not any("rho_control_0" in r for r in recorder.to_records())
     hooks = _hook_counts(sd15)
     recorder = apply_nw_processor(sd15, untrained_control=True, steps=[0])
     assert _hook_counts(sd15) == (hooks[0] + 2, hooks[1] + 1)  # step tracker + control; projection
@@ -209,16 +243,17 @@ def test_off_by_default_and_removal_drops_the_control(sd15, tmp_path) -> None:
     assert all(p.untrained_control is None for p in installed)
     # the columns survive summary, CSV and the records file
     summary = recorder.summary()
-    assert all(math.isfinite(row["rho_untrained"]) for row in summary)
-    assert "rho_untrained" in recorder.records().csv_text().splitlines()[0].split(",")
+    assert all(math.isfinite(row["rho_control"]) and row["control_draws"] == 3 for row in summary)
+    assert all(math.isfinite(row["key_scale"]) and row["key_scale"] > 0 for row in summary)
+    assert "rho_control_2" in recorder.records().csv_text().splitlines()[0].split(",")
     path = tmp_path / "records.json"
     recorder.to_json(path)
     loaded = NWRecorder.from_json(path)
-    assert loaded.config.untrained_control is True
+    assert loaded.config.untrained_control is True and loaded.config.untrained_draws == 3
     first, again = recorder.to_records()[0], loaded.to_records()[0]
-    assert all(first[n] == pytest.approx(again[n], nan_ok=True) for n in UNTRAINED_RECORDED)
+    assert all(first[n] == pytest.approx(again[n], nan_ok=True) for n in control_columns(3))
     document = json.loads(path.read_text())
-    assert "kl_untrained" in document["records"][0]
+    assert "kl_control_0" in document["records"][0]
 
 
 def test_hooks_and_processors_restored_after_an_exception(sd15, monkeypatch) -> None:
@@ -353,7 +388,7 @@ def test_sdxl_two_adapters_several_images(sdxl, masks) -> None:
         torch.testing.assert_close(keys, expected, rtol=0, atol=0)
     records = recorder.to_records()
     assert {(r["adapter"], r["image"]) for r in records} == set(groups)
-    assert all(math.isfinite(r["rho_untrained"]) for r in records)
+    assert all(math.isfinite(r[control_column("rho", k)]) for r in records for k in range(3))
 
 
 @pytest.fixture(scope="module", params=["sd3", "flux"])
@@ -365,37 +400,45 @@ def flow_pipe(request, tiny_sd3_dir, tiny_sd3_ip_adapter_dir, tiny_flux_dir, tin
 
 def test_flow_recorded_control_values_are_recomputed_from_q_and_untrained_keys(flow_pipe) -> None:
     """SD3 / Flux, one layer, step 0: q as the stock branch normalises it (hooked norm_q), the
-    untrained keys from the raw embeddings and timestep; statistics at the matched bandwidth."""
+    trained keys as it forms them (SD3: the key RMSNorm's output; Flux: to_k_ip's, split into
+    heads), every draw's untrained keys from the raw embeddings and timestep, rescaled to the
+    trained keys' RMS norm; statistics at the matched bandwidth."""
     transformer = flow_pipe.transformer
     layer = next(n for n, p in transformer.attn_processors.items() if hasattr(p, "to_k_ip"))
     attn = transformer.get_submodule(layer.removesuffix(".processor"))
+    processor = transformer.attn_processors[layer]
     sd3 = isinstance(flow_pipe, StableDiffusion3Pipeline)
-    norm_q = transformer.attn_processors[layer].norm_q if sd3 else attn.norm_q
+    norm_q = processor.norm_q if sd3 else attn.norm_q
+    key_module = processor.norm_ip_k if sd3 else processor.to_k_ip[0]
     captured: dict = {}
 
-    def grab_q(module, args, output):
-        captured.setdefault("q", output.clone())
+    def grab(name):
+        def hook(module, args, output):
+            captured.setdefault(name, output.clone())
+
+        return hook
 
     recorder = apply_nw_processor(
-        flow_pipe, untrained_control=True, steps=[0], layers=[layer.split(".attn")[0]]
+        flow_pipe, untrained_control=True, untrained_draws=2, steps=[0], layers=[layer.split(".attn")[0]]
     )
     control = recorder_control(flow_pipe)
-    handle = norm_q.register_forward_hook(grab_q)
+    handles = [norm_q.register_forward_hook(grab("q")), key_module.register_forward_hook(grab("k"))]
     try:
         seen = _first_forward_inputs(flow_pipe, lambda: _run(flow_pipe))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         remove_nw_processor(flow_pipe)
     q = (captured["q"] if sd3 else captured["q"].transpose(1, 2)).float()  # [B, H, N, d]
-    k0 = untrained_keys(control.adapter, layer, seen["embeds"], timestep=seen["timestep"]).float()
+    k = captured["k"]
+    if not sd3:
+        k = k.view(k.shape[0], -1, attn.heads, k.shape[-1] // attn.heads).transpose(1, 2)
+    keys0 = [
+        untrained_keys(a, layer, seen["embeds"], timestep=seen["timestep"]).float() for a in control.adapters
+    ]
     halves = ("uncond", "cond") if sd3 else ("cond",)
-    scale = q.shape[-1] ** -0.5
-    values, _, _ = stats.softmax_statistics(
-        q, k0, scale=scale, h=bw.matched_bandwidth(scale=scale), draws=None, halves=len(halves)
-    )
-    records = [r for r in recorder.to_records() if r["layer"] == layer and r["step"] == 0]
+    records = [
+        r for r in recorder.to_records() if r["layer"] == layer and r["step"] == 0 and r["key_set"] == "ip"
+    ]
     assert len(records) == len(halves) * attn.heads
-    for r in records:
-        for column, name in zip(UNTRAINED_COLUMNS, UNTRAINED_RECORDED, strict=True):
-            expected = float(values[column, halves.index(r["half"]), r["head"]])
-            assert r[name] == pytest.approx(expected, rel=1e-5, abs=1e-6, nan_ok=True), name
+    _check_control_values(records, q, k.float(), keys0, halves)

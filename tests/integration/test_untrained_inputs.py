@@ -88,9 +88,10 @@ def test_animatediff_control_records_every_layer_with_per_frame_keys(animatediff
     handed: list = []
     keys = control.keys
 
-    def spy(layer, states, *, adapter=0):
-        out = keys(layer, states, adapter=adapter)
-        handed.append((layer, out.clone()))
+    def spy(layer, states, *, adapter=0, draw=0):
+        out = keys(layer, states, adapter=adapter, draw=draw)
+        if draw == 0:
+            handed.append((layer, out.clone()))
         return out
 
     control.keys = spy
@@ -113,7 +114,7 @@ def test_animatediff_control_records_every_layer_with_per_frame_keys(animatediff
     layers = set(control.adapter.key_projections)
     records = recorder.to_records()
     assert {r["layer"] for r in records} == layers
-    assert all(math.isfinite(r["rho_untrained"]) for r in records)
+    assert all(math.isfinite(r[f"rho_control_{k}"]) for r in records for k in range(control.draws))
     for layer, got in handed[: len(layers)]:  # the first forward: the embeddings' keys, per frame
         expected = untrained_keys(control.adapter, layer, seen["embeds"]).repeat_interleave(FRAMES, dim=0)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -156,4 +157,4 @@ def test_image_embeds_as_one_tensor_are_read_as_diffusers_reads_them(sd15) -> No
     assert listed and len(tensor) == len(listed)
     for a, b in zip(listed, tensor, strict=True):
         assert (a["layer"], a["head"], a["half"]) == (b["layer"], b["head"], b["half"])
-        assert a["rho_untrained"] == b["rho_untrained"] and a["kl_untrained"] == b["kl_untrained"]
+        assert a["rho_control_0"] == b["rho_control_0"] and a["kl_control_2"] == b["kl_control_2"]

@@ -27,9 +27,11 @@ adapters). The base does the rest, once for every family:
 - **The untrained-adapter control** (``config.untrained_control``): the installer hands every
   processor the installation's :class:`~nw_adapter.integration.control.UntrainedControl`
   (:meth:`NWProcessorBase.set_untrained_control`; held outside the module tree, so the
-  state_dict is unchanged); each family passes the same queries' untrained keys to
-  :meth:`NWProcessorBase._record_softmax`, which records their statistics (same bandwidth rule,
-  no nulls) as the ``*_untrained`` columns, inside the same safe side computation.
+  state_dict is unchanged); each family passes the same queries' untrained keys of every draw
+  to :meth:`NWProcessorBase._record_softmax`, which rescales them per (batch row, head) to the
+  trained keys' RMS norm and records their statistics (same bandwidth rule, no nulls) as the
+  ``{X}_control_{k}`` columns with the change of scale ``key_scale_{k}``, inside the same safe
+  side computation.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ from nw_adapter.core import bandwidth as bw
 from nw_adapter.core import kernels
 from nw_adapter.integration import stats
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.control import UntrainedControl
+from nw_adapter.integration.control import UntrainedControl, scale_matched
 from nw_adapter.integration.maps import reduce_maps
-from nw_adapter.integration.recorder import UNTRAINED_COLUMNS, NWRecorder
+from nw_adapter.integration.recorder import CONTROL_COLUMNS, NWRecorder
 from nw_adapter.integration.steps import StepState
 
 PASS_HALVES = ("cond", "uncond")
@@ -275,17 +277,21 @@ class NWProcessorBase:
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
         maps: bool = False,
-        untrained_k: torch.Tensor | None = None,
+        control_keys: Sequence[torch.Tensor] = (),
     ) -> None:
         """Statistics of one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) to the recorder.
 
         With several ``halves`` the batch is their blocks of rows and every statistic is averaged
         within each; ``ip_mass`` [B, H] (SD3) is averaged the same way. ``adapter_scale``: the
         adapter's scale (NaN in the records when it is a per-block list). ``maps``: also store A
-        and W when the recorder wants this layer's maps. ``untrained_k`` [B, H, M0, d] (float32):
-        the untrained adapter's keys of the same softmax; their statistics against the same ``q``,
-        at the same bandwidth rule (applied to these keys) and without nulls, are recorded as the
-        control's columns (:data:`~nw_adapter.integration.recorder.UNTRAINED_RECORDED`).
+        and W when the recorder wants this layer's maps. ``control_keys``: per control draw k, the
+        untrained adapter's keys ``k0`` [B, H, M0, d] (float32) of the same softmax. Each is
+        rescaled to the trained keys' RMS norm per (batch row, head), ``k0m = k0 key_rms(k) /
+        key_rms(k0)`` (:func:`~nw_adapter.integration.control.scale_matched`); the statistics of
+        ``k0m`` against the same ``q``, at the same bandwidth rule (applied to ``k0m``) and
+        without nulls, are recorded as ``{X}_control_{k}``
+        (:data:`~nw_adapter.integration.recorder.CONTROL_COLUMNS`) and the ratio
+        ``key_rms(k) / key_rms(k0)``, averaged over the rows of each CFG half, as ``key_scale_{k}``.
 
         Raises:
             ValueError: ``bandwidth="schedule"`` at s = 1 (uniform NW weights, rank statistics
@@ -313,10 +319,9 @@ class NWProcessorBase:
         values, attn_w, nw_w = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         control = None
-        if untrained_k is not None:
-            h0 = self._bandwidth(q, untrained_k, scale)
-            values0, _, _ = stats.softmax_statistics(q, untrained_k, h=h0, draws=None, **common)
-            control = values0.index_select(0, self._index(UNTRAINED_COLUMNS, values0.device))
+        if control_keys:
+            per_draw = [self._control_values(q, k, k0, scale, n, common) for k0 in control_keys]
+            control = torch.stack(per_draw)
         rec.add(
             layer=self.layer_name,
             adapter=adapter,
@@ -328,7 +333,7 @@ class NWProcessorBase:
             stats=values,
             key_set=key_set,
             ip_mass=mass,
-            untrained=control,
+            control=control,
         )
         if maps and rec.wants_maps(self.layer_name):
             reduced = reduce_maps(cfg, heads=heads, attn_w=attn_w, nw_w=nw_w, latent_hw=rec.state.latent_hw)
@@ -337,6 +342,19 @@ class NWProcessorBase:
                 rec.add_maps(
                     layer=self.layer_name, adapter=adapter, image=image, attn=attn_map, nw=nw_map, meta=meta
                 )
+
+    def _control_values(
+        self, q: torch.Tensor, k: torch.Tensor, k0: torch.Tensor, scale: float, halves: int, common: dict
+    ) -> torch.Tensor:
+        """One control draw's rows ``[CONTROL_ROWS, halves, H]``: the statistics of :data:`CONTROL_COLUMNS`
+        of ``q`` against the scale-matched keys ``k0m`` (no nulls), then the key scale
+        ``key_rms(k) / key_rms(k0)`` averaged over each half's rows."""
+        matched, ratio = scale_matched(k, k0)  # [B, H, M0, d], [B, H]
+        h0 = self._bandwidth(q, matched, scale)
+        values0, _, _ = stats.softmax_statistics(q, matched, h=h0, draws=None, **common)
+        picked = values0.index_select(0, self._index(CONTROL_COLUMNS, values0.device))
+        key_scale = ratio.float().view(halves, ratio.shape[0] // halves, ratio.shape[1]).mean(dim=1)
+        return torch.cat([picked, key_scale.to(picked.device)[None]], dim=0)
 
 
 def is_nw_processor(processor: Any) -> bool:

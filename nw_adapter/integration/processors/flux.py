@@ -153,7 +153,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         heads_n: int,
     ) -> None:
         """Record each adapter's softmax (q [B, H, N, d] against its keys), labelled by the pass, with
-        the untrained-adapter control's keys when the control is on."""
+        the untrained-adapter control's keys (every draw) when the control is on."""
         heads = self._heads(heads_n)
         if not heads:
             return
@@ -162,15 +162,17 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         halves = self._halves(q.shape[0])
         s = 1.0 / math.sqrt(q.shape[-1])
         control = self._untrained_wanted()
-        states0 = control.projected().states if control is not None else [None] * len(keys)
-        for j, (key, scale, state0) in enumerate(zip(keys, scales, states0, strict=False)):
+        draws = range(control.draws) if control is not None else range(0)
+        for j, (key, scale) in enumerate(zip(keys, scales, strict=False)):
             k = self._pick(key, heads, heads_n)
-            k0 = None
-            if state0 is not None:
-                k0 = self._pick(control.keys(self.layer_name, state0, adapter=j), heads, heads_n)
+            keys0 = [
+                self._pick(control.keys(self.layer_name, control.projected(d).states[j], adapter=j, draw=d),
+                           heads, heads_n)
+                for d in draws
+            ]  # fmt: skip
             self._record_softmax(
                 q, k, scale=s, halves=halves, heads=heads, adapter=j, image=0, adapter_scale=scale,
-                maps=True, untrained_k=k0,
+                maps=True, control_keys=keys0,
             )  # fmt: skip
 
 

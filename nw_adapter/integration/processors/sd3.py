@@ -153,7 +153,7 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
     ) -> None:
         """Record the "ip" and "joint" comparisons of the captured q [B, H, N, d], k_img [B, H, N, d],
         k_ip [B, H, M, d] (all as the stock branch forms them), with ``ip_mass``; the "ip" comparison
-        also against the untrained adapter's IP keys when the control is on."""
+        also against the untrained adapters' IP keys (every draw) when the control is on."""
         heads = self._heads(attn.heads)
         if not heads:
             return
@@ -173,11 +173,11 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         scale = self.scale
         common = dict(halves=halves, heads=heads, adapter=0, image=0, adapter_scale=scale, ip_mass=ip_mass)
         control = self._untrained_wanted()
-        k_ip0 = None
-        if control is not None:
-            keys0 = control.keys(self.layer_name, control.projected().states[0])
-            k_ip0 = self._pick(keys0, heads, attn.heads)
-        self._record_softmax(q, k_ip, scale=s, key_set="ip", maps=True, untrained_k=k_ip0, **common)
+        keys0 = []
+        for d in range(control.draws if control is not None else 0):
+            states0 = control.projected(d).states[0]
+            keys0.append(self._pick(control.keys(self.layer_name, states0, draw=d), heads, attn.heads))
+        self._record_softmax(q, k_ip, scale=s, key_set="ip", maps=True, control_keys=keys0, **common)
         k_joint = torch.cat([k_img, k_ip], dim=2)
         self._record_softmax(q_rows, k_joint, scale=s, key_set="joint", **common)
 

@@ -266,7 +266,7 @@ class _UNetNWProcessor(NWProcessorBase):
         scales: Sequence[Any],
     ) -> None:
         """Record every softmax group of the image branch (q [B, H, N, d] against its keys), with the
-        untrained-adapter control's keys of the same group when the control is on."""
+        untrained-adapter control's keys of the same group, per draw, when the control is on."""
         q_raw = captured["q"]
         batch = q_raw.shape[0]
         heads = self._heads(attn.heads)
@@ -277,18 +277,20 @@ class _UNetNWProcessor(NWProcessorBase):
         halves = self._halves(batch)
         groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
         control = self._untrained_wanted()
-        controls: list[Any] = [None] * len(groups)
-        if control is not None:  # the untrained states, grouped as the trained branch groups its own
-            controls = self._groups(control.projected().states, masks, scales, batch)
-        for g, g0 in zip(groups, controls, strict=True):
+        # per draw, the untrained states grouped as the trained branch groups its own
+        per_draw = [] if control is None else [
+            self._groups(control.projected(d).states, masks, scales, batch) for d in range(control.draws)
+        ]  # fmt: skip
+        for gi, g in enumerate(groups):
             k = self._pick(self._image_key(attn, g, captured, batch), heads, attn.heads)
-            k0 = None
-            if g0 is not None:
-                keys0 = control.keys(self.layer_name, g0.states, adapter=g0.adapter)
-                k0 = self._pick(keys0, heads, attn.heads)
+            keys0 = [
+                self._pick(control.keys(self.layer_name, draw[gi].states, adapter=draw[gi].adapter, draw=d),
+                           heads, attn.heads)
+                for d, draw in enumerate(per_draw)
+            ]  # fmt: skip
             self._record_softmax(
                 q, k, scale=s, halves=halves, heads=heads, adapter=g.adapter, image=g.image,
-                adapter_scale=g.scale, maps=True, untrained_k=k0,
+                adapter_scale=g.scale, maps=True, control_keys=keys0,
             )  # fmt: skip
 
 
@@ -368,4 +370,3 @@ def nw_processor_for(
         f"layer {layer_name!r} has {type(original).__name__}, not an IP-Adapter processor; "
         "call pipe.load_ip_adapter(...) first"
     )
-

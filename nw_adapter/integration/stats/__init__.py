@@ -2,9 +2,10 @@
 
 Layout of this folder (read in this order):
 
-- :mod:`.reference`: every statistic written plainly, one function each (the specification);
-- :mod:`.nulls`: the nulls' random numbers (:class:`NullDraws`, :func:`draw_nulls`), drawn once
-  and passed to either writing;
+- the specification of every statistic, one plain function each, with the table of names and the
+  nulls' random numbers (:class:`NullDraws`, :func:`draw_nulls`, drawn once and passed to both),
+  lives in :mod:`nw_adapter.core.specification`; :mod:`.reference` pools it per CFG half and
+  :mod:`.nulls` re-exports the draws;
 - :mod:`.fast`: the optimised path (:func:`layer_statistics`), its column layout derived from
   one table of producers and tested equal to the reference (tests/integration/test_stats_reference.py);
 - :mod:`.readings`: the fast readings pass (key prior against NW smoother, the bandwidth fit and
@@ -12,8 +13,8 @@ Layout of this folder (read in this order):
 - :mod:`.layout` (named columns, producer kinds), :mod:`.workspace` (eager / compiled writer),
   :mod:`.compiled` (the ``torch.compile`` wrapper), :mod:`.precision`.
 
-Imports: torch, :mod:`nw_adapter.core` and the pure-Python names table
-(:mod:`nw_adapter.integration.schema`); nothing of diffusers, the recorder or the processors.
+Imports: torch and :mod:`nw_adapter.core` (the specification and its names table); nothing of
+diffusers, the recorder or the processors.
 """
 
 from __future__ import annotations
@@ -58,11 +59,12 @@ def softmax_statistics(
         draws: the nulls' random numbers (:func:`draw_nulls`), None = nulls recorded as NaN.
         valid: optional bool ``[B, M]`` mask of the keys that take part.
         halves: 2 when the batch is [uncond; cond]. compile: one torch.compile'd graph per shape.
-        readings: compute the readings (schema.READING_STATS; False = NaN). fit_rows: the evenly
+        readings: compute the readings (READING_STATS; False = NaN). fit_rows: the evenly
             spaced query rows their bandwidth fit uses (None = all).
 
     Returns:
-        ``(stats [S, halves, H], A [B, H, N, M], W [B, H, N, M])``, stats in STAT_NAMES order;
+        ``(stats [S + 1, halves, H], A [B, H, N, M], W [B, H, N, M])``, stats in the order of
+        :data:`~nw_adapter.core.specification.STAT_ROWS` (the statistics, then h_eff's reason code);
         A and W belong to this call (no later call overwrites them).
 
     Example:
@@ -70,7 +72,7 @@ def softmax_statistics(
         >>> draws = draw_nulls(q, 4, 16, torch.Generator().manual_seed(0))
         >>> stats, A, W = softmax_statistics(q, k, scale=40**-0.5, h=40**0.25, draws=draws, halves=2)
         >>> stats.shape, A.shape
-        (torch.Size([22, 2, 8]), torch.Size([2, 8, 64, 4]))
+        (torch.Size([25, 2, 8]), torch.Size([2, 8, 64, 4]))
     """
     function = compiled_statistics() if compile else layer_statistics
     if compile and not isinstance(h, torch.Tensor):

@@ -1,8 +1,8 @@
 """The optimised statistics of one softmax: few dispatched operations, one compiled graph per shape.
 
-Computes what :mod:`.reference` specifies (and is tested equal to it) in three passes over
+Computes what :mod:`nw_adapter.core.specification` specifies (and is tested equal to it) in three passes over
 stacked tensors, each with named columns derived from one table (:data:`PRODUCERS`, one
-producer per name of :data:`~nw_adapter.integration.schema.STAT_NAMES`):
+producer per name of :data:`~nw_adapter.core.specification.STAT_NAMES`):
 
 1. **Pairs** ``P [B, H, R, 2, M]``: for each compared pair of key rankings, the (attention,
    NW) scores ``(q.k_i, q.k_i - ||k_i||^2 / 2)``; rows: the N observed queries, the n0
@@ -22,10 +22,11 @@ producer per name of :data:`~nw_adapter.integration.schema.STAT_NAMES`):
    statistics (:class:`~.layout.RowMean`). The remaining statistics follow per (batch row,
    head) (:class:`~.layout.PerHead`); one ``addcmul`` applies the gains and offsets.
 4. **Readings** (unless ``readings=False``): the readings of
-   :data:`~nw_adapter.integration.schema.READING_STATS` per (batch row, head) from the observed
+   :data:`~nw_adapter.core.specification.READING_STATS` per (batch row, head) from the observed
    pairs, A and ``a.l_A`` (:mod:`.readings`: the variance shares, the key-prior KL, the
    bandwidth fit on ``fit_rows`` rows and its standard error), written into their columns before
-   the per-half means (:class:`~.layout.Reading`).
+   the per-half means (:class:`~.layout.Reading`), and h_eff's reason code (the stats tensor's
+   last row; h_eff and h_eff_se NaN where it is not 0).
 
 Eager, intermediate tensors are written with ``out=`` into per-thread workspaces; under
 ``torch.compile`` the same code runs as plain operations (:mod:`.workspace`, chosen once per
@@ -41,7 +42,7 @@ from typing import NamedTuple
 import torch
 
 from nw_adapter.core import metrics
-from nw_adapter.integration.schema import STAT_NAMES
+from nw_adapter.core.specification import STAT_NAMES, STAT_ROWS
 from nw_adapter.integration.stats.layout import (
     Bandwidth,
     Columns,
@@ -78,7 +79,10 @@ LEFT, RIGHT = ("a", "b", "cA", "cB"), ("cA", "cB", "lA", "lW", "lAW")
 SQUARES = {"a.cA": "a.a", "b.cB": "b.b"}
 PRODUCTS = tuple(SQUARES.get(f"{x}.{y}", f"{x}.{y}") for x in LEFT for y in RIGHT)
 #: Per-row features ``[B, H, N, F]`` (pass 3).
-ROW = Columns((*PRODUCTS, "1/a.a", "1/b.b", "top1", "q_norm", "qk_std"))
+ROW = Columns((*PRODUCTS, "1/a.a", "1/b.b", "top1", "q_norm", "qk_std", "qk_var"))
+#: The stats tensor's row after the statistics: h_eff's reason code (0: identified; 1 + the index
+#: in :data:`~nw_adapter.core.specification.H_EFF_REASONS`), written by the readings pass.
+CODE = STAT_ROWS[len(STAT_NAMES)]
 
 
 class KeyNorms(NamedTuple):
@@ -109,8 +113,19 @@ def _qk_spread_ratio(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys
     w.write(out, torch.div, head[..., HEAD["mean_qk_std"]], keys.std[KEY["sq_norm"]])
 
 
+def _logit_scale(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
+    """``sqrt(mean_j var_i(q.k_i))``, times s (its gain): the RMS of the row-centred logits (the row
+    variances of ``q.k`` over the valid keys are the squared row features ``qk_std``)."""
+    w.write(out, torch.sqrt, head[..., HEAD["mean_qk_var"]])
+
+
+def _key_rms(w: EagerWriter, out: torch.Tensor, head: torch.Tensor, keys: KeyNorms) -> None:
+    """``sqrt(mean_i ||k_i||^2)`` over the valid keys (pass 1's mean of the squared norms)."""
+    w.write(out, torch.sqrt, keys.mean[KEY["sq_norm"]])
+
+
 #: One producer per statistic, in STAT_NAMES order (:mod:`.layout`). Adding a statistic: its
-#: reference function (:mod:`.reference`) and one entry here.
+#: function in the specification (:mod:`nw_adapter.core.specification`) and one entry here.
 PRODUCERS: dict[str, Producer] = {
     "bandwidth": Bandwidth(),
     "rho": RankPool("rho"),
@@ -126,6 +141,8 @@ PRODUCERS: dict[str, Producer] = {
     "q_norm": RowMean({"q_norm": 1.0}),
     "key_norm_cv": PerHead(_key_norm_cv),
     "qk_spread_ratio": PerHead(_qk_spread_ratio, gain=2.0),
+    "logit_scale": PerHead(_logit_scale, scaled=True),
+    "key_rms": PerHead(_key_rms),
     "r2_key": Reading(),
     "r2_nw": Reading(),
     "kl_nw_fit": Reading(),
@@ -139,13 +156,14 @@ PRODUCERS: dict[str, Producer] = {
 #: Row means the per-head producers read (after the statistics in the per-head tensor).
 HELPERS: dict[str, RowMean] = {
     "mean_qk_std": RowMean({"qk_std": 1.0}),
+    "mean_qk_var": RowMean({"qk_var": 1.0}),
     "cov_ab": RowMean({"cA.cB": 1.0}),
     "var_a": RowMean({"cA.cA": 1.0}),
     "var_b": RowMean({"cB.cB": 1.0}),
 }
 
-#: Per-(batch row, head) values ``[B, H, C]``: the statistics, then the helpers.
-HEAD = Columns((*STAT_NAMES, *HELPERS))
+#: Per-(batch row, head) values ``[B, H, C]``: the statistics, h_eff's reason code, then the helpers.
+HEAD = Columns((*STAT_ROWS, *HELPERS))
 #: The columns the readings pass writes (the constant fit_rows is the column's offset).
 READINGS = tuple(n for n, p in PRODUCERS.items() if isinstance(p, Reading) and not p.constant)
 _ROW_MEANS = {name: p for name, p in {**PRODUCERS, **HELPERS}.items() if isinstance(p, RowMean)}
@@ -158,7 +176,8 @@ SEGMENTS = tuple(p.segment for p in PRODUCERS.values() if isinstance(p, RankPool
 def _check_table() -> None:
     """Every statistic has exactly one producer and every producer names known columns."""
     assert tuple(PRODUCERS) == STAT_NAMES, "fast.PRODUCERS must list STAT_NAMES, in order"
-    assert not set(HELPERS) & set(STAT_NAMES), "a helper column shadows a statistic"
+    assert not set(HELPERS) & set(STAT_ROWS), "a helper column shadows a statistic"
+    assert STAT_ROWS == (*STAT_NAMES, CODE)
     for name, producer in _ROW_MEANS.items():
         unknown = set(producer.terms) - set(ROW.names)
         assert not unknown, f"{name}: unknown per-row features {unknown}"
@@ -202,8 +221,9 @@ def layer_statistics(
         fit_rows: the readings' bandwidth fit uses this many evenly spaced query rows (None = all).
 
     Returns:
-        ``(stats [S, halves, H], weights [2, B, H, N, M])``: the statistics in STAT_NAMES order
-        and A, W (views of a tensor of this call, not of a workspace: safe to keep).
+        ``(stats [S + 1, halves, H], weights [2, B, H, N, M])``: the statistics in STAT_NAMES
+        order, then h_eff's reason code (:data:`~nw_adapter.core.specification.STAT_ROWS`), and
+        A, W (views of a tensor of this call, not of a workspace: safe to keep).
     """
     w = writer()
     k = k.to(torch.float32, memory_format=torch.contiguous_format)
@@ -217,13 +237,16 @@ def layer_statistics(
     z, masked, inv_count = _weights_and_row_features(w, pairs[:, :, :n], scale, h, valid_rows, feats)
     head = _per_head(w, feats, keys, h)
     if readings:
-        columns = {name: head[..., HEAD[name]] for name in READINGS}
+        columns = {name: head[..., HEAD[name]] for name in (*READINGS, CODE)}
         attn, neg_entropy = z[..., Z["a"], :], feats[..., ROW["a.lA"]]
         write_readings(
             w, columns, pairs[:, :, :n], masked, attn, neg_entropy, valid_rows, inv_count, scale, fit_rows
         )
     fit = fit_count(n, fit_rows) if readings else None
-    stats = _statistics(w, _half_means(head, halves), rho_sums, h, draws is not None, fit)
+    means = _half_means(head, halves)
+    if readings and q.shape[0] != halves:  # a half's reason: the first among its batch rows
+        means[..., HEAD[CODE]] = _first_reason(head[..., HEAD[CODE]], halves)
+    stats = _statistics(w, means, rho_sums, h, scale, draws is not None, fit)
     return stats, z[..., Z.slice("a", "b"), :].movedim(-2, 0)
 
 
@@ -339,6 +362,7 @@ def _weights_and_row_features(
         w.write(feats[..., ROW["qk_std"]], torch.std, qk, -1, correction=0)
     else:
         feats[..., ROW["qk_std"]].copy_(metrics.masked_std(qk, valid_rows))
+    w.write(feats[..., ROW["qk_var"]], torch.square, feats[..., ROW["qk_std"]])
     return z, observed, inv_count
 
 
@@ -368,25 +392,34 @@ def _half_means(head: torch.Tensor, halves: int) -> torch.Tensor:
     return head.view(halves, b // halves, nh, -1).mean(1)
 
 
+def _first_reason(codes: torch.Tensor, halves: int) -> torch.Tensor:
+    """``[B, H]`` reason codes -> ``[halves, H]``: the smallest non-zero code of each half's batch rows."""
+    b, nh = codes.shape
+    grouped = codes.reshape(halves, b // halves, nh)
+    first = torch.where(grouped > 0, grouped, math.inf).amin(1)
+    return torch.where(torch.isinf(first), 0.0, first)
+
+
 def _statistics(
     w: EagerWriter,
     head: torch.Tensor,
     rho_sums: torch.Tensor,
     h: torch.Tensor | float,
+    scale: float,
     nulls: bool,
     fit: int | None,
 ) -> torch.Tensor:
-    """``[S, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls
+    """``[S + 1, halves, H]``: gains and offsets applied to the per-head values, rho and its nulls
     written (``fit``: the readings' fit rows, None = readings off)."""
     halves, nh = head.shape[:2]
     h_offset = None if isinstance(h, torch.Tensor) else float(h)
-    key = ("affine", h_offset, nulls, fit, head.device)
-    gain_offset = w.constant(key, lambda: _affine(h_offset, nulls, fit, head.device))
+    key = ("affine", h_offset, scale, nulls, fit, head.device)
+    gain_offset = w.constant(key, lambda: _affine(h_offset, scale, nulls, fit, head.device))
     out = torch.addcmul(gain_offset[1], head, gain_offset[0])  # [halves, H, C]
     segments = len(SEGMENTS) if nulls else 1
     sums = rho_sums.view(nh, halves, segments, 2).transpose(0, 1)
     w.write(out[..., HEAD.slice(*SEGMENTS[:segments])], torch.div, sums[..., 0], sums[..., 1])
-    return out[..., : len(STAT_NAMES)].permute(2, 0, 1)
+    return out[..., : len(STAT_ROWS)].permute(2, 0, 1)
 
 
 # --- constants derived from the table -----------------------------------------------------------
@@ -417,7 +450,9 @@ def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
     return matrix.repeat(1, n).to(device)
 
 
-def _affine(h: float | None, nulls: bool, fit: int | None, device: torch.device) -> torch.Tensor:
+def _affine(
+    h: float | None, scale: float, nulls: bool, fit: int | None, device: torch.device
+) -> torch.Tensor:
     """``[2, C]`` (gain, offset) of every HEAD column, from the producers."""
     gain, offset = [0.0] * len(HEAD), [0.0] * len(HEAD)
     for name, producer in PRODUCERS.items():
@@ -429,10 +464,12 @@ def _affine(h: float | None, nulls: bool, fit: int | None, device: torch.device)
                 gain[i], offset[i] = (0.0, float(fit)) if producer.constant else (1.0, 0.0)
         elif isinstance(producer, RowMean | PerHead):
             gain[i], offset[i] = getattr(producer, "gain", 1.0), producer.offset
+            gain[i] *= scale if getattr(producer, "scaled", False) else 1.0
         elif isinstance(producer, Bandwidth):
             gain[i], offset[i] = (1.0, 0.0) if h is None else (0.0, h)
         elif not nulls and producer.segment != "rho":
             offset[i] = math.nan  # RankPool: written afterwards; a null without draws stays NaN
+    gain[HEAD[CODE]] = 0.0 if fit is None else 1.0  # h_eff's reason code: 0 with the readings off
     return f32([gain, offset], device)
 
 

@@ -2,7 +2,7 @@
 
 The fast path (:mod:`.fast`) keeps its intermediate results in a few stacked tensors whose
 last axis is a list of named columns (:class:`Columns`). Every statistic of
-:data:`~nw_adapter.integration.schema.STAT_NAMES` has exactly one producer, one of:
+:data:`~nw_adapter.core.specification.STAT_NAMES` has exactly one producer, one of:
 
 - :class:`RowMean`: the mean over query rows of a linear combination of per-row features
   (one matrix product computes all of them at once);
@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from nw_adapter.core.specification import fit_row_indices
+
+__all__ = ["Bandwidth", "Columns", "PerHead", "Producer", "RankPool", "Reading", "RowMean", "fit_row_indices"]
 
 
 class Columns:
@@ -77,11 +81,13 @@ class RankPool:
 
 @dataclass(frozen=True)
 class PerHead:
-    """``offset + gain * value``, where ``write(writer, out, head, keys)`` writes the value into ``out``."""
+    """``offset + gain * value`` (times the softmax scale s when ``scaled``), where
+    ``write(writer, out, head, keys)`` writes the value into ``out``."""
 
     write: Callable[..., Any]
     gain: float = 1.0
     offset: float = 0.0
+    scaled: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,18 +104,3 @@ class Reading:
 
 
 Producer = RowMean | RankPool | PerHead | Bandwidth | Reading
-
-
-def fit_row_indices(n: int, count: int) -> list[int]:
-    """``count`` evenly spaced query rows of ``n`` (all rows when ``count >= n``).
-
-    Row ``floor(r n / count)`` for ``r = 0 .. count - 1``: distinct, ascending, spread over the
-    whole query grid (never only its top rows).
-
-    Example:
-        >>> fit_row_indices(10, 4)
-        [0, 2, 5, 7]
-    """
-    if count >= n:
-        return list(range(n))
-    return [(r * n) // count for r in range(count)]

@@ -35,7 +35,13 @@ from __future__ import annotations
 
 import torch
 
-from nw_adapter.integration.stats.layout import Columns, fit_row_indices
+from nw_adapter.core.specification import (
+    BETA_RANGE,
+    H_EFF_BLIND_TOLERANCE,
+    H_EFF_EDGE_TOLERANCE,
+    fit_row_indices,
+)
+from nw_adapter.integration.stats.layout import Columns
 from nw_adapter.integration.stats.workspace import EagerWriter, f32
 
 #: Safeguarded Newton steps of the bandwidth fit (from beta = s, after the look at the range's ends).
@@ -43,8 +49,6 @@ from nw_adapter.integration.stats.workspace import EagerWriter, f32
 #: query scales e^(1.5 z), key offsets, anti-NW heads): worst relative error of h_eff 2e-2 after 8
 #: steps, below 5e-5 after 10 (but one nearly flat loss, tiny queries: 4e-4, float32's limit there).
 FIT_STEPS = 12
-#: The bracket of beta, relative to the softmax scale s (as core.bandwidth's ``beta_range``).
-BETA_RANGE = (1e-6, 1e6)
 #: The columns of the moments product: ``p [1, G', G'^2]``.
 MOMENT = Columns(("1", "psi", "second"))
 
@@ -98,14 +102,43 @@ def write_readings(
     if count < n:
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
     beta, moments = _fit(w, shifted, valid_rows, rows, scale)
-    w.write(out["h_eff"], torch.rsqrt, beta)
+    unidentified = _write_reason(w, out, beta, inv_count, scale)
+    w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
     if count == n:
         out["h_eff_se"].fill_(0.0)
     else:
         _write_standard_error(w, out["h_eff_se"], beta, moments, count, n)
+    out["h_eff_se"].masked_fill_(unidentified, float("nan"))
     lse = torch.logsumexp(shifted * beta[..., None, None], -1)  # [B, H, N]
     kl_fit = w.write(out["kl_nw_fit"], torch.add, mean_neg_entropy, lse.mean(-1)).clamp_min_(0.0)
     w.write(out["nw_gain"], torch.sub, out["kl_key_prior"], kl_fit)
+
+
+def _write_reason(
+    w: EagerWriter,
+    out: dict[str, torch.Tensor],
+    beta: torch.Tensor,
+    inv_count: torch.Tensor | float,
+    scale: float,
+) -> torch.Tensor:
+    """h_eff's reason code into ``out["h_eff_reason"]`` ``[B, H]``, as the specification's
+    :func:`~nw_adapter.core.specification.h_eff_reason_code`: 1 fewer than 2 valid keys, 2
+    query-blind (``1 - r2_key < 1e-6``, or r2_key NaN: constant logits), 3 beta within 1e-3
+    (relative) of an end of its bracket, else 0. Returns the bool ``[B, H]`` of the cells whose
+    h_eff is not identified."""
+    low, high = (end * scale for end in BETA_RANGE)
+    inside = (low * (1.0 + H_EFF_EDGE_TOLERANCE), high * (1.0 - H_EFF_EDGE_TOLERANCE))
+    edge = torch.clamp(beta, *inside) != beta
+    code = w.write(out["h_eff_reason"], torch.mul, edge, 3.0)
+    seen = torch.le(out["r2_key"], 1.0 - H_EFF_BLIND_TOLERANCE)  # False for NaN: blind
+    two = w.constant(("reason 2", beta.device), lambda: f32(2.0, beta.device))
+    w.write(code, torch.where, seen, code, two)
+    if isinstance(inv_count, float):
+        if inv_count > 0.5:
+            code.fill_(1.0)
+    else:
+        code.masked_fill_(inv_count.view(-1, 1) > 0.5, 1.0)  # [B, 1, 1, 1, 1] -> [B, 1]
+    return code != 0
 
 
 def _rows(n: int, count: int, device: torch.device) -> torch.Tensor:

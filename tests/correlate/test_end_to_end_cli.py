@@ -1,0 +1,104 @@
+"""The end-to-end control's command-line functions (nw_adapter.correlate.end_to_end_cli)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_helpers import SIZE, load_sd15, random_image
+
+from nw_adapter.correlate.end_to_end_cli import (
+    MATCHED,
+    MAX_DRAWS,
+    add_end_to_end_arguments,
+    end_to_end_error,
+    end_to_end_meta,
+    run_end_to_end,
+)
+from nw_adapter.integration import end_to_end
+from nw_adapter.integration.config import NWProcessorConfig
+
+torch.set_num_threads(1)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="correlate.py")
+    parser.add_argument("--mode", default="observe")
+    parser.add_argument("--store-maps", action="store_true")
+    return add_end_to_end_arguments(parser).parse_args(list(argv))
+
+
+def test_defaults_are_off_with_one_scale_matched_draw() -> None:
+    args = _parse()
+    assert (args.end_to_end_control, args.end_to_end_draws, args.end_to_end_seed) == (False, 1, 0)
+    assert args.end_to_end_scale_match is True
+    assert end_to_end_error(args, "sd3") is None and end_to_end_meta(args) is None
+
+
+def test_meta_names_the_kind_draws_and_seeds() -> None:
+    args = _parse("--end-to-end-control", "--end-to-end-draws", "3", "--end-to-end-seed", "7")
+    assert end_to_end_meta(args) == {"kind": "end-to-end", "draws": 3, "seeds": [7, 8, 9], "matched": MATCHED}
+    assert end_to_end_meta(_parse("--end-to-end-control", "--no-end-to-end-scale-match"))["matched"] is None
+    assert MATCHED == end_to_end.MATCHED
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--end-to-end-draws", "0"), f"--end-to-end-draws must be between 1 and {MAX_DRAWS}, got 0"),
+        (("--end-to-end-draws", "two"), "--end-to-end-draws must be a whole number, got 'two'"),
+        (("--end-to-end-seed", "-1"), "--end-to-end-seed must be between 0 and"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(*argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error
+
+
+@pytest.mark.parametrize(
+    ("argv", "family", "message"),
+    [
+        (("--end-to-end-control",), "sd3", "does not support SD 3.5"),
+        (("--end-to-end-control", "--mode", "swap"), "sd15", "needs --mode observe"),
+        (("--end-to-end-control", "--store-maps"), "sd15", "does not combine with --store-maps"),
+    ],
+)
+def test_combinations_that_cannot_run_are_named(argv, family, message) -> None:
+    error = end_to_end_error(_parse(*argv), family)
+    assert error is not None and message in error and "\n" not in error
+    assert end_to_end_error(_parse("--end-to-end-control"), family if family != "sd3" else "flux") is None
+
+
+def test_argument_handling_imports_no_torch() -> None:
+    code = (
+        "import sys, argparse\n"
+        "from nw_adapter.correlate.end_to_end_cli import add_end_to_end_arguments\n"
+        "add_end_to_end_arguments(argparse.ArgumentParser()).parse_args(['--end-to-end-control'])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_run_end_to_end_returns_the_trained_output_and_merged_records(
+    tiny_sd15_dir, tiny_ip_adapter_dir
+) -> None:
+    pipe = load_sd15(tiny_sd15_dir, tiny_ip_adapter_dir, "base")
+    kwargs = dict(
+        prompt="a cat", ip_adapter_image=random_image(1), num_inference_steps=2, height=SIZE, width=SIZE,
+        output_type="pt",
+    )  # fmt: skip
+    stock = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    args = _parse("--end-to-end-control", "--end-to-end-draws", "2")
+    output, records, meta = run_end_to_end(
+        args, pipe, NWProcessorConfig(), dict(kwargs, generator=torch.Generator().manual_seed(0))
+    )
+    assert torch.equal(output.images, stock)
+    assert meta["seeds"] == [0, 1] and meta["kind"] == "end-to-end"
+    assert records and all({"rho_control_0", "rho_control_1", "key_scale_1"} <= set(r) for r in records)
