@@ -32,22 +32,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nw_adapter.integration.schema import CONTROL_OF  # re-exported: the statistics of every draw
+
 __all__ = ["CONTROL_OF", "comparison_records", "scale_matched_keys"]
 
-CONTROL_OF: tuple[str, ...] = (
-    "rho",
-    "kl",
-    "key_norm_cv",
-    "qk_spread_ratio",
-    "logit_scale",
-    "r2_key",
-    "r2_nw",
-    "kl_nw_fit",
-    "kl_key_prior",
-    "nw_gain",
-    "h_eff",
-)
-"""The statistics recorded for every control draw (``{stat}_control_{k}``), as a pipeline run's."""
 
 HALVES: tuple[str, ...] = ("cond", "uncond", "all")
 """The CFG halves a batch row may be (the verdict judges ``cond``, else ``all``)."""

@@ -50,7 +50,6 @@ Plain Python with numpy/scipy (no torch): the verdict is rebuilt from a saved ``
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,7 +65,13 @@ from nw_adapter.core.intervals import (
     two_level_test,
 )
 from nw_adapter.integration.records import analysis_half
-from nw_adapter.integration.schema import NULL_STATS, finite_mean
+from nw_adapter.integration.schema import (
+    NULL_STATS,
+    control_column,
+    control_draws,
+    finite_mean,
+    key_scale_column,
+)
 from nw_adapter.integration.validation import RecordError, _shown, check_record
 
 ALPHA = 0.05
@@ -110,28 +115,6 @@ MARGINS: dict[str, float] = {
 an exactly matched control gives (a control whose keys equal the trained keys after the matching
 differs by at most 7e-9 in tests/correlate/test_verdict_acceptance.py), far below the effects worth a claim
 (the issue's scale effects were 0.03 - 0.17 of rho and nw_gain)."""
-
-
-def control_column(stat: str, draw: int) -> str:
-    """``{stat}_control_{draw}``: the statistic of control draw ``draw``."""
-    return f"{stat}{CONTROL_INFIX}{draw}"
-
-
-def key_scale_column(draw: int) -> str:
-    """``key_scale_{draw}``: the change of scale from control draw ``draw`` to the trained adapter."""
-    return f"{KEY_SCALE}{draw}"
-
-
-_DRAW = re.compile(rf"(?:{CONTROL_INFIX}|^{KEY_SCALE})(\d+)$")
-
-
-def control_draws(columns: Iterable[str]) -> int:
-    """The number of control draws ``K`` among ``columns``: draws ``0 .. K-1`` all present (0 when none)."""
-    found = {int(m.group(1)) for c in columns if (m := _DRAW.search(c))}
-    draws = 0
-    while draws in found:
-        draws += 1
-    return draws
 
 
 @dataclass(frozen=True)

@@ -344,30 +344,41 @@ def test_report_carries_the_verdict_and_prints_it() -> None:
     assert format_verdict(report["verdict"]) in format_report(report)
 
 
-def test_bandwidth_figure_draws_the_mean_log_h_eff_per_step_and_the_slope_one_line(tmp_path) -> None:
+def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_slope_minus_two_line(tmp_path) -> None:
     from PIL import Image
 
     from nw_adapter.correlate.plotting import bandwidth_figure, plot_bandwidth
 
-    records = make_records(images=3, steps=4, legacy=True)  # the figure draws the *_untrained h_eff
+    records = make_records(images=3, steps=4)  # trained exponent 2, the control's 0
     fig = bandwidth_figure(records, "cond")
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))  # {label: artist}
+    trained_label = next(label for label in handles if label.startswith("trained adapter (3 image(s)"))
+    control_label = next(label for label in handles if label.startswith("scale-matched control (3 draws)"))
+    trained = handles[trained_label].lines[0]  # the errorbar container's data line
     lines = {line.get_label(): line for line in ax.get_lines()}
-    trained = lines["trained adapter (mean of 3 image(s))"]
-    per_image = image_step_means(records, "cond")
-    expected = [np.exp(np.mean([rows[s]["log_h_eff"] for rows in per_image.values()])) for s in range(4)]
+    expected = []  # per step: the geometric mean over images of each image's geometric mean
+    for step in range(4):
+        per_image = [
+            np.mean([math.log(r["logit_scale"]) for r in records if r["half"] == "cond" and r["step"] == step
+                     and r["reference"] == f"img{i}"])
+            for i in range(3)
+        ]  # fmt: skip
+        expected.append(math.exp(np.mean(per_image)))
     order = np.argsort(trained.get_xdata())
-    np.testing.assert_allclose(np.asarray(trained.get_ydata())[order], sorted(expected))
-    assert "untrained adapter (mean of 3 image(s))" in lines
-    slope_one = lines["slope 1: h_eff = c h"]
-    x, y = np.log(slope_one.get_xdata()), np.log(slope_one.get_ydata())
-    assert np.polyfit(x, y, 1)[0] == pytest.approx(1.0)
+    np.testing.assert_allclose(np.asarray(trained.get_ydata())[order], np.asarray(expected)[::-1], rtol=1e-9)
+    slope = float(trained_label.split("slope ")[1].rstrip(")"))
+    assert slope == pytest.approx(-2.0, abs=0.2)  # the per-image OLS slopes of log logit_scale on log h
+    assert float(control_label.split("slope ")[1].rstrip(")")) == pytest.approx(0.0, abs=0.2)
+    guide = lines["slope -2: an exact NW head (c / h^2)"]
+    x, y = np.log(guide.get_xdata()), np.log(guide.get_ydata())
+    assert np.polyfit(x, y, 1)[0] == pytest.approx(-2.0)
     path = plot_bandwidth(records, "cond", tmp_path / "bandwidth.png")
     with Image.open(path) as img:
         assert img.format == "PNG"
     for record in records:
-        record.pop("h_eff")
+        record.pop("logit_scale")
     assert plot_bandwidth(records, "cond", tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
 

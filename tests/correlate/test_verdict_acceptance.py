@@ -26,6 +26,7 @@ import torch
 from nw_adapter import compare_attention, comparison_records, format_verdict, scale_matched_keys, verdict
 from nw_adapter.core.compare import AttentionComparison
 from nw_adapter.core.intervals import greater_than_zero
+from nw_adapter.core.specification import H_EFF_REASONS
 
 REFERENCES, DRAWS, HEADS = 4, 3, 2
 SUPPORT, FEATURES, QUERIES = 6, 7, 48
@@ -202,18 +203,8 @@ def test_query_norm_growth_is_no_rise_against_the_control_on_the_same_queries(sc
     assert rise["holds"] is False, rise  # ... and so does the control's on the same queries
 
 
-QUERY_BLIND = "query-blind attention (1 - r2_key < 1e-6): no bandwidth of a query smoother is identified"
-"""The contract's reason (core's H_EFF_REASONS, added to compare_attention on another branch)."""
-
-
-def _query_blind(comparison: AttentionComparison) -> AttentionComparison:
-    """The comparison as core gives it once a query-blind head's h_eff is NaN with its reason (on
-    c4889a3 compare_attention still fits a number there: set NaN + reason as the contract says)."""
-    if bool(torch.isnan(comparison["h_eff"]).all()):
-        return comparison
-    values = {**comparison, "h_eff": torch.full_like(comparison["h_eff"], math.nan)}
-    reasons = {**comparison.nan_reasons, "h_eff": {QUERY_BLIND: comparison["h_eff"].numel()}}
-    return AttentionComparison(values, reasons)
+QUERY_BLIND = H_EFF_REASONS[1]
+"""Core's reason for a query-blind head's h_eff (compare_attention and the recorder write it)."""
 
 
 def test_a_query_blind_heads_h_eff_is_nan_with_its_reason_and_counted_as_skipped() -> None:
@@ -224,8 +215,10 @@ def test_a_query_blind_heads_h_eff_is_nan_with_its_reason_and_counted_as_skipped
         k = torch.randn(1, HEADS, 4, 16, generator=gen, dtype=torch.float64)
         trained = _compare(q, k, 0.25)
         assert torch.allclose(trained["r2_key"], torch.ones(1, HEADS, dtype=torch.float64))  # query-blind
+        assert bool(torch.isnan(trained["h_eff"]).all())
+        assert trained.nan_reasons["h_eff"] == {QUERY_BLIND: HEADS}
         for step, h in enumerate((2.0, 1.0)):
-            records += comparison_records(_query_blind(trained), [], reference=f"ref{reference}", step=step,
+            records += comparison_records(trained, [], reference=f"ref{reference}", step=step,
                                           h_schedule=h)  # fmt: skip
     assert all(math.isnan(r["h_eff"]) and r["h_eff_reason"] == QUERY_BLIND for r in records)
     result = verdict(records)
