@@ -44,6 +44,8 @@ _LAZY = {
     "compare_swap": "nw_adapter.integration.consequence",
     "verdict": "nw_adapter.correlate.verdict",
     "format_verdict": "nw_adapter.correlate.verdict",
+    "comparison_records": "nw_adapter.correlate.comparisons",
+    "scale_matched_keys": "nw_adapter.correlate.comparisons",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -105,6 +105,9 @@ def make_records(references: int = 3, steps: int = 6, seed: int = 0) -> list[dic
                             "nw_gain": 0.01, "h_eff": 3.0 * math.exp(rng.normal(0, 0.1)),
                             "h_eff_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
                             "h_eff_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
+                            "logit_scale": 0.5 / h**2 * math.exp(rng.normal(0, 0.1)),
+                            "logit_scale_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
+                            "logit_scale_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
                         })  # fmt: skip
     return records
 
@@ -184,12 +187,16 @@ def test_summary_prints_one_line_per_step_of_one_half_with_a_legend() -> None:
     assert summary.table(half="uncond").startswith("uncond half")
 
 
-def test_bandwidth_figure_fits_a_column_with_a_band_over_images() -> None:
+def test_bandwidth_figure_fits_a_column_with_intervals_over_images() -> None:
+    from matplotlib.container import ErrorbarContainer
+
     from nw_adapter.correlate.plotting import bandwidth_figure
 
-    fig = bandwidth_figure(make_records(3), "cond", title="tiny: fitted vs schedule bandwidth, cond half")
+    title = "tiny: bandwidth path (logit_scale vs schedule h), cond half"
+    fig = bandwidth_figure(make_records(3), "cond", title=title)
     assert_printable(fig, max_width=3.5)
-    assert len(bands(fig.axes[0])) == 2  # trained and the scale-matched control, each over 3 images
+    bars = [c for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2 and all(c.has_yerr for c in bars)  # trained and the control, t intervals over 3
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert any(label.startswith("scale-matched control (2 draws)") for label in labels)
 

@@ -7,7 +7,10 @@ out come the mean with its Student t interval and a one-sided one-sample t test 
   deviation, ``c`` the coverage), the classical two-sided interval of a mean;
 * :func:`greater_than_zero`: the interval and the p-value of ``H0: mean <= 0`` against
   ``H1: mean > 0`` (``scipy.stats.ttest_1samp(..., alternative="greater")``), the test a verdict
-  clause such as "rho beyond its null" is made of.
+  clause such as "rho beyond its null" is made of;
+* :func:`two_level_greater`: the test of a trained value against a control of ``K`` random
+  draws (seeds), over ``R`` units x ``K`` draws, whose standard error includes the variance
+  between the draws (:func:`two_level_test` on the differences).
 
 Both assume the units are independent and their values roughly normal (the t test is robust to
 moderate skew at a few units; the size of the test is what tests/core/test_intervals.py checks).
@@ -19,11 +22,22 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
-__all__ = ["CONFIDENCE", "UnitTest", "greater_than_zero", "t_interval"]
+__all__ = [
+    "CONFIDENCE",
+    "TWO_LEVEL_TEST",
+    "TwoLevelTest",
+    "UnitTest",
+    "greater_than_zero",
+    "t_interval",
+    "two_level_greater",
+    "two_level_rejects",
+    "two_level_test",
+]
 
 CONFIDENCE = 0.95
 """Default two-sided coverage of the intervals."""
@@ -77,6 +91,7 @@ class UnitTest:
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-ready fields (NaN as None)."""
+
         def clean(x: float) -> float | None:
             return x if math.isfinite(x) else None
 
@@ -127,3 +142,233 @@ def greater_than_zero(
         warnings.simplefilter("ignore", RuntimeWarning)
         p = float(ttest_1samp(data, 0.0, alternative="greater").pvalue)
     return UnitTest(n, mean, low, high, p, bool(math.isfinite(p) and p < alpha))
+
+
+TWO_LEVEL_TEST = (
+    "two-level test over reference images x control draws: d_r = trained_r - mean_k control_rk, "
+    "SE^2 = a + b with a = s_d^2 / R (s_d: SD of d_r over the R references) and b = s_draws^2 / K + "
+    "s_draws^2 (s_draws: SD over the K draws of the per-draw mean differences; s_draws^2 / K for the "
+    "control's mean, s_draws^2 for the trained adapter's own draw of the initialisation, which it is "
+    "when nothing was learned); one-sided, "
+    "mean - margin > sqrt(t_{R-1}^2 a + t_{K-1}^2 b) (Banerjee's conservative critical value, at "
+    "1 - alpha quantiles; the 95% interval at 0.975 quantiles); K = 1: one-sample t test over references"
+)
+"""The name and formula of :func:`two_level_test`, as the verdict's method states it."""
+
+ONE_DRAW_CAVEAT = (
+    "one control draw: the variance between draws is not estimated, so an offset of that draw shared "
+    "by every reference reads as an effect; record several draws"
+)
+"""The caveat of a two-level test with ``K = 1``."""
+
+
+@dataclass(frozen=True)
+class TwoLevelTest:
+    """A mean difference from a control of several draws, its interval and its one-sided test.
+
+    Attributes:
+        n: references kept (a value in every kept draw).
+        draws: control draws kept (``K``).
+        mean: mean over references and draws of ``trained - control`` (NaN when none).
+        low, high: its two-sided interval at the given coverage (NaN when ``n < 2``).
+        se: ``sqrt(a + b)`` (see :data:`TWO_LEVEL_TEST`).
+        margin: the smallest effect counted: the test is of ``mean > margin``.
+        p: one-sided p-value (NaN without a test: ``n < 2``, or no spread at all).
+        significant: ``p < alpha``; False where ``p`` is NaN.
+        dropped_references, dropped_draws: units and draws left out for a missing value.
+        caveat: why the test is weaker than it looks (one draw), else None.
+    """
+
+    n: int
+    draws: int
+    mean: float
+    low: float
+    high: float
+    se: float
+    margin: float
+    p: float
+    significant: bool
+    dropped_references: int = 0
+    dropped_draws: int = 0
+    caveat: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (NaN as None)."""
+
+        def clean(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "n": self.n,
+            "draws": self.draws,
+            "mean": clean(self.mean),
+            "low": clean(self.low),
+            "high": clean(self.high),
+            "se": clean(self.se),
+            "margin": self.margin,
+            "p": clean(self.p),
+            "significant": self.significant,
+            "dropped_references": self.dropped_references,
+            "dropped_draws": self.dropped_draws,
+            "caveat": self.caveat,
+        }
+
+
+def _complete_cases(differences: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Drop the draws without any finite value, then the references missing a kept draw."""
+    finite = np.isfinite(differences)
+    keep_draws = finite.any(0)
+    kept = differences[:, keep_draws]
+    keep_refs = np.isfinite(kept).all(1)
+    return kept[keep_refs], int((~keep_refs).sum()), int((~keep_draws).sum())
+
+
+def _critical(alpha: float, a: float, b: float, n: int, draws: int) -> float:
+    """Banerjee's critical value ``sqrt(t_{n-1, 1-alpha}^2 a + t_{K-1, 1-alpha}^2 b)``."""
+    from scipy.stats import t as student_t
+
+    q_refs = float(student_t.isf(alpha, n - 1))
+    q_draws = float(student_t.isf(alpha, draws - 1)) if b > 0 else 0.0  # K = 1: b = 0
+    return math.sqrt(q_refs**2 * a + q_draws**2 * b)
+
+
+_P_FLOOR = 1e-15
+"""Smallest p-value :func:`two_level_test` reports (Student t quantiles with 1 degree of freedom
+overflow far below it)."""
+
+
+def _banerjee_p(excess: float, a: float, b: float, n: int, draws: int) -> float:
+    """The smallest alpha at which ``excess > critical(alpha)`` (1 - that of ``-excess`` when < 0)."""
+    from scipy.optimize import brentq
+
+    if excess == 0:
+        return 0.5
+    target = abs(excess)
+    if target > _critical(_P_FLOOR, a, b, n, draws):
+        upper = _P_FLOOR
+    else:
+        upper = brentq(lambda x: _critical(x, a, b, n, draws) - target, _P_FLOOR, 0.5, xtol=1e-18, rtol=1e-10)
+    return upper if excess > 0 else 1.0 - upper
+
+
+def two_level_rejects(
+    differences: np.ndarray, *, margin: float = 0.0, alpha: float = 0.05, trained_is_a_draw: bool = True
+) -> np.ndarray:
+    """Vectorised decision of :func:`two_level_test` for many data sets at once (simulations).
+
+    Args:
+        differences: ``[S, R, K]`` finite values, ``R >= 2``, ``K >= 2`` (S data sets).
+
+    Returns:
+        bool ``[S]``: ``mean - margin > sqrt(t_{R-1}^2 a + t_{K-1}^2 b)`` and ``SE > 0``, the rule
+        :func:`two_level_test` calls significant.
+    """
+    from scipy.stats import t as student_t
+
+    data = np.asarray(differences, dtype=np.float64)
+    _, n, draws = data.shape
+    a = data.mean(2).var(1, ddof=1) / n
+    b = (1 / draws + float(trained_is_a_draw)) * data.mean(1).var(1, ddof=1)
+    q_refs, q_draws = student_t.isf(alpha, n - 1), student_t.isf(alpha, draws - 1)
+    critical = np.sqrt(q_refs**2 * a + q_draws**2 * b)
+    return (data.mean((1, 2)) - margin > critical) & (a + b > 0)
+
+
+def two_level_test(
+    differences: Sequence[Sequence[float | None]] | np.ndarray,
+    *,
+    margin: float = 0.0,
+    alpha: float = 0.05,
+    confidence: float = CONFIDENCE,
+    trained_is_a_draw: bool = True,
+) -> TwoLevelTest:
+    """One-sided test of ``mean > margin`` over references x control draws (:data:`TWO_LEVEL_TEST`).
+
+    ``differences[r, k]`` is unit ``r``'s trained value minus control draw ``k``'s. With
+    ``d_r = mean_k differences[r, k]`` and ``m_k = mean_r differences[r, k]``:
+    ``a = var_r(d_r) / R`` and ``b = (1 + 1/K) var_k(m_k)``; ``SE^2 = a + b``. The draws share
+    their offset across references, so ``b`` does not shrink with ``R``: more references never
+    turn an offset between draws into evidence. ``b`` counts the offset twice: ``var_k / K`` for
+    the mean of the K control draws, and ``var_k`` once more for the trained adapter, which, when
+    nothing was learned, is one more draw of the initialisation with an offset of its own. The
+    critical value ``sqrt(t_{R-1}^2 a + t_{K-1}^2 b)`` (Banerjee 1960) keeps the size at most
+    ``alpha`` for every ratio of the two variances, where the Welch-Satterthwaite degrees of
+    freedom do not with 2 or 3 draws (tests/core/test_intervals.py simulates both). With ``K = 1``
+    it is the one-sample t test of ``d_r - margin`` (``b`` cannot be estimated:
+    :data:`ONE_DRAW_CAVEAT`).
+
+    Draws without any finite value are dropped, then references missing a value of a kept draw.
+
+    Args:
+        differences: ``[R, K]`` trained minus control, per reference and draw.
+        margin: the smallest effect counted (>= 0): values within it of the control never count.
+        alpha: size of the test.
+        confidence: coverage of the two-sided interval.
+        trained_is_a_draw: count the trained adapter's own offset (``var_k`` in ``b``); False
+            tests the trained value against the mean of the control's draws only (``b = var_k / K``),
+            which keeps the size when only the control's draws have offsets, not when the
+            trained adapter's initialisation had one (tests/core/test_intervals.py).
+
+    Returns:
+        :class:`TwoLevelTest`.
+
+    Example:
+        >>> result = two_level_test([[0.30, 0.28, 0.33], [0.21, 0.20, 0.24], [0.26, 0.22, 0.27]])
+        >>> result.n, result.draws, result.significant
+        (3, 3, True)
+    """
+    from scipy.stats import t as student_t
+
+    data = np.asarray(differences, dtype=np.float64).reshape(len(differences), -1)  # None -> NaN
+    kept, dropped_refs, dropped_draws = _complete_cases(data)
+    n, draws = kept.shape
+    nan = math.nan
+    untested = TwoLevelTest(
+        n, draws, nan, nan, nan, nan, margin, nan, False, dropped_refs, dropped_draws,
+        ONE_DRAW_CAVEAT if draws == 1 else None,
+    )  # fmt: skip
+    if n == 0 or draws == 0:
+        return untested
+    per_ref = kept.mean(1)
+    mean = float(per_ref.mean())
+    if n < 2:
+        return replace(untested, mean=mean)
+    a = float(per_ref.var(ddof=1)) / n
+    b = (1 / draws + float(trained_is_a_draw)) * float(kept.mean(0).var(ddof=1)) if draws > 1 else 0.0
+    se = math.sqrt(a + b)
+    half = _critical((1 - confidence) / 2, a, b, n, draws)
+    measured = replace(untested, mean=mean, low=mean - half, high=mean + half, se=se)
+    if se == 0.0:  # every reference and draw the same difference: no test
+        return measured
+    if draws == 1:
+        p = float(student_t.sf((mean - margin) / se, n - 1))
+    else:
+        p = _banerjee_p(mean - margin, a, b, n, draws)
+    return replace(measured, p=p, significant=bool(math.isfinite(p) and p < alpha))
+
+
+def two_level_greater(
+    trained: Sequence[float | None] | np.ndarray,
+    control: Sequence[Sequence[float | None]] | np.ndarray,
+    *,
+    margin: float = 0.0,
+    alpha: float = 0.05,
+    confidence: float = CONFIDENCE,
+) -> TwoLevelTest:
+    """:func:`two_level_test` of ``trained[r] - control[r, k]``: is the trained value above the control's?
+
+    Args:
+        trained: ``[R]`` one value per reference (or ``[R, K]``, paired per draw).
+        control: ``[R, K]`` the control's value per reference and draw.
+        margin, alpha, confidence: as :func:`two_level_test`.
+
+    Example:
+        >>> result = two_level_greater([1.0, 1.2, 0.9], [[0.1, 0.2], [0.3, 0.2], [0.0, 0.1]])
+        >>> result.draws, round(result.mean, 3)
+        (2, 0.883)
+    """
+    control_values = np.asarray(control, dtype=np.float64)  # None -> NaN
+    trained_values = np.asarray(trained, dtype=np.float64)
+    if trained_values.ndim == 1:
+        trained_values = trained_values[:, None]
+    return two_level_test(trained_values - control_values, margin=margin, alpha=alpha, confidence=confidence)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nw_adapter.correlate.cli import main
-from nw_adapter.correlate.verdict import CLAUSES, format_verdict
+from nw_adapter.correlate.verdict import CLAUSES, LEGACY_REASON, control_column, format_verdict
 from nw_adapter.integration.schema import READING_STATS, UNTRAINED_STATS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,10 +49,13 @@ def test_three_images_print_the_verdict_over_images_and_write_its_fields(three_d
     nulls = result["clauses"]["beyond_nulls"]
     assert all(p["measured"] and p["n"] == 3 and 0 <= p["p"] <= 1 for p in nulls["parts"])
     assert nulls["holds"] is all(p["p"] < 0.05 for p in nulls["parts"])
-    control = any("rho_untrained" in r for r in report["records"])
+    control = any(control_column("rho", 0) in r for r in report["records"])
     assert (result["clauses"]["training"]["holds"] is not None) is control  # not measured without it
-    if not control:
+    if not control:  # a recorder of the one raw *_untrained draw: "not measured", with the reason
         assert result["evidence"] is False and "not measured" in result["conclusion"]
+        legacy = any("rho_untrained" in r for r in report["records"])
+        assert (LEGACY_REASON in (result["clauses"]["training"]["reason"] or "")) is legacy
+    assert result["draws"] == sum(control_column("rho", k) in report["records"][0] for k in range(8))
     lines = three_digits["stdout"].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
     assert "\n".join(lines[start:]) == format_verdict(result)

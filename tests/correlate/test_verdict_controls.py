@@ -10,8 +10,8 @@ image keys set through identity projections) and the real verdict, over 5 "refer
 - beyond them: an attention head that computes the exact NW weights of a support set with varying
   norms (THEORY section 3, augmented q/k), with nw_gain > 0;
 - the false positive of the old verdict: a head whose every query prefers the smallest-norm key
-  clears every null by far, but its nw_gain is < 0, and against an untrained control (isotropic
-  random keys for the same queries) the verdict says no;
+  clears every null by far, but its nw_gain is < 0, and against a scale-matched control of 3
+  draws (the same construction from other seeds, the same queries) the verdict says no;
 - the tiny random-weight SD 1.5 pipeline end to end (4 references): no evidence.
 """
 
@@ -22,12 +22,13 @@ import torch
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 from tiny_helpers import generate
 
-from nw_adapter import compare_attention
+from nw_adapter import compare_attention, scale_matched_keys
+from nw_adapter.correlate.comparisons import CONTROL_OF
 from nw_adapter.correlate.report import verdict
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors import nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
-from nw_adapter.integration.schema import NULL_STATS, READING_STATS, UNTRAINED_OF
+from nw_adapter.integration.schema import NULL_STATS, READING_STATS
 
 HEADS, DIM, ROWS, KEYS = 2, 32, 256, 4
 WIDTH = HEADS * DIM
@@ -65,21 +66,27 @@ def _processor_records(q: torch.Tensor, k: torch.Tensor, reference: str) -> list
     records = []
     for record in rec.to_records():
         row = {"uncond": 0, "cond": 1}[record["half"]]
-        for name in READING_STATS:
+        for name in (*READING_STATS, "logit_scale", "key_rms"):
             if name in readings and record.get(name) is None:
                 record[name] = float(readings[name][row, record["head"]])
         records.append({"reference": reference, **record})
     return records
 
 
-def _with_control(trained: list[dict], untrained: list[dict]) -> list[dict]:
-    """Trained records with the control's statistics as ``<name>_untrained`` (same step/layer/head/half)."""
+def _with_control(trained: list[dict], draws: list[list[dict]], scales: list[torch.Tensor]) -> list[dict]:
+    """Trained records with draw k's statistics as ``<name>_control_<k>`` and its change of scale as
+    ``key_scale_<k>`` (same step/layer/head/half), as the recorder writes them."""
     key = ("step", "layer", "head", "half")
-    control = {tuple(r[k] for k in key): r for r in untrained}
-    return [
-        {**r, **{f"{name}_untrained": control[tuple(r[k] for k in key)].get(name) for name in UNTRAINED_OF}}
-        for r in trained
-    ]
+    out = []
+    for record in trained:
+        record = dict(record)
+        for draw, (untrained, scale) in enumerate(zip(draws, scales, strict=True)):
+            control = next(r for r in untrained if all(r[k] == record[k] for k in key))
+            record.update({f"{name}_control_{draw}": control.get(name) for name in CONTROL_OF})
+            row = {"uncond": 0, "cond": 1}[record["half"]]
+            record[f"key_scale_{draw}"] = float(scale[row, record["head"]])
+        out.append(record)
+    return out
 
 
 def _observe(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -142,15 +149,21 @@ def _query_independent_head(gen, c: float = 3.0, spread: float = 0.1):
 IMAGES = 5
 
 
-def _images(make, control=None) -> list[dict]:
-    """Records of ``IMAGES`` reference images (seeds 0..4), with the control's keys as untrained if given."""
+def _images(make, control=None, draws: int = 3) -> list[dict]:
+    """Records of ``IMAGES`` reference images (seeds 0..4); with ``control``, ``draws`` control
+    draws: its keys of seeds 100 (k + 1) + image, scale-matched to the trained keys."""
     records = []
     for seed in range(IMAGES):
         trained = _processor_records(*_batch(make, seed=seed), f"img{seed}")
         if control is not None:
-            q, _ = _batch(make, seed=seed)
-            _, k_control = _batch(control, seed=100 + seed)
-            trained = _with_control(trained, _processor_records(q, k_control, f"img{seed}"))
+            q, k = _batch(make, seed=seed)
+            untrained, scales = [], []
+            for draw in range(draws):
+                _, k_control = _batch(control, seed=100 * (draw + 1) + seed)
+                matched, scale = scale_matched_keys(k, k_control)
+                untrained.append(_processor_records(q, matched, f"img{seed}"))
+                scales.append(scale)
+            trained = _with_control(trained, untrained, scales)
         records += trained
     return records
 

@@ -143,6 +143,17 @@ BAD_RESULTS = [
         "verdict.clauses.rise: field 'reason' is missing",
     ),
     ("nonfinite list", lambda r: {**r, "nonfinite": ["rho"]}, "field 'nonfinite' is a list, not an object"),
+    ("skipped list", lambda r: {**r, "skipped": ["h_eff"]}, "field 'skipped' is a list, not an object"),
+    (
+        "skipped count text",
+        lambda r: {**r, "skipped": {"h_eff": {"count": "3", "reasons": {}}}},
+        "verdict.skipped.h_eff: is an object, not {count, reasons}",
+    ),
+    (
+        "reported text",
+        lambda r: {**r, "clauses": {"rise": {**r["clauses"]["rise"], "reported": "x"}}},
+        "verdict.clauses.rise: field 'reported' is 'x' (text), not a list",
+    ),
     (
         "part without n",
         lambda r: {
@@ -180,8 +191,9 @@ def test_the_words_read_right_and_the_legend_defines_every_term() -> None:
     assert failing["conclusion"].endswith("beyond-nulls clause not met, adapter-vs-control clause not met")
     lines = text.splitlines()
     legend = "\n".join(lines[lines.index("  legend:") + 1 :])
-    for term in ("met:", "not met:", "not measured:", "untrained control:", "perm =", "norm-matched =",
-                 "qk-spread =", "nw_gain =", "h_eff:", "h:", "n:", "not that training failed"):  # fmt: skip
+    for term in ("met:", "not met:", "not measured:", "scale-matched control:", "perm =", "norm-matched =",
+                 "qk-spread =", "nw_gain =", "logit_scale:", "exponent =", "scale ratio =", "h:", "n:",
+                 "two-level test:", "margin", "not that training failed"):  # fmt: skip
         assert term in " ".join(legend.split()), term
     assert all(line.startswith("    ") and len(line) <= 105 for line in legend.splitlines())
     assert sum(not line.startswith("      ") for line in legend.splitlines()) == len(LEGEND)

@@ -1,0 +1,229 @@
+"""Issue 26, item 8: the verdict's acceptance cases, through the public route.
+
+Every case builds its records with :func:`nw_adapter.comparison_records` from
+:func:`nw_adapter.compare_attention` results (trained and per-draw control, per reference and
+step, with the schedule's h) and judges them with :func:`nw_adapter.verdict`, as a pipeline run's:
+
+- Theorem 3's exact NW head (augmented q/k over a support with unequal norms) whose bandwidth is
+  the h of a flow schedule (10 steps), 4 references, 3 control draws: the bandwidth clause holds
+  (exponent 2); the same head at one fixed bandwidth: it does not;
+- an adapter and its control that differ only by a scalar gain on the keys (0.5, 0.8, 1.4, 2.0):
+  no shape effect (the training clause not met), the scale ratio reported equal to the gain;
+- a fixed random head whose query norms grow over the steps, controls on the same queries: the
+  rise clause does not hold (c4889a3's rule, the slope of rho on the step index, did);
+- a query-blind head: its h_eff is NaN with its reason, counted by the verdict as skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from nw_adapter import compare_attention, comparison_records, format_verdict, scale_matched_keys, verdict
+from nw_adapter.core.compare import AttentionComparison
+from nw_adapter.core.intervals import greater_than_zero
+from nw_adapter.core.specification import H_EFF_REASONS
+
+REFERENCES, DRAWS, HEADS = 4, 3, 2
+SUPPORT, FEATURES, QUERIES = 6, 7, 48
+
+
+def flow_schedule(steps: int = 10) -> list[float]:
+    """h_t = sigma_t / alpha_t of diffusers' flow-matching Euler schedule (shift 3) over ``steps``
+    steps with a finite h (its first step, sigma = 1, is pure noise: h infinite)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from nw_adapter.integration.schedules import schedule_table
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(steps + 1)
+    return [row["h"] for row in schedule_table(scheduler) if math.isfinite(row["h"])][-steps:]
+
+
+def _support_and_queries(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, a support of unequal norms (0.5 .. 2.5) and fixed query points near it:
+    ``[H, M, D]``, ``[H, N, D]``."""
+    shape = (HEADS, SUPPORT, FEATURES)
+    directions = torch.nn.functional.normalize(torch.randn(shape, generator=gen, dtype=torch.float64), dim=-1)
+    support = directions * torch.linspace(0.5, 2.5, SUPPORT, dtype=torch.float64)[:, None]
+    nearest = torch.randint(0, SUPPORT, (HEADS, QUERIES), generator=gen)
+    queries = torch.gather(support, 1, nearest[..., None].expand(-1, -1, FEATURES))
+    return support, queries + 0.3 * torch.randn(queries.shape, generator=gen, dtype=torch.float64)
+
+
+def theorem3_head(support: torch.Tensor, x: torch.Tensor, h: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q = [x / h, 1], k_i = [s_i / h, -||s_i||^2 / 2h^2]: with scale 1, softmax(q.k) is the NW
+    weights of x over the support at bandwidth h (THEORY section 3).
+
+    Returns:
+        ``q [1, H, N, D+1]``, ``k [1, H, M, D+1]``.
+    """
+    q = torch.cat([x / h, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1)
+    k = torch.cat([support / h, -support.square().sum(-1, keepdim=True) / (2 * h * h)], -1)
+    return q[None], k[None]
+
+
+def _compare(q: torch.Tensor, k: torch.Tensor, scale: float) -> AttentionComparison:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN readings are counted in nan_reasons
+        return compare_attention(q, k, scale=scale)
+
+
+def nw_head_records(bandwidths: list[float], schedule: list[float]) -> list[dict]:
+    """Theorem 3's head at ``bandwidths[t]`` per step; control draw k: the same head (same support,
+    same query points) at the fixed temperature h0_k (0.5, 1, 2). The control is the same algebra
+    and data with no bandwidth path: what a head of fixed temperature gives on the same queries."""
+    records = []
+    for reference in range(REFERENCES):
+        support, x = _support_and_queries(torch.Generator().manual_seed(reference))
+        for step, (h, h_schedule) in enumerate(zip(bandwidths, schedule, strict=True)):
+            trained = _compare(*theorem3_head(support, x, h), 1.0)
+            controls = [_compare(*theorem3_head(support, x, h0), 1.0) for h0 in (0.5, 1.0, 2.0)]
+            records += comparison_records(trained, controls, reference=f"ref{reference}", step=step,
+                                          h_schedule=h_schedule)  # fmt: skip
+    return records
+
+
+@pytest.fixture(scope="module")
+def schedule() -> list[float]:
+    h = flow_schedule(10)
+    assert len(h) == 10 and all(a > b for a, b in zip(h, h[1:], strict=False))  # h falls over denoising
+    return h
+
+
+def test_theorem3_head_with_the_schedules_bandwidth_passes_the_bandwidth_clause(schedule) -> None:
+    result = verdict(nw_head_records(schedule, schedule))
+    bandwidth = result["clauses"]["bandwidth"]
+    assert result["images"] == REFERENCES and result["draws"] == DRAWS
+    assert bandwidth["holds"] is True, bandwidth
+    part = bandwidth["parts"][0]
+    assert part["test"] == "two-level" and part["mean"] == pytest.approx(2.0, abs=1e-6)
+    exponent = next(r for r in bandwidth["reported"] if r["key"] == "exponent")
+    assert exponent["mean"] == pytest.approx(2.0, abs=1e-6) and exponent["theory"] == 2.0
+    control = next(r for r in bandwidth["reported"] if r["key"] == "exponent_control")
+    assert control["mean"] == pytest.approx(0.0, abs=1e-6)
+    assert "exponent - control's exponent: +2.000" in format_verdict(result)
+
+
+def test_the_same_head_at_a_fixed_bandwidth_does_not_pass_it(schedule) -> None:
+    result = verdict(nw_head_records([1.0] * len(schedule), schedule))
+    bandwidth = result["clauses"]["bandwidth"]
+    assert bandwidth["holds"] is False, bandwidth
+    assert abs(bandwidth["parts"][0]["mean"]) < 1e-6  # float rounding only: within the margin
+    assert result["evidence"] is False
+
+
+def gain_records(gain: float, *, matched: bool) -> list[dict]:
+    """5 references x 3 steps: random queries and keys k0 (the initialisation), the adapter's keys
+    c k0; every control draw is k0 (the adapter differs from it only by the gain), scale-matched to
+    the adapter's keys (``matched``) or raw, as c4889a3's control was. float32, as a pipeline's."""
+    records = []
+    for reference in range(5):
+        gen = torch.Generator().manual_seed(100 + reference)
+        q = 2.0 * torch.randn(1, HEADS, 64, 16, generator=gen)
+        k0 = torch.randn(1, HEADS, 4, 16, generator=gen) * torch.linspace(0.5, 2.0, 4)[:, None]
+        k = gain * k0
+        for step, h in enumerate((4.0, 1.0, 0.25)):
+            controls, scales = [], []
+            for _ in range(DRAWS):
+                k0m, ratio = scale_matched_keys(k, k0) if matched else (k0, None)
+                controls.append(_compare(q * (1 + step), k0m, 0.25))
+                scales.append(ratio if matched else 1.0)
+            records += comparison_records(_compare(q * (1 + step), k, 0.25), controls,
+                                          reference=f"ref{reference}", step=step, h_schedule=h,
+                                          key_scales=scales)  # fmt: skip
+    return records
+
+
+@pytest.mark.parametrize("gain", [0.5, 0.8, 1.4, 2.0])
+def test_a_pure_gain_is_no_shape_effect_and_its_scale_ratio_is_the_gain(gain) -> None:
+    result = verdict(gain_records(gain, matched=True))
+    training = result["clauses"]["training"]
+    assert training["holds"] is False and result["evidence"] is False
+    for part in training["parts"]:
+        assert abs(part["mean"]) < 1e-5 and part["significant"] is False, part  # ~float32 rounding
+    (ratio,) = training["reported"]
+    assert ratio["key"] == "scale_ratio" and ratio["mean"] == pytest.approx(gain, rel=1e-5)
+    assert ratio["low"] == pytest.approx(gain, rel=1e-5) and ratio["high"] == pytest.approx(gain, rel=1e-5)
+
+
+def test_without_the_matching_a_gain_reads_as_learning() -> None:
+    """The raw control of c4889a3 (the same keys without the gain), gain 0.5: measured nw_gain -
+    control +0.160 [+0.128, +0.192], rho - control +0.191 [+0.164, +0.218]: the clause "holds"."""
+    training = verdict(gain_records(0.5, matched=False))["clauses"]["training"]
+    assert all(p["mean"] > 0.1 for p in training["parts"]) and training["holds"] is True
+
+
+def growing_query_records(schedule: list[float]) -> list[dict]:
+    """A fixed random head (keys of unequal norms) whose query norms grow as h falls (||q|| ~ h^-1/2),
+    6 references; each control draw: other random keys, scale-matched, on the same queries."""
+    records = []
+    for reference in range(6):
+        gen = torch.Generator().manual_seed(200 + reference)
+        directions = torch.nn.functional.normalize(torch.randn(1, HEADS, 64, 16, generator=gen), dim=-1)
+        k = torch.randn(1, HEADS, 4, 16, generator=gen) * torch.linspace(0.5, 2.0, 4)[:, None]
+        draws = [torch.randn(1, HEADS, 4, 16, generator=gen) * torch.linspace(0.5, 2.0, 4)[:, None]
+                 for _ in range(DRAWS)]  # fmt: skip
+        for step, h in enumerate(schedule):
+            q = directions * h**-0.5
+            controls, scales = [], []
+            for k0 in draws:
+                k0m, ratio = scale_matched_keys(k, k0)
+                controls.append(_compare(q, k0m, 0.25))
+                scales.append(ratio)
+            records += comparison_records(_compare(q, k, 0.25), controls, reference=f"ref{reference}",
+                                          step=step, h_schedule=h, key_scales=scales)  # fmt: skip
+    return records
+
+
+def _old_rise(result_records: list[dict]) -> bool:
+    """c4889a3's rise clause: per reference the OLS slope of rho on (step - first) / (last - first),
+    one-sided one-sample t over references."""
+    slopes = []
+    for reference in sorted({r["reference"] for r in result_records}):
+        steps = sorted({r["step"] for r in result_records if r["reference"] == reference})
+        rho = [np.mean([r["rho"] for r in result_records if r["reference"] == reference and r["step"] == s])
+               for s in steps]  # fmt: skip
+        progress = [(s - steps[0]) / (steps[-1] - steps[0]) for s in steps]
+        slopes.append(np.polyfit(progress, rho, 1)[0])
+    return greater_than_zero(slopes).significant
+
+
+def test_query_norm_growth_is_no_rise_against_the_control_on_the_same_queries(schedule) -> None:
+    records = growing_query_records(schedule)
+    assert _old_rise(records) is True  # the old rule: "rho rises over denoising"
+    result = verdict(records)
+    rise = result["clauses"]["rise"]
+    slope = rise["reported"][0]
+    assert slope["key"] == "rho_slope" and slope["mean"] > 0.02  # rho does rise with -log h ...
+    assert rise["holds"] is False, rise  # ... and so does the control's on the same queries
+
+
+QUERY_BLIND = H_EFF_REASONS[1]
+"""Core's reason for a query-blind head's h_eff (compare_attention and the recorder write it)."""
+
+
+def test_a_query_blind_heads_h_eff_is_nan_with_its_reason_and_counted_as_skipped() -> None:
+    records = []
+    for reference in range(3):
+        gen = torch.Generator().manual_seed(300 + reference)
+        q = torch.randn(1, HEADS, 1, 16, generator=gen, dtype=torch.float64).expand(-1, -1, 32, -1)
+        k = torch.randn(1, HEADS, 4, 16, generator=gen, dtype=torch.float64)
+        trained = _compare(q, k, 0.25)
+        assert torch.allclose(trained["r2_key"], torch.ones(1, HEADS, dtype=torch.float64))  # query-blind
+        assert bool(torch.isnan(trained["h_eff"]).all())
+        assert trained.nan_reasons["h_eff"] == {QUERY_BLIND: HEADS}
+        for step, h in enumerate((2.0, 1.0)):
+            records += comparison_records(trained, [], reference=f"ref{reference}", step=step,
+                                          h_schedule=h)  # fmt: skip
+    assert all(math.isnan(r["h_eff"]) and r["h_eff_reason"] == QUERY_BLIND for r in records)
+    result = verdict(records)
+    cells = 3 * 2 * HEADS
+    assert result["skipped"]["h_eff"] == {"count": cells, "reasons": {QUERY_BLIND: cells}}
+    assert result["nonfinite"]["h_eff"] == cells
+    text = " ".join(format_verdict(result).split())
+    assert f"skipped (left out of the means): h_eff {cells} ({QUERY_BLIND}: {cells})" in text
