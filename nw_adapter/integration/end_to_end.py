@@ -54,24 +54,8 @@ from torch import Tensor, nn
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.mixin import active_recorder, nw_processor
+from nw_adapter.integration.schema import CONTROL_OF, H_EFF_REASON_FIELD, control_column, key_scale_column
 from nw_adapter.integration.untrained import UntrainedAdapter, build_untrained_adapter, projection_module
-
-try:  # the shared names of the control columns (integration/schema.py once issue 26 is merged)
-    from nw_adapter.integration.schema import CONTROL_OF, control_column, key_scale_column
-except ImportError:  # pragma: no cover - exercised before the schema helpers exist
-    CONTROL_OF: tuple[str, ...] = (
-        "rho", "kl", "key_norm_cv", "qk_spread_ratio", "logit_scale", "r2_key", "r2_nw",
-        "kl_nw_fit", "kl_key_prior", "nw_gain", "h_eff",
-    )  # fmt: skip
-
-    def control_column(stat: str, draw: int) -> str:
-        """``{stat}_control_{draw}``: the statistic under control draw ``draw``."""
-        return f"{stat}_control_{draw}"
-
-    def key_scale_column(draw: int) -> str:
-        """``key_scale_{draw}``: key_rms(trained) / key_rms(draw, unmatched)."""
-        return f"key_scale_{draw}"
-
 
 __all__ = [
     "MATCH_KEYS",
@@ -498,6 +482,9 @@ def _merge(
         for stat in CONTROL_OF:
             if stat in record:
                 record[control_column(stat, draw)] = math.nan if match is None else match.get(stat, math.nan)
+        if H_EFF_REASON_FIELD in record:  # why the control pass's h_eff is NaN (as the per-layer control)
+            reason = None if match is None else match.get(H_EFF_REASON_FIELD)
+            record[f"{control_column('h_eff', draw)}_reason"] = reason
         layer = _layer_name(str(record["layer"]), layers)
         ratio = key_scale.get((layer, int(record["adapter"]), record["half"])) if layer else None
         head = int(record["head"])

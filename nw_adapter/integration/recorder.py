@@ -57,8 +57,14 @@ CONTROL_COLUMNS: tuple[int, ...] = tuple(STAT_NAMES.index(n) for n in CONTROL_RE
 """Rows of the stats tensor (:data:`STAT_NAMES` order) recorded for the scale-matched control: the
 statistics of :data:`~nw_adapter.integration.schema.CONTROL_OF` this version computes."""
 
-CONTROL_ROWS: int = len(CONTROL_COLUMNS) + 1
-"""Rows of one draw's control tensor: the statistics of :data:`CONTROL_COLUMNS`, then the key scale."""
+CONTROL_ROWS: int = len(CONTROL_COLUMNS) + 2
+"""Rows of one draw's control tensor: the statistics of :data:`CONTROL_COLUMNS`, the key scale, then
+the control's h_eff reason code (written as the text field ``h_eff_control_{k}_reason``)."""
+
+
+def control_reason_field(draw: int) -> str:
+    """``h_eff_control_{draw}_reason``: why draw ``draw``'s ``h_eff`` is NaN (None when identified)."""
+    return f"{control_column('h_eff', draw)}_reason"
 
 
 def _control_names(draws: int) -> list[list[str]]:
@@ -153,6 +159,8 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
                     for di, row_names in enumerate(names):
                         for ui, name in enumerate(row_names):
                             rec[name] = control[((di * CONTROL_ROWS + ui) * n_h + hi) * n_k + ki]
+                        code = control[((di * CONTROL_ROWS + CONTROL_ROWS - 1) * n_h + hi) * n_k + ki]
+                        rec[control_reason_field(di)] = _reason(code)
                 records.append(rec)
     return records
 

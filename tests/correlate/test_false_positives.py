@@ -26,7 +26,8 @@ def test_counts_are_the_verdicts_of_the_runs(tmp_path) -> None:
     for key in ("beyond_nulls", "training", "bandwidth", "rise"):
         assert counts[f"{key} holds"] == sum(v["clauses"][key]["holds"] is True for v in verdicts)
     assert {report["config"]["seed"] for report in reports} == {0, 1}
-    assert {report["config"]["untrained_seed"] for report in reports} == {0, 1}
+    draws = reports[0]["config"]["untrained_draws"]  # run s's draws: seeds s * K + k, used by no other run
+    assert {report["config"]["untrained_seed"] for report in reports} == {0, draws}
     assert len({report["config"]["model"]["model"] for report in reports}) == 2  # new weights per seed
 
 

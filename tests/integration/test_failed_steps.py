@@ -37,10 +37,10 @@ def _run_with_broken_control(pipe, broken_layers: set[str] | None) -> object:
                    if getattr(p, "untrained_control", None) is not None)  # fmt: skip
     keys = control.keys
 
-    def failing(layer, states, *, adapter=0):
+    def failing(layer, states, *, adapter=0, draw=0):
         if broken_layers is None or layer in broken_layers:
             raise RuntimeError("control broke")
-        return keys(layer, states, adapter=adapter)
+        return keys(layer, states, adapter=adapter, draw=draw)
 
     control.keys = failing
     try:
@@ -80,7 +80,7 @@ def test_a_step_where_some_layers_recorded_is_no_error(sd15) -> None:
 def test_cli_prints_the_failed_steps_as_one_error_line(
     quiet, tiny_sd15_dir, tiny_ip_adapter_dir, tmp_path, capsys, monkeypatch
 ) -> None:
-    def broken(self, layer, states, *, adapter=0):
+    def broken(self, layer, states, *, adapter=0, draw=0):
         raise RuntimeError("control broke")
 
     monkeypatch.setattr(UntrainedControl, "keys", broken)

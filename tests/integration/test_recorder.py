@@ -376,3 +376,52 @@ def test_query_blind_heads_record_h_eff_nan_with_its_reason_and_the_summary_coun
     assert {row["h_eff_reason"] for row in csv_rows} == {blind}
     assert all(r["h_eff_reason"] is None and math.isfinite(r["h_eff"]) for r in observed.to_records())
     assert all(row["nan_reasons"] == {} for row in observed.summary())
+
+
+def test_the_controls_unidentified_h_eff_is_nan_with_its_reason_per_draw(pipe) -> None:
+    """Zero trained keys give scale-matched control keys of RMS 0 too (k0 * 0 / rms(k0)): every
+    draw's attention is uniform, so each draw's h_eff is NaN with the query-blind reason in
+    ``h_eff_control_{k}_reason``, which the verdict counts as skipped."""
+    from nw_adapter.core.specification import H_EFF_REASONS
+    from nw_adapter.correlate.verdict import skipped_values
+
+    saved = []
+    for proc in pipe.unet.attn_processors.values():
+        if isinstance(proc, IPAdapterAttnProcessor2_0):
+            for linear in proc.to_k_ip:
+                saved.append((linear.weight, linear.weight.detach().clone()))
+    try:
+        with torch.no_grad():
+            for weight, _ in saved:
+                weight.zero_()
+        rec = pipe.set_ip_adapter_nw_processor(untrained_control=True, untrained_draws=2)
+        try:
+            _run(pipe, steps=1)
+        finally:
+            pipe.unset_ip_adapter_nw_processor()
+    finally:
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+    records = rec.to_records()
+    blind = H_EFF_REASONS[1]
+    for k in range(2):
+        assert records and all(
+            math.isnan(r[f"h_eff_control_{k}"]) and r[f"h_eff_control_{k}_reason"] == blind for r in records
+        )
+    half = records[0]["half"]
+    skipped = skipped_values(records, half, ["h_eff_control_0"])
+    assert skipped["h_eff_control_0"]["reasons"] == {blind: sum(r["half"] == half for r in records)}
+
+
+def test_the_controls_identified_h_eff_has_no_reason(pipe) -> None:
+    rec = pipe.set_ip_adapter_nw_processor(untrained_control=True, untrained_draws=1)
+    try:
+        _run(pipe, steps=1)
+    finally:
+        pipe.unset_ip_adapter_nw_processor()
+    records = rec.to_records()
+    assert records and all(
+        (r["h_eff_control_0_reason"] is None) == math.isfinite(r["h_eff_control_0"]) for r in records
+    )
+    assert any(r["h_eff_control_0_reason"] is None for r in records)

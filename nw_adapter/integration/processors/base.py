@@ -347,14 +347,15 @@ class NWProcessorBase:
         self, q: torch.Tensor, k: torch.Tensor, k0: torch.Tensor, scale: float, halves: int, common: dict
     ) -> torch.Tensor:
         """One control draw's rows ``[CONTROL_ROWS, halves, H]``: the statistics of :data:`CONTROL_COLUMNS`
-        of ``q`` against the scale-matched keys ``k0m`` (no nulls), then the key scale
-        ``key_rms(k) / key_rms(k0)`` averaged over each half's rows."""
+        of ``q`` against the scale-matched keys ``k0m`` (no nulls), the key scale
+        ``key_rms(k) / key_rms(k0)`` averaged over each half's rows, then the control's h_eff reason
+        code (the last row of the statistics)."""
         matched, ratio = scale_matched(k, k0)  # [B, H, M0, d], [B, H]
         h0 = self._bandwidth(q, matched, scale)
         values0, _, _ = stats.softmax_statistics(q, matched, h=h0, draws=None, **common)
         picked = values0.index_select(0, self._index(CONTROL_COLUMNS, values0.device))
         key_scale = ratio.float().view(halves, ratio.shape[0] // halves, ratio.shape[1]).mean(dim=1)
-        return torch.cat([picked, key_scale.to(picked.device)[None]], dim=0)
+        return torch.cat([picked, key_scale.to(picked.device)[None], values0[-1:]], dim=0)
 
 
 def is_nw_processor(processor: Any) -> bool:
