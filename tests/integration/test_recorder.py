@@ -336,6 +336,32 @@ def test_a_records_file_written_before_the_readings_still_loads(observed, tmp_pa
     assert math.isnan(before["r2_key"]) and before["nonfinite"]["r2_key"] == now["count"]
 
 
+def _record_with_zero_ip_keys(pipe, **config) -> NWRecorder:
+    """One observed step with every ``to_k_ip`` weight zeroed (image keys 0: uniform attention, the
+    same for every query), the weights restored afterwards; the recorder of that step."""
+    saved = [
+        (linear.weight, linear.weight.detach().clone())
+        for proc in pipe.unet.attn_processors.values()
+        if isinstance(proc, IPAdapterAttnProcessor2_0)
+        for linear in proc.to_k_ip
+    ]
+    assert saved
+    try:
+        with torch.no_grad():
+            for weight, _ in saved:
+                weight.zero_()
+        rec = pipe.set_ip_adapter_nw_processor(**config)
+        try:
+            _run(pipe, steps=1)
+        finally:
+            pipe.unset_ip_adapter_nw_processor()
+    finally:
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+    return rec
+
+
 def test_query_blind_heads_record_h_eff_nan_with_its_reason_and_the_summary_counts_them(
     pipe, observed, tmp_path
 ):
@@ -345,25 +371,7 @@ def test_query_blind_heads_record_h_eff_nan_with_its_reason_and_the_summary_coun
     trained adapter's records keep their numbers (reason None)."""
     from nw_adapter.core.specification import H_EFF_REASONS
 
-    saved = []
-    for proc in pipe.unet.attn_processors.values():
-        if isinstance(proc, IPAdapterAttnProcessor2_0):
-            for linear in proc.to_k_ip:
-                saved.append((linear.weight, linear.weight.detach().clone()))
-    assert saved
-    try:
-        with torch.no_grad():
-            for weight, _ in saved:
-                weight.zero_()
-        rec = pipe.set_ip_adapter_nw_processor()
-        try:
-            _run(pipe, steps=1)
-        finally:
-            pipe.unset_ip_adapter_nw_processor()
-    finally:
-        with torch.no_grad():
-            for weight, value in saved:
-                weight.copy_(value)
+    rec = _record_with_zero_ip_keys(pipe)
     records = rec.to_records()
     blind = H_EFF_REASONS[1]
     assert records and all(math.isnan(r["h_eff"]) and r["h_eff_reason"] == blind for r in records)
@@ -385,24 +393,7 @@ def test_the_controls_unidentified_h_eff_is_nan_with_its_reason_per_draw(pipe) -
     from nw_adapter.core.specification import H_EFF_REASONS
     from nw_adapter.correlate.verdict import skipped_values
 
-    saved = []
-    for proc in pipe.unet.attn_processors.values():
-        if isinstance(proc, IPAdapterAttnProcessor2_0):
-            for linear in proc.to_k_ip:
-                saved.append((linear.weight, linear.weight.detach().clone()))
-    try:
-        with torch.no_grad():
-            for weight, _ in saved:
-                weight.zero_()
-        rec = pipe.set_ip_adapter_nw_processor(untrained_control=True, untrained_draws=2)
-        try:
-            _run(pipe, steps=1)
-        finally:
-            pipe.unset_ip_adapter_nw_processor()
-    finally:
-        with torch.no_grad():
-            for weight, value in saved:
-                weight.copy_(value)
+    rec = _record_with_zero_ip_keys(pipe, untrained_control=True, untrained_draws=2)
     records = rec.to_records()
     blind = H_EFF_REASONS[1]
     for k in range(2):
