@@ -260,50 +260,6 @@ def _positive(value: object) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
-def step_log_scales(records: Sequence[dict], half: str, stat: str = "logit_scale") -> dict[str, dict]:
-    """Per reference image and step, the mean over layers, heads and adapters of ``log stat`` for
-    the trained adapter and for the scale-matched control (per record the mean over its draws k of
-    ``log {stat}_control_k``); positive finite values only. A record without ``reference``
-    belongs to its pipeline ``call``.
-
-    Returns:
-        ``{reference: {step: {"h": schedule h, "trained": mean log, "control": mean log or None}}}``,
-        only steps with a positive schedule ``h`` and a finite trained value.
-    """
-    sums: dict[str, dict[int, dict[str, list[float]]]] = {}
-    for record in records:
-        h = record.get("h_schedule")
-        if record.get("half") != half or not _positive(h) or not _positive(record.get(stat)):
-            continue
-        unit = record["reference"] if "reference" in record else f"call {record.get('call')}"
-        empty: dict[str, list[float]] = {"h": [], "trained": [], "control": []}
-        cell = sums.setdefault(unit, {}).setdefault(int(record["step"]), empty)
-        cell["h"].append(math.log(h))
-        cell["trained"].append(math.log(record[stat]))
-        logs = [
-            math.log(v)
-            for k in range(control_draws(record))
-            if _positive(v := record.get(control_column(stat, k)))
-        ]
-        if logs:
-            cell["control"].append(sum(logs) / len(logs))
-    return {
-        unit: {
-            step: {
-                "h": float(np.mean(c["h"])),
-                "trained": float(np.mean(c["trained"])),
-                "control": float(np.mean(c["control"])) if c["control"] else None,
-            }
-            for step, c in steps.items()
-        }
-        for unit, steps in sums.items()
-    }
-
-
-def _ols_slope(x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.polyfit(x, y, 1)[0]) if x.size >= 2 and np.ptp(x) > 0 else math.nan
-
-
 def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
     """The bandwidth path: ``logit_scale`` against the schedule's h per step, log-log, with slope -2.
 
@@ -312,10 +268,12 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     has ``logit_scale = c / h^2`` (slope -2 on log-log axes) whatever its support, a head of fixed
     temperature a flat line, and a constant gain on q or k only moves a line up or down. Per step:
     the geometric mean over reference images of each image's geometric mean over layers, heads and
-    adapters, for the trained adapter and, when recorded, the scale-matched control (per record the
+    adapters (:func:`nw_adapter.correlate.verdict.image_step_means`, the verdict's own per-step
+    means), for the trained adapter and, when recorded, the scale-matched control (per step the
     geometric mean over its draws), with the 95% Student t interval over images as error bars (the
     unit: the reference image; two or more images). The legend gives each arm's mean per-image OLS
-    slope (the verdict's bandwidth clause tests the trained exponent minus the control's). The
+    slope (:func:`~nw_adapter.correlate.verdict.slope_on_log_h`; the control's over images and draws;
+    the verdict's bandwidth clause tests the trained exponent minus the control's). The
     dotted line through the trained points' centre has slope -2. 3.5 in wide (a paper's column).
 
     Returns:
@@ -325,45 +283,55 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     from matplotlib.figure import Figure
 
     from nw_adapter.core.intervals import t_interval
+    from nw_adapter.correlate.verdict import image_step_means, slope_on_log_h
     from nw_adapter.integration.records import wrap_title
 
-    by_image = step_log_scales(records, half)
-    if not by_image:
-        return None
     draws = control_draws({name for r in records for name in r})
-    arms = (("trained", "trained adapter", "#1f77b4", "o"), ("control", control_label(draws), "#ff7f0e", "s"))
+    by_image = image_step_means(records, half, draws)
+    controls = [f"log_{control_column('logit_scale', k)}" for k in range(draws)]
+    for rows in by_image.values():  # the control's arm: per step, the mean over its draws
+        for row in rows:
+            logs = [row[name] for name in controls if row.get(name) is not None]
+            row["log_control"] = float(np.mean(logs)) if logs else None
+    arms = (
+        ("log_logit_scale", ("log_logit_scale",), "trained adapter", "#1f77b4", "o"),
+        ("log_control", controls, control_label(draws), "#ff7f0e", "s"),
+    )
+
+    def points(rows: Sequence[dict], key: str) -> list[tuple[int, float, float]]:
+        return [(r["step"], math.log(r["h_schedule"]), r[key]) for r in rows
+                if r.get(key) is not None and _positive(r.get("h_schedule"))]  # fmt: skip
+
+    if not any(points(rows, "log_logit_scale") for rows in by_image.values()):
+        return None
     fig = Figure(figsize=(3.5, 3.7), layout="constrained")
     ax = fig.subplots()
     centre: tuple[float, float] | None = None
-    for key, label, color, marker in arms:
+    for key, sloped, label, color, marker in arms:
         per_step: dict[int, list[tuple[float, float]]] = {}
-        slopes = []
-        for steps in by_image.values():
-            points = [(c["h"], c[key]) for _, c in sorted(steps.items()) if c[key] is not None]
-            for step, c in steps.items():
-                if c[key] is not None:
-                    per_step.setdefault(step, []).append((c["h"], c[key]))
-            if points:
-                xy = np.array(points)
-                slopes.append(_ols_slope(xy[:, 0], xy[:, 1]))
+        for rows in by_image.values():
+            for step, x, y in points(rows, key):
+                per_step.setdefault(step, []).append((x, y))
         if not per_step:
             continue
+        # each image's OLS slope of the arm's log logit_scale on log h (the control's: over its draws)
+        slopes = [v for rows in by_image.values() for name in sloped
+                  if (v := slope_on_log_h(rows, name, 1.0)) is not None]  # fmt: skip
         order = sorted(per_step, key=lambda step: np.mean([p[0] for p in per_step[step]]))
         xs = np.array([np.mean([p[0] for p in per_step[s]]) for s in order])
         stats = np.array([t_interval([p[1] for p in per_step[s]]) for s in order])  # [steps, 3]
         n = max(len(per_step[s]) for s in order)
-        finite = [v for v in slopes if math.isfinite(v)]
-        slope = f", slope {np.mean(finite):+.2f}" if finite else ""
+        slope = f", slope {np.mean(slopes):+.2f}" if slopes else ""
         y = np.exp(stats[:, 0])
         errors = None
         if n >= 2:
             errors = np.vstack([y - np.exp(stats[:, 1]), np.exp(stats[:, 2]) - y])
         ax.errorbar(np.exp(xs), y, yerr=errors, color=color, marker=marker, markersize=2.5, linewidth=1.0,
                     elinewidth=0.7, capsize=1.5, label=f"{label} ({n} image(s){slope})")
-        if key == "trained":
+        if key == "log_logit_scale":
             centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
     if centre is not None:
-        h_all = [c["h"] for steps in by_image.values() for c in steps.values()]
+        h_all = [x for rows in by_image.values() for _, x, _ in points(rows, "log_logit_scale")]
         grid = np.linspace(min(h_all), max(h_all), 50)
         ax.plot(np.exp(grid), np.exp(centre[1] - 2.0 * (grid - centre[0])), color="0.3", linestyle=":",
                 linewidth=1.0, label="slope -2: an exact NW head (c / h^2)")

@@ -433,7 +433,7 @@ def _ols_slope(x: Sequence[float], y: Sequence[float]) -> float | None:
     return float((xc * (ys - ys.mean())).sum() / (xc * xc).sum())
 
 
-def _slope_on_log_h(rows: Sequence[dict], name: str, sign: float) -> float | None:
+def slope_on_log_h(rows: Sequence[dict], name: str, sign: float) -> float | None:
     """``sign`` x the OLS slope of ``row[name]`` on ``log h_schedule`` over the steps where both are finite.
 
     ``sign = -1`` with ``log_logit_scale`` gives the exponent ``-d log logit_scale / d log h``; with
@@ -468,17 +468,17 @@ def per_image_values(reference: Any, rows: Sequence[dict], draws: int = 0) -> di
     per_draw = {
         "nw_gain_minus_control": lambda r, k: _step_mean(r, f"d_nw_gain_{k}"),
         "rho_minus_control": lambda r, k: _step_mean(r, f"d_rho_{k}"),
-        "exponent_minus_control": lambda r, k: _slope_on_log_h(r, f"d_log_logit_scale_{k}", -1.0),
-        "rise_minus_control": lambda r, k: _slope_on_log_h(r, f"d_rho_{k}", -1.0),
+        "exponent_minus_control": lambda r, k: slope_on_log_h(r, f"d_log_logit_scale_{k}", -1.0),
+        "rise_minus_control": lambda r, k: slope_on_log_h(r, f"d_rho_{k}", -1.0),
     }
     for key, value in per_draw.items():
         values[f"{key}_draws"] = _draw_values(rows, draws, value)
         values[key] = _mean_of(values[f"{key}_draws"])
-    values["exponent"] = _slope_on_log_h(rows, "log_logit_scale", -1.0)
+    values["exponent"] = slope_on_log_h(rows, "log_logit_scale", -1.0)
     values["exponent_control_draws"] = _draw_values(
-        rows, draws, lambda r, k: _slope_on_log_h(r, f"log_{control_column('logit_scale', k)}", -1.0)
+        rows, draws, lambda r, k: slope_on_log_h(r, f"log_{control_column('logit_scale', k)}", -1.0)
     )
-    values["rho_slope"] = _slope_on_log_h(rows, "rho", -1.0)
+    values["rho_slope"] = slope_on_log_h(rows, "rho", -1.0)
     values["log_scale_ratio_draws"] = _draw_values(
         rows, draws, lambda r, k: _step_mean(r, f"log_{key_scale_column(k)}")
     )
