@@ -66,9 +66,12 @@ from nw_adapter.core.intervals import (
 )
 from nw_adapter.integration.records import analysis_half
 from nw_adapter.integration.schema import (
+    KEY_SCALE,
     NULL_STATS,
+    UNTRAINED_SUFFIX,
     control_column,
     control_draws,
+    control_stat,
     finite_mean,
     key_scale_column,
 )
@@ -88,16 +91,6 @@ METHOD = (
     "of several parts holds only when every part is significant (intersection-union test)"
 )
 """How the verdict is computed, stored in ``rho.json``."""
-
-CONTROL_INFIX = "_control_"
-"""Control columns are ``{stat}_control_{k}``: the statistic of the same queries against draw ``k``'s
-untrained keys rescaled per layer and head to the trained keys' RMS norm (the scale-matched control)."""
-
-KEY_SCALE = "key_scale_"
-"""``key_scale_{k}`` = key RMS of the trained adapter / that of draw ``k``'s untrained keys (unmatched)."""
-
-LEGACY_SUFFIX = "_untrained"
-"""Columns of files written before the scale-matched control (one raw, unmatched draw)."""
 
 THEORY_EXPONENT = 2.0
 """``-d log logit_scale / d log h`` of Theorem 3's exact NW head whose bandwidth is the schedule's h."""
@@ -515,9 +508,9 @@ def _unmeasured(part: Part, recorded: set[str], draws: int) -> tuple[list[str], 
     """``(missing columns, reason)`` of a part that cannot be measured; ``([], None)`` when it can."""
     missing = [c for c in part.needs if c not in recorded]
     if part.control_of and draws == 0:
-        if any(column.endswith(LEGACY_SUFFIX) for column in recorded):
+        if any(column.endswith(UNTRAINED_SUFFIX) for column in recorded):
             return missing, LEGACY_REASON
-        missing += [f"{stat}{CONTROL_INFIX}<k>" for stat in part.control_of]
+        missing += [control_column(stat, 0).removesuffix("0") + "<k>" for stat in part.control_of]
     else:
         missing += [c for c in (control_column(s, 0) for s in part.control_of) if c not in recorded]
     return missing, (_missing_reason(missing) if missing else None)
@@ -645,11 +638,7 @@ def skipped_values(records: Sequence[dict], half: str, columns: Sequence[str]) -
         if column not in present:
             continue
         reasons: dict[str, int] = {}
-        positive = (
-            column in LOG_COLUMNS
-            or column.startswith(KEY_SCALE)
-            or any(column.startswith(s + CONTROL_INFIX) for s in CONTROL_LOG_OF)
-        )
+        positive = column in LOG_COLUMNS or control_stat(column) in (KEY_SCALE, *CONTROL_LOG_OF)
         for record in kept:
             x = _number(record.get(column))
             if math.isfinite(x) and (x > 0 or not positive):

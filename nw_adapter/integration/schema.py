@@ -164,11 +164,20 @@ def control_columns(draws: int) -> tuple[str, ...]:
     )
 
 
+def control_stat(name: str) -> str | None:
+    """The statistic of a control column: X of ``{X}_control_{k}`` (X in :data:`CONTROL_OF`),
+    :data:`KEY_SCALE` of ``key_scale_{k}``; None for any other name."""
+    match = _CONTROL_PATTERN.match(name)
+    if match is None:
+        return None
+    stat = match["stat"] or KEY_SCALE
+    return stat if stat == KEY_SCALE or stat in CONTROL_OF else None
+
+
 def is_control_column(name: str) -> bool:
     """Whether ``name`` is a column of the scale-matched control (``{X}_control_{k}`` with X in
     :data:`CONTROL_OF`, or ``key_scale_{k}``)."""
-    match = _CONTROL_PATTERN.match(name)
-    return match is not None and (match["stat"] is None or match["stat"] in CONTROL_OF)
+    return control_stat(name) is not None
 
 
 def control_draws(columns: Iterable[str]) -> int:
