@@ -50,6 +50,7 @@ from nw_adapter.integration.control import UntrainedControl, scale_matched
 from nw_adapter.integration.maps import reduce_maps
 from nw_adapter.integration.recorder import CONTROL_COLUMNS, NWRecorder
 from nw_adapter.integration.steps import StepState
+from nw_adapter.integration.support import support_bandwidth, support_values
 
 PASS_HALVES = ("cond", "uncond")
 """Half label of the denoiser pass with index 0 (positive prompt) and 1 (negative; Flux's true CFG)."""
@@ -278,6 +279,7 @@ class NWProcessorBase:
         ip_mass: torch.Tensor | None = None,
         maps: bool = False,
         control_keys: Sequence[torch.Tensor] = (),
+        references: int = 1,
     ) -> None:
         """Statistics of one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) to the recorder.
 
@@ -292,6 +294,10 @@ class NWProcessorBase:
         without nulls, are recorded as ``{X}_control_{k}``
         (:data:`~nw_adapter.integration.recorder.CONTROL_COLUMNS`) and the ratio
         ``key_rms(k) / key_rms(k0)``, averaged over the rows of each CFG half, as ``key_scale_{k}``.
+        ``references``: the m reference images whose tokens make up the keys (a support set, keys
+        reference-major); with m > 1 the per-reference masses and entropies of
+        :func:`~nw_adapter.integration.support.support_values` are recorded too, at the schedule's
+        bandwidth (:func:`~nw_adapter.integration.support.support_bandwidth`).
 
         Raises:
             ValueError: ``bandwidth="schedule"`` at s = 1 (uniform NW weights, rank statistics
@@ -322,6 +328,10 @@ class NWProcessorBase:
         if control_keys:
             per_draw = [self._control_values(q, k, k0, scale, n, common) for k0 in control_keys]
             control = torch.stack(per_draw)
+        support = None
+        if references > 1:
+            h_nw = support_bandwidth(cfg, rec.state)
+            support = support_values(q, k, scale=scale, h=h_nw, references=references, halves=n)
         rec.add(
             layer=self.layer_name,
             adapter=adapter,
@@ -334,6 +344,7 @@ class NWProcessorBase:
             key_set=key_set,
             ip_mass=mass,
             control=control,
+            support=support,
         )
         if maps and rec.wants_maps(self.layer_name):
             reduced = reduce_maps(cfg, heads=heads, attn_w=attn_w, nw_w=nw_w, latent_hw=rec.state.latent_hw)
