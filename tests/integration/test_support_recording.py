@@ -115,3 +115,20 @@ def test_flux_support_set_has_uniform_nw_mass_at_its_pure_noise_step(tiny_flux_d
         r[support_mass_column(i, nw=True)] == pytest.approx(1 / 3, abs=1e-7) for r in first for i in range(3)
     )
     assert all(r["ref_entropy_nw"] == pytest.approx(math.log(3), abs=1e-6) for r in first)
+
+
+@pytest.mark.parametrize(
+    ("references", "call", "message"),
+    [
+        ([], {}, "no reference image"),
+        (["x"], {"ip_adapter_image": "x"}, "ip_adapter_image is set by the function"),
+        (["x"], {"generator": None}, "generator is set by the function"),
+    ],
+)
+def test_observe_support_set_refuses_bad_calls(digits_pipe, references, call, message):
+    from nw_adapter.integration.support_sets import observe_support_set
+
+    with pytest.raises(ValueError, match=message):
+        observe_support_set(digits_pipe, references, **call)
+    with pytest.raises(ValueError, match="observes"):
+        observe_support_set(digits_pipe, ["x"], config=NWProcessorConfig(mode="swap"))
