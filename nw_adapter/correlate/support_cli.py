@@ -2,7 +2,7 @@
 
 A mode of its own, like ``--compare-swap``: each support set (several reference images for the one
 adapter, diffusers' list-per-adapter convention) conditions one generation, observed by the NW
-processors (:func:`nw_adapter.integration.support_sets.observe_support_set`; the image is the stock
+processors (:func:`nw_adapter.analysis.support_sets.observe_support_set`; the image is the stock
 one). The sets come from
 
 - ``--support-set FILES`` (repeatable): one set per occurrence, comma-separated image files, in
@@ -251,10 +251,10 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
     judged = args.model in DIGIT_MODELS and all(size in (None, 32) for size in (args.height, args.width))
     out_dir.mkdir(parents=True, exist_ok=True)
     with OutputLock(out_dir):
+        from nw_adapter.analysis.records import csv_text
+        from nw_adapter.analysis.support_sets import observe_support_set
         from nw_adapter.correlate.images import load_reference_image
-        from nw_adapter.integration.records import csv_text
         from nw_adapter.integration.schema import SUPPORT_REFERENCES, support_columns
-        from nw_adapter.integration.support_sets import observe_support_set
 
         pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
         pipe.set_progress_bar_config(disable=not bars, leave=False)

@@ -1,9 +1,9 @@
 """The support-set report: per set, which reference wins the attention and which the image resembles.
 
-Built from the per-set results of :func:`nw_adapter.integration.support_sets.observe_support_set`
+Built from the per-set results of :func:`nw_adapter.analysis.support_sets.observe_support_set`
 (torch-free once built, so the files redraw without a model):
 
-- per set: the per-step masses (:func:`~nw_adapter.integration.support_sets.support_steps`, the
+- per set: the per-step masses (:func:`~nw_adapter.analysis.support_sets.support_steps`, the
   conditional half averaged over layers and heads), the attention's winner (the reference with the
   largest mass at the last step) and the step from which it keeps the lead, the NW weights' winner
   at the schedule's h, the per-reference CLIP-I and the CLIP-nearest reference, and on digits the
@@ -61,13 +61,13 @@ def _classes(labels: Sequence[Any] | None) -> str:
 
 
 def set_entry(key: str, files: Sequence[dict[str, Any]], run: Any, generated: str) -> dict[str, Any]:
-    """The JSON entry of one set from its :class:`~nw_adapter.integration.support_sets.SupportSetRun`.
+    """The JSON entry of one set from its :class:`~nw_adapter.analysis.support_sets.SupportSetRun`.
 
     Args:
         key: the set's name. files: per reference ``{"file", "sha256"}``, in set order.
         run: the run. generated: the generated image's path relative to ``--out``.
     """
-    from nw_adapter.integration.support_sets import decided_step
+    from nw_adapter.analysis.support_sets import decided_step
 
     m = len(files)
     judged = run.judged
@@ -216,7 +216,7 @@ def plot_set(entry: dict[str, Any], path: str | os.PathLike, *, title: str | Non
     schedule's h (dashed), one colour per reference; 3.5 in wide. None (nothing written) for m = 1."""
     from matplotlib.figure import Figure
 
-    from nw_adapter.integration.records import save_figure, wrap_title
+    from nw_adapter.analysis.records import save_figure, wrap_title
 
     steps = entry["steps"]
     if not steps:
@@ -263,7 +263,7 @@ def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str 
     more). 3.5 in wide. None (nothing written) when no set has m >= 2."""
     from matplotlib.figure import Figure
 
-    from nw_adapter.integration.records import save_figure, wrap_title
+    from nw_adapter.analysis.records import save_figure, wrap_title
 
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for e in document["sets"]:

@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
+from nw_adapter.analysis.support_sets import decided_step, support_steps
 from nw_adapter.correlate.cli import main
 from nw_adapter.correlate.support_report import concentration, group_summary
-from nw_adapter.integration.support_sets import decided_step, support_steps
 from nw_adapter.models.tiny_digits import example_image_path
 
 

@@ -126,7 +126,7 @@ def test_flux_support_set_has_uniform_nw_mass_at_its_pure_noise_step(tiny_flux_d
     ],
 )
 def test_observe_support_set_refuses_bad_calls(digits_pipe, references, call, message):
-    from nw_adapter.integration.support_sets import observe_support_set
+    from nw_adapter.analysis.support_sets import observe_support_set
 
     with pytest.raises(ValueError, match=message):
         observe_support_set(digits_pipe, references, **call)

@@ -11,7 +11,7 @@ makes that call under the NW processors (observe: the image is the stock one) an
 - :func:`support_steps`: those columns per step, averaged over layers and heads (one CFG half);
 - which reference the generation resembles: per-reference CLIP-I, the cosine of the generation's
   and each reference's embedding in the pipeline's own image encoder
-  (:func:`~nw_adapter.integration.consequence.encode_images`), and optionally a class judge's labels.
+  (:func:`~nw_adapter.analysis.consequence.encode_images`), and optionally a class judge's labels.
 
 Example:
     >>> from nw_adapter.models.loaders import load_tiny_digits, tiny_digit_image
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from nw_adapter.analysis.consequence import encode_images
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.consequence import encode_images
 from nw_adapter.integration.mixin import nw_processor
 from nw_adapter.integration.schema import SUPPORT_REFERENCES, SUPPORT_SCALARS, support_mass_column
 
