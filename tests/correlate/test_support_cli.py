@@ -162,3 +162,20 @@ def test_end_to_end_run_writes_the_support_columns_and_the_report(finished):
         assert (finished / name).stat().st_size > 0
     groups = {(g["num_refs"], g["classes"]) for g in document["summary"]}
     assert groups == {(2, "mixed"), (2, "same")}
+
+
+def test_digit_support_sets_have_the_asked_sizes_and_classes(tmp_path):
+    import re
+
+    from nw_adapter.correlate.digit_sets import write_digit_support_sets
+
+    folders = write_digit_support_sets(tmp_path, sizes=(1, 3), per_group=2, seed=0)
+    assert [f.name for f in folders] == ["m1-same-00", "m1-same-01", "m3-mixed-00", "m3-mixed-01",
+                                         "m3-same-00", "m3-same-01"]  # fmt: skip
+    for folder in folders:
+        classes = [int(re.search(r"digit(\d)", p.name)[1]) for p in sorted(folder.iterdir())]
+        m = int(folder.name[1])
+        assert len(classes) == m
+        assert len(set(classes)) == (1 if "same" in folder.name else m)
+    with pytest.raises(ValueError, match="sizes"):
+        write_digit_support_sets(tmp_path, sizes=(11,))
