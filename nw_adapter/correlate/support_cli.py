@@ -35,8 +35,9 @@ __all__ = ["MAX_REFERENCES", "SupportSetError", "SupportSetInput", "add_argument
 MAX_REFERENCES = 16
 """The most reference images one set may hold."""
 
-DIGIT_MODELS = ("tiny",)
-"""``--model`` names of the digits models, whose generations the digit judge labels (32 x 32)."""
+DIGIT_MODELS = ("tiny", "tiny-flux-digits")
+"""``--model`` names of the digits models (the trained SD 1.5 and Flux ones), whose 32 x 32 generations
+the digit judge labels."""
 
 JUDGE = "nw_adapter.models.digits_quality.digit_judge (RBF SVM fitted on the held-out judge split)"
 
