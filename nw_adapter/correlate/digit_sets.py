@@ -17,7 +17,28 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["write_digit_support_sets"]
+__all__ = ["known_digit_labels", "pixel_digest", "write_digit_support_sets"]
+
+
+def pixel_digest(image) -> str:
+    """SHA-256 of an image's RGB pixels (shape and bytes): the same for any lossless file of it."""
+    import hashlib
+
+    pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    return hashlib.sha256(repr(pixels.shape).encode() + pixels.tobytes()).hexdigest()
+
+
+def known_digit_labels() -> dict[str, int]:
+    """``{pixel_digest: class}`` of the 100 held-out reference digits (the sweep's and the bundled
+    examples' source): a reference whose pixels are one of them has a known class."""
+    from PIL import Image
+
+    from nw_adapter.models.digits_data import load_digit_splits
+
+    split = load_digit_splits()["reference"]
+    return {
+        pixel_digest(Image.fromarray(im)): int(c) for im, c in zip(split.images, split.labels, strict=True)
+    }
 
 
 def write_digit_support_sets(

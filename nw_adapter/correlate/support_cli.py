@@ -254,6 +254,7 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
     with OutputLock(out_dir):
         from nw_adapter.analysis.records import csv_text
         from nw_adapter.analysis.support_sets import observe_support_set
+        from nw_adapter.correlate.digit_sets import pixel_digest
         from nw_adapter.correlate.images import load_reference_image
         from nw_adapter.integration.schema import SUPPORT_REFERENCES, support_columns
 
@@ -264,11 +265,12 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
         for name in ("negative_prompt", "height", "width"):
             if getattr(args, name) is not None:
                 call[name] = getattr(args, name)
-        judge = None
+        judge, known = None, {}
         if judged:
+            from nw_adapter.correlate.digit_sets import known_digit_labels
             from nw_adapter.models.digits_quality import digit_judge
 
-            judge = digit_judge()
+            judge, known = digit_judge(), known_digit_labels()
         shown = families.shown_spec(args.model, args.ip_adapter, args.image_encoder, spec)
         config = run_config(args, shown, device, str(dtype).removeprefix("torch."), judged)
         config["scheduler_class"] = type(pipe.scheduler).__name__
@@ -283,7 +285,9 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
             folder.mkdir(parents=True, exist_ok=True)
             atomic.atomic_write(folder / "generated.png", lambda tmp, image=result.image: image.save(tmp))
             files = [{"file": str(info.path), "sha256": info.sha256} for info in infos]
-            entry = report.set_entry(s.key, files, result, f"sets/{s.key}/generated.png")
+            digests = [pixel_digest(image) for image in references]
+            labels = [known[d] for d in digests] if judged and all(d in known for d in digests) else None
+            entry = report.set_entry(s.key, files, result, f"sets/{s.key}/generated.png", labels)
             report.plot_set(entry, folder / "mass.png", title=f"{s.key}: attention mass per reference")
             entries.append(entry)
             columns = set(support_columns(len(infos)))

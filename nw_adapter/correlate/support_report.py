@@ -60,30 +60,38 @@ def _classes(labels: Sequence[Any] | None) -> str:
     return "same" if len(set(labels)) == 1 else "mixed"
 
 
-def set_entry(key: str, files: Sequence[dict[str, Any]], run: Any, generated: str) -> dict[str, Any]:
+def set_entry(
+    key: str, files: Sequence[dict[str, Any]], run: Any, generated: str, labels: Sequence[int] | None = None
+) -> dict[str, Any]:
     """The JSON entry of one set from its :class:`~nw_adapter.analysis.support_sets.SupportSetRun`.
 
     Args:
         key: the set's name. files: per reference ``{"file", "sha256"}``, in set order.
         run: the run. generated: the generated image's path relative to ``--out``.
+        labels: the references' known classes (held-out digits,
+            :func:`~nw_adapter.correlate.digit_sets.known_digit_labels`); None: the judge's reading of
+            the references stands in (``class_source`` says which).
     """
     from nw_adapter.analysis.support_sets import decided_step
 
     m = len(files)
     judged = run.judged
+    classes = list(labels) if labels is not None else (None if judged is None else list(judged[1:]))
     references = [
-        {**f, "clip_cosine": run.clip_cosine[i], "judged": None if judged is None else judged[i + 1]}
+        {**f, "clip_cosine": run.clip_cosine[i], "judged": None if judged is None else judged[i + 1],
+         "label": None if labels is None else labels[i]}
         for i, f in enumerate(files)
-    ]
+    ]  # fmt: skip
     winner, decided = decided_step(run.steps)
     winner_nw, _ = decided_step(run.steps, "mass_nw")
     last = run.steps[-1] if run.steps else None
     judged_generated = None if judged is None else judged[0]
-    winner_class = None if judged is None or winner is None else judged[winner + 1]
+    winner_class = None if classes is None or winner is None else classes[winner]
     return {
         "key": key,
         "num_refs": m,
-        "classes": _classes(None if judged is None else judged[1:]),
+        "classes": _classes(classes),
+        "class_source": "known" if labels is not None else ("judge" if judged is not None else None),
         "references": references,
         "generated": generated,
         "clip_embedding": run.clip_embedding,
@@ -93,8 +101,10 @@ def set_entry(key: str, files: Sequence[dict[str, Any]], run: Any, generated: st
         "winner_nw": winner_nw,
         "judged_generated": judged_generated,
         "clip_nearest_is_winner": None if winner is None else run.clip_nearest == winner,
-        "class_of_winner": None if winner_class is None else judged_generated == winner_class,
-        "class_of_a_reference": None if judged is None else judged_generated in judged[1:],
+        "class_of_winner": None
+        if winner_class is None or judged is None
+        else judged_generated == winner_class,
+        "class_of_a_reference": None if classes is None or judged is None else judged_generated in classes,
         "final_concentration": None if last is None else concentration(last["mass"], m),
         "final_concentration_nw": None if last is None else concentration(last["mass_nw"], m),
         "final_row_entropy_share": None if last is None else _entropy_share(last["ref_row_entropy"], m),
@@ -167,8 +177,9 @@ def format_document(document: dict[str, Any]) -> str:
     ]
     for e in document["sets"]:
         clip = ", ".join(f"{r['clip_cosine']:.3f}" for r in e["references"])
+        shown = [r["label"] if r.get("label") is not None else r["judged"] for r in e["references"]]
         classes = "" if e["judged_generated"] is None else (
-            f"; classes refs {[r['judged'] for r in e['references']]} -> generated {e['judged_generated']}"
+            f"; classes refs {shown} -> generated {e['judged_generated']}"
         )  # fmt: skip
         final = e["steps"][-1] if e["steps"] else None
         mass = ""

@@ -140,7 +140,9 @@ def test_end_to_end_run_writes_the_support_columns_and_the_report(finished):
     by_key = {e["key"]: e for e in document["sets"]}
     assert set(by_key) == {"mixed", "twice"}
     mixed, twice = by_key["mixed"], by_key["twice"]
-    assert mixed["classes"] == "mixed" and twice["classes"] == "same"  # the digit judge's classes
+    assert mixed["classes"] == "mixed" and twice["classes"] == "same"
+    assert mixed["class_source"] == "known"  # held-out digits: classes by pixel content, not the judge
+    assert [r["label"] for r in mixed["references"]] == [3, 7]
     assert len(mixed["references"]) == 2 and all(-1 <= r["clip_cosine"] <= 1 for r in mixed["references"])
     # identical references: equal CLIP-I, exactly shared mass, no winner
     assert twice["references"][0]["clip_cosine"] == pytest.approx(twice["references"][1]["clip_cosine"])
