@@ -124,14 +124,24 @@ def _interval(values: Sequence[Any]) -> dict[str, Any]:
     return {"mean": clean[0], "low": clean[1], "high": clean[2], "n": len(kept)}
 
 
-def _proportion(flags: Sequence[Any]) -> dict[str, Any]:
+def _proportion(flags: Sequence[Any], chance: float | None = None) -> dict[str, Any]:
+    """Count, Clopper-Pearson 95% interval and, given ``chance``, the exact one-sided binomial test
+    of the proportion above it (over sets, the independent units)."""
     from scipy.stats import binomtest
 
     kept = [bool(f) for f in flags if f is not None]
     if not kept:
-        return {"count": 0, "n": 0, "low": None, "high": None}
+        return {"count": 0, "n": 0, "low": None, "high": None, "chance": chance, "p_above_chance": None}
+    test = binomtest(sum(kept), len(kept), p=0.5 if chance is None else chance, alternative="greater")
     interval = binomtest(sum(kept), len(kept)).proportion_ci(0.95, method="exact")
-    return {"count": sum(kept), "n": len(kept), "low": float(interval.low), "high": float(interval.high)}
+    return {
+        "count": sum(kept),
+        "n": len(kept),
+        "low": float(interval.low),
+        "high": float(interval.high),
+        "chance": chance,
+        "p_above_chance": None if chance is None else float(test.pvalue),
+    }
 
 
 GROUP_FIELDS = (
@@ -141,6 +151,9 @@ GROUP_FIELDS = (
     "final_row_entropy_share_nw",
 )
 GROUP_COUNTS = ("clip_nearest_is_winner", "class_of_winner", "class_of_a_reference")
+#: The counts tested against the chance 1/m of picking one of m references at random (the class
+#: count on mixed-class sets only).
+CHANCE_COUNTS = ("clip_nearest_is_winner", "class_of_winner")
 
 
 def group_summary(sets: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,7 +166,12 @@ def group_summary(sets: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (m, classes), members in sorted(groups.items()):
         row: dict[str, Any] = {"num_refs": m, "classes": classes, "sets": len(members)}
         row.update({name: _interval([e[name] for e in members]) for name in GROUP_FIELDS})
-        row.update({name: _proportion([e[name] for e in members]) for name in GROUP_COUNTS})
+        for name in GROUP_COUNTS:
+            # a same-class set's generation has its winner's class whenever it has any reference's
+            chance = 1.0 / m if name in CHANCE_COUNTS and m >= 2 and not (
+                name == "class_of_winner" and classes == "same"
+            ) else None  # fmt: skip
+            row[name] = _proportion([e[name] for e in members], chance)
         rows.append(row)
     return rows
 
@@ -167,7 +185,10 @@ def _cell(stat: dict[str, Any]) -> str:
 
 
 def _count(stat: dict[str, Any]) -> str:
-    return "-" if not stat["n"] else f"{stat['count']}/{stat['n']}"
+    if not stat["n"]:
+        return "-"
+    p = stat.get("p_above_chance")
+    return f"{stat['count']}/{stat['n']}" + ("" if p is None else f" p{p:.2g}")
 
 
 def format_document(document: dict[str, Any]) -> str:
@@ -194,7 +215,7 @@ def format_document(document: dict[str, Any]) -> str:
     lines.append("")
     header = (
         f"{'m':>2} {'classes':<8} {'sets':>4}  {'concentration A':<24} {'concentration NW':<24} "
-        f"{'row entropy/log m A':<24} {'row entropy/log m NW':<24} {'CLIP=winner':>11} {'class=winner':>12} "
+        f"{'row entropy/log m A':<24} {'row entropy/log m NW':<24} {'CLIP=winner':>13} {'class=winner':>13} "
         f"{'class in refs':>13}"
     )
     lines.append(header)
@@ -204,12 +225,14 @@ def format_document(document: dict[str, Any]) -> str:
             + " ".join(f"{_cell(row[name]):<24}" for name in GROUP_FIELDS)
             + " "
             + " ".join(
-                f"{_count(row[name]):>{w}}" for name, w in zip(GROUP_COUNTS, (11, 12, 13), strict=True)
+                f"{_count(row[name]):>{w}}" for name, w in zip(GROUP_COUNTS, (13, 13, 13), strict=True)
             )
         )
     lines.append(
-        "concentration = (winner's mass - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
-        "[95% t interval over sets]"
+        "concentration = (largest mass - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
+        "[95% t interval over sets]; CLIP=winner: sets whose CLIP-nearest reference is the attention's "
+        "winner; class=winner: whose generation the judge gives the winner's class; p: exact one-sided "
+        "binomial test over sets against chance 1/m"
     )
     return "\n".join(lines)
 
@@ -268,10 +291,10 @@ def _band(ax: Any, x: np.ndarray, per_set: np.ndarray, color: str, style: str, l
 
 
 def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path | None:
-    """The support-set figure: per group of sets (m, classes), over denoising, (a) the concentration on
-    the final winner, ``(mass_w - 1/m) / (1 - 1/m)``, and (b) the query rows' entropy over references
-    as a share of log m; attention solid, NW at the schedule's h dashed, 95% t bands over sets (two or
-    more). 3.5 in wide. None (nothing written) when no set has m >= 2."""
+    """The support-set figure: per group of sets (m, classes), over denoising, (a) the concentration
+    (:func:`concentration`, ``(max_r mass_r - 1/m) / (1 - 1/m)``) and (b) the query rows' entropy over
+    references as a share of log m; attention solid, NW at the schedule's h dashed, 95% t bands over
+    sets (two or more). 3.5 in wide. None (nothing written) when no set has m >= 2."""
     from matplotlib.figure import Figure
 
     from nw_adapter.analysis.records import save_figure, wrap_title
@@ -290,14 +313,12 @@ def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str 
         color = f"C{g}"
         label = f"m={m}, {classes} ({len(members)} set{'s' if len(members) > 1 else ''})"
         for key, style, arm in (("mass", "-", "attention"), ("mass_nw", "--", "NW")):
-            winners = [e["winner"] for e in members]
-            conc = np.array([[(s[key][w] - 1 / m) / (1 - 1 / m) for s in e["steps"][:length]]
-                             for e, w in zip(members, winners, strict=True)])  # fmt: skip
+            conc = np.array([[concentration(s[key], m) for s in e["steps"][:length]] for e in members])
             _band(top, x, conc, color, style, f"{label}: {arm}")
             entropy_key = "ref_row_entropy" if key == "mass" else "ref_row_entropy_nw"
             share = np.array([[s[entropy_key] / math.log(m) for s in e["steps"][:length]] for e in members])
             _band(bottom, x, share, color, style, f"{label}: {arm}")
-    top.set_ylabel("concentration on the winner", fontsize=8)
+    top.set_ylabel("concentration (max share)", fontsize=8)
     bottom.set_ylabel("row entropy / log m", fontsize=8)
     bottom.set_xlabel("denoising progress (step / last step)", fontsize=8)
     for ax in (top, bottom):
