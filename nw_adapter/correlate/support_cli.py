@@ -35,9 +35,6 @@ __all__ = ["MAX_REFERENCES", "SupportSetError", "SupportSetInput", "add_argument
 MAX_REFERENCES = 16
 """The most reference images one set may hold."""
 
-DIGIT_MODELS = ("tiny", "tiny-flux-digits")
-"""``--model`` names of the digits models (the trained SD 1.5 and Flux ones), whose 32 x 32 generations
-the digit judge labels."""
 
 JUDGE = "nw_adapter.models.digits_quality.digit_judge (RBF SVM fitted on the held-out judge split)"
 
@@ -239,6 +236,7 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
     )
     from nw_adapter.correlate.outputs import OutputLock
     from nw_adapter.correlate.report import write_json
+    from nw_adapter.correlate.spec import DIGIT_MODELS
 
     sets = collect_sets(args)
     out_dir = _check_out(args.out)
