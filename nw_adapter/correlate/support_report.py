@@ -34,6 +34,8 @@ __all__ = [
     "plot_set",
     "plot_sweep",
     "set_entry",
+    "set_figure",
+    "sweep_figure",
 ]
 
 SUPPORT_SCHEMA = "nw-adapter/support-sets"
@@ -246,11 +248,19 @@ def _progress(steps: Sequence[dict[str, Any]]) -> np.ndarray:
 
 
 def plot_set(entry: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path | None:
+    """Write :func:`set_figure` to ``path`` (PNG, atomically); None (nothing written) for m = 1."""
+    from nw_adapter.analysis.records import save_figure
+
+    fig = set_figure(entry, title=title)
+    return None if fig is None else save_figure(fig, path)
+
+
+def set_figure(entry: dict[str, Any], *, title: str | None = None):
     """One set's per-reference mass over denoising: attention (solid) beside the NW weights at the
-    schedule's h (dashed), one colour per reference; 3.5 in wide. None (nothing written) for m = 1."""
+    schedule's h (dashed), one colour per reference; 3.5 in wide. None for m = 1."""
     from matplotlib.figure import Figure
 
-    from nw_adapter.analysis.records import save_figure, wrap_title
+    from nw_adapter.analysis.records import wrap_title
 
     steps = entry["steps"]
     if not steps:
@@ -275,7 +285,7 @@ def plot_set(entry: dict[str, Any], path: str | os.PathLike, *, title: str | Non
     fig.legend(loc="outside lower center", fontsize=6, frameon=False, ncol=2)
     if title:
         fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
-    return save_figure(fig, path)
+    return fig
 
 
 def _band(ax: Any, x: np.ndarray, per_set: np.ndarray, color: str, style: str, label: str) -> None:
@@ -291,13 +301,22 @@ def _band(ax: Any, x: np.ndarray, per_set: np.ndarray, color: str, style: str, l
 
 
 def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path | None:
+    """Write :func:`sweep_figure` to ``path`` (PNG, atomically); None (nothing written) without a set of
+    m >= 2."""
+    from nw_adapter.analysis.records import save_figure
+
+    fig = sweep_figure(document, title=title)
+    return None if fig is None else save_figure(fig, path)
+
+
+def sweep_figure(document: dict[str, Any], *, title: str | None = None):
     """The support-set figure: per group of sets (m, classes), over denoising, (a) the concentration
     (:func:`concentration`, ``(max_r mass_r - 1/m) / (1 - 1/m)``) and (b) the query rows' entropy over
     references as a share of log m; attention solid, NW at the schedule's h dashed, 95% t bands over
-    sets (two or more). 3.5 in wide. None (nothing written) when no set has m >= 2."""
+    sets (two or more). 3.5 in wide. None when no set has m >= 2."""
     from matplotlib.figure import Figure
 
-    from nw_adapter.analysis.records import save_figure, wrap_title
+    from nw_adapter.analysis.records import wrap_title
 
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for e in document["sets"]:
@@ -329,4 +348,4 @@ def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str 
     fig.legend(handles, labels, loc="outside lower center", fontsize=6, frameon=False, ncol=1)
     if title:
         fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
-    return save_figure(fig, path)
+    return fig
