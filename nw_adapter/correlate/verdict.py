@@ -254,17 +254,6 @@ CONTENT_FIELD = "input_digest"
 """Record field identifying the reference by content (hash of the call's IP-Adapter image
 embeddings, :mod:`nw_adapter.integration.steps`): units of the same content are one unit."""
 
-_CHECKED_FIELDS: tuple[str, ...] = (
-    "reference",
-    "call",
-    "step",
-    "half",
-    "key_set",
-    *RUN_FIELDS,
-    CONTENT_FIELD,
-)
-"""The record fields the verdict groups by; checked before use (:func:`check_verdict_records`)."""
-
 _RECORDS_FIX = "pass the records of NWRecorder.to_records() or of a rho.json's 'records'"
 
 MEAN_COLUMNS: tuple[str, ...] = ("rho", *NULL_STATS, "nw_gain", "nw_gain_untrained", "rho_untrained")
@@ -652,12 +641,15 @@ def skipped_values(records: Sequence[dict], half: str, columns: Sequence[str]) -
 
 
 def check_verdict_records(records: Any) -> list[dict]:
-    """The records as a list, each checked in the fields the verdict groups by.
+    """The records as a list, each checked field by field (the kinds of a rho.json record).
+
+    Every field is checked, not only those the verdict groups by: a statistic that is not a number
+    (``"rho": "0.5"``) would otherwise read as missing and its clause as "not measured".
 
     Raises:
         RecordError: (a ``ValueError``) not a list of record objects, or a record whose
-            ``step``, ``half``, ``reference``, ``call``, ``key_set`` or run field has the wrong
-            kind; one line naming the record, the field and the fix.
+            ``step``, ``half``, ``reference``, ``call``, ``key_set``, run field or statistic has the
+            wrong kind; one line naming the record, the field and the fix.
     """
     if isinstance(records, str | bytes | Mapping) or not isinstance(records, Iterable):
         raise RecordError(f"records: is {_shown(records)}, not a list of record objects; {_RECORDS_FIX}")
@@ -666,8 +658,7 @@ def check_verdict_records(records: Any) -> list[dict]:
         where = f"records[{index}]"
         if not isinstance(record, Mapping):
             raise RecordError(f"{where}: is {_shown(record)}, not a record object; {_RECORDS_FIX}")
-        fields = {k: record[k] for k in _CHECKED_FIELDS if k in record}
-        check_record(fields, where, source="verdict", fix=_RECORDS_FIX, required=("step",))
+        check_record(record, where, source="verdict", fix=_RECORDS_FIX, required=("step",))
     return records
 
 
