@@ -244,7 +244,13 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
     check_hub_files(spec)
-    check_true_cfg(args, families.family_of_model(spec.model))
+    family = families.family_of_model(spec.model)
+    check_true_cfg(args, family)
+    if family == families.SD3:
+        raise SupportSetError(
+            "support sets need one adapter's list of images, which diffusers' SD 3.5 pipeline does not take "
+            "(it fails on a list per adapter); use an SD 1.5 / SDXL or Flux model"
+        )
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     judged = args.model in DIGIT_MODELS and all(size in (None, 32) for size in (args.height, args.width))

@@ -68,6 +68,12 @@ def test_support_dir_errors_name_the_folder(capsys, tmp_path):
     one_line_error(code, err, "not a folder")
 
 
+def test_sd3_is_refused_before_loading(capsys, tmp_path):
+    argv = ["--model", "tiny-sd3", "--support-set", f"{digit(3)},{digit(7)}", "--out", tmp_path / "o"]
+    code, _, err = run(argv, capsys)
+    one_line_error(code, err, "SD 3.5", "Flux")
+
+
 def test_an_out_folder_of_a_rho_run_is_refused(capsys, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
