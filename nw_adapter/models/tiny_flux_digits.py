@@ -40,6 +40,7 @@ __all__ = [
     "ADAPTER_WEIGHT_NAME",
     "IMAGE_ENCODER_SUBFOLDER",
     "IMAGE_TOKENS",
+    "QUALITY_TRUE_CFG_SCALE",
     "REUSED_PARTS",
     "SHIPPED_DIR",
     "TEXT_TOKENS",
@@ -63,6 +64,10 @@ IMAGE_ENCODER_SUBFOLDER = "ip-adapter/image_encoder"
 
 TEXT_TOKENS = 32
 """T5 sequence length the model was trained with: pass ``max_sequence_length=TEXT_TOKENS``."""
+
+QUALITY_TRUE_CFG_SCALE = 5.0
+"""The true classifier-free guidance the model's quality is measured at (``true_cfg_scale`` with
+``negative_prompt=""``; see the model card: chosen on a 20-reference pilot)."""
 
 IMAGE_TOKENS = 4
 """Image tokens per reference image (the XLabs adapter's ``ImageProjection``: 4 tokens)."""
@@ -149,7 +154,12 @@ def _double_blocks(transformer) -> list[str]:
 
 
 def initial_adapter_state_dict(transformer, *, seed: int) -> dict[str, torch.Tensor]:
-    """The adapter's starting weights in the XLabs key layout (``nn.Linear``'s default init, seeded).
+    """The adapter's starting weights in the XLabs key layout.
+
+    The projection and ``to_k_ip`` start from ``nn.Linear``'s default initialisation (seeded),
+    ``to_v_ip`` at zero: the untrained adapter adds nothing, so training starts from the working
+    stage-1 model (the role of h94's copy of the text branch's ``to_k`` / ``to_v``, which Flux's
+    text keys, computed from another input width, cannot play).
 
     Returns:
         ``{"ip_adapter_proj_model.proj.{weight,bias}": (4 * 32, 32), (128,),
@@ -172,9 +182,10 @@ def initial_adapter_state_dict(transformer, *, seed: int) -> dict[str, torch.Ten
     }
     for block in range(len(_double_blocks(transformer))):
         prefix = f"double_blocks.{block}.processor.ip_adapter_double_stream"
-        for kind in ("k", "v"):
-            state[f"{prefix}_{kind}_proj.weight"] = uniform(inner, cross, fan_in=cross)
-            state[f"{prefix}_{kind}_proj.bias"] = uniform(inner, fan_in=cross)
+        state[f"{prefix}_k_proj.weight"] = uniform(inner, cross, fan_in=cross)
+        state[f"{prefix}_k_proj.bias"] = uniform(inner, fan_in=cross)
+        state[f"{prefix}_v_proj.weight"] = torch.zeros(inner, cross)
+        state[f"{prefix}_v_proj.bias"] = torch.zeros(inner)
     return state
 
 

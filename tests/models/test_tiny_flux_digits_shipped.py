@@ -22,14 +22,15 @@ from nw_adapter.models.tiny_flux_digits import (
     ADAPTER_WEIGHT_NAME,
     IMAGE_ENCODER_SUBFOLDER,
     IMAGE_TOKENS,
+    QUALITY_TRUE_CFG_SCALE,
     SHIPPED_DIR,
     initial_adapter_state_dict,
     load_pipeline,
 )
 
 SAMPLE = 20  # support sets of one reference: 2 per class
-SAMPLE_STEPS = 10
-PASS_AT = 14  # of 20: the shipped adapter keeps the class; chance is 2 of 20
+SAMPLE_STEPS = 10  # 17 of 20 agree at 10 steps as at 25 (true CFG 5)
+PASS_AT = 13  # of 20 (as the SD 1.5 model's test): the shipped adapter keeps the class; chance is 2
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,11 @@ def _agreement(pipe, judge) -> int:
         1,
         steps=SAMPLE_STEPS,
         limit=SAMPLE,
-        call_kwargs={"max_sequence_length": TINY_FLUX_DIGITS_CALL["max_sequence_length"]},
+        call_kwargs={
+            "max_sequence_length": TINY_FLUX_DIGITS_CALL["max_sequence_length"],
+            "true_cfg_scale": QUALITY_TRUE_CFG_SCALE,
+            "negative_prompt": "",
+        },
     )
     assert result.n == SAMPLE and result.settings["support_size"] == 1
     return result.agreed
@@ -177,3 +182,32 @@ def test_an_untrained_transformer_file_fails_the_same_check(judge, tmp_path):
     shutil.rmtree(folder / "transformer")
     untrained.save_pretrained(folder / "transformer", safe_serialization=True)
     assert _agreement(load_pipeline(folder), judge) < PASS_AT
+
+
+def test_the_public_loader_observes_a_support_set_bit_identically():
+    import nw_adapter
+    from nw_adapter.pipelines import FluxNWPipeline
+
+    pipe = nw_adapter.load_tiny_flux_digits(pipeline_class=FluxNWPipeline)
+    assert isinstance(pipe, FluxNWPipeline)
+    support = [tiny_digit_image(1), tiny_digit_image(7)]
+    call = {"num_inference_steps": 2, "output_type": "np", "max_sequence_length": 32}
+    stock = pipe("a photograph", ip_adapter_image=[support], generator=torch.Generator().manual_seed(0), **call)
+    assert stock.images.shape == (1, 32, 32, 3)  # the loader's default size, not FluxPipeline's 512
+    with nw_adapter.nw_processor(pipe, mode="observe") as recorder:
+        observed = pipe("a photograph", ip_adapter_image=[support], generator=torch.Generator().manual_seed(0), **call)
+    assert np.array_equal(stock.images, observed.images)
+    assert {record["num_keys"] for record in recorder.to_records()} == {2 * IMAGE_TOKENS}
+
+
+def test_correlate_runs_on_tiny_flux_digits_offline(tmp_path):
+    from nw_adapter.correlate.cli import main
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    out = tmp_path / "out"
+    code = main(["--image", str(example_image_path(3)), "--model", "tiny-flux-digits", "--steps", "2", "--out", str(out)])
+    assert code == 0
+    rho = json.loads((out / "rho.json").read_text())
+    assert rho["config"]["max_sequence_length"] == 32
+    assert "random weights" not in json.dumps(rho.get("warning", ""))
+    assert rho["config"]["model"]["model"] == "tiny-flux-digits"

@@ -50,8 +50,8 @@ class FluxTrainingConfig:
     seed: int = 0
     transformer_steps: int = 2500
     transformer_lr: float = 1e-3
-    adapter_steps: int = 1500
-    adapter_lr: float = 3e-3
+    adapter_steps: int = 2500
+    adapter_lr: float = 5e-3
     batch_size: int = 32
     threads: int = 1
     max_train_images: int | None = None
