@@ -192,10 +192,14 @@ def test_the_public_loader_observes_a_support_set_bit_identically():
     assert isinstance(pipe, FluxNWPipeline)
     support = [tiny_digit_image(1), tiny_digit_image(7)]
     call = {"num_inference_steps": 2, "output_type": "np", "max_sequence_length": 32}
-    stock = pipe("a photograph", ip_adapter_image=[support], generator=torch.Generator().manual_seed(0), **call)
+    stock = pipe(
+        "a photograph", ip_adapter_image=[support], generator=torch.Generator().manual_seed(0), **call
+    )
     assert stock.images.shape == (1, 32, 32, 3)  # the loader's default size, not FluxPipeline's 512
     with nw_adapter.nw_processor(pipe, mode="observe") as recorder:
-        observed = pipe("a photograph", ip_adapter_image=[support], generator=torch.Generator().manual_seed(0), **call)
+        observed = pipe(
+            "a photograph", ip_adapter_image=[support], generator=torch.Generator().manual_seed(0), **call
+        )
     assert np.array_equal(stock.images, observed.images)
     assert {record["num_keys"] for record in recorder.to_records()} == {2 * IMAGE_TOKENS}
 
@@ -205,7 +209,18 @@ def test_correlate_runs_on_tiny_flux_digits_offline(tmp_path):
     from nw_adapter.models.tiny_digits import example_image_path
 
     out = tmp_path / "out"
-    code = main(["--image", str(example_image_path(3)), "--model", "tiny-flux-digits", "--steps", "2", "--out", str(out)])
+    code = main(
+        [
+            "--image",
+            str(example_image_path(3)),
+            "--model",
+            "tiny-flux-digits",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     rho = json.loads((out / "rho.json").read_text())
     assert rho["config"]["max_sequence_length"] == 32
