@@ -1,6 +1,7 @@
 """Measure the trained tiny Flux digits model and regenerate its model card's measured sections.
 
     $ python scripts/evaluate_tiny_flow.py quality     # class agreement per support size m = 1, 2, 4
+    $ python scripts/evaluate_tiny_flow.py losses      # held-out flow loss: right / black / wrong reference
     $ python scripts/evaluate_tiny_flow.py training --run-dir runs/tiny_flux   # stage table, files
 
 ``quality`` generates one image per disjoint held-out support set (m references of one class,
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_flux_digits import SHIPPED_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("quality", "training"))
+    parser.add_argument("what", choices=("quality", "losses", "training"))
     parser.add_argument(
         "--run-dir", type=Path, default=Path("runs/tiny_flux"), help="training: train_tiny_flow.py --out"
     )
@@ -190,6 +191,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.card is not None:
             replace_section(args.card, "training", stages)
             replace_section(args.card, "files", files)
+        return 0
+    if args.what == "losses":
+        import torch
+
+        from nw_adapter.atomic import atomic_write_json
+        from nw_adapter.models.digits_data import load_digit_splits
+        from nw_adapter.models.tiny_flux_digits import held_out_flow_losses, load_pipeline
+
+        torch.set_num_threads(1)
+        splits = load_digit_splits()
+        losses = held_out_flow_losses(load_pipeline(args.model_dir), splits["judge"], splits["reference"])
+        atomic_write_json(args.out / "losses.json", losses)
+        print(" ".join(f"{name} {value:.4f}" for name, value in losses.items()))
         return 0
     body = quality(args.model_dir, args.out, true_cfg_scale=args.true_cfg_scale, limit=args.limit)
     print(body)

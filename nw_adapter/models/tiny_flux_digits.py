@@ -47,6 +47,7 @@ __all__ = [
     "adapter_state_dict_from_transformer",
     "build_t5_encoder",
     "build_transformer",
+    "held_out_flow_losses",
     "initial_adapter_state_dict",
     "load_pipeline",
     "pipeline_scheduler",
@@ -254,3 +255,65 @@ def load_pipeline(folder: str | os.PathLike = SHIPPED_DIR, *, pipeline_class=Non
     set_default_size(pipe)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@torch.no_grad()
+def held_out_flow_losses(pipe, split, references, *, count: int = 200, seed: int = 0) -> dict[str, float]:
+    """The rectified-flow loss on held-out digits with a right, a wrong and the black reference.
+
+    The first ``count`` digits of ``split`` are encoded and packed as in training, noised once
+    (seeded ``eps`` and ``s = sigmoid(n)``), and the transformer predicts ``eps - z0`` under the
+    prompt ``"a photograph"`` three times from the same ``z_s``: with the first reference of the
+    digit's class, with the first reference of class ``(y + 1) mod 10``, and with the black image
+    (``FluxPipeline``'s negative image). An adapter that carries the class has
+    ``right < black < wrong``; one that adds nothing has all three equal. Paired (same noise).
+
+    Args:
+        pipe: A Flux pipeline of this model with its adapter loaded (IP scale 1).
+        split: Held-out digits (e.g. the ``judge`` split).
+        references: The references (e.g. the ``reference`` split; 1 image per condition).
+        count: How many digits of ``split``.
+        seed: Seed of the noise and ``s``.
+
+    Returns:
+        ``{"right": L, "black": L, "wrong": L}``: mean squared errors.
+    """
+    import numpy as np
+    from diffusers import FluxPipeline
+    from PIL import Image
+
+    images = torch.from_numpy(split.images[:count]).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    labels = [int(label) for label in split.labels[:count]]
+    vae = pipe.vae
+    latents = (vae.encode(images).latent_dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+    n, channels, height, width = latents.shape
+    packed = FluxPipeline._pack_latents(latents, n, channels, height, width)
+    img_ids = FluxPipeline._prepare_latent_image_ids(n, height // 2, width // 2, "cpu", torch.float32)
+    states, pooled, txt_ids = pipe.encode_prompt(
+        ["a photograph"] * n, prompt_2=None, device="cpu", max_sequence_length=TEXT_TOKENS
+    )
+    embeds = pipe.encode_image([Image.fromarray(image) for image in references.images], "cpu", 1)
+    black = pipe.encode_image(np.zeros((32, 32, 3), dtype=np.uint8), "cpu", 1).expand(n, -1)
+    first = {digit: int(np.flatnonzero(references.labels == digit)[0]) for digit in range(10)}
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(packed.shape, generator=generator)
+    sigmas = torch.sigmoid(torch.randn(n, generator=generator))
+    noisy = (1.0 - sigmas[:, None, None]) * packed + sigmas[:, None, None] * noise
+
+    def loss(image_embeds: torch.Tensor) -> float:
+        prediction = pipe.transformer(
+            hidden_states=noisy,
+            timestep=sigmas,
+            pooled_projections=pooled,
+            encoder_hidden_states=states,
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            joint_attention_kwargs={"ip_adapter_image_embeds": [image_embeds[:, None, :]]},
+        ).sample
+        return float(torch.nn.functional.mse_loss(prediction, noise - packed))
+
+    return {
+        "right": loss(embeds[[first[label] for label in labels]]),
+        "black": loss(black),
+        "wrong": loss(embeds[[first[(label + 1) % 10] for label in labels]]),
+    }

@@ -226,3 +226,23 @@ def test_correlate_runs_on_tiny_flux_digits_offline(tmp_path):
     assert rho["config"]["max_sequence_length"] == 32
     assert "random weights" not in json.dumps(rho.get("warning", ""))
     assert rho["config"]["model"]["model"] == "tiny-flux-digits"
+
+
+def test_held_out_loss_is_lowest_with_a_reference_of_the_right_class(pipe, tmp_path):
+    """The trained adapter: right < black < wrong reference on held-out digits; the untrained one
+    (``to_v_ip`` at zero) adds nothing, so the three losses are equal."""
+    from nw_adapter.models.tiny_flux_digits import held_out_flow_losses
+
+    splits = load_digit_splits()
+    losses = held_out_flow_losses(pipe, splits["judge"], splits["reference"], count=60)
+    assert losses["right"] < losses["black"] < losses["wrong"]
+
+    folder = tmp_path / "model"
+    shutil.copytree(SHIPPED_DIR, folder)
+    untrained = initial_adapter_state_dict(pipe.transformer, seed=0)
+    save_file(
+        {k: v.half().contiguous() for k, v in untrained.items()},
+        folder / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME,
+    )
+    flat = held_out_flow_losses(load_pipeline(folder), splits["judge"], splits["reference"], count=60)
+    assert flat["right"] == flat["black"] == flat["wrong"]
