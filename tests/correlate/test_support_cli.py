@@ -187,3 +187,23 @@ def test_digit_support_sets_have_the_asked_sizes_and_classes(tmp_path):
         assert len(set(classes)) == (1 if "same" in folder.name else m)
     with pytest.raises(ValueError, match="sizes"):
         write_digit_support_sets(tmp_path, sizes=(11,))
+
+
+def test_the_digit_models_are_the_trained_digits_models():
+    from nw_adapter.correlate.families import TRAINED_FLOW_MODELS
+    from nw_adapter.correlate.spec import DIGIT_MODELS, TINY
+
+    assert set(DIGIT_MODELS) == {TINY, *TRAINED_FLOW_MODELS}
+
+
+def test_a_flux_digits_support_set_run_judges_classes(capsys, tmp_path):
+    """The trained Flux digits model: its references' known classes and the judge's class of the image."""
+    argv = ["--model", "tiny-flux-digits", "--steps", "2", "--support-set", f"{digit(3)},{digit(7)}", "-qq"]
+    code, printed, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    assert code == 0, err
+    (entry,) = json.loads((tmp_path / "out" / "support.json").read_text())["sets"]
+    assert entry["classes"] == "mixed" and entry["class_source"] == "known"
+    assert isinstance(entry["judged_generated"], int)
+    first = entry["steps"][0]  # flow matching's pure-noise step: the NW mass is exactly 1/m
+    assert first["mass_nw"] == [0.5, 0.5]
+    assert "set00 (m=2, mixed)" in printed
