@@ -227,7 +227,9 @@ class NWRecorder:
 
     def detach(self) -> None:
         """Remove the denoiser forward pre-hook and the processors' taps (their hooks on the
-        attention modules, :attr:`taps`)."""
+        attention modules, :attr:`taps`), after computing the statistics still pending (so a
+        failure among them is counted, and warned about, before the installation ends)."""
+        self.settle()
         self.tracker.detach()
         for taps in self.taps:
             taps.remove()

@@ -104,16 +104,18 @@ class Taps:
     (:meth:`~nw_adapter.integration.recorder.NWRecorder.detach`).
     """
 
-    def __init__(self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module]) -> None:
+    def __init__(
+        self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module] = (), *, branch: bool = False
+    ) -> None:
         self.attn = attn
         self.q: torch.Tensor | None = None
         self.keys: dict[int, list[torch.Tensor]] = {}
         self.branch: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.wants_q = self.wants_keys = False
-        self.handles = [
-            attn.to_q.register_forward_hook(self._grab_query),
-            attn.to_out[0].register_forward_pre_hook(self._add_branch),
-        ]
+        # only the hooks the mode uses: a module with hooks takes torch's slower call path
+        self.handles = [attn.to_q.register_forward_hook(self._grab_query)]
+        if branch:
+            self.handles.append(attn.to_out[0].register_forward_pre_hook(self._add_branch))
         for j, module in enumerate(key_modules):
             self.handles.append(module.register_forward_hook(self._key_grabber(j)))
 
@@ -233,12 +235,14 @@ class NWProcessorBase:
         return batch_halves(batch, self.recorder.state, cfg=self.recorder.cfg, by_pass=self.halves_by_pass)
 
     def _taps(self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module] = ()) -> Taps:
-        """This processor's :class:`Taps` on ``attn`` (registered on the first call)."""
+        """This processor's :class:`Taps` on ``attn`` (registered on the first call): the queries,
+        in observe the stock branch's ``key_modules`` outputs, in swap the branch pre-hook."""
         taps = self.__dict__.get("_nw_taps")
         if taps is None or taps.attn is not attn or not taps.handles:
             if taps is not None:
                 taps.remove()
-            taps = Taps(attn, key_modules)
+            swap = self.nw_config.mode == "swap"
+            taps = Taps(attn, () if swap else key_modules, branch=swap)
             self.__dict__["_nw_taps"] = taps
             self.recorder.taps.append(taps)
         return taps
