@@ -141,6 +141,12 @@ class Taps:
         self.q, self.keys, self.branch = None, {}, branch
         self.wants_q, self.wants_keys = True, keys
 
+    def take(self) -> tuple[torch.Tensor | None, dict[int, list[torch.Tensor]]]:
+        """The captured queries and keys, no longer held by the taps (nothing outlives the call)."""
+        q, keys = self.q, self.keys
+        self.q, self.keys = None, {}
+        return q, keys
+
     def disarm(self) -> None:
         """Stop capturing and adding (what was captured stays readable until the next :meth:`arm`)."""
         self.wants_q = self.wants_keys = False

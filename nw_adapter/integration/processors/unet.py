@@ -192,10 +192,11 @@ class _UNetNWProcessor(NWProcessorBase):
             )
         finally:
             taps.disarm()
+            q, keys = taps.take()
             if swap:
                 original.scale = shared_scale
-        if record and taps.q is not None:
-            captured["q"], captured["keys"] = taps.q, taps.keys
+        if record and q is not None:
+            captured["q"], captured["keys"] = q, keys
             self._record_safely(lambda: self._record(attn, captured, ip_hidden_states, masks, scales))
         return out
 
