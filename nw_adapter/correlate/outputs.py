@@ -236,10 +236,10 @@ def check_image_result_file(result: dict, key: str, source: str) -> None:
 
     Raises:
         ValueError: One line naming the file, the record and the field
-            (:func:`nw_adapter.integration.validation.check_image_result`).
+            (:func:`nw_adapter.analysis.validation.check_image_result`).
     """
+    from nw_adapter.analysis.validation import check_image_result
     from nw_adapter.correlate.sweep import RESULT_SCHEMA
-    from nw_adapter.integration.validation import check_image_result
 
     check_image_result(result, source=source, schema=RESULT_SCHEMA, key=key)
 
@@ -322,7 +322,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
     ``bandwidth.png`` needs the fitted bandwidths (``h_eff``) in the records; without them it is not
     drawn (and an older one in ``out_dir`` is removed, so it never describes another run).
     """
-    from nw_adapter.correlate.plotting import plot_bandwidth, plot_rho
+    from nw_adapter.correlate.plotting import counted, plot_bandwidth, plot_rho
     from nw_adapter.correlate.report import (
         format_report,
         random_weights_note,
@@ -337,7 +337,7 @@ def write_outputs(report: dict, out_dir: Path) -> str:
         report["blocks"],
         out_dir / "rho.png",
         title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
-        f"{len(report.get('images', []))} reference(s)",
+        f"{counted(len(report.get('images', [])), 'reference')}",
         note="; ".join(n for n in (random_weights_note(report), repeated_timestep_note(report)) if n) or None,
         units=report["records"],
         half=report["half"],
@@ -365,12 +365,12 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
 
     Raises:
         OutputError: No readable ``rho.json`` of this tool in ``out``, or a malformed one (the
-            message names the record and field; see :func:`nw_adapter.integration.validation.check_report`).
+            message names the record and field; see :func:`nw_adapter.analysis.validation.check_report`).
     """
     import json
 
+    from nw_adapter.analysis.validation import RecordError, check_report
     from nw_adapter.correlate.report import build_report
-    from nw_adapter.integration.validation import RecordError, check_report
 
     out = out.expanduser()
     for name in (*REPORT_FILES, LOCK_NAME):  # read and rewritten: none may be a link or a folder

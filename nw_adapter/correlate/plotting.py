@@ -1,7 +1,7 @@
 """Figures of the command line: ``rho.png``, ``bandwidth.png`` and the attention-map figure.
 
 Per-token heat maps for notebooks (any selection, overlay on any image) are
-:meth:`NWRecorder.heat_maps` / :mod:`nw_adapter.integration.heatmaps`.
+:meth:`NWRecorder.heat_maps` / :mod:`nw_adapter.analysis.heatmaps`.
 
 Both use :class:`matplotlib.figure.Figure` directly (the Agg canvas), so importing this module
 never changes the global pyplot backend of a user's session.
@@ -17,8 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nw_adapter.integration import records
+from nw_adapter.analysis import records
 from nw_adapter.integration.schema import control_column, control_draws, control_label
+
+
+def counted(count: int, noun: str) -> str:
+    """``"1 image"``, ``"3 images"``: a count with its noun, as a figure's text prints it."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def rho_figure(
@@ -31,7 +36,7 @@ def rho_figure(
 ):
     """rho against the timestep, one panel per block, beside its three nulls.
 
-    :func:`nw_adapter.integration.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
+    :func:`nw_adapter.analysis.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
     :func:`nw_adapter.correlate.report.aggregate`); ``note`` is a line under the title (e.g. why
     two steps share a timestep: they are drawn at the same x). ``units``: the run's records (with
     their ``reference`` key) and ``half`` their CFG half: with two or more reference images, rho
@@ -170,8 +175,8 @@ def attention_maps_figure(
     """
     from matplotlib.figure import Figure
 
-    from nw_adapter.integration.heatmaps import draw_overlay, grey_image, resize_map
-    from nw_adapter.integration.records import wrap_title
+    from nw_adapter.analysis.heatmaps import draw_overlay, grey_image, resize_map
+    from nw_adapter.analysis.records import wrap_title
 
     if not panels:
         raise ValueError("panels: no stored maps to draw; run with --store-maps on at least one step")
@@ -187,8 +192,9 @@ def attention_maps_figure(
     diff_spread = max(float(np.abs(p.attn - p.nw).max()) for p in panels) or 1e-12
     title = (
         f"reference {reference}: " if reference else ""
-    ) + f"image-branch attention A and NW weights W per image token, mean over {len(panels[0].layers)} " \
-        "layer(s) and the stored heads; one colour scale for every A and W panel, one for every A - NW"
+    ) + f"image-branch attention A and NW weights W per image token, mean over " \
+        f"{counted(len(panels[0].layers), 'layer')} and the stored heads; one colour scale for every A and " \
+        "W panel, one for every A - NW"
     title = wrap_title(title, width - 0.2, 8)
     height = cell * len(steps) + 0.45 + 0.13 * title.count("\n") + 0.75
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -282,9 +288,9 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     """
     from matplotlib.figure import Figure
 
+    from nw_adapter.analysis.records import wrap_title
     from nw_adapter.core.intervals import t_interval
     from nw_adapter.correlate.verdict import image_step_means, slope_on_log_h
-    from nw_adapter.integration.records import wrap_title
 
     draws = control_draws({name for r in records for name in r})
     by_image = image_step_means(records, half, draws)
@@ -327,7 +333,7 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
         if n >= 2:
             errors = np.vstack([y - np.exp(stats[:, 1]), np.exp(stats[:, 2]) - y])
         ax.errorbar(np.exp(xs), y, yerr=errors, color=color, marker=marker, markersize=2.5, linewidth=1.0,
-                    elinewidth=0.7, capsize=1.5, label=f"{label} ({n} image(s){slope})")
+                    elinewidth=0.7, capsize=1.5, label=f"{label}: {counted(n, 'image')}{slope}")
         if key == "log_logit_scale":
             centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
     if centre is not None:
@@ -350,7 +356,7 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
 def plot_bandwidth(records: Sequence[dict], half: str, path: str | os.PathLike, *, title: str | None = None):
     """Write :func:`bandwidth_figure` to ``path`` (PNG, atomically); None (nothing written) without
     ``logit_scale``."""
-    from nw_adapter.integration.records import save_figure
+    from nw_adapter.analysis.records import save_figure
 
     fig = bandwidth_figure(records, half, title=title)
     return None if fig is None else save_figure(fig, path)

@@ -324,7 +324,9 @@ def remove_interrupted_stages(out: Path) -> list[Path]:
     Only folders named ``.<stage>-<8 characters>`` where ``write_once`` makes them (in ``stages/``
     for the five stages, in ``out`` for the assembled ``tiny_digits``) and
     ``stages/.log.<8 characters>.tmp.json``; call it only when no other run trains in ``out``
-    (see :func:`_training_lock`).
+    (see :func:`_training_lock`). A ``stages`` inside ``out`` that is a symbolic link is not
+    entered: its target is not a folder the run made, so nothing in it is removed (``out`` itself
+    may be a link: the user named it).
 
     Returns:
         The removed paths.
@@ -332,13 +334,14 @@ def remove_interrupted_stages(out: Path) -> list[Path]:
     removed: list[Path] = []
     trained = tuple(name for name in _STAGE_SETTINGS if name != "tiny_digits")
     for folder, pattern in ((out, _staging_name(("tiny_digits",))), (out / "stages", _staging_name(trained))):
-        if not folder.is_dir():
+        if (folder != out and folder.is_symlink()) or not folder.is_dir():
             continue
         for path in sorted(folder.iterdir()):
             if pattern.match(path.name) and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-    removed += remove_interrupted_writes(out / "stages", lambda name: name == "log.json")
+    if not (out / "stages").is_symlink():
+        removed += remove_interrupted_writes(out / "stages", lambda name: name == "log.json")
     return removed
 
 
