@@ -188,3 +188,13 @@ def test_a_failing_group_skips_only_its_failing_pairs(monkeypatch):
     assert len(skipped) == 1 and not skipped & recorded
     assert skipped | recorded == set(layers)
     assert recorder.skipped()["by_reason"] == {"FloatingPointError: injected": len(skipped)}
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, True, "512"])
+def test_deferred_mb_is_validated(bad):
+    from nw_adapter.integration.config import NWProcessorConfig
+    from nw_adapter.integration.errors import NWConfigError
+
+    with pytest.raises(NWConfigError, match="deferred_mb"):
+        NWProcessorConfig(deferred_mb=bad)
+    assert NWProcessorConfig(deferred_mb=0).deferred_mb == 0
