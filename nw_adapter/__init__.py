@@ -45,6 +45,7 @@ _LAZY = {
     "tiny_digit_image": "nw_adapter.models.loaders",
     "compare_attention": "nw_adapter.core.compare",
     "compare_swap": "nw_adapter.analysis.consequence",
+    "observe_support_set": "nw_adapter.analysis.support_sets",
     "verdict": "nw_adapter.correlate.verdict",
     "format_verdict": "nw_adapter.correlate.verdict",
     "comparison_records": "nw_adapter.correlate.comparisons",

@@ -358,3 +358,45 @@ def test_heads_figure_legend_matches_its_lines() -> None:
     ]  # fmt: skip
     assert len(shown) >= 2 * len(head_sets())  # each colour's trained and untrained style
     assert set(shown) <= drawn
+
+
+# support sets: sets/<key>/mass.png and support_mass.png
+def support_set_entry(m: int, classes: str, seed: int, steps: int = 8) -> dict:
+    """A support set's JSON entry (``support_report.set_entry``'s layout) with synthetic masses."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for step in range(steps):
+        sharp = step / (steps - 1)
+        nw = np.full(m, 1.0 / m) * (1 - sharp) + np.eye(m)[seed % m] * sharp
+        mass = np.full(m, 1.0 / m) + rng.normal(0, 0.01, m)
+        mass /= mass.sum()
+        entropy = {"ref_row_entropy": 0.98 * math.log(m), "ref_row_entropy_nw": (1 - sharp) * math.log(m)}
+        rows.append({"step": step, "mass": mass.tolist(), "mass_nw": nw.tolist(), **entropy})
+    references = [{"file": f"refs/{seed}/digit_{r}.png", "clip_cosine": 0.5} for r in range(m)]
+    entry = {"key": f"set{seed}", "num_refs": m, "classes": classes, "references": references}
+    return {**entry, "steps": rows, "winner": 0}
+
+
+def test_support_sweep_figure_fits_a_column_with_bands_over_sets() -> None:
+    from nw_adapter.correlate.support_report import sweep_figure
+
+    sets = [support_set_entry(2, "mixed", s) for s in range(3)] + [support_set_entry(4, "same", 9)]
+    fig = sweep_figure({"sets": sets}, title="support sets, tiny")
+    assert_printable(fig, max_width=3.5)
+    top, bottom = fig.axes
+    assert len(bands(top)) == 2 and len(bands(bottom)) == 2  # attention and NW of the 3-set group only
+    labels = top.get_legend_handles_labels()[1]
+    groups = ("m=2, mixed (3 sets)", "m=4, same (1 set)")
+    assert labels == [f"{group}: {arm}" for group in groups for arm in ("attention", "NW")]
+    assert sweep_figure({"sets": [support_set_entry(2, "mixed", 0) | {"num_refs": 1, "steps": []}]}) is None
+
+
+def test_support_set_figure_names_every_reference_and_fits_a_column() -> None:
+    from nw_adapter.correlate.support_report import set_figure
+
+    fig = set_figure(support_set_entry(4, "mixed", 1), title="set1: attention mass per reference")
+    assert_printable(fig, max_width=3.5)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    named = [label for label in labels if "attention" in label]
+    assert named == [f"{r}: digit_{r}.png (attention)" for r in range(4)]
+    assert len(labels) == 8

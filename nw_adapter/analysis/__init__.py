@@ -13,6 +13,9 @@ command line, which prints):
   (``NWRecorder.heat_maps()``);
 - :mod:`~nw_adapter.analysis.consequence`: ``compare_swap``, stock against swap generations,
   with intervals and the conclusion.
+- :mod:`~nw_adapter.analysis.support_sets`: ``observe_support_set``, one generation on a support set
+  (several references for one adapter) observed, with its per-step masses per reference and which
+  reference the image resembles (CLIP-I, a class judge).
 
 May import: :mod:`nw_adapter.integration`, :mod:`nw_adapter.core`, :mod:`nw_adapter.atomic`,
 torch, numpy, scipy, PIL, pandas and matplotlib (the last five inside the functions that need

@@ -46,7 +46,7 @@ from typing import Any
 
 from nw_adapter.atomic import WriteError
 from nw_adapter.commands import OneLineParser, invoked_as
-from nw_adapter.correlate import swap_cli
+from nw_adapter.correlate import support_cli, swap_cli
 from nw_adapter.correlate.end_to_end_cli import (
     add_end_to_end_arguments,
     end_to_end_error,
@@ -85,6 +85,7 @@ from nw_adapter.correlate.outputs import (
 )
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
 from nw_adapter.correlate.spec import EXAMPLE_DIR
+from nw_adapter.correlate.support_cli import SupportSetError
 from nw_adapter.correlate.swap_cli import CompareSwapError
 from nw_adapter.integration.config import BANDWIDTH_RANGE, MAX_CONTROL_DRAWS
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
@@ -368,6 +369,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="also show the libraries' own warnings and notes"
     )
     swap_cli.add_arguments(parser)  # --compare-swap, --swap-rules, --labels
+    support_cli.add_arguments(parser)  # --support-set, --support-dir
     add_end_to_end_arguments(parser)
     return parser
 
@@ -389,8 +391,11 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = PROG) -> argpar
         if args.image or args.image_dir:
             raise CLIError("--replot redraws a finished run and takes no --image/--image-dir; drop them")
         return args
-    if not args.image and not args.image_dir:
-        raise CLIError("no reference image given; pass --image FILE or --image-dir FOLDER")
+    support_cli.check_options(args)
+    if not args.image and not args.image_dir and not (args.support_set or args.support_dir):
+        raise CLIError(
+            "no reference image given; pass --image FILE or --image-dir FOLDER (or --support-set A,B)"
+        )
     if not args.model.strip():
         raise CLIError(f"--model is empty; pass a Hub id, a local folder or {' / '.join(OFFLINE_MODELS)}")
     check_model_name(args.model, "--model")
@@ -807,6 +812,15 @@ def _compare_swap(args: argparse.Namespace) -> int:
         return 130
 
 
+def _support_sets(args: argparse.Namespace) -> int:
+    """``--support-set`` / ``--support-dir``: generations on support sets instead of the rho run
+    (:mod:`nw_adapter.correlate.support_cli`), with this module's output and model checks."""
+    bars = show_progress_bars(args)
+    _quiet_libraries(verbose=args.verbose, bars=bars)
+    with _library_output(verbose=args.verbose, bars=bars):
+        return support_cli.run(args, bars=bars, check_true_cfg=_check_true_cfg)
+
+
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 2 bad input, 130 interrupted).
 
@@ -821,6 +835,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     try:
         args = parse_args(argv, prog=prog)
         swap_cli.check_options(args, swap_cli.given_options(build_parser(prog), argv))
+        if args.support_set or args.support_dir:
+            return _support_sets(args)
         if args.compare_swap:
             return _compare_swap(args)
         if args.replot is not None:
@@ -831,7 +847,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         processor_config(args)  # option errors now, before any model is loaded
         _quiet_libraries(verbose=args.verbose, bars=show_progress_bars(args))
         return run(args, infos, out_dir)
-    except (CLIError, OutputError, ImageInputError, ModelLoadError, CompareSwapError) as exc:
+    except (CLIError, OutputError, ImageInputError, ModelLoadError, CompareSwapError, SupportSetError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except (NWConfigError, NWInstallError) as exc:

@@ -26,6 +26,9 @@ DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 SDXL_SUBFOLDER = "sdxl_models"
 SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
 TINY = "tiny"
+DIGIT_MODELS: tuple[str, ...] = (TINY, "tiny-flux-digits")
+"""``--model`` names of the trained digits models (SD 1.5 and Flux, 32 x 32 images), whose
+generations the digit judge (``nw_adapter.models.digits_quality.digit_judge``) labels."""
 TINY_DIGITS_DIR = Path(__file__).resolve().parents[1] / "models" / "weights" / "tiny_digits"
 """``--model tiny``: the trained model shipped in the package (``nw_adapter.models.tiny_digits.SHIPPED_DIR``,
 named here without importing torch)."""

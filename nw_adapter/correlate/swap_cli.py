@@ -19,8 +19,9 @@ branch wants generations, not a second observe run (and the observe run's option
 ``--bandwidth``, ``--layers``, ``--store-maps``, ``--all-steps``, ``--replot``, are errors here).
 
 Class agreement needs a judge and the references' classes. The only judge is the digits SVM of
-the trained tiny model (:func:`nw_adapter.models.digits_quality.digit_judge`, 32 x 32 images), so it
-is measured with ``--model tiny`` only; the classes are those of the bundled held-out digits
+the trained tiny models (:func:`nw_adapter.models.digits_quality.digit_judge`, 32 x 32 images), so
+it is measured with the digits models only (``--model tiny`` and ``tiny-flux-digits``,
+:data:`~nw_adapter.correlate.spec.DIGIT_MODELS`); the classes are those of the bundled held-out digits
 (recognised by their SHA-256, not by file name) or given with ``--labels`` (one per reference, in
 the order the references are listed). Without known classes there is no agreement column, and
 the output says why.
@@ -200,15 +201,15 @@ def reference_labels(
         CompareSwapError: ``--labels`` with a model other than ``tiny``, with a size other than
             32 x 32, or not one label per reference.
     """
-    from nw_adapter.correlate.spec import TINY
+    from nw_adapter.correlate.spec import DIGIT_MODELS
 
-    if args.model != TINY:
+    if args.model not in DIGIT_MODELS:
         if args.labels is not None:
             raise CompareSwapError(
-                "--labels: class agreement needs a class judge, and only --model tiny (the trained digits "
-                "model) has one; drop --labels"
+                "--labels: class agreement needs a class judge, and only the digits models (--model tiny, "
+                "tiny-flux-digits) have one; drop --labels"
             )
-        return None, "class agreement not measured: only --model tiny has a class judge (the digits SVM)"
+        return None, "class agreement not measured: only the digits models have a class judge (a digits SVM)"
     if any(size not in (None, DIGIT_SIZE) for size in (args.height, args.width)):
         if args.labels is not None:
             raise CompareSwapError(

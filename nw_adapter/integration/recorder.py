@@ -39,9 +39,11 @@ from nw_adapter.integration.schema import (
     H_EFF_REASONS,
     RECORDS_SCHEMA,
     STAT_NAMES,
+    SUPPORT_REFERENCES,
     block_of,
     control_column,
     key_scale_column,
+    support_columns,
 )
 from nw_adapter.integration.settings import SETTINGS_FIELD, config_settings, scale_settings, settings_digest
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
@@ -104,12 +106,19 @@ class _Entry:
     key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
     ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
     control: torch.Tensor | None = None  # [draws, CONTROL_ROWS, num_halves, num_heads]: the control's
+    support: torch.Tensor | None = None  # [support_rows(m), num_halves, num_heads]: a support set's
 
 
 def _reason(code: float) -> str | None:
     """The text of h_eff's reason code (:data:`~nw_adapter.core.specification.H_EFF_REASONS`;
     None for 0: identified, or the readings off)."""
     return H_EFF_REASONS[int(code) - 1] if code >= 1 else None
+
+
+def _support_names(rows: int) -> tuple[str, ...]:
+    """The record names of a support tensor's ``rows`` rows
+    (:func:`~nw_adapter.integration.support.support_values`)."""
+    return support_columns((rows - 5) // 2)[1:]
 
 
 def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[str, Any]]:
@@ -125,6 +134,8 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
             parts.append(e.ip_mass.reshape(-1).float())
         if e.control is not None:
             parts.append(e.control.reshape(-1).float())
+        if e.support is not None:
+            parts.append(e.support.reshape(-1).float())
     flat = torch.cat(parts).cpu().tolist()
     info_cache: dict[tuple[int, int], dict[str, float]] = {}
     run_cache: dict[int, dict[str, str]] = {}
@@ -143,6 +154,11 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
         if e.control is not None:
             size = e.control.shape[0] * CONTROL_ROWS * n_h * n_k
             control, names = flat[offset : offset + size], _control_names(e.control.shape[0])
+            offset += size
+        support, support_names = None, []
+        if e.support is not None:
+            size = e.support.shape[0] * n_h * n_k
+            support, support_names = flat[offset : offset + size], _support_names(e.support.shape[0])
             offset += size
         key = (e.call, e.step)
         if key not in info_cache:
@@ -177,6 +193,10 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
                             rec[name] = control[((di * CONTROL_ROWS + ui) * n_h + hi) * n_k + ki]
                         code = control[((di * CONTROL_ROWS + CONTROL_ROWS - 1) * n_h + hi) * n_k + ki]
                         rec[control_reason_field(di)] = _reason(code)
+                if support is not None:
+                    rec[SUPPORT_REFERENCES] = (len(support_names) - 5) // 2
+                    for ui, name in enumerate(support_names):
+                        rec[name] = support[(ui * n_h + hi) * n_k + ki]
                 records.append(rec)
     return records
 
@@ -323,6 +343,7 @@ class NWRecorder:
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
         control: torch.Tensor | None = None,
+        support: torch.Tensor | None = None,
     ) -> None:
         """Store one layer's statistics, ``stats`` of shape [len(STAT_ROWS), len(halves), len(heads)]
         (:data:`~nw_adapter.core.specification.STAT_ROWS`: the statistics, then h_eff's reason code,
@@ -332,7 +353,10 @@ class NWRecorder:
         ``ip_mass`` [len(halves), len(heads)] is the joint softmax's mass on the IP keys (SD3 only);
         ``control`` [draws, CONTROL_ROWS, len(halves), len(heads)] the scale-matched control's
         statistics per draw (:data:`CONTROL_COLUMNS`, then the key scale; recorded as
-        ``{X}_control_{k}`` and ``key_scale_{k}``), when the control is on.
+        ``{X}_control_{k}`` and ``key_scale_{k}``), when the control is on; ``support``
+        [support_rows(m), len(halves), len(heads)] a support set's per-reference masses and entropies
+        (:func:`~nw_adapter.integration.support.support_values`; recorded as the columns of
+        :func:`~nw_adapter.integration.schema.support_columns`) when the softmax spans m > 1 references.
         """
         if stats.shape != (len(STAT_ROWS), len(halves), len(heads)):
             raise ValueError(
@@ -343,7 +367,7 @@ class NWRecorder:
             raise ValueError(f"control must have shape (draws, *{expected}), got {tuple(control.shape)}")
         entry = self.reserve(
             layer=layer, adapter=adapter, image=image, halves=halves, heads=heads, scale=scale,
-            num_keys=num_keys, key_set=key_set, ip_mass=ip_mass,
+            num_keys=num_keys, key_set=key_set, ip_mass=ip_mass, support=support,
         )  # fmt: skip
         entry.stats = stats.detach()
         entry.control = None if control is None else control.detach()
@@ -360,14 +384,24 @@ class NWRecorder:
         num_keys: int,
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
+        support: torch.Tensor | None = None,
     ) -> _Entry:
         """The entry of one softmax at the current (call, step), in recording order, its statistics
         still to come (``stats`` None): whoever computes them (:meth:`add`, or the processors'
-        deferred statistics through :attr:`pending`) sets ``entry.stats`` and ``entry.control``."""
+        deferred statistics through :attr:`pending`) sets ``entry.stats`` and ``entry.control``.
+        ``support`` (see :meth:`add`) is stored as given: a support set's columns are not deferred."""
         mass = None if ip_mass is None else ip_mass.detach()
         state = self.tracker.state
+        if support is not None and (
+            support.dim() != 3
+            or tuple(support.shape[1:]) != (len(halves), len(heads))
+            or (support.shape[0] - 5) % 2
+        ):
+            shape = tuple(support.shape)
+            raise ValueError(f"support must have shape (5 + 2 m, {len(halves)}, {len(heads)}), got {shape}")
+        support = None if support is None else support.detach()
         entry = _Entry(state.call, state.step, layer, adapter, image, halves, heads, float(scale), num_keys,
-                       None, key_set, mass)  # fmt: skip
+                       None, key_set, mass, support=support)  # fmt: skip
         self._entries.append(entry)
         return entry
 

@@ -251,7 +251,7 @@ IMAGE = str(example_image_path(3))
         ([*BASE, "--image", IMAGE, "--labels", "3", "--height", "64"], "reads 32 x 32 images"),
         (
             ["--compare-swap", "--image", IMAGE, "--model", "some-org/some-model", "--labels", "3"],
-            "only --model tiny",
+            "only the digits models",
         ),
     ],
 )
@@ -287,7 +287,7 @@ def test_flux_runs_without_a_judge_and_checks_true_cfg(capsys, monkeypatch, tmp_
     assert document["config"]["model"]["model"] == "tiny-flux" and document["rules"] == [0.5]
     assert [row["rule"] for row in document["per_reference"]] == [0.5, 0.5]
     assert "swap_keeps" not in document["per_reference"][0] and document["config"]["judge"] is None
-    assert printed.startswith("WARNING: tiny-flux has random weights") and "only --model tiny" in printed
+    assert printed.startswith("WARNING: tiny-flux has random weights") and "only the digits models" in printed
 
 
 def test_an_interrupted_comparison_leaves_nothing_finished_looking(finished, capsys, monkeypatch, tmp_path):

@@ -55,6 +55,7 @@ from nw_adapter.integration.processors.selection import (
     resolve_bandwidth,
 )
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.support import support_bandwidth, support_values
 
 __all__ = [
     "PASS_HALVES",
@@ -359,6 +360,7 @@ class NWProcessorBase:
         ip_mass: torch.Tensor | None = None,
         maps: bool = False,
         control_keys: Sequence[torch.Tensor] = (),
+        references: int = 1,
     ) -> None:
         """Record one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]): reserve its entry and
         capture it for the deferred statistics (:mod:`.deferred`), or compute it here (maps stored
@@ -375,6 +377,11 @@ class NWProcessorBase:
         without nulls, are recorded as ``{X}_control_{k}``
         (:data:`~nw_adapter.integration.recorder.CONTROL_COLUMNS`) and the ratio
         ``key_rms(k) / key_rms(k0)``, averaged over the rows of each CFG half, as ``key_scale_{k}``.
+        ``references``: the m reference images whose tokens make up the keys (a support set, keys
+        reference-major); with m > 1 the per-reference masses and entropies of
+        :func:`~nw_adapter.integration.support.support_values` are recorded too, at the schedule's
+        bandwidth (:func:`~nw_adapter.integration.support.support_bandwidth`), computed in the layer
+        (a support set's columns are not deferred).
 
         Raises:
             ValueError: ``bandwidth="schedule"`` at s = 1 (uniform NW weights, rank statistics
@@ -389,10 +396,14 @@ class NWProcessorBase:
             )
         batch, n = q.shape[0], len(halves)
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
+        support = None
+        if references > 1:  # support sets only: computed here, in the layer, not deferred
+            h_nw = support_bandwidth(cfg, state)
+            support = support_values(q, k, scale=scale, h=h_nw, references=references, halves=n)
         entry = rec.reserve(
             layer=self.layer_name, adapter=adapter, image=image, halves=halves, heads=heads,
             scale=math.nan if isinstance(adapter_scale, (list, tuple)) else adapter_scale,
-            num_keys=k.shape[-2], key_set=key_set, ip_mass=mass,
+            num_keys=k.shape[-2], key_set=key_set, ip_mass=mass, support=support,
         )  # fmt: skip
         rule = cfg.bandwidth
         h = None if rule in ("median", "fitted") else resolve_bandwidth(cfg, state, q, k, scale)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
+from nw_adapter.integration import support
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.base import NWProcessorBase, capture_outputs
 from nw_adapter.integration.recorder import NWRecorder
@@ -163,7 +164,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         s = 1.0 / math.sqrt(q.shape[-1])
         control = self._untrained_wanted()
         draws = range(control.draws) if control is not None else range(0)
-        for j, (key, scale) in enumerate(zip(keys, scales, strict=False)):
+        for j, (key, scale, states) in enumerate(zip(keys, scales, ip_hidden_states, strict=False)):
             k = self._pick(key, heads, heads_n)
             keys0 = [
                 self._pick(control.keys(self.layer_name, control.projected(d).states[j], adapter=j, draw=d),
@@ -172,7 +173,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
             ]  # fmt: skip
             self._record_softmax(
                 q, k, scale=s, halves=halves, heads=heads, adapter=j, image=0, adapter_scale=scale,
-                maps=True, control_keys=keys0,
+                maps=True, control_keys=keys0, references=support.reference_count(states),
             )  # fmt: skip
 
 

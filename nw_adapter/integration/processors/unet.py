@@ -74,12 +74,19 @@ def _zero_like(scale: float | Sequence[float]) -> float | list[float]:
 class _Group:
     """One softmax of the image branch: adapter j, image i (or all images pooled, i = 0)."""
 
-    __slots__ = ("adapter", "image", "states", "scale", "mask", "key", "value")
+    __slots__ = ("adapter", "image", "states", "scale", "mask", "key", "value", "references")
 
     def __init__(
-        self, adapter: int, image: int, states: torch.Tensor, scale: float, mask: torch.Tensor | None
+        self,
+        adapter: int,
+        image: int,
+        states: torch.Tensor,
+        scale: float,
+        mask: torch.Tensor | None,
+        references: int = 1,
     ):
         self.adapter, self.image, self.states, self.scale, self.mask = adapter, image, states, scale, mask
+        self.references = references  # reference images whose tokens are the keys (a support set)
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
 
@@ -120,7 +127,11 @@ class _UNetNWProcessor(NWProcessorBase):
                     image_states = states[:, i].reshape(batch, -1, states.shape[-1])
                     groups.append(_Group(j, i, image_states, per_image[i], mask[:, i]))
             else:
-                groups.append(_Group(j, 0, states.reshape(batch, -1, states.shape[-1]), scale, None))
+                pooled = states.reshape(batch, -1, states.shape[-1])
+                # m images of T tokens, reference-major; a folded extra embeds batch (see above)
+                # adds its rows as further references of T tokens each
+                tokens = states.shape[-2] if states.dim() == 4 else pooled.shape[1]
+                groups.append(_Group(j, 0, pooled, scale, None, references=pooled.shape[1] // tokens))
         return groups
 
     def _mask_factor(self, mask: torch.Tensor, batch: int, rows: int, inner: int, like: torch.Tensor):
@@ -272,7 +283,7 @@ class _UNetNWProcessor(NWProcessorBase):
             ]  # fmt: skip
             self._record_softmax(
                 q, k, scale=s, halves=halves, heads=heads, adapter=g.adapter, image=g.image,
-                adapter_scale=g.scale, maps=True, control_keys=keys0,
+                adapter_scale=g.scale, maps=True, control_keys=keys0, references=g.references,
             )  # fmt: skip
 
 

@@ -1,0 +1,351 @@
+"""The support-set report: per set, which reference wins the attention and which the image resembles.
+
+Built from the per-set results of :func:`nw_adapter.analysis.support_sets.observe_support_set`
+(torch-free once built, so the files redraw without a model):
+
+- per set: the per-step masses (:func:`~nw_adapter.analysis.support_sets.support_steps`, the
+  conditional half averaged over layers and heads), the attention's winner (the reference with the
+  largest mass at the last step) and the step from which it keeps the lead, the NW weights' winner
+  at the schedule's h, the per-reference CLIP-I and the CLIP-nearest reference, and on digits the
+  judge's classes of the generation and of each reference;
+- per group of sets (m references, classes ``same`` / ``mixed`` / ``unknown``): the concentration
+  on the winner at the last step, ``(mass_winner - 1/m) / (1 - 1/m)`` (0: even shares, 1: all mass on
+  one reference), and the query rows' entropy over references as a share of ``log m``, measured and
+  NW, each with its 95% Student t interval over the sets (the unit: one support set, one generation);
+  how often the CLIP-nearest reference is the attention's winner, and on digits how often the
+  generation's class is one of its references', with Clopper-Pearson 95% intervals.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "SUPPORT_SCHEMA",
+    "concentration",
+    "format_document",
+    "group_summary",
+    "plot_set",
+    "plot_sweep",
+    "set_entry",
+    "set_figure",
+    "sweep_figure",
+]
+
+SUPPORT_SCHEMA = "nw-adapter/support-sets"
+JSON_NAME, CSV_NAME, FIGURE_NAME = "support.json", "support.csv", "support_mass.png"
+SUPPORT_FILES = (JSON_NAME, CSV_NAME, FIGURE_NAME, "sets")
+
+
+def concentration(mass: Sequence[float], m: int) -> float:
+    """``(max_r mass_r - 1/m) / (1 - 1/m)``: 0 for even shares, 1 when one reference has all the
+    mass (NaN for m = 1 or no finite mass)."""
+    finite = [x for x in mass if math.isfinite(x)]
+    if m < 2 or not finite:
+        return math.nan
+    return (max(finite) - 1.0 / m) / (1.0 - 1.0 / m)
+
+
+def _entropy_share(value: float, m: int) -> float:
+    return value / math.log(m) if m >= 2 and math.isfinite(value) else math.nan
+
+
+def _classes(labels: Sequence[Any] | None) -> str:
+    if not labels:
+        return "unknown"
+    return "same" if len(set(labels)) == 1 else "mixed"
+
+
+def set_entry(
+    key: str, files: Sequence[dict[str, Any]], run: Any, generated: str, labels: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """The JSON entry of one set from its :class:`~nw_adapter.analysis.support_sets.SupportSetRun`.
+
+    Args:
+        key: the set's name. files: per reference ``{"file", "sha256"}``, in set order.
+        run: the run. generated: the generated image's path relative to ``--out``.
+        labels: the references' known classes (held-out digits,
+            :func:`~nw_adapter.correlate.digit_sets.known_digit_labels`); None: the judge's reading of
+            the references stands in (``class_source`` says which).
+    """
+    from nw_adapter.analysis.support_sets import decided_step
+
+    m = len(files)
+    judged = run.judged
+    classes = list(labels) if labels is not None else (None if judged is None else list(judged[1:]))
+    references = [
+        {**f, "clip_cosine": run.clip_cosine[i], "judged": None if judged is None else judged[i + 1],
+         "label": None if labels is None else labels[i]}
+        for i, f in enumerate(files)
+    ]  # fmt: skip
+    winner, decided = decided_step(run.steps)
+    winner_nw, _ = decided_step(run.steps, "mass_nw")
+    last = run.steps[-1] if run.steps else None
+    judged_generated = None if judged is None else judged[0]
+    winner_class = None if classes is None or winner is None else classes[winner]
+    return {
+        "key": key,
+        "num_refs": m,
+        "classes": _classes(classes),
+        "class_source": "known" if labels is not None else ("judge" if judged is not None else None),
+        "references": references,
+        "generated": generated,
+        "clip_embedding": run.clip_embedding,
+        "clip_nearest": run.clip_nearest,
+        "winner": winner,
+        "decided_step": decided,
+        "winner_nw": winner_nw,
+        "judged_generated": judged_generated,
+        "clip_nearest_is_winner": None if winner is None else run.clip_nearest == winner,
+        "class_of_winner": None
+        if winner_class is None or judged is None
+        else judged_generated == winner_class,
+        "class_of_a_reference": None if classes is None or judged is None else judged_generated in classes,
+        "final_concentration": None if last is None else concentration(last["mass"], m),
+        "final_concentration_nw": None if last is None else concentration(last["mass_nw"], m),
+        "final_row_entropy_share": None if last is None else _entropy_share(last["ref_row_entropy"], m),
+        "final_row_entropy_share_nw": None if last is None else _entropy_share(last["ref_row_entropy_nw"], m),
+        "steps": run.steps,
+    }
+
+
+def _interval(values: Sequence[Any]) -> dict[str, Any]:
+    from nw_adapter.core.intervals import t_interval
+
+    kept = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not kept:
+        return {"mean": None, "low": None, "high": None, "n": 0}
+    mean, low, high = t_interval(kept)
+    clean = [None if not math.isfinite(x) else x for x in (mean, low, high)]
+    return {"mean": clean[0], "low": clean[1], "high": clean[2], "n": len(kept)}
+
+
+def _proportion(flags: Sequence[Any], chance: float | None = None) -> dict[str, Any]:
+    """Count, Clopper-Pearson 95% interval and, given ``chance``, the exact one-sided binomial test
+    of the proportion above it (over sets, the independent units)."""
+    from scipy.stats import binomtest
+
+    kept = [bool(f) for f in flags if f is not None]
+    if not kept:
+        return {"count": 0, "n": 0, "low": None, "high": None, "chance": chance, "p_above_chance": None}
+    test = binomtest(sum(kept), len(kept), p=0.5 if chance is None else chance, alternative="greater")
+    interval = binomtest(sum(kept), len(kept)).proportion_ci(0.95, method="exact")
+    return {
+        "count": sum(kept),
+        "n": len(kept),
+        "low": float(interval.low),
+        "high": float(interval.high),
+        "chance": chance,
+        "p_above_chance": None if chance is None else float(test.pvalue),
+    }
+
+
+GROUP_FIELDS = (
+    "final_concentration",
+    "final_concentration_nw",
+    "final_row_entropy_share",
+    "final_row_entropy_share_nw",
+)
+GROUP_COUNTS = ("clip_nearest_is_winner", "class_of_winner", "class_of_a_reference")
+#: The counts tested against the chance 1/m of picking one of m references at random (the class
+#: count on mixed-class sets only).
+CHANCE_COUNTS = ("clip_nearest_is_winner", "class_of_winner")
+
+
+def group_summary(sets: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (m, classes) group of sets: the means with 95% t intervals over sets of
+    :data:`GROUP_FIELDS` and the counts with Clopper-Pearson intervals of :data:`GROUP_COUNTS`."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for entry in sets:
+        groups.setdefault((entry["num_refs"], entry["classes"]), []).append(entry)
+    rows = []
+    for (m, classes), members in sorted(groups.items()):
+        row: dict[str, Any] = {"num_refs": m, "classes": classes, "sets": len(members)}
+        row.update({name: _interval([e[name] for e in members]) for name in GROUP_FIELDS})
+        for name in GROUP_COUNTS:
+            # a same-class set's generation has its winner's class whenever it has any reference's
+            chance = 1.0 / m if name in CHANCE_COUNTS and m >= 2 and not (
+                name == "class_of_winner" and classes == "same"
+            ) else None  # fmt: skip
+            row[name] = _proportion([e[name] for e in members], chance)
+        rows.append(row)
+    return rows
+
+
+def _cell(stat: dict[str, Any]) -> str:
+    if stat.get("mean") is None:
+        return "-"
+    if stat.get("low") is None:
+        return f"{stat['mean']:.3f}"
+    return f"{stat['mean']:.3f} [{stat['low']:.3f}, {stat['high']:.3f}]"
+
+
+def _count(stat: dict[str, Any]) -> str:
+    if not stat["n"]:
+        return "-"
+    p = stat.get("p_above_chance")
+    return f"{stat['count']}/{stat['n']}" + ("" if p is None else f" p{p:.2g}")
+
+
+def format_document(document: dict[str, Any]) -> str:
+    """The terminal report: one line per set, then the groups' table."""
+    lines = [
+        "support sets (cond half, means over layers and heads; winner = largest attention mass at the end)"
+    ]
+    for e in document["sets"]:
+        clip = ", ".join(f"{r['clip_cosine']:.3f}" for r in e["references"])
+        shown = [r["label"] if r.get("label") is not None else r["judged"] for r in e["references"]]
+        classes = "" if e["judged_generated"] is None else (
+            f"; classes refs {shown} -> generated {e['judged_generated']}"
+        )  # fmt: skip
+        final = e["steps"][-1] if e["steps"] else None
+        mass = ""
+        if final is not None:
+            shares = [[round(x, 3) for x in final[key]] for key in ("mass", "mass_nw")]
+            mass = f"; final mass A {shares[0]} NW {shares[1]}"
+        lines.append(
+            f"  {e['key']} (m={e['num_refs']}, {e['classes']}): winner {e['winner']} from step "
+            f"{e['decided_step']}, NW winner {e['winner_nw']}; CLIP-I [{clip}] nearest {e['clip_nearest']}"
+            f"{mass}{classes}"
+        )
+    lines.append("")
+    header = (
+        f"{'m':>2} {'classes':<8} {'sets':>4}  {'concentration A':<24} {'concentration NW':<24} "
+        f"{'row entropy/log m A':<24} {'row entropy/log m NW':<24} {'CLIP=winner':>13} {'class=winner':>13} "
+        f"{'class in refs':>13}"
+    )
+    lines.append(header)
+    for row in document["summary"]:
+        lines.append(
+            f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
+            + " ".join(f"{_cell(row[name]):<24}" for name in GROUP_FIELDS)
+            + " "
+            + " ".join(
+                f"{_count(row[name]):>{w}}" for name, w in zip(GROUP_COUNTS, (13, 13, 13), strict=True)
+            )
+        )
+    lines.append(
+        "concentration = (largest mass - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
+        "[95% t interval over sets]; CLIP=winner: sets whose CLIP-nearest reference is the attention's "
+        "winner; class=winner: whose generation the judge gives the winner's class; p: exact one-sided "
+        "binomial test over sets against chance 1/m"
+    )
+    return "\n".join(lines)
+
+
+# --- figures --------------------------------------------------------------------------------
+
+
+def _progress(steps: Sequence[dict[str, Any]]) -> np.ndarray:
+    last = max(len(steps) - 1, 1)
+    return np.array([s["step"] / last for s in steps])
+
+
+def plot_set(entry: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path | None:
+    """Write :func:`set_figure` to ``path`` (PNG, atomically); None (nothing written) for m = 1."""
+    from nw_adapter.analysis.records import save_figure
+
+    fig = set_figure(entry, title=title)
+    return None if fig is None else save_figure(fig, path)
+
+
+def set_figure(entry: dict[str, Any], *, title: str | None = None):
+    """One set's per-reference mass over denoising: attention (solid) beside the NW weights at the
+    schedule's h (dashed), one colour per reference; 3.5 in wide. None for m = 1."""
+    from matplotlib.figure import Figure
+
+    from nw_adapter.analysis.records import wrap_title
+
+    steps = entry["steps"]
+    if not steps:
+        return None
+    fig = Figure(figsize=(3.5, 2.6), layout="constrained")
+    ax = fig.subplots()
+    x = _progress(steps)
+    colors = [f"C{i}" for i in range(entry["num_refs"])]
+    for r, color in enumerate(colors):
+        name = Path(entry["references"][r]["file"]).name
+        ax.plot(
+            x, [s["mass"][r] for s in steps], color=color, linewidth=1.2, label=f"{r}: {name} (attention)"
+        )
+        ax.plot(x, [s["mass_nw"][r] for s in steps], color=color, linewidth=1.0, linestyle="--",
+                label=f"{r}: NW at schedule h")  # fmt: skip
+    ax.axhline(1.0 / entry["num_refs"], color="0.5", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("denoising progress (step / last step)", fontsize=8)
+    ax.set_ylabel("mass on reference", fontsize=8)
+    ax.set_ylim(-0.02, 1.02)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside lower center", fontsize=6, frameon=False, ncol=2)
+    if title:
+        fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
+    return fig
+
+
+def _band(ax: Any, x: np.ndarray, per_set: np.ndarray, color: str, style: str, label: str) -> None:
+    """Mean over sets with its 95% t band (two or more sets)."""
+    from nw_adapter.core.intervals import t_interval
+
+    stats = np.array([t_interval(column[np.isfinite(column)]) if np.isfinite(column).any()
+                      else (math.nan,) * 3 for column in per_set.T])  # fmt: skip
+    ax.plot(x, stats[:, 0], color=color, linestyle=style, linewidth=1.1, label=label)
+    if per_set.shape[0] >= 2:
+        ax.fill_between(x, stats[:, 1], stats[:, 2], color=color, alpha=0.18 if style == "-" else 0.08,
+                        linewidth=0)  # fmt: skip
+
+
+def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str | None = None) -> Path | None:
+    """Write :func:`sweep_figure` to ``path`` (PNG, atomically); None (nothing written) without a set of
+    m >= 2."""
+    from nw_adapter.analysis.records import save_figure
+
+    fig = sweep_figure(document, title=title)
+    return None if fig is None else save_figure(fig, path)
+
+
+def sweep_figure(document: dict[str, Any], *, title: str | None = None):
+    """The support-set figure: per group of sets (m, classes), over denoising, (a) the concentration
+    (:func:`concentration`, ``(max_r mass_r - 1/m) / (1 - 1/m)``) and (b) the query rows' entropy over
+    references as a share of log m; attention solid, NW at the schedule's h dashed, 95% t bands over
+    sets (two or more). 3.5 in wide. None when no set has m >= 2."""
+    from matplotlib.figure import Figure
+
+    from nw_adapter.analysis.records import wrap_title
+
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for e in document["sets"]:
+        if e["num_refs"] >= 2 and e["steps"] and e["winner"] is not None:
+            groups.setdefault((e["num_refs"], e["classes"]), []).append(e)
+    if not groups:
+        return None
+    fig = Figure(figsize=(3.5, 4.6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    for g, ((m, classes), members) in enumerate(sorted(groups.items())):
+        length = min(len(e["steps"]) for e in members)
+        x = _progress(members[0]["steps"][:length])
+        color = f"C{g}"
+        label = f"m={m}, {classes} ({len(members)} set{'s' if len(members) > 1 else ''})"
+        for key, style, arm in (("mass", "-", "attention"), ("mass_nw", "--", "NW")):
+            conc = np.array([[concentration(s[key], m) for s in e["steps"][:length]] for e in members])
+            _band(top, x, conc, color, style, f"{label}: {arm}")
+            entropy_key = "ref_row_entropy" if key == "mass" else "ref_row_entropy_nw"
+            share = np.array([[s[entropy_key] / math.log(m) for s in e["steps"][:length]] for e in members])
+            _band(bottom, x, share, color, style, f"{label}: {arm}")
+    top.set_ylabel("concentration (max share)", fontsize=8)
+    bottom.set_ylabel("row entropy / log m", fontsize=8)
+    bottom.set_xlabel("denoising progress (step / last step)", fontsize=8)
+    for ax in (top, bottom):
+        ax.set_ylim(-0.05, 1.05)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    handles, labels = top.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", fontsize=6, frameon=False, ncol=1)
+    if title:
+        fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
+    return fig

@@ -1,0 +1,134 @@
+"""Support sets at run time: the recorder's per-reference columns (integration/support.py, processors)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nw_adapter.core.specification import STAT_ROWS
+from nw_adapter.core.support import support_statistics
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.mixin import nw_processor
+from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.schema import support_columns, support_mass_column
+from nw_adapter.integration.steps import StepState
+from nw_adapter.integration.support import support_bandwidth, support_values
+
+
+def test_support_values_are_the_specification_averaged_over_each_cfg_half():
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 2, 9, 8, generator=gen), torch.randn(4, 2, 12, 8, generator=gen)
+    got = support_values(q, k, scale=8**-0.5, h=0.9, references=3, halves=2)
+    spec = support_statistics(q.double(), k.double(), scale=8**-0.5, h=0.9, references=3)
+    per_row = torch.cat(
+        [torch.full((4, 2, 1), 0.9, dtype=torch.float64), spec.mass, spec.mass_nw,
+         torch.stack([spec.entropy, spec.entropy_nw, spec.row_entropy, spec.row_entropy_nw], -1)], -1
+    )  # fmt: skip
+    expected = per_row.view(2, 2, 2, -1).mean(1).permute(2, 0, 1)
+    assert got.shape == (len(support_columns(3)) - 1, 2, 2)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_support_bandwidth_follows_the_schedule_with_its_limits():
+    config = NWProcessorConfig(schedule_c=2.0)
+    assert support_bandwidth(config, StepState(alpha=0.5, sigma=0.25)) == pytest.approx(1.0)
+    assert support_bandwidth(config, StepState(alpha=0.0, sigma=1.0)) == math.inf  # flow's pure noise
+    assert math.isnan(support_bandwidth(config, StepState()))  # outside a pipeline call
+
+
+def test_the_recorder_refuses_a_support_tensor_of_the_wrong_shape():
+    rec = NWRecorder(NWProcessorConfig())
+    stats = torch.zeros(len(STAT_ROWS), 1, 2)
+    with pytest.raises(ValueError, match="support must have shape"):
+        rec.add(layer="l", adapter=0, image=0, halves=("all",), heads=(0, 1), scale=1.0, num_keys=8,
+                stats=stats, support=torch.zeros(8, 1, 2))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def digits_pipe():
+    from nw_adapter.models.loaders import load_tiny_digits
+
+    return load_tiny_digits()
+
+
+def _run(pipe, images, steps: int = 2):
+    with nw_processor(pipe, mode="observe") as rec:
+        out = pipe("a photograph", ip_adapter_image=images, num_inference_steps=steps,
+                   generator=torch.Generator().manual_seed(0), output_type="np")  # fmt: skip
+    return out.images, rec.to_records()
+
+
+def test_a_support_set_run_records_the_columns_and_keeps_the_output(digits_pipe):
+    from nw_adapter.models.loaders import tiny_digit_image
+
+    three, seven = tiny_digit_image(3), tiny_digit_image(7)
+    images, records = _run(digits_pipe, [[three, seven]])
+    stock = digits_pipe("a photograph", ip_adapter_image=[[three, seven]], num_inference_steps=2,
+                        generator=torch.Generator().manual_seed(0), output_type="np").images  # fmt: skip
+    np.testing.assert_array_equal(images, stock)  # observe is bit-identical with a support set too
+    assert records and all(r["num_refs"] == 2 and r["num_keys"] == 8 for r in records)
+    assert set(support_columns(2)) <= set(records[0])
+    for r in records:
+        assert r["ref_mass_0"] + r["ref_mass_1"] == pytest.approx(1.0, abs=1e-5)
+        assert r["ref_mass_nw_0"] + r["ref_mass_nw_1"] == pytest.approx(1.0, abs=1e-5)
+        assert r["ref_h_nw"] == pytest.approx(r["h_schedule"])
+    # the unconditional half's image embeds are zeros: two identical references share the mass
+    assert all(r["ref_mass_0"] == pytest.approx(0.5, abs=1e-6) for r in records if r["half"] == "uncond")
+    cond = [r for r in records if r["half"] == "cond"]
+    assert max(abs(r["ref_mass_0"] - 0.5) for r in cond) > 0.01  # different digits: unequal shares
+    # swapping the references swaps their masses (reference r owns keys r T .. (r + 1) T - 1)
+    _, swapped = _run(digits_pipe, [[seven, three]])
+    by_place = {(r["step"], r["layer"], r["head"], r["half"]): r for r in swapped}
+    for r in cond:
+        other = by_place[(r["step"], r["layer"], r["head"], r["half"])]
+        assert other[support_mass_column(1)] == pytest.approx(r[support_mass_column(0)], abs=2e-3)
+        assert other[support_mass_column(1, nw=True)] == pytest.approx(
+            r[support_mass_column(0, nw=True)], abs=2e-3
+        )
+
+
+def test_one_reference_records_no_support_columns(digits_pipe):
+    from nw_adapter.models.loaders import tiny_digit_image
+
+    _, records = _run(digits_pipe, tiny_digit_image(3), steps=1)
+    assert records and not any("num_refs" in r or "ref_mass_0" in r for r in records)
+
+
+def test_flux_support_set_has_uniform_nw_mass_at_its_pure_noise_step(tiny_flux_dir, tiny_flux_ip_adapter_dir):
+    from diffusers import FluxPipeline
+    from flow_helpers import generate, load_flux
+    from tiny_helpers import random_image
+
+    pipe = load_flux(FluxPipeline, tiny_flux_dir, tiny_flux_ip_adapter_dir)
+    with nw_processor(pipe, mode="observe") as rec:
+        generate(
+            pipe, steps=2, ip_adapter_image=[[random_image(1, 32), random_image(2, 32), random_image(3, 32)]]
+        )
+    records = rec.to_records()
+    assert records and all(r["num_refs"] == 3 for r in records)
+    first = [r for r in records if r["step"] == 0]
+    assert first and all(r["ref_h_nw"] == math.inf for r in first)
+    assert all(
+        r[support_mass_column(i, nw=True)] == pytest.approx(1 / 3, abs=1e-7) for r in first for i in range(3)
+    )
+    assert all(r["ref_entropy_nw"] == pytest.approx(math.log(3), abs=1e-6) for r in first)
+
+
+@pytest.mark.parametrize(
+    ("references", "call", "message"),
+    [
+        ([], {}, "no reference image"),
+        (["x"], {"ip_adapter_image": "x"}, "ip_adapter_image is set by the function"),
+        (["x"], {"generator": None}, "generator is set by the function"),
+    ],
+)
+def test_observe_support_set_refuses_bad_calls(digits_pipe, references, call, message):
+    from nw_adapter.analysis.support_sets import observe_support_set
+
+    with pytest.raises(ValueError, match=message):
+        observe_support_set(digits_pipe, references, **call)
+    with pytest.raises(ValueError, match="observes"):
+        observe_support_set(digits_pipe, ["x"], config=NWProcessorConfig(mode="swap"))
