@@ -152,6 +152,7 @@ FULL = Scale(
     eval_targets=400,
     digits_tasks_per_class=10,
     head_tasks=8,
+    dims=(2, 4, 8, 16),
 )
 
 PAPER_SCALE = Scale(
