@@ -269,6 +269,15 @@ def _run(args: argparse.Namespace, regimes: tuple[str, ...], prog: str) -> int:
                 f"--support-sizes max {max(scale.support_sizes)} + {scale.digits_targets} held-out points "
                 "exceeds the smallest digits class (174); use sizes <= 50"
             )
+        if "digits" in regimes and args.features is not None:
+            from nw_adapter.experiments.tasks import load_feature_file
+
+            classes = len(set(load_feature_file(args.features, args.labels)[1].tolist()))
+            if scale.digits_folds > classes:
+                raise ValueError(
+                    f"--digits-folds {scale.digits_folds} exceeds the {classes} classes of --features; "
+                    f"pass --digits-folds {classes} or fewer"
+                )
     except ValueError as err:
         print(f"{prog}: error: {_scale_error(err)}", file=sys.stderr)
         return 2

@@ -237,3 +237,14 @@ def test_the_grid_runs_on_a_dask_cluster_with_the_same_results_and_resumes(tmp_p
         assert [t["engine"] for t in timing] == ["dask", "dask"] and timing[1]["units_run"] == 0
         changed = ["--out", str(cluster), *TINY, "--regimes", "dims", "--dims", "2,3", "--engine", "dask"]
         assert main([*changed, "--scheduler", cl.scheduler_address]) == 2  # config check unchanged
+
+
+def test_more_class_folds_than_feature_classes_is_one_line_exit_2(tmp_path, capsys):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "f.npz"
+    np.savez(path, features=rng.standard_normal((300, 8)), labels=np.repeat([0, 1, 2], 100))
+    code = main(["--out", str(tmp_path / "o"), "--features", str(path), "--digits-folds", "4", "--quick"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--digits-folds 4 exceeds the 3 classes" in err and len(err.splitlines()) == 1
