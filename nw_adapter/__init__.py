@@ -6,6 +6,8 @@ Layers, bottom to top (a layer imports only the layers below it; ``tests/test_la
   ``NWVelocityField``, sampling, metrics);
 - :mod:`nw_adapter.integration`: the diffusers side (config, processors, recorder, noise
   levels, mixin / apply / remove / context manager);
+- :mod:`nw_adapter.analysis`: reports of the records (summary, CSV, figures, heat maps), the
+  records file and its checks, ``compare_swap``;
 - :mod:`nw_adapter.correlate`: the ``correlate`` application (the only layer that prints);
 - :mod:`nw_adapter.models`: embedded tiny models; :mod:`nw_adapter.experiments`: the failure
   regimes; :mod:`nw_adapter.atomic`: stdlib-only atomic file writes used by every layer.
@@ -41,7 +43,7 @@ _LAZY = {
     "load_tiny_flux": "nw_adapter.models.loaders",
     "tiny_digit_image": "nw_adapter.models.loaders",
     "compare_attention": "nw_adapter.core.compare",
-    "compare_swap": "nw_adapter.integration.consequence",
+    "compare_swap": "nw_adapter.analysis.consequence",
     "verdict": "nw_adapter.correlate.verdict",
     "format_verdict": "nw_adapter.correlate.verdict",
     "comparison_records": "nw_adapter.correlate.comparisons",

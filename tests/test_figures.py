@@ -18,7 +18,7 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.lines import Line2D
 from PIL import Image
 
-from nw_adapter.integration.records import Records
+from nw_adapter.analysis.records import Records
 
 PAGE_INCHES = 7.0
 LAYERS = ("down_blocks.0.a", "mid_block.a", "up_blocks.1.a")
@@ -243,7 +243,7 @@ def test_attention_maps_share_one_scale_per_kind_with_labelled_bars_and_name_the
 
 @pytest.mark.parametrize("kind", ["attn", "diff"])
 def test_overlay_shares_one_labelled_scale_across_tokens(kind: str) -> None:
-    from nw_adapter.integration.heatmaps import TokenHeatMaps
+    from nw_adapter.analysis.heatmaps import TokenHeatMaps
 
     rng = np.random.default_rng(1)
     values = 0.25 + rng.standard_normal((4, 8, 8)) * np.array([0.01, 0.05, 0.1, 0.2])[:, None, None]

@@ -1,9 +1,15 @@
 """The package's layers import only the layers below them (see ``nw_adapter/__init__.py``).
 
-Two checks per layer: a static one over every ``import`` statement of every module (also the
-imports inside functions, which a plain ``import`` of the module would not execute), and a
-dynamic one that imports every module of the layer in a fresh interpreter and lists what
-``sys.modules`` then holds.
+Layers, bottom to top: core, integration, analysis, correlate (models, experiments and pipelines
+beside them, with their own rules below). Two checks per layer: a static one over every
+``import`` statement of every module (also the imports inside functions, which a plain
+``import`` of the module would not execute), and a dynamic one that imports every module of the
+layer in a fresh interpreter and lists what ``sys.modules`` then holds.
+
+One upward edge is part of the design, the recorder facade (:data:`FACADE`): ``NWRecorder``'s
+report methods (``summary``, ``plot``, ``to_json``, ...) import their analysis function inside the
+method, so that a user's recorder reports, while importing the integration loads no reporting.
+Everywhere else, and at module level there too, the rules of :data:`FORBIDDEN` hold.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -21,17 +28,27 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nw_adapter"
 FORBIDDEN = {
     "core": (
         {"diffusers", "transformers", "PIL", "matplotlib", "accelerate"},
-        {"integration", "correlate", "models", "experiments", "pipelines"},
+        {"integration", "analysis", "correlate", "models", "experiments", "pipelines"},
     ),
-    "integration": (set(), {"correlate", "experiments", "models", "pipelines"}),
-    "pipelines": (set(), {"correlate", "experiments", "models"}),
-    "models": (set(), {"integration", "correlate", "experiments", "pipelines"}),
+    "integration": ({"matplotlib"}, {"analysis", "correlate", "experiments", "models", "pipelines"}),
+    "analysis": (set(), {"correlate", "experiments", "models", "pipelines"}),
+    "pipelines": (set(), {"analysis", "correlate", "experiments", "models"}),
+    "models": (set(), {"integration", "analysis", "correlate", "experiments", "pipelines"}),
     "experiments": (
         {"diffusers", "transformers", "PIL", "accelerate"},
-        {"integration", "correlate", "models", "pipelines"},
+        {"integration", "analysis", "correlate", "models", "pipelines"},
     ),
     "correlate": (set(), {"experiments", "pipelines"}),
 }
+
+# The recorder facade: this module of the layer may import this sub-package of the layer above,
+# inside a function only (its user-facing report methods); never at module level.
+FACADE = ("integration/recorder.py", "analysis")
+
+
+class _Import(NamedTuple):
+    name: str
+    deferred: bool  # inside a function body: runs when the function is called, not on import
 
 
 def _modules(layer: str) -> list[Path]:
@@ -46,13 +63,21 @@ def _dotted(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute names of every module imported anywhere in ``path`` (relative ones resolved)."""
+def _located_imports(path: Path) -> set[_Import]:
+    """Every module imported anywhere in ``path`` (relative names resolved), with whether the
+    import sits inside a function body."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
+    deferred_nodes = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for inner in ast.walk(node)
+    }
+    found: set[_Import] = set()
     for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 package = _dotted(path) if path.name == "__init__.py" else _dotted(path).rpartition(".")[0]
@@ -60,21 +85,30 @@ def _imports(path: Path) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
+            names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        found.update(_Import(name, id(node) in deferred_nodes) for name in names)
+    return found
 
 
-def _violations(layer: str) -> list[str]:
+def _imports(path: Path) -> set[str]:
+    """Absolute names of every module imported anywhere in ``path`` (relative ones resolved)."""
+    return {found.name for found in _located_imports(path)}
+
+
+def _violations(layer: str, paths: list[Path] | None = None) -> list[str]:
     external, internal = FORBIDDEN[layer]
-    found = []
-    for path in _modules(layer):
-        for name in _imports(path):
+    found = set()
+    for path in _modules(layer) if paths is None else paths:
+        where = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path
+        facade = where.as_posix() == f"nw_adapter/{FACADE[0]}"
+        for name, deferred in _located_imports(path):
             top, _, rest = name.partition(".")
             sub = rest.partition(".")[0]
+            if facade and deferred and top == "nw_adapter" and sub == FACADE[1]:
+                continue
             if top in external or (top == "nw_adapter" and sub in internal):
-                found.append(f"{path.relative_to(PACKAGE.parent)} imports {name}")
-    return found
+                found.add(f"{where} imports {name}")
+    return sorted(found)
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
@@ -89,11 +123,43 @@ def test_the_checker_sees_a_violation(tmp_path):
     assert {"diffusers", "diffusers.UNet2DConditionModel", "PIL.Image"} <= _imports(bad)
 
 
+def test_the_facade_reaches_the_analysis_layer_only_inside_a_function(tmp_path):
+    """The facade's deferred import passes; the same import at module level, or deferred in any
+    other integration module, or of matplotlib, is a violation."""
+    deferred = "def summary():\n    from nw_adapter.analysis.records import recorder_summary\n"
+    facade = PACKAGE / FACADE[0]
+    assert any(i.deferred and i.name.startswith("nw_adapter.analysis.") for i in _located_imports(facade))
+    assert _violations("integration", [facade]) == []
+    top_level = tmp_path / "top_level.py"
+    top_level.write_text("from nw_adapter.analysis.records import Records\n" + deferred)
+    other = tmp_path / "other.py"
+    other.write_text(deferred + "def draw():\n    import matplotlib.pyplot\n")
+    assert _violations("integration", [top_level]) == [
+        f"{top_level} imports nw_adapter.analysis.records",
+        f"{top_level} imports nw_adapter.analysis.records.Records",
+        f"{top_level} imports nw_adapter.analysis.records.recorder_summary",
+    ]
+    assert _violations("integration", [other]) == [
+        f"{other} imports matplotlib.pyplot",
+        f"{other} imports nw_adapter.analysis.records",
+        f"{other} imports nw_adapter.analysis.records.recorder_summary",
+    ]
+
+
 @pytest.mark.parametrize(
     ("layer", "absent"),
     [
         ("core", ["diffusers", "transformers", "PIL", "matplotlib", "nw_adapter.integration"]),
-        ("integration", ["nw_adapter.correlate", "nw_adapter.experiments", "matplotlib"]),
+        (
+            "integration",
+            [
+                "nw_adapter.analysis",
+                "nw_adapter.correlate",
+                "nw_adapter.experiments",
+                "matplotlib",
+            ],
+        ),
+        ("analysis", ["nw_adapter.correlate", "nw_adapter.experiments", "matplotlib"]),
         ("experiments", ["diffusers", "transformers", "nw_adapter.integration", "nw_adapter.correlate"]),
     ],
 )
@@ -106,6 +172,49 @@ def test_importing_a_layer_loads_nothing_above_it(layer, absent):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _loaded_modules_that_import(roots: list[str], target: str) -> tuple[bool, list[str]]:
+    """Import ``roots`` in a fresh interpreter: whether ``target`` is then in ``sys.modules``, and
+    the loaded project modules whose code imports ``target`` anywhere (inside functions too:
+    a call would load it)."""
+    code = (
+        "import importlib, sys\n"
+        f"for m in {roots!r}: importlib.import_module(m)\n"
+        f"print({target!r} in sys.modules)\n"
+        "for n, m in sorted(sys.modules.items()):\n"
+        "    if n.startswith('nw_adapter') and getattr(m, '__file__', None): print(m.__file__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded, *files = out.stdout.split("\n")
+    importers = [
+        f for f in files if f and any(n == target or n.startswith(target + ".") for n in _imports(Path(f)))
+    ]
+    return loaded == "True", sorted(importers)
+
+
+INTEGRATION_ENTRY_POINTS = [
+    "nw_adapter.integration",
+    "nw_adapter.integration.processors",
+    "nw_adapter.integration.recorder",
+    "nw_adapter.integration.mixin",
+]
+
+
+def test_the_integration_and_its_processors_import_no_matplotlib_even_indirectly():
+    """Importing the integration and its processors neither loads matplotlib nor loads any module
+    that would load it on a call (the reporting lives in nw_adapter.analysis)."""
+    assert _loaded_modules_that_import(INTEGRATION_ENTRY_POINTS, "matplotlib") == (False, [])
+
+
+def test_the_indirect_matplotlib_check_sees_a_module_that_imports_it_on_call():
+    """The analysis layer's records module draws with matplotlib inside a function: importing it
+    loads no matplotlib, and the check still names it."""
+    loaded, importers = _loaded_modules_that_import(["nw_adapter.analysis.records"], "matplotlib")
+    assert not loaded
+    assert [Path(f).relative_to(PACKAGE.parent).as_posix() for f in importers] == [
+        "nw_adapter/analysis/records.py"
+    ]
 
 
 def _calls_print_or_exit(path: Path) -> list[str]:

@@ -17,6 +17,7 @@
 - :mod:`~nw_adapter.correlate.swap_cli`: ``--compare-swap``, stock against the exact NW head's generations.
 - :mod:`~nw_adapter.correlate.swap_files`: its ``compare_swap.json`` / ``.csv`` and their reuse.
 
-May import every layer below it (:mod:`nw_adapter.integration`, :mod:`nw_adapter.core`,
-:mod:`nw_adapter.models`, :mod:`nw_adapter.atomic`). The only layer that prints or exits.
+May import every layer below it (:mod:`nw_adapter.analysis`, :mod:`nw_adapter.integration`,
+:mod:`nw_adapter.core`, :mod:`nw_adapter.models`, :mod:`nw_adapter.atomic`). The only layer that
+prints or exits.
 """

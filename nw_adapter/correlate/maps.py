@@ -6,8 +6,8 @@ weights ``W``, each ``[batch rows, heads (1 with head-mean), query positions, im
 named ``call{c}/step{s}/{layer}/adapter{a}/image{i}/{attn|nw}``. Column ``k`` of a map, laid
 out on the query grid, shows where in the generated image image token ``k`` is attended to.
 
-The array helpers live in :mod:`nw_adapter.integration.heatmaps` (with the notebook API
-:func:`~nw_adapter.integration.heatmaps.heat_maps`); this module adds reading the file:
+The array helpers live in :mod:`nw_adapter.analysis.heatmaps` (with the notebook API
+:func:`~nw_adapter.analysis.heatmaps.heat_maps`); this module adds reading the file:
 
 - :func:`load_maps` reads ``maps.safetensors`` (or takes :meth:`NWRecorder.maps`' dict);
 - :func:`token_maps` gives ``[tokens, grid_h, grid_w]`` for one kind (``attn`` or ``nw``),
@@ -15,12 +15,12 @@ The array helpers live in :mod:`nw_adapter.integration.heatmaps` (with the noteb
   (nearest, an exact integer factor) to the finest selected grid first;
 - :func:`upsample` brings such a map to the generated image's pixels.
 
-Figures: :meth:`TokenHeatMaps.plot_overlay <nw_adapter.integration.heatmaps.TokenHeatMaps.plot_overlay>`
+Figures: :meth:`TokenHeatMaps.plot_overlay <nw_adapter.analysis.heatmaps.TokenHeatMaps.plot_overlay>`
 (one panel per token over an image) and :func:`nw_adapter.correlate.plotting.plot_attention_maps`.
 
 Example:
     >>> from nw_adapter.correlate.maps import load_maps
-    >>> from nw_adapter.integration.heatmaps import heat_maps
+    >>> from nw_adapter.analysis.heatmaps import heat_maps
     >>> from PIL import Image
     >>> maps = load_maps("out/images/<key>/maps.safetensors")  # doctest: +SKIP
     >>> image = Image.open("out/images/<key>/generated.png")  # doctest: +SKIP
@@ -34,7 +34,7 @@ import os
 
 import numpy as np
 
-from nw_adapter.integration.heatmaps import (
+from nw_adapter.analysis.heatmaps import (
     MAP_NAME,
     MapKey,
     parse_map_name,

@@ -236,10 +236,10 @@ def check_image_result_file(result: dict, key: str, source: str) -> None:
 
     Raises:
         ValueError: One line naming the file, the record and the field
-            (:func:`nw_adapter.integration.validation.check_image_result`).
+            (:func:`nw_adapter.analysis.validation.check_image_result`).
     """
+    from nw_adapter.analysis.validation import check_image_result
     from nw_adapter.correlate.sweep import RESULT_SCHEMA
-    from nw_adapter.integration.validation import check_image_result
 
     check_image_result(result, source=source, schema=RESULT_SCHEMA, key=key)
 
@@ -365,12 +365,12 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
 
     Raises:
         OutputError: No readable ``rho.json`` of this tool in ``out``, or a malformed one (the
-            message names the record and field; see :func:`nw_adapter.integration.validation.check_report`).
+            message names the record and field; see :func:`nw_adapter.analysis.validation.check_report`).
     """
     import json
 
+    from nw_adapter.analysis.validation import RecordError, check_report
     from nw_adapter.correlate.report import build_report
-    from nw_adapter.integration.validation import RecordError, check_report
 
     out = out.expanduser()
     for name in (*REPORT_FILES, LOCK_NAME):  # read and rewritten: none may be a link or a folder

@@ -1,7 +1,7 @@
 """Figures of the command line: ``rho.png``, ``bandwidth.png`` and the attention-map figure.
 
 Per-token heat maps for notebooks (any selection, overlay on any image) are
-:meth:`NWRecorder.heat_maps` / :mod:`nw_adapter.integration.heatmaps`.
+:meth:`NWRecorder.heat_maps` / :mod:`nw_adapter.analysis.heatmaps`.
 
 Both use :class:`matplotlib.figure.Figure` directly (the Agg canvas), so importing this module
 never changes the global pyplot backend of a user's session.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nw_adapter.integration import records
+from nw_adapter.analysis import records
 from nw_adapter.integration.schema import control_column, control_draws, control_label
 
 
@@ -31,7 +31,7 @@ def rho_figure(
 ):
     """rho against the timestep, one panel per block, beside its three nulls.
 
-    :func:`nw_adapter.integration.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
+    :func:`nw_adapter.analysis.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
     :func:`nw_adapter.correlate.report.aggregate`); ``note`` is a line under the title (e.g. why
     two steps share a timestep: they are drawn at the same x). ``units``: the run's records (with
     their ``reference`` key) and ``half`` their CFG half: with two or more reference images, rho
@@ -170,8 +170,8 @@ def attention_maps_figure(
     """
     from matplotlib.figure import Figure
 
-    from nw_adapter.integration.heatmaps import draw_overlay, grey_image, resize_map
-    from nw_adapter.integration.records import wrap_title
+    from nw_adapter.analysis.heatmaps import draw_overlay, grey_image, resize_map
+    from nw_adapter.analysis.records import wrap_title
 
     if not panels:
         raise ValueError("panels: no stored maps to draw; run with --store-maps on at least one step")
@@ -282,9 +282,9 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     """
     from matplotlib.figure import Figure
 
+    from nw_adapter.analysis.records import wrap_title
     from nw_adapter.core.intervals import t_interval
     from nw_adapter.correlate.verdict import image_step_means, slope_on_log_h
-    from nw_adapter.integration.records import wrap_title
 
     draws = control_draws({name for r in records for name in r})
     by_image = image_step_means(records, half, draws)
@@ -350,7 +350,7 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
 def plot_bandwidth(records: Sequence[dict], half: str, path: str | os.PathLike, *, title: str | None = None):
     """Write :func:`bandwidth_figure` to ``path`` (PNG, atomically); None (nothing written) without
     ``logit_scale``."""
-    from nw_adapter.integration.records import save_figure
+    from nw_adapter.analysis.records import save_figure
 
     fig = bandwidth_figure(records, half, title=title)
     return None if fig is None else save_figure(fig, path)

@@ -6,7 +6,7 @@ Input is the tidy list of record dicts of :meth:`nw_adapter.integration.recorder
 line. Everything here is plain Python, so reports
 can be rebuilt from a saved ``rho.json`` without torch.
 
-Aggregation (:func:`nw_adapter.integration.records.aggregate`, the one implementation the
+Aggregation (:func:`nw_adapter.analysis.records.aggregate`, the one implementation the
 recorder's summary shares): for one CFG half (``cond`` when the run used classifier-free
 guidance, else ``all``), every statistic is averaged over layers, heads, adapters and reference
 images per denoising step (NaN entries, e.g. the Spearman of a constant row, are left out of the
@@ -29,14 +29,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.analysis.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
+from nw_adapter.analysis.records import aggregate as aggregate_records
+from nw_adapter.analysis.records import analysis_half, csv_text
+from nw_adapter.analysis.validation import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
 from nw_adapter.correlate.verdict import format_verdict as format_verdict  # re-exported
 from nw_adapter.correlate.verdict import verdict as verdict  # re-exported
-from nw_adapter.integration.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
-from nw_adapter.integration.records import aggregate as aggregate_records
-from nw_adapter.integration.records import analysis_half, csv_text
 from nw_adapter.integration.schema import RECORD_KEYS, RUN_KEYS, SUMMARY_STATS
-from nw_adapter.integration.validation import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
 
 SCHEMA = REPORT_SCHEMA
 SCHEMA_VERSION = REPORT_SCHEMA_VERSION  # --replot refuses any other (validation.check_report)
@@ -96,7 +96,7 @@ def aggregate(
 ) -> list[dict]:
     """Average :data:`STAT_FIELDS` per group, for one CFG half (default :func:`analysis_half`).
 
-    :func:`nw_adapter.integration.records.aggregate` with the step's ``timestep``: one dict per
+    :func:`nw_adapter.analysis.records.aggregate` with the step's ``timestep``: one dict per
     group, sorted by the group keys, with ``half``, ``timestep``, the mean of every statistic
     over its finite values (None when there is none: JSON-ready; the readings and the
     scale-matched control's draws' means ``{X}_control``, ``key_scale`` and ``control_draws``

@@ -1,7 +1,7 @@
 """``correlate.py --compare-swap``: the swap consequence from the command line.
 
 A mode of its own, not an addition to the rho run: for the reference images given, it runs
-:func:`nw_adapter.integration.consequence.compare_swap` with the run's model and generation options
+:func:`nw_adapter.analysis.consequence.compare_swap` with the run's model and generation options
 (stock against the exact NW head in every IP-Adapter layer, one bandwidth rule at a time, same
 seeds), prints the table and writes, atomically, into ``--out``:
 
@@ -271,10 +271,10 @@ def _compare(
     bars: bool,
 ) -> tuple[Any, str]:
     """Load the model and run :func:`compare_swap`; returns ``(comparison, scheduler class name)``."""
+    from nw_adapter.analysis.consequence import compare_swap
     from nw_adapter.correlate import families
     from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.correlate.loading import build_pipeline
-    from nw_adapter.integration.consequence import compare_swap
     from nw_adapter.models.digits_quality import digit_judge
 
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)

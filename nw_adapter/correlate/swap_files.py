@@ -1,13 +1,13 @@
 """The files of ``correlate.py --compare-swap``: ``compare_swap.json`` and ``compare_swap.csv``.
 
-- :func:`build_document` turns a :class:`~nw_adapter.integration.consequence.SwapComparison` into
+- :func:`build_document` turns a :class:`~nw_adapter.analysis.consequence.SwapComparison` into
   the ``compare_swap.json`` document (schema :data:`SCHEMA`): ``config`` (the options),
   ``versions``, ``images`` (each reference's key, file, SHA-256 and class label or null),
   ``embedding``, ``settings``, ``rules``, ``per_reference`` (one row per (reference, rule): the values
-  :func:`~nw_adapter.integration.consequence.compare_swap` returned, with the reference's ``key``),
+  :func:`~nw_adapter.analysis.consequence.compare_swap` returned, with the reference's ``key``),
   ``summary`` (per rule: means with 95% intervals over references inside the quantities' ranges,
   the conclusion's ``change_vs_seed`` / ``clip_i_effect``, kept-class counts with Clopper-Pearson
-  95% intervals: :meth:`~nw_adapter.integration.consequence.SwapComparison.summary`),
+  95% intervals: :meth:`~nw_adapter.analysis.consequence.SwapComparison.summary`),
   ``fingerprint`` (of the options) and ``digest`` (SHA-256 of the rest of the content,
   :func:`nw_adapter.correlate.sweep.content_digest`);
 - :func:`reusable_document` / :func:`document_problem` decide whether a saved document belongs to
@@ -73,7 +73,7 @@ def build_document(
     """The ``compare_swap.json`` document of a comparison (layout: the module docstring).
 
     Args:
-        result: The :class:`~nw_adapter.integration.consequence.SwapComparison`.
+        result: The :class:`~nw_adapter.analysis.consequence.SwapComparison`.
         config: The run's options (recorded as they are).
         infos: The references, in the order they were compared (row ``reference`` ``i`` is ``infos[i]``).
         labels: Their classes, or None when class agreement was not measured.
@@ -192,7 +192,7 @@ def document_problem(
     expected = [(index, rule) for index in range(len(infos)) for rule in rules]
     if [(row.get("reference"), row.get("rule")) for row in rows] != expected:
         return f"{JSON_NAME} does not have one row per (reference, rule)"
-    from nw_adapter.integration.consequence import MEAN_COLUMNS
+    from nw_adapter.analysis.consequence import MEAN_COLUMNS
 
     if not all(_is_number(row.get(column, "missing")) for row in rows for column in MEAN_COLUMNS):
         return f"{JSON_NAME} has a row with a missing or non-numeric value"
@@ -223,9 +223,9 @@ def reusable_document(
 
 
 def comparison_of(document: dict) -> Any:
-    """The :class:`~nw_adapter.integration.consequence.SwapComparison` of a ``compare_swap.json``
+    """The :class:`~nw_adapter.analysis.consequence.SwapComparison` of a ``compare_swap.json``
     document (without images; nulls, i.e. non-finite values, back to NaN)."""
-    from nw_adapter.integration.consequence import MEAN_COLUMNS, SwapComparison
+    from nw_adapter.analysis.consequence import MEAN_COLUMNS, SwapComparison
 
     rows = [
         {
@@ -272,7 +272,7 @@ def format_document(document: dict) -> str:
 
 def rows_csv(document: dict) -> str:
     """``compare_swap.csv``: the per-reference rows, columns :data:`ROW_COLUMNS` present in them."""
-    from nw_adapter.integration.records import csv_text
+    from nw_adapter.analysis.records import csv_text
 
     return csv_text(document["per_reference"], order=ROW_COLUMNS)
 

@@ -7,7 +7,7 @@ control, columns ``{stat}_control_{k}`` for draws (seeds) ``k = 0 .. K-1``) is a
 level, so every part against it is tested over references x draws (docs/verdict.md):
 
 1. per image and recorded step, every statistic is averaged over layers, heads and adapters (the
-   CFG half of :func:`~nw_adapter.integration.records.analysis_half`: ``cond`` under guidance);
+   CFG half of :func:`~nw_adapter.analysis.records.analysis_half`: ``cond`` under guidance);
    a scale (``h_eff``, ``logit_scale``, ``key_scale_k``) is averaged as a logarithm; a difference
    from control draw ``k`` is averaged over the records where both values are finite (paired);
 2. per image, one value per clause part (:data:`CLAUSES`), per draw for the parts against the control:
@@ -39,7 +39,7 @@ means (NaN or missing, with the record's ``<stat>_reason`` where it has one, e.g
 are counted per column and reason (``skipped``) and printed.
 
 Units by content, one sample at a time: the records are checked first (a malformed one is a
-:class:`~nw_adapter.integration.validation.RecordError` naming it); records of different models
+:class:`~nw_adapter.analysis.validation.RecordError` naming it); records of different models
 or modes, and a unit with records of several runs (:data:`RUN_FIELDS`), are refused; units
 (references or calls) with the same content digest (:data:`CONTENT_FIELD`) are one reference
 image, and the verdict says how many were merged.
@@ -57,6 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from nw_adapter.analysis.records import analysis_half
+from nw_adapter.analysis.validation import RecordError, _shown, check_record
 from nw_adapter.core.intervals import (
     CONFIDENCE,
     TWO_LEVEL_TEST,
@@ -64,7 +66,6 @@ from nw_adapter.core.intervals import (
     t_interval,
     two_level_test,
 )
-from nw_adapter.integration.records import analysis_half
 from nw_adapter.integration.schema import (
     KEY_SCALE,
     NULL_STATS,
@@ -75,7 +76,6 @@ from nw_adapter.integration.schema import (
     finite_mean,
     key_scale_column,
 )
-from nw_adapter.integration.validation import RecordError, _shown, check_record
 
 ALPHA = 0.05
 """Size of each one-sided test (and so of each clause, by the intersection-union argument)."""
@@ -720,7 +720,7 @@ def verdict(records: Sequence[dict], *, half: str | None = None, merged_files: i
         records: record dicts, each with ``reference`` (the image it belongs to) or, without one,
             its pipeline ``call`` (one call per reference image): e.g. ``recorder.to_records()``,
             or :func:`nw_adapter.comparison_records` of :func:`nw_adapter.compare_attention` results.
-        half: CFG half (default :func:`~nw_adapter.integration.records.analysis_half`).
+        half: CFG half (default :func:`~nw_adapter.analysis.records.analysis_half`).
         merged_files: reference files already merged into others of the same content before
             the run (:func:`nw_adapter.correlate.images.validate_images`), counted in
             ``duplicates_merged``.

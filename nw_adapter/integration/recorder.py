@@ -7,15 +7,20 @@ Python once, at export (:meth:`NWRecorder.to_records`, one transfer). The record
 - which step a denoiser forward belongs to is tracked by its
   :class:`~nw_adapter.integration.steps.StepTracker` (a forward pre-hook on the denoiser);
 - the optional raw maps are kept by a :class:`~nw_adapter.integration.maps.MapStore`;
-- summaries, tables, CSV, dataframes and figures of the records are
-  :class:`~nw_adapter.integration.records.Records`' (:meth:`NWRecorder.records`);
 - what stays here: the entries, the nulls' seeded generators, the ledger of skipped
-  (step, layer) pairs, and the records file (:meth:`NWRecorder.to_json` / :meth:`NWRecorder.from_json`).
+  (step, layer) pairs and their export as plain records (:meth:`NWRecorder.to_records`).
+
+Reporting lives in the layer above, :mod:`nw_adapter.analysis`: summaries, tables, CSV,
+dataframes and figures of the records (:class:`~nw_adapter.analysis.records.Records`), the records
+file (:mod:`~nw_adapter.analysis.records_file`) and the heat maps
+(:mod:`~nw_adapter.analysis.heatmaps`). The recorder's user-facing methods (:meth:`NWRecorder.summary`,
+:meth:`~NWRecorder.plot`, :meth:`~NWRecorder.to_json`, ...) are thin: each imports its analysis
+function when called, so importing this module (or the processors) loads neither the reporting
+layer nor matplotlib.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import uuid
@@ -25,17 +30,16 @@ from typing import Any
 
 import torch
 
-from nw_adapter.atomic import atomic_write_text
 from nw_adapter.core.specification import STAT_ROWS
 from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
 from nw_adapter.integration.maps import MapStore
-from nw_adapter.integration.records import Records, Summary, block_of
-from nw_adapter.integration.records_file import RECORDS_SCHEMA, read_records_file, records_document
 from nw_adapter.integration.schema import (
     CONTROL_RECORDED,
     H_EFF_REASON_FIELD,
     H_EFF_REASONS,
+    RECORDS_SCHEMA,
     STAT_NAMES,
+    block_of,
     control_column,
     key_scale_column,
 )
@@ -49,9 +53,19 @@ __all__ = [
     "CONTROL_ROWS",
     "NWRecorder",
     "StepState",
-    "Summary",
     "block_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``Summary``, the summary type, now :class:`nw_adapter.analysis.records.Summary`, imported
+    on first access (PEP 562) so that importing the recorder does not load the reporting layer."""
+    if name == "Summary":
+        from nw_adapter.analysis.records import Summary
+
+        return Summary
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 CONTROL_COLUMNS: tuple[int, ...] = tuple(STAT_NAMES.index(n) for n in CONTROL_RECORDED)
 """Rows of the stats tensor (:data:`STAT_NAMES` order) recorded for the scale-matched control: the
@@ -297,8 +311,7 @@ class NWRecorder:
         """
         if stats.shape != (len(STAT_ROWS), len(halves), len(heads)):
             raise ValueError(
-                f"stats must have shape {(len(STAT_ROWS), len(halves), len(heads))}, "
-                f"got {tuple(stats.shape)}"
+                f"stats must have shape {(len(STAT_ROWS), len(halves), len(heads))}, got {tuple(stats.shape)}"
             )
         expected = (CONTROL_ROWS, len(halves), len(heads))
         if control is not None and (control.dim() != 4 or tuple(control.shape[1:]) != expected):
@@ -418,30 +431,31 @@ class NWRecorder:
             fields["input_digest"] = digest
         return fields
 
-    def records(self, key_set: str | None = "ip") -> Records:
-        """:meth:`to_records` as :class:`~nw_adapter.integration.records.Records` (summary, CSV, plot)."""
-        records = Records(self.to_records(key_set))
-        if not records and not self._loaded and not self.config.record_statistics:
-            records.empty_reason = (
-                f"{self.config.mode} mode records no statistics unless asked; pass statistics=True to "
-                "set_ip_adapter_nw_processor / apply_nw_processor"
-            )
-        return records
+    @property
+    def loaded_records(self) -> list[dict[str, Any]]:
+        """The records read by :meth:`from_json` (empty for a recorder that records)."""
+        return self._loaded
 
-    def summary(self, records: list[dict[str, Any]] | None = None) -> Summary:
+    # ------------------------------------------------------------------ reports (the analysis layer's)
+    def records(self, key_set: str | None = "ip") -> list[dict[str, Any]]:
+        """:meth:`to_records` as :class:`~nw_adapter.analysis.records.Records` (summary, CSV, plot);
+        see :func:`~nw_adapter.analysis.records.recorder_records`."""
+        from nw_adapter.analysis.records import recorder_records
+
+        return recorder_records(self, key_set)
+
+    def summary(self, records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
 
-        See :meth:`~nw_adapter.integration.records.Records.summary` (``nonfinite`` counts the
+        See :meth:`~nw_adapter.analysis.records.Records.summary` (``nonfinite`` counts the
         values each mean left out, ``nan_reasons`` the NaN h_eff values per reason;
         ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
         Of the recorder's own records, ``error`` holds :meth:`failed_steps_line` (steps whose side
         computation failed in every layer), printed above the table.
         """
-        if records is not None:
-            return Records(records).summary()
-        summary = self.records().summary()
-        summary.error = self.failed_steps_line()
-        return summary
+        from nw_adapter.analysis.records import recorder_summary
+
+        return recorder_summary(self, records)
 
     def to_csv(self, path: str | os.PathLike) -> Path:
         """Write the records as a CSV table (one row per record, header = record keys), atomically."""
@@ -462,8 +476,10 @@ class NWRecorder:
 
     def to_json(self, path: str | os.PathLike) -> Path:
         """Write the records file atomically (NaN -> null); read it back with :meth:`from_json`
-        (the layout: :func:`~nw_adapter.integration.records_file.records_document`)."""
-        return atomic_write_text(path, json.dumps(records_document(self), indent=1, allow_nan=False))
+        (the layout: :func:`~nw_adapter.analysis.records_file.records_document`)."""
+        from nw_adapter.analysis.records_file import write_records_file
+
+        return write_records_file(self, path)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> NWRecorder:
@@ -475,6 +491,8 @@ class NWRecorder:
             ValueError: not a records file or a ``rho.json``, or a malformed record (one line
                 naming the file, the record and the field).
         """
+        from nw_adapter.analysis.records_file import read_records_file
+
         saved = read_records_file(path)
         recorder = cls(saved.config)
         recorder._loaded = saved.records
@@ -490,10 +508,10 @@ class NWRecorder:
 
         ``kind``: ``"attn"`` (A), ``"nw"`` (W) or ``"diff"`` (A - W); ``selection``: ``steps``,
         ``layers``, ``heads``, ``batch_row``, ``adapter``, ``image``, ``image_hw`` (see
-        :func:`~nw_adapter.integration.heatmaps.heat_maps`). Returns a
-        :class:`~nw_adapter.integration.heatmaps.TokenHeatMaps`; ``.plot_overlay(image)`` draws it.
+        :func:`~nw_adapter.analysis.heatmaps.heat_maps`). Returns a
+        :class:`~nw_adapter.analysis.heatmaps.TokenHeatMaps`; ``.plot_overlay(image)`` draws it.
         """
-        from nw_adapter.integration.heatmaps import heat_maps
+        from nw_adapter.analysis.heatmaps import heat_maps
 
         return heat_maps(self, kind, **selection)
 

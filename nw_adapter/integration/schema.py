@@ -127,11 +127,11 @@ CONTROL_MEAN_SUFFIX = "_control"
 K draws), e.g. ``rho_control``; ``key_scale`` is the draws' geometric mean of ``key_scale_{k}``."""
 
 
-
 def control_label(draws: int) -> str:
     """How reports and figures name the draws' mean of the control: ``"scale-matched control (K
     draws)"`` (``"1 draw"`` for K = 1)."""
     return f"scale-matched control ({draws} draw{'' if draws == 1 else 's'})"
+
 
 _CONTROL_PATTERN = re.compile(r"^(?:(?P<stat>[a-z0-9_]+?)_control|key_scale)_(?P<draw>\d+)$")
 
@@ -284,3 +284,19 @@ def finite_mean(values: Iterable[Any]) -> tuple[float, int]:
         else:
             dropped += 1
     return (sum(kept) / len(kept) if kept else math.nan), dropped
+
+
+def block_of(layer: str) -> str:
+    """``"down"``, ``"mid"`` or ``"up"`` from an attention-processor name (else ``"other"``)."""
+    for prefix, block in (("down_blocks", "down"), ("mid_block", "mid"), ("up_blocks", "up")):
+        if layer.startswith(prefix):
+            return block
+    return "other"
+
+
+RECORDS_SCHEMA = "nw-adapter/records"
+"""The ``schema`` of a records file (``NWRecorder.to_json``)."""
+REPORT_SCHEMA = "nw-adapter/rho"
+"""The ``schema`` of the command line's report ``rho.json`` (the same ``records``)."""
+REPORT_SCHEMA_VERSION = 1
+"""The one ``schema_version`` of ``rho.json`` this version writes and reads (``correlate.py --replot``)."""

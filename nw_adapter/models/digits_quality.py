@@ -75,7 +75,7 @@ def fit_judge(judge: DigitSplit):
 
 
 def digit_judge():
-    """The judge as a callable on PIL images (what :func:`nw_adapter.integration.consequence.compare_swap`
+    """The judge as a callable on PIL images (what :func:`nw_adapter.analysis.consequence.compare_swap`
     takes): fitted by :func:`fit_judge` on the held-out ``judge`` split.
 
     Returns:

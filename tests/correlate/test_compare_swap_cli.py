@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-import nw_adapter.integration.consequence as consequence
+import nw_adapter.analysis.consequence as consequence
 from nw_adapter import load_tiny_digits, tiny_digit_image
 from nw_adapter.correlate.cli import main
 from nw_adapter.correlate.swap_files import CSV_NAME, JSON_NAME, SCHEMA, comparison_of

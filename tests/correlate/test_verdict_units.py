@@ -12,9 +12,9 @@ import copy
 
 import pytest
 
+from nw_adapter.analysis.validation import RecordError
 from nw_adapter.correlate.report import build_report
 from nw_adapter.correlate.verdict import CLAUSES, LEGEND, format_verdict, verdict
-from nw_adapter.integration.validation import RecordError
 from tests.correlate.test_verdict import make_records
 
 

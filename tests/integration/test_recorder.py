@@ -197,7 +197,7 @@ def test_tidy_exports_dataframe_or_csv(observed, tmp_path, monkeypatch):
 def test_plot_draws_rho_beside_each_null(observed, tmp_path):
     from PIL import Image
 
-    from nw_adapter.integration.records import aggregate
+    from nw_adapter.analysis.records import aggregate
 
     fig = observed.plot(path=tmp_path / "rho.png")
     rows = aggregate(observed.records(), ("block", "step"), half="cond")

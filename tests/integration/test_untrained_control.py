@@ -19,6 +19,7 @@ from flow_helpers import generate as generate_flow
 from flow_helpers import load_flux, load_sd3
 from tiny_helpers import generate, load_sd15, random_image
 
+from nw_adapter.analysis.validation import check_records
 from nw_adapter.core import bandwidth as bw
 from nw_adapter.integration import stats
 from nw_adapter.integration.control import UntrainedControl, scale_matched
@@ -34,7 +35,6 @@ from nw_adapter.integration.schema import (
     key_scale_column,
 )
 from nw_adapter.integration.untrained import projection_module, untrained_keys
-from nw_adapter.integration.validation import check_records
 from nw_adapter.models.tiny import ip_adapter_weight_name
 
 torch.set_num_threads(1)

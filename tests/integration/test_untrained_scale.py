@@ -21,6 +21,7 @@ from flow_helpers import generate as generate_flow
 from flow_helpers import load_flux, load_sd3
 from tiny_helpers import generate, load_sd15
 
+from nw_adapter.analysis.validation import check_records
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.control import UntrainedControl, scale_matched
 from nw_adapter.integration.errors import NWConfigError
@@ -33,7 +34,6 @@ from nw_adapter.integration.schema import (
     key_scale_column,
 )
 from nw_adapter.integration.untrained import build_untrained_adapter
-from nw_adapter.integration.validation import check_records
 
 torch.set_num_threads(1)
 

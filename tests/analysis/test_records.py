@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from nw_adapter.integration.records import (
+from nw_adapter.analysis.records import (
     CSV_COLUMNS,
     Records,
     aggregate,
@@ -148,7 +148,7 @@ def test_swap_without_statistics_says_why_nothing_was_recorded():
 def test_to_dataframe_without_pandas_names_the_extra(monkeypatch):
     import sys
 
-    from nw_adapter.integration.records import Records
+    from nw_adapter.analysis.records import Records
 
     monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas then raises ImportError
     with pytest.raises(ImportError, match=r"nw-adapter\[dataframe\]"):
@@ -162,8 +162,8 @@ def test_records_name_their_run_model_mode_and_reference_content():
     import torch
 
     from nw_adapter import load_tiny_digits, tiny_digit_image, verdict
+    from nw_adapter.analysis.validation import RecordError
     from nw_adapter.integration.mixin import nw_processor
-    from nw_adapter.integration.validation import RecordError
 
     pipe = load_tiny_digits()
     digests = []

@@ -189,7 +189,7 @@ def bounded_interval(
     distance from that end (:func:`_log_scale`), which follows the skew. Either is then cut to
     ``bounds`` (the mean of values in the range is in the range, so only impossible values go; the
     coverage is unchanged) and widened to hold the sample mean (coverage can only grow).
-    tests/integration/test_consequence.py measures the coverage by simulation at 2, 3 and 10
+    tests/analysis/test_consequence.py measures the coverage by simulation at 2, 3 and 10
     references.
 
     Args:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nw_adapter import load_tiny_digits, nw_processor, tiny_digit_image
-from nw_adapter.integration.heatmaps import TokenHeatMaps, heat_maps
+from nw_adapter.analysis.heatmaps import TokenHeatMaps, heat_maps
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_overlay_tokens_out_of_range_or_empty_name_the_parameter():
 
 
 def test_grey_image_reads_chw_and_hwc_tensors_and_arrays_alike():
-    from nw_adapter.integration.heatmaps import grey_image
+    from nw_adapter.analysis.heatmaps import grey_image
 
     rgb = np.random.default_rng(0).random((3, 8, 12))  # CHW, torch's layout: 8 x 12 pixels
     expected = rgb.mean(axis=0)
@@ -130,7 +130,7 @@ def test_grey_image_reads_chw_and_hwc_tensors_and_arrays_alike():
 
 
 def test_a_float_image_is_zero_to_one_never_guessed_from_its_maximum():
-    from nw_adapter.integration.heatmaps import grey_image
+    from nw_adapter.analysis.heatmaps import grey_image
 
     image = np.full((4, 4), 0.5)
     image[0, 0] = 1.0001  # a decoder's rounding: was read as 0-255 (everything black)

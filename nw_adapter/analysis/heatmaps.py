@@ -305,7 +305,7 @@ class TokenHeatMaps:
         """
         from matplotlib.figure import Figure
 
-        from nw_adapter.integration.records import wrap_title
+        from nw_adapter.analysis.records import wrap_title
 
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -352,8 +352,11 @@ class TokenHeatMaps:
         bar = fig.colorbar(shown, ax=used, location="bottom", shrink=0.8, aspect=35, pad=0.02)
         bar.set_ticks([centre - spread, centre, centre + spread])
         bar.set_ticklabels(
-            [f"{centre - spread:.3g}", "0" if centre == 0 else f"1/{self.num_tokens}",
-             f"{centre + spread:.3g}"]
+            [
+                f"{centre - spread:.3g}",
+                "0" if centre == 0 else f"1/{self.num_tokens}",
+                f"{centre + spread:.3g}",
+            ]
         )
         bar.ax.tick_params(labelsize=7)
         what = "A - NW" if self.kind == "diff" else "weight on the token"

@@ -12,8 +12,8 @@ from scipy.stats import binomtest, ttest_1samp
 
 import nw_adapter
 from nw_adapter import load_tiny_digits, tiny_digit_image
-from nw_adapter.integration import consequence
-from nw_adapter.integration.consequence import SwapComparison, compare_swap, encode_images, t_interval
+from nw_adapter.analysis import consequence
+from nw_adapter.analysis.consequence import SwapComparison, compare_swap, encode_images, t_interval
 from nw_adapter.models.digits_quality import digit_judge
 
 DIGITS = (3, 7)

@@ -35,6 +35,7 @@ from nw_adapter.integration.schema import (
     RUN_KEYS,
     STAT_NAMES,
     SUMMARY_STATS,
+    block_of,  # noqa: F401 (re-exported)
     control_label,
     control_mean_fields,
     finite_mean,
@@ -51,14 +52,6 @@ STEP_COLUMNS: tuple[str, ...] = ("timestep", "alpha", "sigma", "h_schedule")
 
 BLOCKS: tuple[str, ...] = ("down", "mid", "up")
 """UNet blocks, in drawing order; other denoisers' layers (SD3, Flux) are block ``"other"``."""
-
-
-def block_of(layer: str) -> str:
-    """``"down"``, ``"mid"`` or ``"up"`` from an attention-processor name (else ``"other"``)."""
-    for prefix, block in (("down_blocks", "down"), ("mid_block", "mid"), ("up_blocks", "up")):
-        if layer.startswith(prefix):
-            return block
-    return "other"
 
 
 def analysis_half(records: Sequence[dict]) -> str:
@@ -250,7 +243,8 @@ class Summary(list):
             return f"(no rows of half {half!r}; halves: {', '.join(map(str, halves))})"
         calls = {r.get("call") for r in rows}
         columns = [
-            c for c in _SUMMARY_COLUMNS
+            c
+            for c in _SUMMARY_COLUMNS
             if any(c[0] in r and r[c[0]] is not None for r in rows) and (c[0] != "call" or len(calls) > 1)
         ]
         cells = [[header for _, header, _ in columns]]
@@ -263,9 +257,8 @@ class Summary(list):
             cells.append(line)
         widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
         others = [h for h in halves if h != half]
-        heading = (
-            f"{half} half: mean over layers, heads, adapters and images per step"
-            + (f" (other halves: table(half={others[0]!r}))" if others else "")
+        heading = f"{half} half: mean over layers, heads, adapters and images per step" + (
+            f" (other halves: table(half={others[0]!r}))" if others else ""
         )
         body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
         return "\n".join([heading, *body, _SUMMARY_LEGEND])
@@ -438,11 +431,21 @@ def rho_figure(
         if any(n for *_, n in band):
             n_units = max(n for *_, n in band)
             ax.fill_between(
-                t, [b[0] for b in band], [b[1] for b in band], color=RHO_COLOR, alpha=0.25, linewidth=0,
+                t,
+                [b[0] for b in band],
+                [b[1] for b in band],
+                color=RHO_COLOR,
+                alpha=0.25,
+                linewidth=0,
                 label=RHO_BAND_LABEL.format(n=n_units, unit=unit),
             )
         ax.plot(
-            t, _series(panel_rows, "rho"), marker="o", markersize=2, linewidth=1.4, color=RHO_COLOR,
+            t,
+            _series(panel_rows, "rho"),
+            marker="o",
+            markersize=2,
+            linewidth=1.4,
+            color=RHO_COLOR,
             label="rho (attention vs NW)",
         )
         ax.axhline(0.0, color="0.3", linewidth=0.6)
@@ -558,3 +561,27 @@ class Records(list):
         if path is not None:
             save_figure(fig, path)
         return fig
+
+
+def recorder_records(recorder: Any, key_set: str | None = "ip") -> Records:
+    """The records of ``recorder`` (an :class:`~nw_adapter.integration.recorder.NWRecorder`) as
+    :class:`Records`: its :meth:`~nw_adapter.integration.recorder.NWRecorder.to_records` of
+    ``key_set``; empty ones say why when the recorder was told to record no statistics."""
+    records = Records(recorder.to_records(key_set))
+    config = recorder.config
+    if not records and not recorder.loaded_records and not config.record_statistics:
+        records.empty_reason = (
+            f"{config.mode} mode records no statistics unless asked; pass statistics=True to "
+            "set_ip_adapter_nw_processor / apply_nw_processor"
+        )
+    return records
+
+
+def recorder_summary(recorder: Any, records: list[dict[str, Any]] | None = None) -> Summary:
+    """:meth:`Records.summary` of ``records``, else of ``recorder``'s own records, whose ``error``
+    is then its ``failed_steps_line()`` (steps whose side computation failed in every layer)."""
+    if records is not None:
+        return Records(records).summary()
+    summary = recorder_records(recorder).summary()
+    summary.error = recorder.failed_steps_line()
+    return summary

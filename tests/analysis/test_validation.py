@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from nw_adapter.integration.recorder import NWRecorder
-from nw_adapter.integration.schema import STAT_NAMES
-from nw_adapter.integration.validation import (
+from nw_adapter.analysis.validation import (
     FIELD_KINDS,
     RecordError,
     check_image_result,
     check_records_file,
     check_report,
 )
+from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.schema import STAT_NAMES
 
 LAYERS = ("down_blocks.0.attentions.0.transformer_blocks.0.attn2.processor", "up_blocks.1.attn2.processor")
 

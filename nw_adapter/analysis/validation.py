@@ -31,12 +31,18 @@ from nw_adapter.integration.schema import (
     KEY_SETS,
     LEGACY_NAMES,
     OPTIONAL_STATS,
+    RECORDS_SCHEMA,
+    REPORT_SCHEMA,
+    REPORT_SCHEMA_VERSION,
     RUN_KEYS,
     STAT_NAMES,
     is_control_column,
 )
 
 __all__ = [
+    "RECORDS_SCHEMA",
+    "REPORT_SCHEMA",
+    "REPORT_SCHEMA_VERSION",
     "FIELD_KINDS",
     "HALVES",
     "RecordError",
@@ -47,10 +53,6 @@ __all__ = [
     "check_report",
 ]
 
-RECORDS_SCHEMA = "nw-adapter/records"
-REPORT_SCHEMA = "nw-adapter/rho"
-REPORT_SCHEMA_VERSION = 1
-"""The one ``schema_version`` of ``rho.json`` this version writes and reads (``correlate.py --replot``)."""
 
 HALVES: tuple[str, ...] = ("cond", "uncond", "all", "perturbed")
 """Values of a record's ``half`` (docs/rho_json_schema.md)."""

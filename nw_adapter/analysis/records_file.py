@@ -4,7 +4,7 @@
 "summary", "skipped"}`` (strict JSON: NaN is ``null``); suggested name ``records.json``. The
 command line's report ``rho.json`` (schema ``nw-adapter/rho``) holds the same ``records`` and
 is read back the same way. Every record is checked on reading
-(:func:`~nw_adapter.integration.validation.check_records_file`).
+(:func:`~nw_adapter.analysis.validation.check_records_file`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.analysis.validation import check_records_file
+from nw_adapter.atomic import atomic_write_text
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.schema import LEGACY_NAMES, OPTIONAL_STATS, SKIPPED_FIELD, STAT_NAMES
-from nw_adapter.integration.validation import RECORDS_SCHEMA, REPORT_SCHEMA, check_records_file
+from nw_adapter.integration.schema import (
+    LEGACY_NAMES,
+    OPTIONAL_STATS,
+    RECORDS_SCHEMA,
+    REPORT_SCHEMA,
+    SKIPPED_FIELD,
+    STAT_NAMES,
+)
 
 
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def write_records_file(recorder: Any, path: str | os.PathLike) -> Path:
+    """Write :func:`records_document` of ``recorder`` to ``path`` atomically as strict JSON (NaN -> null)."""
+    return atomic_write_text(path, json.dumps(records_document(recorder), indent=1, allow_nan=False))
 
 
 def records_document(recorder: Any) -> dict[str, Any]:
