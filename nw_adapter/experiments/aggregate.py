@@ -418,13 +418,16 @@ def paper_table(summary: dict) -> list[dict]:
         )
     verdicts = summary.get("digits", {}).get("verdicts", [])
     if len(verdicts) == 2:
+        caught, paper_m = verdicts[1].get("caught_up_m"), PAPER["digits"]["catch_up_m"]
         table.append(
             {
                 "claim": "scarcity: plug-in catches up as m grows",
-                "paper": f"for m > ~{PAPER['digits']['catch_up_m']}",
-                "project": verdicts[1]["evidence"].split("; caught up at ")[-1].rstrip("."),
-                "same": "same test units (classes) on other features",
-                "reproduces": "yes" if verdicts[1]["appeared"] else "no",
+                "paper": f"for m > ~{paper_m}",
+                "project": f"caught up at m = {caught}" if caught else "not caught up at any size run",
+                "same": "same test (classes as units) on other features",
+                "reproduces": "no"
+                if caught is None
+                else ("yes" if caught >= paper_m else f"direction only (earlier: m = {caught})"),
             }
         )
     return table

@@ -211,6 +211,7 @@ def plugin_catches_up(
         "trend": f"plug-in catches up as m grows (after a significant learned win, the learned advantage is "
         f"below {100 * margin:.0f}% by a one-sided t-test over test classes, Holm, level {level:g})",
         "appeared": bool(caught),
+        "caught_up_m": caught[0] if caught else None,
         "evidence": (
             f"first significant learned win at m={first_win if wins else 'none'}"
             + (f"; {tests}" if tests else "")
