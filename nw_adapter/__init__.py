@@ -41,6 +41,7 @@ _LAZY = {
     "load_tiny_digits": "nw_adapter.models.loaders",
     "load_tiny_sd3": "nw_adapter.models.loaders",
     "load_tiny_flux": "nw_adapter.models.loaders",
+    "load_tiny_flux_digits": "nw_adapter.models.loaders",
     "tiny_digit_image": "nw_adapter.models.loaders",
     "compare_attention": "nw_adapter.core.compare",
     "compare_swap": "nw_adapter.analysis.consequence",

@@ -23,7 +23,7 @@ from nw_adapter.analysis.records import Records
 PAGE_INCHES = 7.0
 LAYERS = ("down_blocks.0.a", "mid_block.a", "up_blocks.1.a")
 SD3_WARNING = (
-    "tiny-sd3, 3 steps, bandwidth matched, 1 reference(s); WARNING: random weights (an untrained "
+    "tiny-sd3, 3 steps, bandwidth matched, 1 reference; WARNING: random weights (an untrained "
     "model built in-process): every number here is a property of the architecture, not of a trained "
     "model; pass a real model for a reading of the paper's claim"
 )
@@ -129,7 +129,7 @@ def test_rho_figure_has_a_band_over_references_one_rho_colour_and_fits_a_page() 
     from nw_adapter.correlate.plotting import rho_figure
 
     report = cli_report(3)
-    fig = rho_figure(report["blocks"], title="tiny, 6 steps, 3 reference(s)", units=report["records"],
+    fig = rho_figure(report["blocks"], title="tiny, 6 steps, 3 references", units=report["records"],
                      half=report["half"])  # fmt: skip
     assert_printable(fig)
     panels = [ax for ax in fig.axes if ax.get_title()]

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -442,6 +443,7 @@ def _validate(references: Any, rules: Any, judge: Any, labels: Any) -> tuple[lis
                 f"compare_swap: reference {index} is a {type(reference).__name__}, not a PIL image; "
                 "pass PIL images (e.g. PIL.Image.open(path).convert('RGB'))"
             )
+    _refuse_repeated_references(references)
     if not rules:
         raise ValueError(f"compare_swap: no rules; pass one or more of {DEFAULT_RULES} or a float bandwidth")
     names = tuple(_rule_name(rule) for rule in rules)
@@ -457,6 +459,29 @@ def _validate(references: Any, rules: Any, judge: Any, labels: Any) -> tuple[lis
             "pass one label per reference"
         )
     return references, names
+
+
+def _refuse_repeated_references(references: Sequence[Any]) -> None:
+    """Refuse two references of the same content: the reference is the unit of every interval.
+
+    Content is the SHA-256 of the image's size and RGB pixels, so one picture passed twice (or
+    loaded twice, or as RGB and as RGBA of the same pixels) is found, as the command line finds one
+    file under two names by its bytes.
+
+    Raises:
+        ValueError: references ``i`` and ``j`` have the same content; one line naming them.
+    """
+    first_of: dict[str, int] = {}
+    for index, reference in enumerate(references):
+        rgb = reference.convert("RGB")
+        digest = hashlib.sha256(repr(rgb.size).encode() + rgb.tobytes()).hexdigest()
+        if digest in first_of:
+            raise ValueError(
+                f"compare_swap: references {first_of[digest]} and {index} are the same image (identical "
+                "RGB pixels), which would count one reference twice in every interval; pass each "
+                "reference once"
+            )
+        first_of[digest] = index
 
 
 @torch.no_grad()
@@ -530,7 +555,7 @@ def compare_swap(
 
     Args:
         pipe: A diffusers pipeline with an IP-Adapter loaded (``ip_adapter_image=`` in its call).
-        references: PIL reference images.
+        references: PIL reference images, each content once (the unit of every interval).
         rules: Bandwidth rules (``"matched"``, ``"fitted"``, ``"schedule"``, ``"median"``) or
             positive float bandwidths h.
         prompt: Text prompt of every call.
@@ -548,7 +573,8 @@ def compare_swap(
         The :class:`SwapComparison`.
 
     Raises:
-        ValueError: No references, a reference that is not a PIL image, an unknown or repeated rule,
+        ValueError: No references, a reference that is not a PIL image, two references of the same
+            content (RGB pixels; the reference is the unit), an unknown or repeated rule,
             labels without a judge (or the reverse), or as many labels as references not given;
             ``num_inference_steps`` below 1 or not an integer, a ``seed`` that is not an integer, a
             call argument it sets itself (``generator=`` ...); a judge that does not return one label

@@ -333,7 +333,7 @@ class TokenHeatMaps:
         heading = title or (
             (f"reference {reference}: " if reference else "")
             + f"{label} per image token ({centre_text}); steps {_span(self.steps)}, "
-            f"{len(self.layers)} layer(s); one colour scale for all tokens"
+            f"{len(self.layers)} layer{'' if len(self.layers) == 1 else 's'}; one colour scale for all tokens"
         )
         heading = wrap_title(heading, width_inches - 0.2, 8)
         cell = width_inches / cols

@@ -735,7 +735,9 @@ def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceIma
         weight_name=spec.weight_name,
         image_encoder=None
         if spec.image_encoder is None
-        else args.image_encoder or ("tiny" if args.model in families.TINY_MODELS else spec.image_encoder),
+        else args.image_encoder
+        or ("tiny" if args.model in {*families.TINY_MODELS, *families.TRAINED_FLOW_MODELS} else None)
+        or spec.image_encoder,
     )
     options = run_options(args, shown, device, str(dtype).removeprefix("torch."))
     if extra_call:

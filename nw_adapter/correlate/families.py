@@ -81,6 +81,11 @@ FAMILIES: dict[str, FlowFamily] = {
 }
 TINY_MODELS = {family.tiny: family for family in FAMILIES.values()}
 
+TRAINED_FLOW_MODELS: dict[str, str] = {"tiny-flux-digits": FLUX}
+"""``--model`` names of the *trained* flow-matching models shipped in the package -> their family:
+``tiny-flux-digits`` is :mod:`nw_adapter.models.tiny_flux_digits` (Flux + XLabs-layout adapter,
+trained on digits with support sets of 1-4 references)."""
+
 UNET_BLOCKS: dict[str, str] = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
 """``--layers`` short names of UNet blocks -> the attention-processor name prefix."""
 
@@ -133,6 +138,8 @@ def family_of_model(model: str) -> str:
     """The family of ``--model`` (a tiny name, local folder or Hub id), before loading it."""
     if model in TINY_MODELS:
         return TINY_MODELS[model].name
+    if model in TRAINED_FLOW_MODELS:
+        return TRAINED_FLOW_MODELS[model]
     return family_of_class_name(_class_name_of(model))
 
 
@@ -177,6 +184,14 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
         model = str(model_dir)
         if adapter is None:
             adapter, encoder = str(adapter_dir), encoder or str(encoder_dir)
+    if model in TRAINED_FLOW_MODELS:
+        from nw_adapter.models import tiny_flux_digits
+
+        shipped = tiny_flux_digits.SHIPPED_DIR
+        model = str(shipped)
+        if adapter is None:
+            adapter = str(shipped / tiny_flux_digits.ADAPTER_SUBFOLDER)
+            encoder = encoder or str(shipped / tiny_flux_digits.IMAGE_ENCODER_SUBFOLDER)
     if adapter == "tiny":
         raise ModelLoadError(
             f"--ip-adapter tiny is the SD 1.5 tiny adapter; with --model {spec.model} ({family.label}) "
@@ -256,13 +271,19 @@ def check_scheduler(pipe: Any, name: str | None) -> None:
 
 
 def call_kwargs(pipe: Any, true_cfg_scale: float) -> dict[str, Any]:
-    """Extra keyword arguments of the pipeline call: Flux's ``true_cfg_scale``.
+    """Extra keyword arguments of the pipeline call: Flux's ``true_cfg_scale``, and its
+    ``max_sequence_length`` when the T5 tokenizer's ``model_max_length`` is below the pipeline's
+    default 512 (a model trained on shorter prompts, such as ``tiny-flux-digits``).
 
     Raises:
         ModelLoadError: ``true_cfg_scale != 1`` for a pipeline that is not Flux.
     """
     if family_of_pipeline(pipe) == FLUX:
-        return {"true_cfg_scale": true_cfg_scale}
+        extra: dict[str, Any] = {"true_cfg_scale": true_cfg_scale}
+        length = getattr(getattr(pipe, "tokenizer_2", None), "model_max_length", None)
+        if isinstance(length, int) and 0 < length < 512:
+            extra["max_sequence_length"] = length
+        return extra
     if true_cfg_scale != 1.0:
         raise ModelLoadError(
             f"--true-cfg-scale {true_cfg_scale}: only Flux pipelines have true CFG; use --guidance-scale"
@@ -312,7 +333,7 @@ def _shift_mu(pipe: Any, family: str, height: int | None, width: int | None) -> 
 def shown_adapter(model: str, spec: Any) -> str:
     """The adapter named in ``rho.json`` when ``--ip-adapter`` was not given (paths of the tiny
     models' cache folders are replaced by ``"tiny"``)."""
-    if model == TINY or model in TINY_MODELS:
+    if model == TINY or model in TINY_MODELS or model in TRAINED_FLOW_MODELS:
         return TINY
     family = family_of_model(spec.model)
     return FAMILIES[family].ip_adapter if family in FAMILIES else DEFAULT_IP_ADAPTER

@@ -93,6 +93,10 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 OFFLINE_MODELS: dict[str, str] = {
     TINY: "SD 1.5, trained on digits",
     **{name: f"{family.label}, random weights" for name, family in families.TINY_MODELS.items()},
+    **{
+        name: f"{families.FAMILIES[family].label}, trained on digits"
+        for name, family in families.TRAINED_FLOW_MODELS.items()
+    },
 }
 """``--model`` names that need no download -> what they are: the trained tiny digits model
 (``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
@@ -424,6 +428,10 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
         ) from None
     families.check_scheduler(pipe, scheduler)
     set_scheduler(pipe, scheduler)
+    from nw_adapter.models import tiny_flux_digits
+
+    if _is_local(spec.model) and Path(spec.model).expanduser().resolve() == tiny_flux_digits.SHIPPED_DIR:
+        tiny_flux_digits.set_default_size(pipe)  # 32 x 32, not FluxPipeline's 512 x 512
     return pipe.to(device)
 
 

@@ -21,6 +21,11 @@ from nw_adapter.analysis import records
 from nw_adapter.integration.schema import control_column, control_draws, control_label
 
 
+def counted(count: int, noun: str) -> str:
+    """``"1 image"``, ``"3 images"``: a count with its noun, as a figure's text prints it."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def rho_figure(
     block_rows: Sequence[dict],
     *,
@@ -187,8 +192,9 @@ def attention_maps_figure(
     diff_spread = max(float(np.abs(p.attn - p.nw).max()) for p in panels) or 1e-12
     title = (
         f"reference {reference}: " if reference else ""
-    ) + f"image-branch attention A and NW weights W per image token, mean over {len(panels[0].layers)} " \
-        "layer(s) and the stored heads; one colour scale for every A and W panel, one for every A - NW"
+    ) + f"image-branch attention A and NW weights W per image token, mean over " \
+        f"{counted(len(panels[0].layers), 'layer')} and the stored heads; one colour scale for every A and " \
+        "W panel, one for every A - NW"
     title = wrap_title(title, width - 0.2, 8)
     height = cell * len(steps) + 0.45 + 0.13 * title.count("\n") + 0.75
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -327,7 +333,7 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
         if n >= 2:
             errors = np.vstack([y - np.exp(stats[:, 1]), np.exp(stats[:, 2]) - y])
         ax.errorbar(np.exp(xs), y, yerr=errors, color=color, marker=marker, markersize=2.5, linewidth=1.0,
-                    elinewidth=0.7, capsize=1.5, label=f"{label} ({n} image(s){slope})")
+                    elinewidth=0.7, capsize=1.5, label=f"{label}: {counted(n, 'image')}{slope}")
         if key == "log_logit_scale":
             centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
     if centre is not None:

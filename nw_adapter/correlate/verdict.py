@@ -39,8 +39,9 @@ means (NaN or missing, with the record's ``<stat>_reason`` where it has one, e.g
 are counted per column and reason (``skipped``) and printed.
 
 Units by content, one sample at a time: the records are checked first (a malformed one is a
-:class:`~nw_adapter.analysis.validation.RecordError` naming it); records of different models
-or modes, and a unit with records of several runs (:data:`RUN_FIELDS`), are refused; units
+:class:`~nw_adapter.analysis.validation.RecordError` naming it); records of different models,
+modes or settings (the digest of :mod:`nw_adapter.integration.settings`, naming the settings that
+differ), and a unit with records of several runs (:data:`RUN_FIELDS`), are refused; units
 (references or calls) with the same content digest (:data:`CONTENT_FIELD`) are one reference
 image, and the verdict says how many were merged.
 
@@ -76,6 +77,7 @@ from nw_adapter.integration.schema import (
     finite_mean,
     key_scale_column,
 )
+from nw_adapter.integration.settings import SETTINGS_FIELD, differing_settings
 
 ALPHA = 0.05
 """Size of each one-sided test (and so of each clause, by the intersection-union argument)."""
@@ -245,25 +247,15 @@ LEGEND_WIDTH = 100
 LINE_WIDTH = 105
 """Width every other verdict line is wrapped to (continuation lines indented 4 more)."""
 
-RUN_FIELDS: tuple[str, ...] = ("run", "model", "mode")
+RUN_FIELDS: tuple[str, ...] = ("run", "model", "mode", SETTINGS_FIELD)
 """Record fields naming the run a record belongs to (the recorder writes them): the verdict pools
-one model and mode, and a reference of one run only (:func:`check_one_run`). Records without
-them (files of older versions) pool as before."""
+one model, mode and settings digest (:mod:`nw_adapter.integration.settings`), and a reference of
+one run only (:func:`check_one_run`); runs of the same settings over different references pool.
+Records without them (files of older versions) pool as before."""
 
 CONTENT_FIELD = "input_digest"
 """Record field identifying the reference by content (hash of the call's IP-Adapter image
 embeddings, :mod:`nw_adapter.integration.steps`): units of the same content are one unit."""
-
-_CHECKED_FIELDS: tuple[str, ...] = (
-    "reference",
-    "call",
-    "step",
-    "half",
-    "key_set",
-    *RUN_FIELDS,
-    CONTENT_FIELD,
-)
-"""The record fields the verdict groups by; checked before use (:func:`check_verdict_records`)."""
 
 _RECORDS_FIX = "pass the records of NWRecorder.to_records() or of a rho.json's 'records'"
 
@@ -652,12 +644,15 @@ def skipped_values(records: Sequence[dict], half: str, columns: Sequence[str]) -
 
 
 def check_verdict_records(records: Any) -> list[dict]:
-    """The records as a list, each checked in the fields the verdict groups by.
+    """The records as a list, each checked field by field (the kinds of a rho.json record).
+
+    Every field is checked, not only those the verdict groups by: a statistic that is not a number
+    (``"rho": "0.5"``) would otherwise read as missing and its clause as "not measured".
 
     Raises:
         RecordError: (a ``ValueError``) not a list of record objects, or a record whose
-            ``step``, ``half``, ``reference``, ``call``, ``key_set`` or run field has the wrong
-            kind; one line naming the record, the field and the fix.
+            ``step``, ``half``, ``reference``, ``call``, ``key_set``, run field or statistic has the
+            wrong kind; one line naming the record, the field and the fix.
     """
     if isinstance(records, str | bytes | Mapping) or not isinstance(records, Iterable):
         raise RecordError(f"records: is {_shown(records)}, not a list of record objects; {_RECORDS_FIX}")
@@ -666,8 +661,7 @@ def check_verdict_records(records: Any) -> list[dict]:
         where = f"records[{index}]"
         if not isinstance(record, Mapping):
             raise RecordError(f"{where}: is {_shown(record)}, not a record object; {_RECORDS_FIX}")
-        fields = {k: record[k] for k in _CHECKED_FIELDS if k in record}
-        check_record(fields, where, source="verdict", fix=_RECORDS_FIX, required=("step",))
+        check_record(record, where, source="verdict", fix=_RECORDS_FIX, required=("step",))
     return records
 
 
@@ -679,13 +673,16 @@ def _values(records: Sequence[dict], name: str) -> list[Any]:
 def check_one_run(records: Sequence[dict]) -> None:
     """Refuse records that are not one sample of reference images (:data:`RUN_FIELDS`).
 
-    Records of different models or modes are never pooled. Records of different runs are pooled
-    only as different reference images: one unit (a ``reference``, or a pipeline ``call`` without
-    one, e.g. the call 0 of two recorders) in two runs would average two runs' generations as one
-    image. Records without these fields (older files) pass.
+    Records of different models, modes or settings (the digest of
+    :mod:`nw_adapter.integration.settings`: steps, scheduler, bandwidth rule, guidance, IP-Adapter
+    scale, control draws, statistics options ...) are never pooled: their readings mean different
+    things. Records of different runs with the same settings are pooled only as different
+    reference images: one unit (a ``reference``, or a pipeline ``call`` without one, e.g. the call
+    0 of two recorders) in two runs would average two runs' generations as one image. Records
+    without these fields (older files) pass.
 
     Raises:
-        RecordError: one line naming the models, modes or runs found and how to keep one.
+        RecordError: one line naming the models, modes, settings or runs found and how to keep one.
     """
     for name in ("model", "mode"):
         found = _values(records, name)
@@ -695,6 +692,17 @@ def check_one_run(records: Sequence[dict]) -> None:
                 f"verdict: records of {len(found)} different {name}s ({shown}) are not one sample; judge "
                 f"one at a time, e.g. verdict([r for r in records if r.get({name!r}) == {found[0]!r}])"
             )
+    digests = _values(records, SETTINGS_FIELD)
+    if len(digests) > 1:
+        differ = differing_settings(digests)
+        runs = _values([r for r in records if r.get(SETTINGS_FIELD) != digests[0]], "run")
+        first = _values([r for r in records if r.get(SETTINGS_FIELD) == digests[0]], "run")
+        among = f" (runs {first[0]!r} and {runs[0]!r})" if first and runs else ""
+        raise RecordError(
+            f"verdict: records of {len(digests)} different settings{among} are not one sample: "
+            f"{', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'}; judge one setting at a "
+            f"time, e.g. verdict([r for r in records if r.get({SETTINGS_FIELD!r}) == {digests[0]!r}])"
+        )
     runs_of: dict[str, list[Any]] = {}
     for record in records:
         run = record.get("run")
@@ -742,8 +750,9 @@ def verdict(records: Sequence[dict], *, half: str | None = None, merged_files: i
 
     Raises:
         ValueError: no records of that half.
-        RecordError: (a ``ValueError``) a malformed record, records of several models or modes,
-            or a unit of several runs (:func:`check_one_run`); one line naming them and the fix.
+        RecordError: (a ``ValueError``) a malformed record, records of several models, modes or
+            settings, or a unit of several runs (:func:`check_one_run`); one line naming them and
+            the fix.
     """
     records = check_verdict_records(records)
     if not records:

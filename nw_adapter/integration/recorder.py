@@ -43,6 +43,7 @@ from nw_adapter.integration.schema import (
     control_column,
     key_scale_column,
 )
+from nw_adapter.integration.settings import SETTINGS_FIELD, config_settings, scale_settings, settings_digest
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
 from nw_adapter.integration.steps import StepState, StepTracker
 
@@ -420,12 +421,21 @@ class NWRecorder:
     def run_fields(self, call: int) -> dict[str, str]:
         """The fields of :data:`~nw_adapter.integration.schema.RUN_KEYS` of ``call``'s records:
         ``run`` (:attr:`run_id`), ``model`` (the pipeline's ``name_or_path``, else its class;
-        absent without a pipeline), ``mode`` and ``input_digest`` (the call's IP-Adapter image
-        embeddings, :func:`~nw_adapter.integration.steps.input_digest`; absent when unknown)."""
+        absent without a pipeline), ``mode``, ``settings`` (the digest of the settings that change
+        what a reading means, :mod:`~nw_adapter.integration.settings`: this config's, the call's
+        steps / scheduler / guidance / latent size, the distinct IP-Adapter scales of its recorded
+        layers) and ``input_digest`` (the call's IP-Adapter image embeddings,
+        :func:`~nw_adapter.integration.steps.input_digest`; absent when unknown)."""
         fields = {"run": self.run_id}
         if self.pipe is not None:
             fields["model"] = str(getattr(self.pipe, "name_or_path", None) or type(self.pipe).__name__)
         fields["mode"] = self.config.mode
+        settings = {
+            **config_settings(self.config),
+            **self.tracker.call_settings_of(call),
+            **scale_settings(e.scale for e in self._entries if e.call == call),
+        }
+        fields[SETTINGS_FIELD] = settings_digest(settings)
         digest = self.tracker.input_digest_of(call)
         if digest is not None:
             fields["input_digest"] = digest

@@ -36,11 +36,12 @@ RECORD_KEYS: tuple[str, ...] = (
 
 #: Keys naming the run a record belongs to, after :data:`RECORD_KEYS` (absent in files of older
 #: versions): ``run`` (one id per recorder; the command line's is one per run), ``model`` (the
-#: pipeline's ``name_or_path``), ``mode`` (observe / swap) and ``input_digest`` (SHA-256, 16 hex,
-#: of the call's IP-Adapter image embeddings: the reference's content). The verdict refuses
-#: records of several models or modes, or a reference of several runs, and counts one reference
-#: content once.
-RUN_KEYS: tuple[str, ...] = ("run", "model", "mode", "input_digest")
+#: pipeline's ``name_or_path``), ``mode`` (observe / swap), ``settings`` (digest of the settings
+#: that change what a reading means, 4 hex per setting: :mod:`nw_adapter.integration.settings`)
+#: and ``input_digest`` (SHA-256, 16 hex, of the call's IP-Adapter image embeddings: the
+#: reference's content). The verdict refuses records of several models, modes or settings, or a
+#: reference of several runs, and counts one reference content once.
+RUN_KEYS: tuple[str, ...] = ("run", "model", "mode", "settings", "input_digest")
 
 #: Key sets a softmax is compared over: "ip" (the IP-Adapter keys; UNet and Flux image branches
 #: are a softmax over these alone, and SD3's joint softmax restricted to them and renormalised)

@@ -34,6 +34,9 @@ How (see :meth:`StepTracker.attach`):
   when the records are read after the call (no host copy during a call):
   :meth:`StepTracker.input_digest_of`, the records'
   ``input_digest``, by which the verdict counts one reference content once.
+- **Call settings.** At the same forward, the call's number of steps, scheduler, guidance scale
+  and latent size are read (:func:`~nw_adapter.integration.settings.call_settings`,
+  :meth:`StepTracker.call_settings_of`): part of the records' settings digest.
 - **Timestep conventions.** The timestep is read from the keyword ``timestep`` or the
   forward's positional parameter of that name, times ``timestep_scale`` (1000 for Flux, whose
   pipeline passes ``timestep / 1000``), so labels are in ``scheduler.timesteps`` units.
@@ -51,6 +54,7 @@ from typing import Any
 import torch
 
 from nw_adapter.integration.schedules import noise_level, schedule_table
+from nw_adapter.integration.settings import call_settings
 
 
 @dataclass
@@ -161,6 +165,7 @@ class StepTracker:
         self.call_serial = 0
         self._input_embeds: dict[int, list[torch.Tensor]] = {}
         self._input_digests: dict[int, str | None] = {}
+        self._call_settings: dict[int, dict[str, Any]] = {}
         self._started = False
         self._hook: Any = None
         self._pending_call = False
@@ -283,6 +288,11 @@ class StepTracker:
             latent_hw=hw,
             perturbed=perturbed,
         )
+        if new_call:  # once per call: the settings that change what its readings mean
+            try:
+                self._call_settings[self.state.call] = call_settings(self.pipe, hw)
+            except Exception:  # noqa: BLE001 - an unreadable setting only means "settings unknown"
+                self._call_settings.pop(self.state.call, None)
         if new_call:  # once per call: the reference's content, for the verdict's units (hashed later)
             try:
                 embeds = input_embeds(kwargs)
@@ -293,6 +303,11 @@ class StepTracker:
                 self._input_embeds[self.state.call] = embeds
             else:
                 self._input_embeds.pop(self.state.call, None)
+
+    def call_settings_of(self, call: int) -> dict[str, Any]:
+        """The settings ``call`` began with (:func:`~nw_adapter.integration.settings.call_settings`:
+        steps, scheduler, guidance, resolution); empty when the call was not tracked (no pipeline)."""
+        return dict(self._call_settings.get(call, {}))
 
     def input_digest_of(self, call: int) -> str | None:
         """The digest (:func:`embeds_digest`) of ``call``'s IP-Adapter image embeddings; None if unknown."""

@@ -6,6 +6,9 @@ models (``from_pretrained`` on a local folder, ``load_ip_adapter`` with the publ
 - :func:`load_tiny_digits`: the *trained* tiny Stable Diffusion 1.5 + IP-Adapter shipped in the
   package (32 x 32 handwritten digits; its model card says what it does and how well). Its
   readings mean something: it was trained.
+- :func:`load_tiny_flux_digits`: the *trained* tiny Flux + XLabs-layout IP-Adapter shipped in the
+  package (rectified flow, 32 x 32 digits, adapter trained on support sets of 1-4 references);
+  call it with :data:`TINY_FLUX_DIGITS_CALL` (size and T5 length it was trained at).
 - :func:`load_tiny_sd3` and :func:`load_tiny_flux`: tiny SD 3.5 / Flux pipelines and adapters
   with RANDOM weights, written once to a cache folder. They exercise the code paths; their
   statistics mean nothing about any real model.
@@ -24,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nw_adapter.models import tiny_digits, tiny_flow
+from nw_adapter.models import tiny_digits, tiny_flow, tiny_flux_digits
 
 TINY_DIGITS_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 """The adapter file of the shipped model (layout of ``h94/IP-Adapter``: ``models/<file>``)."""
@@ -65,6 +68,38 @@ def load_tiny_digits(*, pipeline_class: Any = None, device: str = "cpu") -> Any:
     pipe = pipeline_class.from_pretrained(folder)
     pipe.load_ip_adapter(folder, subfolder="models", weight_name=TINY_DIGITS_WEIGHT_NAME)
     pipe.set_progress_bar_config(disable=True)
+    return pipe if device == "cpu" else pipe.to(device)
+
+
+TINY_FLUX_DIGITS_CALL: dict[str, int] = {
+    "height": 32,
+    "width": 32,
+    "max_sequence_length": tiny_flux_digits.TEXT_TOKENS,
+}
+"""Keyword arguments every call of the tiny Flux digits pipeline needs: ``FluxPipeline`` defaults
+to 512 x 512 pixels and 512 T5 tokens; the model was trained at 32 x 32 and 32 tokens (as
+FLUX.1-schnell is called with ``max_sequence_length=256``)."""
+
+
+def load_tiny_flux_digits(*, pipeline_class: Any = None, device: str = "cpu") -> Any:
+    """The trained tiny Flux digits model, with its IP-Adapter loaded (no network, no cache written).
+
+    ``from_pretrained`` on the shipped folder, then ``load_ip_adapter`` with the XLabs file layout
+    and the CLIP image encoder beside it. A support set is one adapter's list of images::
+
+        pipe = load_tiny_flux_digits()
+        image = pipe("a photograph", ip_adapter_image=[[tiny_digit_image(3), tiny_digit_image(3)]],
+                     **TINY_FLUX_DIGITS_CALL).images[0]
+
+    Args:
+        pipeline_class: a Flux pipeline class (default ``FluxPipeline``; for example
+            :class:`~nw_adapter.pipelines.FluxNWPipeline`).
+        device: where to put it.
+
+    Returns:
+        The pipeline, float32, progress bar disabled.
+    """
+    pipe = tiny_flux_digits.load_pipeline(pipeline_class=pipeline_class)
     return pipe if device == "cpu" else pipe.to(device)
 
 

@@ -171,6 +171,14 @@ def test_encoder_without_projection_falls_back_to_pooler_output(pipe, references
     [
         ({"references": []}, "no references"),
         ({"references": [np.zeros((32, 32, 3))]}, "not a PIL image"),
+        (  # one content twice (two PIL objects): the unit would count twice
+            {"references": [tiny_digit_image(3), tiny_digit_image(5), tiny_digit_image(3)]},
+            r"references 0 and 2 are the same image \(identical RGB pixels\)",
+        ),
+        (  # the same pixels as RGBA: the image the encoder sees is the same
+            {"references": [tiny_digit_image(3), tiny_digit_image(3).convert("RGBA")]},
+            "references 0 and 1 are the same image",
+        ),
         ({"rules": ("matched", "sharpest")}, "unknown rule 'sharpest'"),
         ({"rules": ("matched", "matched")}, "repeated rule"),
         ({"labels": [3]}, "labels without a judge"),

@@ -82,6 +82,8 @@ def test_two_processes_match_one(
     merged_two = json.loads((two / "rho.json").read_text())
     merged_one = json.loads((one / "rho.json").read_text())
     assert len(merged_one["images"]) == 2
+    # each process records its own images: every record of the run carries one settings digest
+    assert len({(r["run"], r["settings"]) for r in merged_two["records"]}) == 1
     assert merged_two == merged_one
     assert (two / "rho.csv").read_bytes() == (one / "rho.csv").read_bytes()
     for info in merged_one["images"]:

@@ -41,7 +41,8 @@ def test_three_images_print_the_verdict_over_images_and_write_its_fields(three_d
     result = report["verdict"]
     assert result["unit"] == "reference image" and result["images"] == 3 and result["half"] == "cond"
     assert sorted(v["reference"] for v in result["per_image"]) == sorted(i["key"] for i in report["images"])
-    assert len({(r["run"], r["model"], r["mode"]) for r in report["records"]}) == 1  # one run, one per image
+    # one run: the images' recorders share its run, model, mode and settings digest
+    assert len({(r["run"], r["model"], r["mode"], r["settings"]) for r in report["records"]}) == 1
     assert len({r["input_digest"] for r in report["records"]}) == 3  # three contents
     assert list(result["clauses"]) == [c.key for c in CLAUSES]
     for clause in result["clauses"].values():

@@ -354,7 +354,7 @@ def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_slope_minu
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     handles = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))  # {label: artist}
-    trained_label = next(label for label in handles if label.startswith("trained adapter (3 image(s)"))
+    trained_label = next(label for label in handles if label.startswith("trained adapter: 3 images"))
     control_label = next(label for label in handles if label.startswith("scale-matched control (3 draws)"))
     trained = handles[trained_label].lines[0]  # the errorbar container's data line
     lines = {line.get_label(): line for line in ax.get_lines()}

@@ -104,6 +104,11 @@ BAD_RECORDS = [
         "field 'reference' must be non-empty",
     ),
     ("float call", [{"step": 0, "half": "cond", "call": 0.5}], "field 'call' must be a whole number"),
+    # a statistic of the wrong kind read as missing ("not measured: no rho") before
+    ("text rho", [{"step": 0, "half": "cond", "rho": "0.5"}], "field 'rho' must be a number or null"),
+    ("list control", [{"step": 0, "rho_control_0": [0.5]}], "field 'rho_control_0' must be a number"),
+    ("bool scale", [{"step": 0, "logit_scale": True}], "field 'logit_scale' must be a number or null"),
+    ("nested extra", [{"step": 0, "notes": {"a": 1}}], "field 'notes' holds an object"),
 ]
 
 

@@ -145,6 +145,30 @@ def test_killed_runs_staging_folders_are_removed_and_users_folders_kept(tmp_path
     assert all(folder.is_dir() for folder in users) and (stages / ".unet-abcd1234").is_file()
 
 
+def test_cleaning_up_never_reaches_through_a_linked_stages_folder(tmp_path):
+    # A user's folder reached through a linked stages/ holds names of the tool's staging pattern;
+    # the cleanup of a real stages/ removes them (the test above), through the link nothing.
+    precious = tmp_path / "precious"
+    leftovers = [precious / ".vae-abcd1234", precious / ".log.ab12cd34.tmp.json"]
+    leftovers[0].mkdir(parents=True)
+    leftovers[1].write_text("{")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "stages").symlink_to(precious, target_is_directory=True)
+    assert remove_interrupted_stages(out) == []
+    assert leftovers[0].is_dir() and leftovers[1].is_file()
+
+
+def test_an_out_folder_that_is_a_link_is_cleaned_like_a_folder(tmp_path):
+    real = tmp_path / "disk" / "run"
+    leftover = real / "stages" / ".vae-abcd1234"
+    leftover.mkdir(parents=True)
+    out = tmp_path / "run"
+    out.symlink_to(real, target_is_directory=True)  # the user named this folder
+    assert remove_interrupted_stages(out) == [out / "stages" / ".vae-abcd1234"]
+    assert not leftover.exists()
+
+
 def test_run_training_cleans_up_first_unless_another_run_trains(tmp_path, monkeypatch):
     class Stop(Exception):
         pass

@@ -143,7 +143,13 @@ def cpu_model() -> str:
 
 
 def _stage_record(
-    name: str, config: TrainingConfig, records: dict[str, dict], digests: dict[str, str] | None = None
+    name: str,
+    config,
+    records: dict[str, dict],
+    digests: dict[str, str] | None = None,
+    *,
+    settings_of: dict[str, tuple[str, ...]] | None = None,
+    inputs_of: dict[str, tuple[str, ...]] | None = None,
 ) -> dict:
     """What ``stage.json`` of stage ``name`` holds.
 
@@ -151,15 +157,20 @@ def _stage_record(
     which change floating-point rounding, and the CPU model, informational: see
     :data:`INFORMATIONAL`), and for every input stage that stage's record and the SHA-256 of its
     files (:func:`_folder_digest`), so a stage is reused only on the very weights it was trained on.
+    ``config`` is a dataclass with a ``threads`` field; ``settings_of`` / ``inputs_of`` name each
+    stage's config fields and input stages (default: this module's stages; another training
+    chain, such as :mod:`~nw_adapter.models.training.flux_run`, passes its own).
     """
     settings = asdict(config)
     digests = digests or {}
+    settings_of = _STAGE_SETTINGS if settings_of is None else settings_of
+    inputs_of = _STAGE_INPUTS if inputs_of is None else inputs_of
     return {
         "stage": name,
-        "settings": {field: settings[field] for field in _STAGE_SETTINGS[name]},
+        "settings": {field: settings[field] for field in settings_of[name]},
         "environment": {"threads": config.threads, "torch": torch.__version__, "cpu": cpu_model()},
         "inputs": {
-            stage: {"record": records[stage], "files": digests.get(stage)} for stage in _STAGE_INPUTS[name]
+            stage: {"record": records[stage], "files": digests.get(stage)} for stage in inputs_of[name]
         },
     }
 
@@ -318,32 +329,38 @@ def _staging_name(stages: tuple[str, ...]) -> re.Pattern:
     return re.compile(rf"^\.({'|'.join(map(re.escape, stages))})-[a-z0-9_]{{8}}$")
 
 
-def remove_interrupted_stages(out: Path) -> list[Path]:
+def remove_interrupted_stages(
+    out: Path, stages: tuple[str, ...] | None = None, final: str = "tiny_digits"
+) -> list[Path]:
     """Remove what killed runs left in ``out``: staging folders of the stages, temporary log files.
 
     Only folders named ``.<stage>-<8 characters>`` where ``write_once`` makes them (in ``stages/``
     for the five stages, in ``out`` for the assembled ``tiny_digits``) and
     ``stages/.log.<8 characters>.tmp.json``; call it only when no other run trains in ``out``
-    (see :func:`_training_lock`).
+    (see :func:`_training_lock`). A ``stages`` inside ``out`` that is a symbolic link is not
+    entered: its target is not a folder the run made, so nothing in it is removed (``out`` itself
+    may be a link: the user named it). ``stages`` and ``final`` name another chain's stage folders
+    and assembled folder (default: this module's five stages and ``tiny_digits``).
 
     Returns:
         The removed paths.
     """
     removed: list[Path] = []
-    trained = tuple(name for name in _STAGE_SETTINGS if name != "tiny_digits")
-    for folder, pattern in ((out, _staging_name(("tiny_digits",))), (out / "stages", _staging_name(trained))):
-        if not folder.is_dir():
+    trained = stages or tuple(name for name in _STAGE_SETTINGS if name != "tiny_digits")
+    for folder, pattern in ((out, _staging_name((final,))), (out / "stages", _staging_name(trained))):
+        if (folder != out and folder.is_symlink()) or not folder.is_dir():
             continue
         for path in sorted(folder.iterdir()):
             if pattern.match(path.name) and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-    removed += remove_interrupted_writes(out / "stages", lambda name: name == "log.json")
+    if not (out / "stages").is_symlink():
+        removed += remove_interrupted_writes(out / "stages", lambda name: name == "log.json")
     return removed
 
 
 @contextlib.contextmanager
-def _training_lock(out: Path) -> Iterator[None]:
+def _training_lock(out: Path, cleanup=None) -> Iterator[None]:
     """Hold a shared lock on ``out`` while training; clean up killed runs' leftovers first when no
     other run holds it (exclusive lock taken without waiting, then shared). Without ``fcntl``
     (Windows) nothing is locked and nothing is removed."""
@@ -359,7 +376,7 @@ def _training_lock(out: Path) -> Iterator[None]:
         except BlockingIOError:  # another run trains in out: its staging folders are alive
             fcntl.flock(handle, fcntl.LOCK_SH)
         else:
-            remove_interrupted_stages(out)
+            (cleanup or remove_interrupted_stages)(out)
             fcntl.flock(handle, fcntl.LOCK_SH)
         yield
 

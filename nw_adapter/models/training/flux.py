@@ -1,0 +1,283 @@
+"""Rectified-flow training of the tiny Flux digits model: the transformer, then the adapter alone.
+
+Both stages minimise Flux's rectified-flow (flow-matching) loss in diffusers' sigma convention,
+
+    L = E_{z0, eps ~ N(0, I), s} || v_theta(z_s, s, c) - (eps - z0) ||^2,   z_s = (1 - s) z0 + s eps,
+
+on the packed latents ``z0`` (``FluxPipeline._pack_latents`` of the VAE posterior mean times
+``scaling_factor``: ``(N, 16, 16)``), with ``s = sigmoid(n), n ~ N(0, 1)`` (the logit-normal
+timestep density of the SD3 paper, which XLabs' x-flux training scripts use); the transformer
+receives ``timestep = s`` as ``FluxPipeline`` passes it, and ``FlowMatchEulerDiscreteScheduler``
+integrates ``dz/ds = v`` at sampling time.
+
+Stage 1 trains the transformer on captions that name the digit (15% replaced by ``""``), through
+the frozen CLIP text encoder's pooled output and the frozen T5's states. Stage 2 trains only the
+adapter (image projection and every double block's ``to_k_ip`` / ``to_v_ip``) on *support sets*:
+each step draws a support size ``m`` from 1..4 and, for every target, ``m`` other training images
+of its class; their embeddings go in as one adapter's ``(batch, m, 32)`` image embeds, the
+list-per-adapter convention of diffusers, so the keys are ``m x 4`` image tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nw_adapter.models.training.common import train_loop
+
+__all__ = [
+    "CAPTION_DROPOUT",
+    "IMAGE_DROPOUT",
+    "MAX_SUPPORT",
+    "FluxBatchInputs",
+    "flow_matching_loss",
+    "load_adapter_for_training",
+    "support_sets",
+    "train_flux_adapter",
+    "train_flux_transformer",
+]
+
+CAPTION_DROPOUT = 0.15
+"""Stage 1: probability that a caption is replaced by the empty prompt (the unconditional model)."""
+
+IMAGE_DROPOUT = 0.05
+"""Stage 2: probability that a support set is replaced by the black image ``FluxPipeline`` feeds as
+the negative image of true classifier-free guidance (IP-Adapter's image drop)."""
+
+MAX_SUPPORT = 4
+"""Stage 2 draws the support size ``m`` uniformly from ``1..MAX_SUPPORT`` at every step."""
+
+
+@dataclass(frozen=True)
+class FluxBatchInputs:
+    """What the transformer needs besides the noisy latents, for a fixed image size.
+
+    Attributes:
+        img_ids: ``(16, 3)`` RoPE ids of the packed image tokens (``FluxPipeline``'s).
+        txt_ids: ``(TEXT_TOKENS, 3)`` RoPE ids of the text tokens (zeros).
+    """
+
+    img_ids: torch.Tensor
+    txt_ids: torch.Tensor
+
+
+def flow_matching_loss(
+    transformer,
+    latents: torch.Tensor,
+    text_states: torch.Tensor,
+    pooled: torch.Tensor,
+    ids: FluxBatchInputs,
+    generator: torch.Generator,
+    image_embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Monte-Carlo estimate of the rectified-flow loss (module docstring).
+
+    Args:
+        transformer: A ``FluxTransformer2DModel`` (with an adapter loaded if ``image_embeds``).
+        latents: ``(B, 16, 16)`` packed clean latents ``z0``.
+        text_states: ``(B, TEXT_TOKENS, 32)`` T5 states.
+        pooled: ``(B, 32)`` pooled CLIP text embeddings.
+        ids: RoPE ids.
+        generator: Draws ``eps`` and ``s``.
+        image_embeds: ``(B, m, 32)`` image embeddings of one adapter (``m`` references per row).
+
+    Returns:
+        The scalar loss ``mean || v - (eps - z0) ||^2``.
+    """
+    noise = torch.randn(latents.shape, generator=generator)
+    sigmas = torch.sigmoid(torch.randn(len(latents), generator=generator))
+    noisy = (1.0 - sigmas[:, None, None]) * latents + sigmas[:, None, None] * noise
+    kwargs = (
+        {}
+        if image_embeds is None
+        else {"joint_attention_kwargs": {"ip_adapter_image_embeds": [image_embeds]}}
+    )
+    prediction = transformer(
+        hidden_states=noisy,
+        timestep=sigmas,
+        pooled_projections=pooled,
+        encoder_hidden_states=text_states,
+        txt_ids=ids.txt_ids,
+        img_ids=ids.img_ids,
+        **kwargs,
+    ).sample
+    return torch.nn.functional.mse_loss(prediction, noise - latents)
+
+
+def train_flux_transformer(
+    transformer,
+    latents: torch.Tensor,
+    labels: torch.Tensor,
+    caption_states: torch.Tensor,
+    caption_pooled: torch.Tensor,
+    empty_states: torch.Tensor,
+    empty_pooled: torch.Tensor,
+    ids: FluxBatchInputs,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    progress: bool = True,
+) -> list[float]:
+    """Stage 1: train the transformer on captions that name the digit.
+
+    Args:
+        transformer: The (seeded, untrained) transformer; trained in place.
+        latents: ``(N, 16, 16)`` packed latents of the training images.
+        labels: ``(N,)`` digit classes.
+        caption_states: ``(10, W, TEXT_TOKENS, 32)`` T5 states of ``W`` wordings per class.
+        caption_pooled: ``(10, W, 32)`` pooled CLIP embeddings of the same captions.
+        empty_states: ``(1, TEXT_TOKENS, 32)`` and ``empty_pooled``: ``(1, 32)``, of ``""``.
+        ids: RoPE ids.
+        steps, batch_size, lr: Optimiser steps, images per step, peak learning rate.
+        seed: Seed of the batches, caption choices, drops, noise and timesteps.
+        progress: Show a progress bar.
+
+    Returns:
+        The per-step losses.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    wordings = caption_states.shape[1]
+
+    def loss_fn(step: int) -> torch.Tensor:
+        rows = torch.randint(0, len(labels), (batch_size,), generator=generator)
+        choice = torch.randint(0, wordings, (batch_size,), generator=generator)
+        dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
+        states = caption_states[labels[rows], choice]
+        pooled = caption_pooled[labels[rows], choice]
+        states = torch.where(dropped[:, None, None], empty_states.expand_as(states), states)
+        pooled = torch.where(dropped[:, None], empty_pooled.expand_as(pooled), pooled)
+        return flow_matching_loss(transformer, latents[rows], states, pooled, ids, generator)
+
+    transformer.train()
+    losses = train_loop(
+        transformer.parameters(),
+        loss_fn,
+        steps=steps,
+        lr=lr,
+        description="transformer (stage 1)",
+        progress=progress,
+    )
+    transformer.eval()
+    return losses
+
+
+def load_adapter_for_training(pipe, state_dict: dict[str, torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Load an XLabs-layout adapter into ``pipe.transformer`` through ``load_ip_adapter``.
+
+    The state dict is converted exactly as ``load_ip_adapter`` converts the XLabs file (the
+    ``ip_adapter_proj_model.`` / ``double_blocks.<i>.processor.`` prefixes become diffusers'
+    ``image_proj`` / ``ip_adapter`` groups). Everything else is frozen.
+
+    Returns:
+        The adapter's parameters (image projection, every double block's ``to_k_ip`` / ``to_v_ip``),
+        requiring gradients.
+    """
+    nested: dict[str, dict[str, torch.Tensor]] = {"image_proj": {}, "ip_adapter": {}}
+    for key, value in state_dict.items():
+        if key.startswith("ip_adapter_proj_model."):
+            nested["image_proj"][key.removeprefix("ip_adapter_proj_model.")] = value.clone()
+        else:
+            name = key.removeprefix("double_blocks.").replace("processor.", "")
+            name = name.replace("ip_adapter_double_stream_k_proj", "to_k_ip")
+            nested["ip_adapter"][name.replace("ip_adapter_double_stream_v_proj", "to_v_ip")] = value.clone()
+    pipe.load_ip_adapter(nested, weight_name="ip_adapter.safetensors", low_cpu_mem_usage=False)
+    transformer = pipe.transformer
+    transformer.requires_grad_(False)
+    parameters = list(transformer.encoder_hid_proj.parameters())
+    for processor in transformer.attn_processors.values():
+        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
+            if layers is not None:
+                parameters += list(layers.parameters())
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    return parameters
+
+
+def support_sets(
+    targets: torch.Tensor, labels: torch.Tensor, size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``size`` distinct training images of each target's class, the target itself excluded.
+
+    Args:
+        targets: ``(B,)`` row numbers of the targets.
+        labels: ``(N,)`` digit classes.
+        size: The support size ``m``.
+        generator: Draws the supports.
+
+    Returns:
+        ``(B, m)`` row numbers.
+    """
+    rows = []
+    for target in targets.tolist():
+        pool = torch.nonzero(labels == labels[target]).flatten()
+        pool = pool[pool != target]
+        rows.append(pool[torch.randperm(len(pool), generator=generator)[:size]])
+    return torch.stack(rows)
+
+
+def train_flux_adapter(
+    transformer,
+    parameters: list[torch.nn.Parameter],
+    latents: torch.Tensor,
+    image_embeds: torch.Tensor,
+    negative_embed: torch.Tensor,
+    labels: torch.Tensor,
+    prompt_states: torch.Tensor,
+    prompt_pooled: torch.Tensor,
+    ids: FluxBatchInputs,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    progress: bool = True,
+) -> tuple[list[float], list[int]]:
+    """Stage 2: train only the adapter on (support set, target) pairs of one class.
+
+    Args:
+        transformer: The frozen stage-1 transformer with the adapter loaded.
+        parameters: The adapter's parameters (:func:`load_adapter_for_training`).
+        latents: ``(N, 16, 16)`` packed latents of the training images (targets).
+        image_embeds: ``(N, 32)`` frozen image-encoder embeddings of the same images (references).
+        negative_embed: ``(32,)`` the embedding of the black image (the pipeline's negative image).
+        labels: ``(N,)`` digit classes.
+        prompt_states: ``(P, TEXT_TOKENS, 32)`` and ``prompt_pooled``: ``(P, 32)``, of the
+            class-free prompts, drawn uniformly.
+        ids: RoPE ids.
+        steps, batch_size, lr: Optimiser steps, targets per step, peak learning rate.
+        seed: Seed of the support sizes, supports, prompts, drops, noise and timesteps.
+        progress: Show a progress bar.
+
+    Returns:
+        ``(losses, sizes)``: the per-step loss and support size ``m``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    sizes: list[int] = []
+
+    def loss_fn(step: int) -> torch.Tensor:
+        size = int(torch.randint(1, MAX_SUPPORT + 1, (1,), generator=generator))
+        sizes.append(size)
+        targets = torch.randint(0, len(labels), (batch_size,), generator=generator)
+        embeds = image_embeds[support_sets(targets, labels, size, generator)]  # (B, m, 32)
+        dropped = torch.rand(batch_size, generator=generator) < IMAGE_DROPOUT
+        embeds = torch.where(dropped[:, None, None], negative_embed.expand_as(embeds), embeds)
+        prompt = torch.randint(0, len(prompt_states), (batch_size,), generator=generator)
+        return flow_matching_loss(
+            transformer,
+            latents[targets],
+            prompt_states[prompt],
+            prompt_pooled[prompt],
+            ids,
+            generator,
+            embeds,
+        )
+
+    transformer.train()
+    losses = train_loop(
+        parameters, loss_fn, steps=steps, lr=lr, description="adapter (stage 2)", progress=progress
+    )
+    transformer.eval()
+    return losses, sizes

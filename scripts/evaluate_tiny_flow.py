@@ -1,0 +1,216 @@
+"""Measure the trained tiny Flux digits model and regenerate its model card's measured sections.
+
+    $ python scripts/evaluate_tiny_flow.py quality     # class agreement per support size m = 1, 2, 4
+    $ python scripts/evaluate_tiny_flow.py losses      # held-out flow loss: right / black / wrong reference
+    $ python scripts/evaluate_tiny_flow.py training --run-dir runs/tiny_flux   # stage table, files
+
+``quality`` generates one image per disjoint held-out support set (m references of one class,
+one adapter's list of images), at IP scale 1 and 0, and the judge of
+:mod:`nw_adapter.models.digits_quality` labels it; it writes ``quality.json`` under ``--out``
+and, with ``--card``, rewrites the card's section between ``<!-- quality:begin -->`` and
+``<!-- quality:end -->`` (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate_tiny import replace_section  # noqa: E402  (the card-section writer of the SD 1.5 model)
+
+SUPPORT_SIZES = (1, 2, 4)
+IP_SCALES = (1.0, 0.0)
+STEPS = 25
+TRUE_CFG_SCALE = 5.0  # nw_adapter.models.tiny_flux_digits.QUALITY_TRUE_CFG_SCALE
+"""True classifier-free guidance of the measurement (negative prompt ``""``, negative image black),
+as the SD 1.5 model is measured at guidance 7.5. Chosen from a pilot on 20 of the references
+(m = 1, IP scale 1: 4/20 agreed at 1 (no guidance), 14/20 at 3, 17/20 at 5, 13/20 at 7.5), so
+the measurement at 5 is not independent of that choice (the model card says so)."""
+
+
+def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | None) -> str:
+    """Class agreement for every support size and IP scale; returns the markdown section."""
+    import torch
+
+    from nw_adapter.atomic import atomic_write_json
+    from nw_adapter.models.digits_data import digit_features, load_digit_splits
+    from nw_adapter.models.digits_quality import fit_judge
+    from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL
+    from nw_adapter.models.support_quality import measure_support_agreement
+    from nw_adapter.models.tiny_flux_digits import load_pipeline
+
+    torch.set_num_threads(1)
+    splits = load_digit_splits()
+    judge = fit_judge(splits["judge"])
+    references = splits["reference"]
+    judge_on_references = float(
+        (judge.predict(digit_features(references.images)) == references.labels).mean()
+    )
+    pipe = load_pipeline(model_dir)
+    call = dict(TINY_FLUX_DIGITS_CALL)
+    if true_cfg_scale > 1:
+        call.update(true_cfg_scale=true_cfg_scale, negative_prompt="")
+    rows, results = [], []
+    for size in SUPPORT_SIZES:
+        for ip_scale in IP_SCALES:
+            started = time.perf_counter()
+            result = measure_support_agreement(
+                pipe, judge, references, size, ip_scale=ip_scale, steps=STEPS, call_kwargs=call, limit=limit
+            )
+            results.append({**result.to_dict(), "seconds": round(time.perf_counter() - started, 1)})
+            rows.append(
+                f"| {size} | {ip_scale:g} | {result.agreed}/{result.n} = {result.agreement:.0%} "
+                f"| [{result.ci_low:.0%}, {result.ci_high:.0%}] | {result.p_above_chance:.1e} |"
+            )
+            print(rows[-1], file=sys.stderr)
+    atomic_write_json(
+        out / "quality.json",
+        {
+            "judge_accuracy_on_references": judge_on_references,
+            "true_cfg_scale": true_cfg_scale,
+            "results": results,
+        },
+    )
+    guidance = (
+        "no classifier-free guidance (`true_cfg_scale=1`, FluxPipeline's default)"
+        if true_cfg_scale <= 1
+        else f'true CFG `true_cfg_scale={true_cfg_scale:g}`, negative prompt `""` (negative image: black)'
+    )
+    return "\n".join(
+        [
+            "Judge (RBF SVM on 8 x 8 features, fitted on the 400 `judge` digits): "
+            f"{judge_on_references:.0%} correct on the 100 real reference digits. Prompt "
+            f'`"a photograph"`, {guidance}, {STEPS} Euler steps, 32 x 32, `max_sequence_length=32`, '
+            "seed `k` for support set `k`. "
+            "Support sets: the 100 held-out references cut into disjoint sets of one class "
+            "(`nw_adapter.models.support_quality.support_sets`), one generation each, so the sets are "
+            "independent units. Chance: 10%.",
+            "",
+            "| support size m | IP scale | agreement | 95% CI (Clopper-Pearson) "
+            "| p vs chance (one-sided binomial) |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+STAGES = (
+    (
+        "transformer",
+        "transformer (stage 1)",
+        "train latents; rectified-flow MSE to eps - z0, s ~ logit-normal; "
+        "captions (pooled CLIP + T5), 15% empty prompt",
+        "transformer_steps",
+        "transformer_lr",
+    ),
+    (
+        "adapter",
+        "IP-Adapter only (stage 2)",
+        "support sets of m = 1..4 other train images of the target's class "
+        "(m per step), class-free prompt, 5% black-image drop; same loss",
+        "adapter_steps",
+        "adapter_lr",
+    ),
+)
+
+
+def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
+    """The card's stage table (``run_dir/stages/log.json``) and file table (sizes, SHA-256)."""
+    from safetensors.torch import load_file
+
+    from nw_adapter.models.tiny_flux_digits import ADAPTER_SUBFOLDER, ADAPTER_WEIGHT_NAME
+
+    log = json.loads((run_dir / "stages" / "log.json").read_text())
+    config = log["config"]
+    rows = [
+        "| stage | trained | data and objective | steps x batch, lr | time | loss (mean of last 50 steps) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, name, objective, steps_key, lr_key in STAGES:
+        entry = log[key]
+        rows.append(
+            f"| {key} | {name} | {objective} "
+            f"| {config[steps_key]} x {config['batch_size']}, {config[lr_key]:g} "
+            f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f} |"
+        )
+    total = sum(log[key]["seconds"] for key, *_ in STAGES)
+    rows.append(
+        f"\nTotal: {total / 60:.1f} min ({log['torch']}, {config['threads']} thread(s), "
+        f"seed {config['seed']})."
+    )
+    files = sorted(path for path in model_dir.rglob("*") if path.is_file() and path.name != "MODEL_CARD.md")
+    size = sum(path.stat().st_size for path in files)
+    adapter = load_file(model_dir / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
+    table = [
+        f"All files: {size / 2**20:.2f} MiB; "
+        f"adapter: {sum(v.numel() for v in adapter.values()):,} parameters.",
+        "",
+        "| file | bytes | SHA-256 |",
+        "|---|---|---|",
+    ]
+    for path in files:
+        if path.suffix == ".safetensors":
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            table.append(
+                f"| `{path.relative_to(model_dir)}` | {path.stat().st_size:,} | `{digest[:16]}...` |"
+            )
+    return "\n".join(rows), "\n".join(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nw_adapter.models.tiny_flux_digits import SHIPPED_DIR
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("quality", "losses", "training"))
+    parser.add_argument(
+        "--run-dir", type=Path, default=Path("runs/tiny_flux"), help="training: train_tiny_flow.py --out"
+    )
+    parser.add_argument("--model-dir", type=Path, default=SHIPPED_DIR, help="model folder (default: shipped)")
+    parser.add_argument("--out", type=Path, default=Path("runs/tiny_flux_eval"), help="output folder")
+    parser.add_argument("--true-cfg-scale", type=float, default=TRUE_CFG_SCALE, help="quality: Flux true CFG")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="quality: at most this many support sets per m"
+    )
+    parser.add_argument("--card", type=Path, default=None, help="model card whose sections to rewrite")
+    args = parser.parse_args(argv)
+    if not (args.model_dir / "model_index.json").is_file():
+        print(
+            f"evaluate_tiny_flow.py: error: '{args.model_dir}' has no model_index.json; pass --model-dir",
+            file=sys.stderr,
+        )
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "training":
+        stages, files = training(args.run_dir, args.model_dir)
+        print(stages + "\n\n" + files)
+        if args.card is not None:
+            replace_section(args.card, "training", stages)
+            replace_section(args.card, "files", files)
+        return 0
+    if args.what == "losses":
+        import torch
+
+        from nw_adapter.atomic import atomic_write_json
+        from nw_adapter.models.digits_data import load_digit_splits
+        from nw_adapter.models.tiny_flux_digits import held_out_flow_losses, load_pipeline
+
+        torch.set_num_threads(1)
+        splits = load_digit_splits()
+        losses = held_out_flow_losses(load_pipeline(args.model_dir), splits["judge"], splits["reference"])
+        atomic_write_json(args.out / "losses.json", losses)
+        print(" ".join(f"{name} {value:.4f}" for name, value in losses.items()))
+        return 0
+    body = quality(args.model_dir, args.out, true_cfg_scale=args.true_cfg_scale, limit=args.limit)
+    print(body)
+    if args.card is not None:
+        replace_section(args.card, "quality", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
