@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from nw_adapter.commands import OneLineParser, invoked_as
-from nw_adapter.experiments.scale import FULL, QUICK, REGIMES, Scale
+from nw_adapter.experiments.scale import QUICK, REGIMES, SCALES, Scale
 
 __all__ = ["build_parser", "main"]
 
@@ -69,6 +69,7 @@ HIDDEN_INT_OPTIONS = (
     "--eval-targets",
     "--digits-targets",
     "--digits-tasks-per-class",
+    "--digits-folds",
     "--grid-points",
     "--d-model",
     "--tasks-per-batch",
@@ -87,7 +88,26 @@ def build_parser(
     """Parser with the public options and hidden scale overrides (for tests and tuning)."""
     p = _Parser(prog=prog, description=description)
     p.add_argument("--out", required=True, type=Path, help="run folder (created; rerun to resume)")
-    p.add_argument("--quick", action="store_true", help="small scale, under 5 minutes on 2 CPU cores")
+    p.add_argument("--quick", action="store_true", help="same as --scale quick")
+    p.add_argument(
+        "--scale",
+        choices=tuple(SCALES),
+        default=None,
+        help="quick (minutes on 2 CPU cores), full (default; about an hour) or paper (the paper's width, "
+        "steps and batch: a GPU or a cluster)",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="torch device of training and evaluation (cpu, cuda, cuda:N)"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("local", "dask"),
+        default="local",
+        help="local: a process pool (default); dask: Dask distributed (a LocalCluster, or --scheduler)",
+    )
+    p.add_argument(
+        "--scheduler", default=None, help="address of a running Dask scheduler (with --engine dask)"
+    )
     if regimes is None:
         p.add_argument(
             "--regimes", default=",".join(REGIMES), help="comma-separated subset of dims,shells,digits"
@@ -195,12 +215,28 @@ def _parse(
                 f"--regimes {args.regimes!r}: use a comma-separated subset of {','.join(REGIMES)}"
             )
     _check_feature_options(args)
+    if args.quick and args.scale not in (None, "quick"):
+        raise ArgumentError(f"--quick contradicts --scale {args.scale}; pass one of them")
+    if args.scheduler is not None and args.engine != "dask":
+        raise ArgumentError("--scheduler needs --engine dask")
+    if args.engine == "dask":
+        import importlib.util
+
+        if importlib.util.find_spec("distributed") is None:
+            raise ArgumentError("--engine dask needs Dask distributed; pip install 'nw-adapter[cluster]'")
+    if args.device != "cpu":
+        from nw_adapter.experiments.runner import check_device
+
+        try:
+            check_device(args.device)
+        except ValueError as err:
+            raise ArgumentError(str(err)) from None
     return args, regimes
 
 
 def _run(args: argparse.Namespace, regimes: tuple[str, ...], prog: str) -> int:
     """Build the scale, run the experiments, print the matrix and where the report is."""
-    base: Scale = QUICK if args.quick else FULL
+    base: Scale = QUICK if args.quick else SCALES[args.scale or "full"]
     try:
         scale = base.replace(
             seeds=args.seeds,
@@ -211,6 +247,7 @@ def _run(args: argparse.Namespace, regimes: tuple[str, ...], prog: str) -> int:
             eval_targets=args.eval_targets,
             digits_targets=args.digits_targets,
             digits_tasks_per_class=args.digits_tasks_per_class,
+            digits_folds=args.digits_folds,
             grid_points=args.grid_points,
             d_model=args.d_model,
             tasks_per_batch=args.tasks_per_batch,
@@ -232,6 +269,15 @@ def _run(args: argparse.Namespace, regimes: tuple[str, ...], prog: str) -> int:
                 f"--support-sizes max {max(scale.support_sizes)} + {scale.digits_targets} held-out points "
                 "exceeds the smallest digits class (174); use sizes <= 50"
             )
+        if "digits" in regimes and args.features is not None:
+            from nw_adapter.experiments.tasks import load_feature_file
+
+            classes = len(set(load_feature_file(args.features, args.labels)[1].tolist()))
+            if scale.digits_folds > classes:
+                raise ValueError(
+                    f"--digits-folds {scale.digits_folds} exceeds the {classes} classes of --features; "
+                    f"pass --digits-folds {classes} or fewer"
+                )
     except ValueError as err:
         print(f"{prog}: error: {_scale_error(err)}", file=sys.stderr)
         return 2
@@ -246,6 +292,9 @@ def _run(args: argparse.Namespace, regimes: tuple[str, ...], prog: str) -> int:
             workers=args.workers,
             threads=args.threads,
             progress=not args.no_progress,
+            device=args.device,
+            engine=args.engine,
+            scheduler=args.scheduler,
         )
     except ValueError as err:
         print(f"{prog}: error: {str(err).splitlines()[0]}", file=sys.stderr)

@@ -61,6 +61,8 @@ class EvalConfig:
         sigma_min: OT path sigma_min (for n_eff).
         batch_tasks: Tasks integrated together (memory bound).
         seed: Seed of the initial noise and of the n_eff path noise.
+        device: Device of the sampling and scoring; noise is drawn on the CPU and moved, so every
+            device starts from the same noise.
     """
 
     num_generated: int = 500
@@ -70,6 +72,7 @@ class EvalConfig:
     sigma_min: float = 0.01
     batch_tasks: int = 25
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.num_generated < 2 or self.grid_points < 2 or self.batch_tasks < 1:
@@ -108,7 +111,7 @@ def neff_on_path(tasks: TaskBatch, t: float, *, sigma_min: float, generator: tor
     """
     path = OTPath(sigma_min)
     a, b = path.alpha(t), path.sigma(t)
-    z = torch.randn(tasks.target.shape, generator=generator)
+    z = torch.randn(tasks.target.shape, generator=generator).to(tasks.target.device)
     x_t = a * tasks.target + b * z
     w = nw_weights(x_t / a, tasks.support, b / a, support_mask=tasks.support_mask)
     return effective_sample_size(w).mean(-1)
@@ -128,15 +131,16 @@ def evaluate_methods(
         ``{"neff": [B], "sigma_fixed": [B], name: {"mmd2_median": [B], "mmd2_fixed": [B]}}``
         as float64 NumPy arrays.
     """
-    grid = time_grid(config.grid_points, config.t_start, 1.0)
+    device = torch.device(config.device)
+    grid = time_grid(config.grid_points, config.t_start, 1.0).to(device)
     gen = torch.Generator().manual_seed(int(config.seed) + 12345)
     out: dict[str, list] = {name: [] for name in methods}
     neffs, sigmas = [], []
     for start in range(0, tasks.num_tasks, config.batch_tasks):
         sl = slice(start, start + config.batch_tasks)
-        mask = None if tasks.support_mask is None else tasks.support_mask[sl]
-        chunk = TaskBatch(tasks.support[sl], tasks.target[sl], mask)
-        x0 = torch.randn(chunk.num_tasks, config.num_generated, chunk.dim, generator=gen)
+        mask = None if tasks.support_mask is None else tasks.support_mask[sl].to(device)
+        chunk = TaskBatch(tasks.support[sl].to(device), tasks.target[sl].to(device), mask)
+        x0 = torch.randn(chunk.num_tasks, config.num_generated, chunk.dim, generator=gen).to(device)
         sig = fixed_sigma(chunk.target)
         sigmas.append(sig)
         neffs.append(neff_on_path(chunk, config.neff_time, sigma_min=config.sigma_min, generator=gen))
@@ -148,13 +152,13 @@ def evaluate_methods(
                 (mmd2_unbiased(samples, chunk.target), mmd2_unbiased(samples, chunk.target, sigma=sig))
             )
     result: dict[str, np.ndarray | dict[str, np.ndarray]] = {
-        "neff": torch.cat(neffs).double().numpy(),
-        "sigma_fixed": torch.cat(sigmas).double().numpy(),
+        "neff": torch.cat(neffs).double().cpu().numpy(),
+        "sigma_fixed": torch.cat(sigmas).double().cpu().numpy(),
     }
     for name, parts in out.items():
         result[name] = {
-            "mmd2_median": torch.cat([p[0] for p in parts]).double().numpy(),
-            "mmd2_fixed": torch.cat([p[1] for p in parts]).double().numpy(),
+            "mmd2_median": torch.cat([p[0] for p in parts]).double().cpu().numpy(),
+            "mmd2_fixed": torch.cat([p[1] for p in parts]).double().cpu().numpy(),
         }
     return result
 

@@ -9,10 +9,12 @@ model), the cell is the share of the gap it closes,
 0 = no better than the plug-in, 1 = as good as the learned OFF model, > 1 = better than it.
 Whether a method beats the learned OFF model is decided separately (also where there is no gap):
 its relative gain over OFF, ``(MMD^2_OFF - MMD^2_method) / MMD^2_OFF``, has an interval above 0. Its
-95% interval is a percentile bootstrap that resamples the independent units jointly for all
-methods (tasks, or classes on features; and training seeds), so numerator and denominator keep
-their pairing. A share is reported only where the gap exists (the learned OFF model's relative
-gain over the plug-in has an interval above 0); elsewhere the cell says "no gap".
+95% interval is Fieller's over the independent units (tasks, or classes on features; values
+averaged over training seeds first), built from the paired per-unit differences ``P - X`` and
+``P - L``, so it carries the gap's own uncertainty and is unbounded where the gap is not clearly
+non-zero (no resample is ever dropped: there are none). A share is reported only where the gap
+exists (the learned OFF model's relative gain over the plug-in has an interval above 0); elsewhere
+the cell says "no gap".
 
 Each cell also carries a paired test of the method against the plug-in over the independent units
 (Wilcoxon signed-rank over tasks for synthetic families; paired t over class means on features),
@@ -25,13 +27,14 @@ import math
 
 import numpy as np
 
+from nw_adapter.experiments.collect import digits_column, learned_units
 from nw_adapter.experiments.evaluation import paired_tests
 from nw_adapter.experiments.fields import TRAINING_FREE
-from nw_adapter.experiments.inference import LEVEL, RESAMPLES, cluster_means, gain_interval
+from nw_adapter.experiments.inference import cluster_means, gain_interval, share_interval
 from nw_adapter.experiments.scale import Scale
 from nw_adapter.experiments.verdicts import fix_closes_its_gap
 
-__all__ = ["MATRIX_SUPPORT_SIZES", "ROWS", "aggregate_matrix", "share_interval"]
+__all__ = ["MATRIX_SUPPORT_SIZES", "ROWS", "aggregate_matrix", "share_interval", "baseline_rows"]
 
 #: Support sizes of the features regime that enter the matrix (its headline settings).
 MATRIX_SUPPORT_SIZES = (1, 5, 10)
@@ -40,73 +43,14 @@ ROWS = (*TRAINING_FREE, "learned_on")
 REGIME_OF_ROW = {**TRAINING_FREE, "learned_on": None}
 
 
-def _resampled_means(arrays: list[np.ndarray], clusters, resamples: int, seed: int) -> list[np.ndarray]:
-    """Bootstrap means ``[R]`` of several ``[S_k, T]`` arrays with one shared draw of clusters and seeds."""
-    num_tasks = arrays[0].shape[1]
-    labels = (
-        np.arange(num_tasks) if clusters is None else np.unique(np.asarray(clusters), return_inverse=True)[1]
-    )
-    num_clusters = int(labels.max()) + 1
-    onehot = np.eye(num_clusters)[labels]
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(num_clusters, size=(resamples, num_clusters))
-    w_cluster = (picks[..., None] == np.arange(num_clusters)).sum(1).astype(np.float64)  # [R, C]
-    tasks_drawn = w_cluster @ onehot.sum(0)  # [R]
-    num_seeds = max(a.shape[0] for a in arrays)
-    seed_picks = rng.integers(num_seeds, size=(resamples, num_seeds))
-    out = []
-    for a in arrays:
-        if a.shape[0] == 1:
-            w_seed = np.ones((resamples, 1))
-        else:
-            w_seed = (seed_picks[..., None] == np.arange(a.shape[0])).sum(1).astype(np.float64)
-        total = np.einsum("rs,sc,rc->r", w_seed, a @ onehot, w_cluster)
-        out.append(total / (w_seed.sum(1) * tasks_drawn))
-    return out
-
-
-def share_interval(
-    plugin, method, learned, *, clusters=None, level: float = LEVEL, resamples: int = RESAMPLES, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of the gap share ``(P - X) / (P - L)``.
-
-    Args:
-        plugin: ``[tasks]`` MMD^2 of the plug-in (deterministic).
-        method: ``[tasks]`` or ``[seeds, tasks]`` MMD^2 of the method.
-        learned: ``[seeds, tasks]`` MMD^2 of the learned OFF model.
-        clusters: optional label per task (classes on features).
-
-    Returns:
-        ``(low, high)``; resamples whose gap is <= 0 are left out (NaN when all are).
-    """
-    arrays = [np.atleast_2d(np.asarray(a, dtype=np.float64)) for a in (plugin, method, learned)]
-    p, x, lrn = _resampled_means(arrays, clusters, resamples, seed)
-    gap = p - lrn
-    with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(gap > 0, (p - x) / gap, np.nan)
-    share = share[np.isfinite(share)]
-    if share.size < 0.5 * resamples:
-        return math.nan, math.nan
-    lo, hi = np.quantile(share, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
-
-
 def _columns(results: dict, scale: Scale) -> list[dict]:
     """Per-task MMD^2 of every method at every matrix setting present in the results."""
     cols = []
     for regime, dims in (("dims", scale.dims), ("shells", scale.shell_dims)):
         for d in dims:
             plug, fields = results.get(f"{regime}-d{d}-plugin"), results.get(f"{regime}-d{d}-fields")
-            off = [
-                r
-                for uid, r in sorted(results.items())
-                if uid.startswith(f"{regime}-d{d}-s") and uid.endswith("-off")
-            ]
-            on = [
-                r
-                for uid, r in sorted(results.items())
-                if uid.startswith(f"{regime}-d{d}-s") and uid.endswith("-on")
-            ]
+            off = learned_units(results, f"{regime}-d{d}", "off")
+            on = learned_units(results, f"{regime}-d{d}", "on")
             if plug is None or fields is None or not off:
                 continue
             methods = {
@@ -126,28 +70,25 @@ def _columns(results: dict, scale: Scale) -> list[dict]:
                     "loo_tau_mean": fields.get("loo_tau_mean"),
                 }
             )
-    plug, fields = results.get("digits-plugin"), results.get("digits-fields")
-    off = [r for uid, r in sorted(results.items()) if uid.startswith("digits-s") and uid.endswith("-off")]
-    on = [r for uid, r in sorted(results.items()) if uid.startswith("digits-s") and uid.endswith("-on")]
-    if plug is not None and fields is not None and off:
-        for m in (m for m in MATRIX_SUPPORT_SIZES if m in scale.support_sizes):
-            key = str(m)
-            f = fields["per_m"][key]
-            methods = {name: np.asarray(f["fields"][name]["mmd2_median"])[None] for name in TRAINING_FREE}
-            if on and len(on) == len(off):
-                methods["learned_on"] = np.asarray([r["per_m"][key]["mmd2_median"] for r in on])
-            cols.append(
-                {
-                    "regime": "digits",
-                    "setting": f"m={m}",
-                    "plugin": np.asarray(plug["per_m"][key]["mmd2_median"], dtype=np.float64),
-                    "off": np.asarray([r["per_m"][key]["mmd2_median"] for r in off], dtype=np.float64),
-                    "methods": methods,
-                    "clusters": plug.get("task_classes"),
-                    "amortised_tau": f.get("amortised_tau"),
-                    "loo_tau_mean": f.get("loo_tau_mean"),
-                }
-            )
+    for m in (m for m in MATRIX_SUPPORT_SIZES if m in scale.support_sizes):
+        col = digits_column(results, m)
+        if col is None or col["off"] is None or col["fields"] is None:
+            continue
+        methods = {name: col["fields"][name][None] for name in TRAINING_FREE}
+        if col["on"] is not None and col["on"]["mmd2_median"].shape == col["off"]["mmd2_median"].shape:
+            methods["learned_on"] = col["on"]["mmd2_median"]
+        cols.append(
+            {
+                "regime": "digits",
+                "setting": f"m={m}",
+                "plugin": col["plugin"]["mmd2_median"],
+                "off": col["off"]["mmd2_median"],
+                "methods": methods,
+                "clusters": col["classes"],
+                "amortised_tau": float(np.mean(col["amortised_tau"])),  # mean over the folds' fits
+                "loo_tau_mean": float(np.mean(col["loo_tau_mean"])),
+            }
+        )
     return cols
 
 
@@ -236,18 +177,17 @@ def aggregate_matrix(results: dict, scale: Scale) -> dict:
 
 
 def baseline_rows(results: dict, scale: Scale) -> list[dict]:
-    """The learned baseline per (regime setting, variant): steps and the convergence criterion per seed."""
+    """The learned baseline per (regime setting, variant): steps, and per model (seed; fold on
+    features) the convergence criterion :func:`~nw_adapter.experiments.training.loss_plateau`."""
     rows = []
-    settings = [("dims", f"dims-d{d}", f"d={d}") for d in scale.dims]
-    settings += [("shells", f"shells-d{d}", f"d={d}") for d in scale.shell_dims]
-    settings += [("digits", "digits", f"m=1..{max(scale.support_sizes)}")]
-    for regime, prefix, label in settings:
+    settings = [("dims", [f"dims-d{d}"], f"d={d}") for d in scale.dims]
+    settings += [("shells", [f"shells-d{d}"], f"d={d}") for d in scale.shell_dims]
+    settings += [
+        ("digits", [f"digits-f{k}" for k in range(scale.digits_folds)], f"m=1..{max(scale.support_sizes)}")
+    ]
+    for regime, prefixes, label in settings:
         for variant in ("off", "on"):
-            units = [
-                r
-                for uid, r in sorted(results.items())
-                if uid.startswith(f"{prefix}-s") and uid.endswith(f"-{variant}")
-            ]
+            units = [r for prefix in prefixes for r in learned_units(results, prefix, variant)]
             if not units:
                 continue
             plateaus = [r["train"].get("plateau", {}) for r in units]
@@ -257,10 +197,10 @@ def baseline_rows(results: dict, scale: Scale) -> list[dict]:
                     "setting": label,
                     "variant": variant.upper(),
                     "steps": units[0]["train"]["steps"],
-                    "seeds": len(units),
+                    "models": len(units),
                     "converged": sum(bool(p.get("converged")) for p in plateaus),
                     "drop": [p.get("drop", math.nan) for p in plateaus],
-                    "drop_se": [p.get("drop_se", math.nan) for p in plateaus],
+                    "drop_upper": [p.get("drop_upper", math.nan) for p in plateaus],
                     "loss_last": float(np.mean([r["train"]["loss_last"] for r in units])),
                 }
             )

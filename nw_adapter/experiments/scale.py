@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-__all__ = ["Scale", "QUICK", "FULL", "REGIMES", "PAPER"]
+__all__ = ["Scale", "QUICK", "FULL", "PAPER_SCALE", "SCALES", "REGIMES", "PAPER"]
 
 REGIMES = ("dims", "shells", "digits")
 
@@ -55,6 +55,8 @@ class Scale:
         eval_targets: Held-out target points per task of synthetic regimes (paper 500).
         digits_targets: Held-out points per real-feature task (limited by class sizes).
         digits_tasks_per_class: Evaluation tasks per test class.
+        digits_folds: Cross-validated class folds on features: fold k tests every ``digits_folds``-th
+            class and trains (model, PCA, amortised tau) on the others; every class is tested once.
         grid_points: Euler grid points on [1e-5, 1] (paper 100).
         dims: d of the dimension sweep.
         shell_dims: d of the shells regime.
@@ -80,6 +82,7 @@ class Scale:
     eval_targets: int = 256
     digits_targets: int = 120
     digits_tasks_per_class: int = 5
+    digits_folds: int = 5
     grid_points: int = 100
     dims: tuple[int, ...] = (2, 16)
     shell_dims: tuple[int, ...] = (8, 32)
@@ -105,6 +108,7 @@ class Scale:
             "num_support",
             "eval_tasks",
             "digits_tasks_per_class",
+            "digits_folds",
             "head_tasks",
             "head_targets",
         )
@@ -148,4 +152,30 @@ FULL = Scale(
     eval_targets=400,
     digits_tasks_per_class=10,
     head_tasks=8,
+    dims=(2, 4, 8, 16),
 )
+
+PAPER_SCALE = Scale(
+    name="paper",
+    d_model=128,
+    num_heads=4,
+    num_layers=3,
+    steps=100_000,
+    digits_steps=100_000,
+    tasks_per_batch=256,
+    targets_per_task=256,
+    lr=1e-4,
+    seeds=3,
+    eval_tasks=100,
+    eval_generated=500,
+    eval_targets=500,
+    digits_tasks_per_class=10,
+    dims=(2, 4, 8, 16),
+    shell_dims=(8, 16, 32),
+)
+"""The paper's width (d_model 128, H 4, L 3), steps (100k), batch (256 tasks x 256 targets), learning rate
+(1e-4) and evaluation (100 tasks x 500 points), THEORY.md section 5 / docs/experiments.md; for a GPU
+(``--device cuda``) or a cluster (``--engine dask``). Digits keep 120 held-out points per task (the
+smallest class has 174 points)."""
+
+SCALES = {"quick": QUICK, "full": FULL, "paper": PAPER_SCALE}

@@ -40,6 +40,7 @@ __all__ = [
     "load_digits_features",
     "load_feature_file",
     "make_feature_splits",
+    "class_folds",
 ]
 
 _SPLIT_OFFSETS = {"train": 0, "val": 1, "test": 2}
@@ -522,6 +523,25 @@ def load_feature_file(
     if not np.issubdtype(y.dtype, np.integer):
         _, y = np.unique(y, return_inverse=True)
     return x, y.astype(np.int64)
+
+
+def class_folds(classes: list[int], num_folds: int) -> list[list[int]]:
+    """Cross-validation folds over classes: fold k tests ``classes[k::num_folds]``.
+
+    Every class is a test class in exactly one fold; the other folds' classes train that fold's
+    model (and fit its projection), so every class of the data set is an independent test unit once.
+
+    Args:
+        classes: All class labels (sorted).
+        num_folds: Folds, 2 <= num_folds <= len(classes).
+
+    Returns:
+        ``num_folds`` lists of test classes (disjoint, together all classes).
+    """
+    classes = sorted(int(c) for c in classes)
+    if not 2 <= num_folds <= len(classes):
+        raise ValueError(f"num_folds={num_folds} must be in [2, {len(classes)}] (the number of classes).")
+    return [classes[k::num_folds] for k in range(num_folds)]
 
 
 def make_feature_splits(

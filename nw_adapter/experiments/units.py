@@ -6,12 +6,15 @@ Units (ids in brackets):
   [``dims-d<d>-s<seed>-<off|on>``] and the plug-in field per d [``dims-d<d>-plugin``];
 - shells in d: a learned model per (d, seed, variant OFF/ON) [``shells-d<d>-s<seed>-<off|on>``]
   and the plug-in per d [``shells-d<d>-plugin``];
-- support-size sweep on real features: one learned model per (seed, variant) trained on ragged m
-  in [1, max m] [``digits-s<seed>-<off|on>``], and the plug-in [``digits-plugin``], all scored at
-  every m of the sweep on nested supports of the same test tasks;
+- support-size sweep on real features, in cross-validated class folds (fold k tests every
+  ``digits_folds``-th class; its PCA, standardisation, learned models and amortised tau are fitted
+  on the other folds' classes only): one learned model per (fold, seed, variant) trained on ragged
+  m in [1, max m] [``digits-f<k>-s<seed>-<off|on>``], and the plug-in [``digits-f<k>-plugin``], all
+  scored at every m of the sweep on nested supports of the same test tasks;
 - the training-free fields of :mod:`nw_adapter.core.smoothed_fields` on the same tasks and noise
-  [``dims-d<d>-fields``, ``shells-d<d>-fields``, ``digits-fields``]; the amortised tau is fitted
-  on training tasks of the family (of each m on features) before any test task is seen.
+  [``dims-d<d>-fields``, ``shells-d<d>-fields``, ``digits-f<k>-fields``]; the amortised tau is fitted
+  on training tasks of the family (of each m on features, training classes of the fold) before any
+  test task is seen.
 
 Evaluation tasks depend on the regime and d only (never on the training seed or the method),
 and all methods start from the same noise, so comparisons are paired by task and by seed.
@@ -36,6 +39,7 @@ from nw_adapter.experiments.tasks import (
     ShellFamily,
     TaskBatch,
     TaskFamily,
+    class_folds,
     load_digits_features,
     load_feature_file,
     make_feature_splits,
@@ -91,13 +95,15 @@ def plan_units(scale: Scale, regimes: tuple[str, ...]) -> list[dict]:
                         }
                     )
     if "digits" in regimes:
-        units.append({"id": "digits-plugin", "regime": "digits", "method": "plugin"})
-        units.append({"id": "digits-fields", "regime": "digits", "method": "fields"})
-        for seed in range(scale.seeds):
-            for variant in ("off", "on"):
-                units.append(
-                    {"id": f"digits-s{seed}-{variant}", "regime": "digits", "seed": seed, "method": variant}
-                )
+        for fold in range(scale.digits_folds):
+            stem = {"regime": "digits", "fold": fold}
+            units.append({"id": f"digits-f{fold}-plugin", **stem, "method": "plugin"})
+            units.append({"id": f"digits-f{fold}-fields", **stem, "method": "fields"})
+            for seed in range(scale.seeds):
+                for variant in ("off", "on"):
+                    units.append(
+                        {"id": f"digits-f{fold}-s{seed}-{variant}", **stem, "seed": seed, "method": variant}
+                    )
     return units
 
 
@@ -106,11 +112,26 @@ def _family(unit: dict) -> TaskFamily:
     return GaussianMixtureFamily(unit["d"]) if unit["regime"] == "dims" else ShellFamily(unit["d"])
 
 
-@functools.lru_cache(maxsize=2)
-def _feature_splits(features: str | None, labels: str | None) -> FeatureSplits:
-    """Feature families (PCA on training classes), cached per process: units of one run share them."""
+@functools.lru_cache(maxsize=4)
+def _feature_splits(features: str | None, labels: str | None, fold: int, folds: int) -> FeatureSplits:
+    """Feature families of one class fold (PCA on its training classes), cached per process.
+
+    Fold ``fold`` of ``folds`` tests :func:`~nw_adapter.experiments.tasks.class_folds`'s classes
+    ``fold`` and trains on all others (no validation classes: nothing is tuned on them).
+    """
     x, y = load_feature_file(features, labels) if features else load_digits_features()
-    return make_feature_splits(x, y, num_components=min(16, x.shape[1]), rotate_train=ROTATE_TRAIN)
+    classes = sorted(int(c) for c in set(y.tolist()))
+    test = class_folds(classes, folds)[fold]
+    train = [c for c in classes if c not in test]
+    return make_feature_splits(
+        x,
+        y,
+        num_components=min(16, x.shape[1]),
+        train_classes=train,
+        val_classes=None,
+        test_classes=test,
+        rotate_train=ROTATE_TRAIN,
+    )
 
 
 def _model_config(scale: Scale, dim: int, exact_head: bool) -> ICFMConfig:
@@ -138,9 +159,13 @@ def _train_config(scale: Scale, seed: int, steps: int, num_support) -> TrainConf
     )
 
 
-def _eval_config(scale: Scale) -> EvalConfig:
+def _eval_config(scale: Scale, device: str) -> EvalConfig:
     return EvalConfig(
-        num_generated=scale.eval_generated, grid_points=scale.grid_points, sigma_min=SIGMA_MIN, seed=EVAL_SEED
+        num_generated=scale.eval_generated,
+        grid_points=scale.grid_points,
+        sigma_min=SIGMA_MIN,
+        seed=EVAL_SEED,
+        device=device,
     )
 
 
@@ -157,6 +182,7 @@ def _train_unit(
     num_support: int | tuple[int, int],
     ckpt_dir: Path,
     progress: bool,
+    device: str,
 ) -> tuple[ICFMModel, dict]:
     """Train (or resume) the unit's model; returns it with loss and CPU-time information."""
     t0 = time.process_time()
@@ -167,6 +193,7 @@ def _train_unit(
         checkpoint_dir=ckpt_dir,
         progress=progress,
         description=unit["id"],
+        device=device,
     )
     losses = result.losses
     k = max(1, len(losses) // 10)
@@ -182,7 +209,9 @@ def _train_unit(
     return result.model, info
 
 
-def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False) -> dict:
+def run_unit(
+    unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False, device: str = "cpu"
+) -> dict:
     """Run one unit (train if learned, evaluate, analyse heads) and write its result JSON.
 
     Args:
@@ -191,6 +220,7 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
         out_dir: Run folder; the result goes to ``results/<id>.json``, checkpoints to
             ``checkpoints/<id>/`` (training resumes from them).
         progress: Show the training progress bar.
+        device: torch device of training and evaluation (the head analysis runs on the CPU).
 
     Returns:
         The result dict (also written to disk).
@@ -199,7 +229,7 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
     ckpt_dir = out_dir / "checkpoints" / unit["id"]
     wall0 = time.time()
     payload: dict = dict(unit)
-    ecfg = _eval_config(scale)
+    ecfg = _eval_config(scale, device)
     if unit["regime"] in ("dims", "shells"):
         family = _family(unit)
         tasks = family.sample(
@@ -232,12 +262,13 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
             payload["loo_tau_mean"] = float(loo_tau(tasks.support).mean())
         else:
             model, payload["train"] = _train_unit(
-                unit, scale, family, scale.steps, scale.num_support, ckpt_dir, progress
+                unit, scale, family, scale.steps, scale.num_support, ckpt_dir, progress, device
             )
             t0 = time.process_time()
             res = evaluate_methods({"model": lambda s, mk: model_field(model, s, mk)}, tasks, ecfg)
             payload.update(_lists(res, "model"))
             if unit["method"] == "off":
+                model = model.cpu()
                 head_tasks = TaskBatch(
                     tasks.support[: scale.head_tasks], tasks.target[: scale.head_tasks, : scale.head_targets]
                 )
@@ -250,7 +281,7 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
                 )
         payload["eval_cpu_s"] = time.process_time() - t0
     elif unit["regime"] == "digits":
-        splits = _feature_splits(scale.features, scale.labels)
+        splits = _feature_splits(scale.features, scale.labels, unit["fold"], scale.digits_folds)
         m_max = max(scale.support_sizes)
         base, task_classes = splits.test.sample_per_class(
             scale.digits_tasks_per_class,
@@ -267,7 +298,7 @@ def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False)
             methods = None
         else:
             model, payload["train"] = _train_unit(
-                unit, scale, splits.train, scale.digits_steps, (1, m_max), ckpt_dir, progress
+                unit, scale, splits.train, scale.digits_steps, (1, m_max), ckpt_dir, progress, device
             )
             methods = {"model": lambda s, mk: model_field(model, s, mk)}
         t0 = time.process_time()

@@ -5,10 +5,11 @@ Each function takes the rows of a regime's table and returns
 for the trend; a table built to have no effect (a flat benefit, an advantage that never turns)
 must give "did not appear" (tests/experiments/test_experiments_verdicts.py builds both).
 
-Intervals are the 95% two-level bootstrap intervals of :mod:`nw_adapter.experiments.inference`
-(``*_ci`` fields: ``(low, high)``). The digits verdicts, whose units are only the few test
-classes, use t-tests over those classes with Holm's family-wise control instead (a percentile
-bootstrap over 3 units cannot hold its level).
+Intervals are the 95% Student t / Fieller intervals over independent units of
+:mod:`nw_adapter.experiments.inference` (``*_ci`` fields: ``(low, high)``; unbounded where a ratio's
+denominator is not distinguishable from 0). The digits verdicts, whose units are the test classes
+(all ten digits through cross-validated class folds), use t-tests over those classes with Holm's
+family-wise control.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ SMALL_M = 10
 RATIO_THRESHOLD = 2.0
 LEVEL = 0.05
 CATCH_UP_MARGIN = 0.10
+VANISH_MARGIN = 0.10
 
 
 def _ci(ci) -> str:
     lo, hi = ci
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "[unbounded]" if not (math.isnan(lo) or math.isnan(hi)) else "[n/a]"
     return f"[{100 * lo:+.0f}%, {100 * hi:+.0f}%]"
 
 
@@ -51,33 +55,36 @@ def neff_falls(rows: list[dict]) -> dict:
     }
 
 
-def benefit_vanishes(rows: list[dict]) -> dict:
-    """Exact-head benefit > 0 at the smallest d and ~0 at the largest, with intervals.
+def benefit_vanishes(rows: list[dict], margin: float = VANISH_MARGIN) -> dict:
+    """Exact-head benefit > 0 at the smallest d and equivalent to 0 at the largest, with intervals.
 
-    Appeared iff the smallest-d interval lies above 0, the largest-d interval contains 0 (the
-    benefit there is compatible with none), and the largest-d interval lies entirely below the
-    smallest-d one (clearly smaller, not merely a lower point value).
+    Appeared iff the smallest-d interval lies above 0, the largest-d interval lies inside
+    ``[-margin, +margin]`` (an equivalence test: the benefit there is shown to be small, not merely
+    not shown to be large), and the largest-d interval lies entirely below the smallest-d one.
+    Intervals are the Fieller intervals over evaluation tasks (``benefit_ci``); an unbounded one
+    (the OFF model's MMD^2 not distinguishable from 0) passes none of the three.
 
     Args:
         rows: ``d``, ``benefit``, ``benefit_ci`` per d, in increasing d.
+        margin: Largest benefit still called "vanished" (0.10 = 10%).
     """
     first, last = rows[0], rows[-1]
     lo0, hi0 = first["benefit_ci"]
     lo1, hi1 = last["benefit_ci"]
     positive = lo0 > 0
-    null_at_last = lo1 <= 0 <= hi1
+    null_at_last = -margin <= lo1 and hi1 <= margin
     below = hi1 < lo0
     appeared = len(rows) >= 2 and positive and null_at_last and below
     reasons = []
     if not positive:
         reasons.append(f"the d={first['d']} interval reaches 0 or below")
     if not null_at_last:
-        reasons.append(f"the d={last['d']} interval excludes 0")
+        reasons.append(f"the d={last['d']} interval is not inside +-{100 * margin:.0f}%")
     if not below:
         reasons.append(f"the d={last['d']} interval overlaps the d={first['d']} one")
     return {
-        "trend": "exact-head benefit positive at the smallest d and compatible with 0 (and clearly "
-        "smaller) at the largest d",
+        "trend": "exact-head benefit positive at the smallest d and within "
+        f"+-{100 * margin:.0f}% of 0 (equivalence, and clearly smaller) at the largest d",
         "appeared": bool(appeared),
         "evidence": ", ".join(f"d={r['d']}: {100 * r['benefit']:+.0f}% {_ci(r['benefit_ci'])}" for r in rows)
         + (f" ({'; '.join(reasons)})" if reasons else "")
@@ -204,6 +211,7 @@ def plugin_catches_up(
         "trend": f"plug-in catches up as m grows (after a significant learned win, the learned advantage is "
         f"below {100 * margin:.0f}% by a one-sided t-test over test classes, Holm, level {level:g})",
         "appeared": bool(caught),
+        "caught_up_m": caught[0] if caught else None,
         "evidence": (
             f"first significant learned win at m={first_win if wins else 'none'}"
             + (f"; {tests}" if tests else "")
@@ -232,10 +240,7 @@ def plugin_worse(rows: list[dict], threshold: float = RATIO_THRESHOLD) -> dict:
 
 
 def _share(col: dict, cell: dict) -> str:
-    lo, hi = cell["share_ci"]
-    return (
-        f"{col['regime']} {col['setting']}: {100 * cell['share']:+.0f}% [{100 * lo:+.0f}%, {100 * hi:+.0f}%]"
-    )
+    return f"{col['regime']} {col['setting']}: {100 * cell['share']:+.0f}% {_ci(cell['share_ci'])}"
 
 
 def fix_closes_its_gap(row: str, regime: str, columns: list[dict], cells: list[dict | None]) -> dict:

@@ -49,6 +49,8 @@ TINY = [
     "4",
     "--support-sizes",
     "1,3",
+    "--digits-folds",
+    "2",
 ]
 
 
@@ -67,7 +69,8 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     ):
         assert (out / name).is_file(), name
     results = sorted(p.name for p in (out / "results").glob("*.json"))
-    assert len(results) == 4 * 2 + 4 + 4  # (plugin, fields, off, on): dims x 2 d, shells x 1 d, digits
+    # (plugin, fields, off, on): dims x 2 d, shells x 1 d, digits x 2 class folds
+    assert len(results) == 4 * 2 + 4 + 4 * 2
     printed = capsys.readouterr().out
     assert "fix x regime matrix" in printed and "amortised tau" in printed  # the CLI prints the matrix
     report = (out / "report.md").read_text()
@@ -79,9 +82,15 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     assert [r["m"] for r in summary["digits"]["rows"]] == [1, 3]
     assert all("appeared" in v for v in summary["dims"]["verdicts"])
     # digits evaluation: exactly --digits-tasks-per-class tasks from each test class, tested per class
-    digits = json.loads((out / "results" / "digits-plugin.json").read_text())
-    assert digits["task_classes"] == sorted(digits["test_classes"])
-    assert all(r["test_classes"]["n"] == len(digits["test_classes"]) for r in summary["digits"]["rows"])
+    folds = [json.loads((out / "results" / f"digits-f{k}-plugin.json").read_text()) for k in (0, 1)]
+    for digits in folds:
+        assert digits["task_classes"] == sorted(digits["test_classes"])
+        assert not set(digits["train_classes"]) & set(digits["test_classes"])  # fitted on other classes
+    # cross-validated class folds: every one of the ten digits is a test class once, a unit of the tests
+    assert sorted(c for d in folds for c in d["test_classes"]) == list(range(10))
+    assert all(r["test_classes"]["n"] == 10 for r in summary["digits"]["rows"])
+    assert report.index("The paper beside this run") < report.index("Nearest-neighbour collapse")
+    assert summary["paper_table"] and all(c["n"] >= 2 for c in summary["coverage"])
     assert "test_tasks" not in summary["digits"]["rows"][0]  # no pseudo-replicated test over tasks
     matrix = summary["matrix"]
     assert [(c["regime"], c["setting"]) for c in matrix["columns"]] == [
@@ -127,6 +136,11 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
         ["--steps", "x"],
         ["--labels", "y.npy"],
         ["--features", "missing.npz"],
+        ["--scale", "huge"],
+        ["--quick", "--scale", "paper"],
+        ["--device", "cuda:99"],
+        ["--device", "toaster"],
+        ["--scheduler", "tcp://127.0.0.1:1"],
     ],
 )
 def test_bad_input_exits_2(tmp_path, args, capsys):
@@ -167,3 +181,70 @@ def test_per_regime_script_help():
     )
     assert proc.returncode == 0 and "--out" in proc.stdout and "--steps" not in proc.stdout
     assert "--regimes" not in proc.stdout
+
+
+def test_scale_presets_include_the_papers_width_steps_and_batch():
+    from nw_adapter.experiments.scale import SCALES
+
+    paper = SCALES["paper"]
+    assert (paper.d_model, paper.num_heads, paper.num_layers) == (128, 4, 3)
+    assert (paper.steps, paper.tasks_per_batch, paper.targets_per_task, paper.lr) == (100_000, 256, 256, 1e-4)
+    assert (paper.eval_tasks, paper.eval_generated) == (100, 500)
+    assert SCALES["full"].dims == (2, 4, 8, 16)  # the mixtures regime at every d of the paper
+
+
+def _results_of(out: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((out / "results").glob("*.json"))}
+
+
+def test_the_grid_runs_on_a_dask_cluster_with_the_same_results_and_resumes(tmp_path):
+    """The unit grid dispatched through Dask's distributed scheduler (a LocalCluster, as a user's
+    cluster would be reached by its address) gives the local pool's results unit for unit; a rerun
+    skips the finished units whichever engine ran them; a changed configuration is still refused."""
+    distributed = pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is absent")
+    tiny = [*TINY, "--regimes", "dims", "--dims", "2"]
+    local = tmp_path / "local"
+    assert main(["--out", str(local), *tiny]) == 0
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
+    ) as cl:
+        cluster = tmp_path / "dask"
+        args = [
+            "--out",
+            str(cluster),
+            *tiny,
+            "--workers",
+            "2",
+            "--engine",
+            "dask",
+            "--scheduler",
+            cl.scheduler_address,
+        ]
+        assert main(args) == 0
+        ran, ref = _results_of(cluster), _results_of(local)
+        assert (
+            sorted(ran)
+            == sorted(ref)
+            == ["dims-d2-fields", "dims-d2-plugin", "dims-d2-s0-off", "dims-d2-s0-on"]
+        )
+        for uid in ref:
+            if "mmd2_median" in ref[uid]:
+                assert ran[uid]["mmd2_median"] == pytest.approx(ref[uid]["mmd2_median"], rel=1e-5)
+        stamps = {p.name: p.stat().st_mtime_ns for p in (cluster / "results").glob("*.json")}
+        assert main(args) == 0  # resume: nothing left to run
+        assert {p.name: p.stat().st_mtime_ns for p in (cluster / "results").glob("*.json")} == stamps
+        timing = json.loads((cluster / "timing.json").read_text())["invocations"]
+        assert [t["engine"] for t in timing] == ["dask", "dask"] and timing[1]["units_run"] == 0
+        changed = ["--out", str(cluster), *TINY, "--regimes", "dims", "--dims", "2,3", "--engine", "dask"]
+        assert main([*changed, "--scheduler", cl.scheduler_address]) == 2  # config check unchanged
+
+
+def test_more_class_folds_than_feature_classes_is_one_line_exit_2(tmp_path, capsys):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "f.npz"
+    np.savez(path, features=rng.standard_normal((300, 8)), labels=np.repeat([0, 1, 2], 100))
+    code = main(["--out", str(tmp_path / "o"), "--features", str(path), "--digits-folds", "4", "--quick"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--digits-folds 4 exceeds the 3 classes" in err and len(err.splitlines()) == 1

@@ -102,3 +102,28 @@ def test_learning_rate_schedule_and_validation():
         cfg(num_support=(5, 2))
     with pytest.raises(ValueError, match="dim"):
         train(GaussianMixtureFamily(3), MODEL, cfg())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_training_and_evaluation_on_cuda_follow_the_cpu_run(tmp_path):
+    """--device cuda: the same tasks and noise (drawn on the CPU, then moved), so the losses and the
+    MMD^2 match the CPU run's up to float32 kernel differences; a CUDA checkpoint resumes on the CPU."""
+    from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
+    from nw_adapter.experiments.fields import model_field
+
+    fam = GaussianMixtureFamily(2)
+    cpu = train(fam, MODEL, cfg(steps=6))
+    gpu = train(fam, MODEL, cfg(steps=6), checkpoint_dir=tmp_path, device="cuda")
+    assert next(gpu.model.parameters()).is_cuda
+    assert gpu.losses == pytest.approx(cpu.losses, rel=1e-3)
+    tasks = fam.sample(3, 10, 16, generator=torch.Generator().manual_seed(4))
+    scores = {
+        device: evaluate_methods(
+            {"m": lambda s, mk, r=run: model_field(r.model, s, mk)}, tasks,
+            EvalConfig(num_generated=16, grid_points=8, device=device),
+        )["m"]["mmd2_median"]
+        for device, run in (("cpu", cpu), ("cuda", gpu))
+    }  # fmt: skip
+    assert scores["cuda"] == pytest.approx(scores["cpu"], rel=1e-2, abs=1e-4)
+    resumed = train(fam, MODEL, cfg(steps=8), checkpoint_dir=tmp_path, device="cpu")
+    assert resumed.resumed_from == 6 and not next(resumed.model.parameters()).is_cuda
