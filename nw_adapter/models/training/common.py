@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["train_loop"]
+__all__ = ["adapter_parameters", "train_loop"]
 
 
 def train_loop(
@@ -59,3 +59,27 @@ def train_loop(
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     return losses
+
+
+def adapter_parameters(denoiser: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Freeze ``denoiser`` except its loaded IP-Adapter, and return the adapter's parameters.
+
+    The adapter is what ``load_ip_adapter`` installed: the image projection
+    (``denoiser.encoder_hid_proj``) and every attention processor's ``to_k_ip`` / ``to_v_ip``
+    layers, in that order (the UNet's and the Flux transformer's layout alike).
+
+    Args:
+        denoiser: A UNet or Flux transformer with one IP-Adapter loaded.
+
+    Returns:
+        The adapter's parameters, now requiring gradients (all others do not).
+    """
+    denoiser.requires_grad_(False)
+    parameters = list(denoiser.encoder_hid_proj.parameters())
+    for processor in denoiser.attn_processors.values():
+        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
+            if layers is not None:
+                parameters += list(layers.parameters())
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    return parameters

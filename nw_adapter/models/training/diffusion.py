@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from nw_adapter.models.tiny_digits import ADAPTER_SUBFOLDER, ADAPTER_WEIGHT_NAME, build_unet, noise_scheduler
-from nw_adapter.models.training.common import train_loop
+from nw_adapter.models.training.common import adapter_parameters, train_loop
 
 __all__ = ["CAPTION_DROPOUT", "IMAGE_DROPOUT", "load_adapter_for_training", "train_adapter", "train_unet"]
 
@@ -101,16 +101,7 @@ def load_adapter_for_training(pipe, state_dict: dict[str, torch.Tensor]) -> list
         weight_name=ADAPTER_WEIGHT_NAME,
         low_cpu_mem_usage=False,
     )
-    unet = pipe.unet
-    unet.requires_grad_(False)
-    parameters = list(unet.encoder_hid_proj.parameters())
-    for processor in unet.attn_processors.values():
-        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
-            if layers is not None:
-                parameters += list(layers.parameters())
-    for parameter in parameters:
-        parameter.requires_grad_(True)
-    return parameters
+    return adapter_parameters(pipe.unet)
 
 
 def train_adapter(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nw_adapter.models.training.common import train_loop
+from nw_adapter.models.training.common import adapter_parameters, train_loop
 
 __all__ = [
     "CAPTION_DROPOUT",
@@ -184,16 +184,7 @@ def load_adapter_for_training(pipe, state_dict: dict[str, torch.Tensor]) -> list
             name = name.replace("ip_adapter_double_stream_k_proj", "to_k_ip")
             nested["ip_adapter"][name.replace("ip_adapter_double_stream_v_proj", "to_v_ip")] = value.clone()
     pipe.load_ip_adapter(nested, weight_name="ip_adapter.safetensors", low_cpu_mem_usage=False)
-    transformer = pipe.transformer
-    transformer.requires_grad_(False)
-    parameters = list(transformer.encoder_hid_proj.parameters())
-    for processor in transformer.attn_processors.values():
-        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
-            if layers is not None:
-                parameters += list(layers.parameters())
-    for parameter in parameters:
-        parameter.requires_grad_(True)
-    return parameters
+    return adapter_parameters(pipe.transformer)
 
 
 def support_sets(
