@@ -58,6 +58,7 @@ __all__ = [
     "SIGLIP_FOLDER",
     "TINY_FLOW_IMAGE_SIZE",
     "flow_builder_fingerprint",
+    "flux_dev_scheduler",
     "save_char_t5_tokenizer",
     "save_tiny_flux",
     "save_tiny_flux_ip_adapter",
@@ -229,6 +230,22 @@ def save_tiny_sd3(path: str | os.PathLike, *, seed: int = 0) -> Path:
     return path
 
 
+def flux_dev_scheduler():
+    """``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (``shift=3.0``, dynamic shifting
+    between ``base_shift=0.5`` at 256 image tokens and ``max_shift=1.15`` at 4096)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
 def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
     """Write a tiny Flux-dev-layout pipeline folder (guidance embedding, dynamic shifting).
 
@@ -239,7 +256,7 @@ def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
     Returns:
         The folder, ready for ``FluxPipeline.from_pretrained(path)``.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline, FluxTransformer2DModel
 
     path = Path(path)
     torch.manual_seed(seed)
@@ -256,15 +273,7 @@ def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
         guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = flux_dev_scheduler()
     pipe = FluxPipeline(
         transformer=transformer,
         scheduler=scheduler,

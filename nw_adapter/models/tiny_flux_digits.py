@@ -126,18 +126,13 @@ def save_t5_tokenizer(path: str | os.PathLike) -> Path:
 
 
 def pipeline_scheduler():
-    """``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (dynamic shifting)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    """``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (dynamic shifting).
 
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    The random test Flux's (:func:`~nw_adapter.models.tiny_flow.flux_dev_scheduler`).
+    """
+    from nw_adapter.models.tiny_flow import flux_dev_scheduler
+
+    return flux_dev_scheduler()
 
 
 def _double_blocks(transformer) -> list[str]:
