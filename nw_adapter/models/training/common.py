@@ -6,7 +6,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["adapter_parameters", "train_loop"]
+__all__ = ["CAPTION_DROPOUT", "adapter_parameters", "draw_caption_batch", "train_loop"]
+
+CAPTION_DROPOUT = 0.15
+"""Stage 1: probability that a caption is replaced by the empty prompt (the unconditional model)."""
 
 
 def train_loop(
@@ -83,3 +86,22 @@ def adapter_parameters(denoiser: torch.nn.Module) -> list[torch.nn.Parameter]:
     for parameter in parameters:
         parameter.requires_grad_(True)
     return parameters
+
+
+def draw_caption_batch(
+    generator: torch.Generator, images: int, batch_size: int, wordings: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one stage-1 batch: which images, which caption wording, which captions are dropped.
+
+    Drawn from ``generator`` in this order (the order fixes the trained weights):
+    ``rows ~ U{0..images-1}``, ``choice ~ U{0..wordings-1}``, ``dropped = u < CAPTION_DROPOUT``
+    with ``u ~ U[0, 1)``.
+
+    Returns:
+        ``rows``: ``(batch_size,)`` image rows (with replacement); ``choice``: ``(batch_size,)``
+        wording of each caption; ``dropped``: ``(batch_size,)`` bool, caption replaced by ``""``.
+    """
+    rows = torch.randint(0, images, (batch_size,), generator=generator)
+    choice = torch.randint(0, wordings, (batch_size,), generator=generator)
+    dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
+    return rows, choice, dropped

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nw_adapter.models.training.common import adapter_parameters, train_loop
+from nw_adapter.models.training.common import (
+    CAPTION_DROPOUT,
+    adapter_parameters,
+    draw_caption_batch,
+    train_loop,
+)
 
 __all__ = [
     "CAPTION_DROPOUT",
@@ -37,9 +42,6 @@ __all__ = [
     "train_flux_adapter",
     "train_flux_transformer",
 ]
-
-CAPTION_DROPOUT = 0.15
-"""Stage 1: probability that a caption is replaced by the empty prompt (the unconditional model)."""
 
 IMAGE_DROPOUT = 0.05
 """Stage 2: probability that a support set is replaced by the black image ``FluxPipeline`` feeds as
@@ -142,9 +144,7 @@ def train_flux_transformer(
     wordings = caption_states.shape[1]
 
     def loss_fn(step: int) -> torch.Tensor:
-        rows = torch.randint(0, len(labels), (batch_size,), generator=generator)
-        choice = torch.randint(0, wordings, (batch_size,), generator=generator)
-        dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
+        rows, choice, dropped = draw_caption_batch(generator, len(labels), batch_size, wordings)
         states = caption_states[labels[rows], choice]
         pooled = caption_pooled[labels[rows], choice]
         states = torch.where(dropped[:, None, None], empty_states.expand_as(states), states)
