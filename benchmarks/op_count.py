@@ -122,7 +122,8 @@ def layer_counts(
     variants: Sequence[str] = tuple(VARIANTS),
     heads: int = 8,
 ) -> dict[str, int]:
-    """Non-view ops of one attn2 call (CFG batch 2) per variant: ``{"stock": n, "observe": n, ...}``."""
+    """Non-view ops of one attn2 call (CFG batch 2) per variant, its deferred statistics included:
+    ``{"stock": n, "observe": n, ...}``."""
     from benchmarks.models import attention_inputs, attention_layer
 
     attn, stock = attention_layer(hidden, heads=heads, image_tokens=image_tokens)
@@ -139,8 +140,14 @@ def layer_counts(
         attn.set_processor(
             nw_processor_for(stock, layer_name="attn2.processor", config=config, recorder=recorder)
         )
-        out[name] = count_ops(call).total
+
+        def observed_call(recorder: NWRecorder = recorder) -> None:
+            call()
+            recorder.settle()  # the deferred statistics of this call's capture
+
+        out[name] = count_ops(observed_call).total
         attn.set_processor(stock)
+        recorder.detach()
     return out
 
 
@@ -150,8 +157,14 @@ def unet_counts(
     variant: str = "base",
     variants: Sequence[str] = tuple(VARIANTS),
     config: dict[str, Any] | None = None,
+    forwards: int = 1,
 ) -> dict[str, Any]:
-    """Non-view ops of one UNet forward (CFG batch 2) per variant, and the number of IP layers."""
+    """Non-view ops per UNet forward (CFG batch 2) per variant, and the number of IP layers.
+
+    One counted call is ``forwards`` forwards at evenly spaced timesteps, then the recorder's
+    deferred statistics (:meth:`~nw_adapter.integration.recorder.NWRecorder.settle`); the count is
+    the call's total / ``forwards`` (the statistics of a call are computed in one batch per layer
+    shape, so more forwards share them)."""
     from benchmarks.models import SD15_UNET_CONFIG, build_unet, unet_inputs
 
     config = SD15_UNET_CONFIG if config is None else config
@@ -162,14 +175,22 @@ def unet_counts(
         embed = {"image_embed_dim": width, "image_hidden_dim": width}
     kwargs = unet_inputs(unet, latent_size=latent_size, variant=variant, **embed)
 
-    def step() -> None:
-        unet(**kwargs)
+    recorder: NWRecorder | None = None
+    timesteps = [torch.tensor(t) for t in torch.linspace(999, 1, forwards).round().long().tolist()]
 
-    out: dict[str, Any] = {"stock": count_ops(step).total}
+    def call() -> None:
+        if recorder is not None:
+            recorder.new_call()
+        for t in timesteps:
+            unet(**{**kwargs, "timestep": t})
+        if recorder is not None:
+            recorder.settle()  # the deferred statistics of the call
+
+    out: dict[str, Any] = {"stock": count_ops(call).total / forwards}
     try:
         for name in variants:
-            apply_nw_processor(unet, NWProcessorConfig(**VARIANTS[name]))
-            out[name] = count_ops(step).total
+            recorder = apply_nw_processor(unet, NWProcessorConfig(**VARIANTS[name]))
+            out[name] = count_ops(call).total / forwards
             remove_nw_processor(unet)
     finally:
         remove_nw_processor(unet)

@@ -95,6 +95,7 @@ def bench_recorder_memory(
                 for step in range(steps):
                     recorder.begin_step(step=step, cfg=True)
                     attn(inputs["hidden_states"], encoder_hidden_states=inputs["encoder_hidden_states"])
+            recorder.settle()  # the deferred statistics computed: what the recorder keeps
             row["bytes"][mode] = tensor_bytes(recorder)
             row.setdefault("records", len(recorder))
         attn.set_processor(stock)

@@ -131,6 +131,14 @@ class NWProcessorConfig:
         fit_rows: number of evenly spaced query rows the readings' bandwidth ``h_eff`` is fitted
             on (a fixed number of Newton steps, each a softmax over these rows); None = all rows.
             ``h_eff_se`` is the standard error this subsample adds (0 with all rows).
+        deferred_mb: observed layers only capture their queries and keys; the statistics of the
+            captured softmaxes are computed together, grouped by shape, when the captures exceed
+            this many MiB, when a new pipeline call begins, or when the records are read
+            (:mod:`~nw_adapter.integration.processors.deferred`). The captures hold diffusers'
+            float32 query tensors until then (at most this bound plus one layer's). 0 = each
+            layer computes its statistics in the call (the per-layer path; so do layers whose maps
+            are stored and ``compile=True``). The records are the same either way; the nulls'
+            random numbers are drawn per group, not per layer.
 
     Example:
         >>> from nw_adapter.integration.config import NWProcessorConfig
@@ -165,6 +173,7 @@ class NWProcessorConfig:
     untrained_seed: int = 0
     readings: bool = True
     fit_rows: int | None = 256
+    deferred_mb: float = 512.0
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -248,6 +257,9 @@ class NWProcessorConfig:
         mb = self.map_max_mb
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
             raise _err("map_max_mb", f"must be a positive number, got {mb!r}", "pass e.g. 256")
+        dm = self.deferred_mb
+        if isinstance(dm, bool) or not isinstance(dm, (int, float)) or not (math.isfinite(dm) and dm >= 0):
+            raise _err("deferred_mb", f"must be a number >= 0, got {dm!r}", "pass e.g. 512 (0 = per layer)")
         nr = self.null_rows
         if nr is not None and (isinstance(nr, bool) or not isinstance(nr, int) or nr < 1):
             raise _err(

@@ -99,7 +99,8 @@ class _Entry:
     heads: tuple[int, ...]
     scale: float
     num_keys: int
-    stats: torch.Tensor  # [num_stats, num_halves, num_heads], float32, on the model's device
+    stats: torch.Tensor | None  # [num_stats, num_halves, num_heads], float32, on the model's device
+    # (None while the statistics are pending: :attr:`NWRecorder.pending` fills it)
     key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
     ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
     control: torch.Tensor | None = None  # [draws, CONTROL_ROWS, num_halves, num_heads]: the control's
@@ -213,9 +214,17 @@ class NWRecorder:
         self.skips = SkipLedger()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._generators_serial = -1  # the tracker's call_serial the generators were seeded for
+        self._past_generators: dict[tuple[int, torch.device], torch.Generator] = {}
         self._loaded: list[dict[str, Any]] = []  # records read by from_json
         self.source: dict[str, Any] | None = None
         self.run_id = uuid.uuid4().hex[:12]
+        #: The processors' pending statistics (captured softmaxes whose statistics are computed
+        #: together later, :mod:`~nw_adapter.integration.processors.deferred`); None until the
+        #: first capture. Anything with ``__len__`` and ``flush(recorder)``.
+        self.pending: Any = None
+        #: The processors' taps (:class:`~nw_adapter.integration.processors.base.Taps`): hooks kept on
+        #: the attention modules while the processors serve them, removed by :meth:`detach`.
+        self.taps: list[Any] = []
 
     # ------------------------------------------------------------------ steps (the tracker's)
     @property
@@ -232,8 +241,14 @@ class NWRecorder:
         self.tracker.attach(denoiser, timestep_scale=timestep_scale)
 
     def detach(self) -> None:
-        """Remove the denoiser forward pre-hook."""
+        """Remove the denoiser forward pre-hook and the processors' taps (their hooks on the
+        attention modules, :attr:`taps`), after computing the statistics still pending (so a
+        failure among them is counted, and warned about, before the installation ends)."""
+        self.settle()
         self.tracker.detach()
+        for taps in self.taps:
+            taps.remove()
+        self.taps.clear()
 
     def new_call(self) -> None:
         """Mark the next denoiser forward as the start of a new call (needed only without a pipeline)."""
@@ -264,12 +279,21 @@ class NWRecorder:
         """Whether the current batch is [uncond; cond]: ``config.cfg`` if set, else the step's value."""
         return self.state.cfg if self.config.cfg is None else self.config.cfg
 
-    def generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device, call: int | None = None) -> torch.Generator:
         """The seeded generator of the nulls on ``device`` (reseeded at every new call).
 
         Call ``c`` uses seed ``(seed + 1_000_003 c) mod 2**63``, inside the generator's range for
-        every valid seed and any number of calls.
+        every valid seed and any number of calls. ``call``: the generator of that call (the
+        deferred statistics of a finished call), kept apart from the current call's.
         """
+        if call is not None and call != self.state.call:
+            key = (call, device)
+            past = self._past_generators.get(key)
+            if past is None:
+                past = torch.Generator(device=device)
+                past.manual_seed((self.config.seed + 1_000_003 * call) % SEED_LIMIT)
+                self._past_generators = {key: past}  # one finished call at a time
+            return past
         if self._generators_serial != self.tracker.call_serial:
             self._generators.clear()
             self._generators_serial = self.tracker.call_serial
@@ -317,10 +341,41 @@ class NWRecorder:
         expected = (CONTROL_ROWS, len(halves), len(heads))
         if control is not None and (control.dim() != 4 or tuple(control.shape[1:]) != expected):
             raise ValueError(f"control must have shape (draws, *{expected}), got {tuple(control.shape)}")
+        entry = self.reserve(
+            layer=layer, adapter=adapter, image=image, halves=halves, heads=heads, scale=scale,
+            num_keys=num_keys, key_set=key_set, ip_mass=ip_mass,
+        )  # fmt: skip
+        entry.stats = stats.detach()
+        entry.control = None if control is None else control.detach()
+
+    def reserve(
+        self,
+        *,
+        layer: str,
+        adapter: int,
+        image: int,
+        halves: tuple[str, ...],
+        heads: tuple[int, ...],
+        scale: float,
+        num_keys: int,
+        key_set: str = "ip",
+        ip_mass: torch.Tensor | None = None,
+    ) -> _Entry:
+        """The entry of one softmax at the current (call, step), in recording order, its statistics
+        still to come (``stats`` None): whoever computes them (:meth:`add`, or the processors'
+        deferred statistics through :attr:`pending`) sets ``entry.stats`` and ``entry.control``."""
         mass = None if ip_mass is None else ip_mass.detach()
-        control = None if control is None else control.detach()
-        where = (self.state.call, self.state.step, layer, adapter, image, halves, heads)
-        self._entries.append(_Entry(*where, float(scale), num_keys, stats.detach(), key_set, mass, control))
+        state = self.tracker.state
+        entry = _Entry(state.call, state.step, layer, adapter, image, halves, heads, float(scale), num_keys,
+                       None, key_set, mass)  # fmt: skip
+        self._entries.append(entry)
+        return entry
+
+    def settle(self) -> None:
+        """Compute the statistics still pending (:attr:`pending`) into their entries; every export
+        and count calls it first. Failures there are counted as skipped pairs (:meth:`skip`)."""
+        if self.pending is not None and len(self.pending):
+            self.pending.flush(self)
 
     def wants_maps(self, layer: str) -> bool:
         """Whether maps of ``layer`` at the current step are to be stored."""
@@ -345,7 +400,15 @@ class NWRecorder:
         """A position in the stored entries and maps, for :meth:`skip` to roll back to."""
         return len(self._entries), len(self.map_store)
 
-    def skip(self, layer: str, error: BaseException, *, rollback: tuple[int, int] | None = None) -> None:
+    def skip(
+        self,
+        layer: str,
+        error: BaseException,
+        *,
+        rollback: tuple[int, int] | None = None,
+        call: int | None = None,
+        step: int | None = None,
+    ) -> None:
         """Count a (step, layer) pair whose side computation failed (the layer kept its output).
 
         Warns once per recorder (``warnings.warn``, RuntimeWarning); every pair is counted in
@@ -356,23 +419,29 @@ class NWRecorder:
             error: the exception raised by the side computation.
             rollback: a :meth:`mark` taken before the layer's side computation: what the layer
                 stored after it is dropped, so a pair is either fully recorded or skipped.
+            call, step: the pair's call and step (default: the current ones; deferred statistics
+                fail after their step).
         """
         if rollback is not None:
             n_entries, n_maps = rollback
             del self._entries[n_entries:]
             self.map_store.truncate(n_maps)
         swap = self.config.mode == "swap"
-        self.skips.add(call=self.state.call, step=self.state.step, layer=layer, error=error, swap=swap)
+        call = self.state.call if call is None else call
+        step = self.state.step if step is None else step
+        self.skips.add(call=call, step=step, layer=layer, error=error, swap=swap)
 
     def skipped(self) -> dict[str, Any]:
         """The skipped (call, step, layer) pairs: ``{"count", "by_reason", "pairs"}``
         (:meth:`~nw_adapter.integration.skips.SkipLedger.summary`)."""
+        self.settle()
         return self.skips.summary()
 
     def failed_steps(self) -> list[dict[str, Any]]:
         """The steps whose side computation failed in every layer that ran it (no statistics at
         all): ``{"call", "step", "layers", "reason"}`` each
         (:meth:`~nw_adapter.integration.skips.SkipLedger.failed_steps`)."""
+        self.settle()
         return self.skips.failed_steps({(e.call, e.step) for e in self._entries})
 
     def failed_steps_line(self, *, see: str | None = "recorder.skipped()") -> str | None:
@@ -387,6 +456,7 @@ class NWRecorder:
         call's records are dropped, not mixed with complete ones. Returns the number of records
         dropped (one per head and half, as :meth:`to_records` counts them).
         """
+        self.settle()
         call = self.state.call if call is None else call
         kept = [e for e in self._entries if e.call != call]
         dropped = sum(len(e.halves) * len(e.heads) for e in self._entries if e.call == call)
@@ -396,6 +466,8 @@ class NWRecorder:
 
     def clear(self) -> None:
         """Drop all recorded statistics, maps and skipped pairs (step tracking continues)."""
+        if self.pending is not None:
+            self.pending.clear()
         self._entries.clear()
         self.map_store.truncate(0)
         self._loaded.clear()
@@ -412,6 +484,7 @@ class NWRecorder:
                 the IP-Adapter keys, every family), ``"joint"`` (SD3: its image branch's softmax
                 over the image's own keys and the IP keys), or None for all.
         """
+        self.settle()
         loaded = [dict(r) for r in self._loaded if key_set is None or r.get("key_set", "ip") == key_set]
         entries = [e for e in self._entries if key_set is None or e.key_set == key_set]
         if not entries:
@@ -534,6 +607,7 @@ class NWRecorder:
         return self.map_store.save(path)
 
     def __len__(self) -> int:
+        self.settle()
         return len(self._loaded) + sum(len(e.halves) * len(e.heads) for e in self._entries)
 
     def __repr__(self) -> str:

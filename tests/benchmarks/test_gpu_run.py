@@ -6,6 +6,7 @@ width of the printed tables. No timing is asserted.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -245,3 +246,26 @@ def test_unet_section_checkpoints_after_every_model(monkeypatch: pytest.MonkeyPa
     if missing_option("observe_compiled") is not None:
         assert "observe_compiled: skipped: NWProcessorConfig has no compile option" in text
     assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_gpu_profile_runs_whole_calls_on_the_cpu(tmp_path) -> None:
+    """benchmarks/gpu_run.sh's script on a toy UNet: every variant timed per step and profiled."""
+    from benchmarks import gpu_profile
+
+    args = ["--device", "cpu", "--dtype", "float32", "--models", "toy", "--forwards", "2", "--repeats", "1"]
+    assert gpu_profile.main([*args, "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "profile.json").read_text())
+    toy = result["models"]["toy"]
+    assert set(toy) == {"stock", "observe", "swap"}
+    assert toy["stock"]["ratio"] == 1.0 and all(v["step_ms"] > 0 for v in toy.values())
+    assert toy["observe"]["aten_events_per_forward"] > toy["stock"]["aten_events_per_forward"]
+    text = (tmp_path / "profile.txt").read_text()
+    assert "| toy | observe |" in text and "top kernels" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_profile_refuses_cuda_without_cuda(capsys) -> None:
+    from benchmarks import gpu_profile
+
+    assert gpu_profile.main(["--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err

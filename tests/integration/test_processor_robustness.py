@@ -150,12 +150,12 @@ def test_swap_failure_names_the_layer(monkeypatch):
     attn, stock = _layer()
     x, text, ip = _two_layer_inputs()
     _install(attn, stock, mode="swap", bandwidth=1.0)
-    from nw_adapter.core import kernels
+    from nw_adapter.integration.processors.base import NWProcessorBase
 
     def broken(*args, **kwargs):
         raise ValueError("kernel exploded")
 
-    monkeypatch.setattr(kernels, "gaussian_kernel_head", broken)
+    monkeypatch.setattr(NWProcessorBase, "_nw_head", broken)  # the NW head of every family
     with pytest.raises(RuntimeError, match=f"NW swap failed in layer '{LAYER}'.*kernel exploded"):
         _run(attn, attn.processor, x, text, ip, None)
     assert stock.scale == [0.8]  # the temporarily zeroed scales are back

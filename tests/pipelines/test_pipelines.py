@@ -240,8 +240,12 @@ def test_an_interrupted_call_keeps_the_processors_and_drops_its_partial_records(
         assert sd15.nw_recorder is rec
         assert {r["call"] for r in rec.to_records()} == {0}  # call 1's partial records dropped
         assert all(name.startswith("call0/") for name in rec.maps())
-        inner = (m for m in sd15.unet.modules() if m is not sd15.unet)
-        assert not any(m._forward_hooks for m in inner)  # the per-call hooks are gone
+        # no per-call hook is left: the only hooks are the processors' taps (registered once,
+        # disarmed between calls; removed with the processors, checked after unset below)
+        assert rec.taps and all(not t.wants_q and not t.wants_keys and t.branch is None for t in rec.taps)
+        tapped = {id(h.hooks_dict_ref()) for t in rec.taps for h in t.handles}
+        inner = [m for m in sd15.unet.modules() if m is not sd15.unet]
+        assert all(id(m._forward_hooks) in tapped for m in inner if m._forward_hooks)
         _run(sd15, **kwargs)  # call 2 records again
         assert {r["call"] for r in rec.to_records()} == {0, 2}
     finally:
@@ -250,6 +254,7 @@ def test_an_interrupted_call_keeps_the_processors_and_drops_its_partial_records(
     assert all(after[n] is before[n] for n in before)
     assert sd15.nw_recorder is None
     assert not sd15.unet._forward_pre_hooks
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in sd15.unet.modules())  # taps removed
 
 
 def test_context_manager_restores_on_exception_for_stock_pipeline(tiny_sd15_dir, tiny_ip_adapter_dir):

@@ -42,85 +42,29 @@ from typing import Any
 
 import torch
 
-from nw_adapter.core import bandwidth as bw
 from nw_adapter.core import kernels
 from nw_adapter.integration import stats
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.control import UntrainedControl, scale_matched
+from nw_adapter.integration.control import UntrainedControl
 from nw_adapter.integration.maps import reduce_maps
-from nw_adapter.integration.recorder import CONTROL_COLUMNS, NWRecorder
-from nw_adapter.integration.steps import StepState
+from nw_adapter.integration.processors.deferred import Capture, DeferredStatistics, control_statistics
+from nw_adapter.integration.processors.selection import (
+    PASS_HALVES,
+    batch_halves,
+    pure_noise_schedule,
+    resolve_bandwidth,
+)
+from nw_adapter.integration.recorder import NWRecorder
 
-PASS_HALVES = ("cond", "uncond")
-"""Half label of the denoiser pass with index 0 (positive prompt) and 1 (negative; Flux's true CFG)."""
-
-
-def batch_halves(batch: int, state: StepState, *, cfg: bool, by_pass: bool = False) -> tuple[str, ...]:
-    """Labels of the equal blocks of rows of a batch of ``batch`` rows, in batch order.
-
-    - ``by_pass`` (Flux, whose batch is never [uncond; cond]): the whole batch is the half of its
-      pass, ``("cond",)`` for the first (positive) pass of the step, ``("uncond",)`` for the
-      second (true CFG's negative pass).
-    - Otherwise ``("uncond", "cond")`` under classifier-free guidance (``cfg``), with
-      perturbed-attention guidance's rows (``state.perturbed``) ``("uncond", "cond", "perturbed")``
-      or ``("cond", "perturbed")``; ``("all",)`` for one block or when ``batch`` does not split
-      into that many blocks.
-    """
-    if by_pass:
-        return (PASS_HALVES[min(state.pass_index, 1)],)
-    labels = ("uncond",) if cfg else ()
-    labels = (*labels, "cond", *(("perturbed",) if state.perturbed else ()))
-    return labels if len(labels) > 1 and batch % len(labels) == 0 else ("all",)
-
-
-def pure_noise_schedule(config: NWProcessorConfig, state: StepState) -> bool:
-    """Whether ``bandwidth="schedule"`` meets flow matching's first step, s = 1 (alpha = 0, sigma > 0):
-    h = sigma / alpha is infinite there and the NW weights are uniform."""
-    return config.bandwidth == "schedule" and state.alpha == 0 and state.sigma > 0
-
-
-def resolve_bandwidth(
-    config: NWProcessorConfig, state: StepState, q: torch.Tensor, k: torch.Tensor, s: float
-) -> torch.Tensor | float:
-    """h per (batch, head) ``[B, H]`` (or a float) under ``config.bandwidth``.
-
-    Only the data-dependent rules (median, fitted) read ``q`` [B, H, N, d] and ``k`` [B, H, M, d];
-    they upcast to float32 themselves, so the other rules never copy a half-precision query.
-    ``"fitted"`` fits h to A = softmax(q k^T s).
-
-    Args:
-        config: ``bandwidth`` and ``schedule_c`` are read.
-        state: the step's noise level (``alpha``, ``sigma``) for ``"schedule"``.
-        q: queries ``[B, H, N, d]``. k: image keys ``[B, H, M, d]``.
-        s: the softmax scale of the stock attention (1/sqrt(d) for SDPA).
-
-    Returns:
-        A float (fixed, matched, schedule; ``math.inf`` at s = 1, see :func:`pure_noise_schedule`)
-        or a ``[B, H]`` tensor (median, fitted).
-
-    Raises:
-        RuntimeError: ``"schedule"`` without the step's noise level (outside a pipeline call).
-    """
-    rule = config.bandwidth
-    if isinstance(rule, float):
-        return rule
-    if rule == "matched":
-        return bw.matched_bandwidth(scale=s)
-    if rule == "schedule":
-        if pure_noise_schedule(config, state):
-            return math.inf
-        if not (math.isfinite(state.sigma) and math.isfinite(state.alpha) and state.alpha > 0):
-            raise RuntimeError(
-                "bandwidth='schedule' needs the scheduler's sigma_t/alpha_t of the current "
-                "step; run the processor inside a pipeline call (or call "
-                "recorder.begin_step(alpha=..., sigma=...)), or pick another bandwidth"
-            )
-        return float(bw.schedule_bandwidth(state.sigma, state.alpha, config.schedule_c))
-    q, k = q.float(), k.float()
-    if rule == "median":
-        return bw.median_bandwidth(q, k)
-    return bw.fitted_bandwidth(torch.softmax((q @ k.transpose(-1, -2)) * s, dim=-1), q, k)[0]
-
+__all__ = [
+    "PASS_HALVES",
+    "NWProcessorBase",
+    "batch_halves",
+    "is_nw_processor",
+    "pure_noise_schedule",
+    "resolve_bandwidth",
+    "split_heads",
+]
 
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``[B, L, H*d]`` -> ``[B, H, L, d]`` (a view)."""
@@ -147,6 +91,72 @@ def capture_outputs(
         return grab
 
     return [module.register_forward_hook(hook_for(name)) for name, module in modules]
+
+
+class Taps:
+    """Forward hooks kept on one attention module while an NW processor serves it.
+
+    Registered once, on the first call (not per call): ``attn.to_q``'s output (the queries), each
+    ``to_k_ip[j]``'s outputs (the image keys of the stock branch, one per softmax, in order) and a
+    pre-hook on ``attn.to_out[0]`` that adds ``branch(hidden)`` (swap's NW image branch). Between
+    calls the taps are disarmed and do nothing; :meth:`arm` / :meth:`disarm` bracket one call
+    (``disarm`` in ``finally``). The recorder removes them when the processors are removed
+    (:meth:`~nw_adapter.integration.recorder.NWRecorder.detach`).
+    """
+
+    def __init__(
+        self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module] = (), *, branch: bool = False
+    ) -> None:
+        self.attn = attn
+        self.q: torch.Tensor | None = None
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.branch: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.wants_q = self.wants_keys = False
+        # only the hooks the mode uses: a module with hooks takes torch's slower call path
+        self.handles = [attn.to_q.register_forward_hook(self._grab_query)]
+        if branch:
+            self.handles.append(attn.to_out[0].register_forward_pre_hook(self._add_branch))
+        for j, module in enumerate(key_modules):
+            self.handles.append(module.register_forward_hook(self._key_grabber(j)))
+
+    def _grab_query(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        if self.wants_q:
+            self.q = output
+
+    def _key_grabber(self, adapter: int) -> Callable[..., None]:
+        def grab(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            if self.wants_keys:
+                self.keys.setdefault(adapter, []).append(output)
+
+        return grab
+
+    def _add_branch(self, module: torch.nn.Module, args: tuple) -> tuple | None:
+        if self.branch is None:
+            return None
+        return (self.branch(args[0]), *args[1:])
+
+    def arm(self, *, keys: bool, branch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Capture the queries (and the stock branch's keys when ``keys``) of the next stock call;
+        add ``branch`` to the input of the output projection."""
+        self.q, self.keys, self.branch = None, {}, branch
+        self.wants_q, self.wants_keys = True, keys
+
+    def take(self) -> tuple[torch.Tensor | None, dict[int, list[torch.Tensor]]]:
+        """The captured queries and keys, no longer held by the taps (nothing outlives the call)."""
+        q, keys = self.q, self.keys
+        self.q, self.keys = None, {}
+        return q, keys
+
+    def disarm(self) -> None:
+        """Stop capturing and adding (what was captured stays readable until the next :meth:`arm`)."""
+        self.wants_q = self.wants_keys = False
+        self.branch = None
+
+    def remove(self) -> None:
+        """Remove the hooks from the modules."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 class NWProcessorBase:
@@ -230,10 +240,74 @@ class NWProcessorBase:
         """The CFG halves of this layer's batch at the current step (:func:`batch_halves`)."""
         return batch_halves(batch, self.recorder.state, cfg=self.recorder.cfg, by_pass=self.halves_by_pass)
 
+    def _taps(self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module] = ()) -> Taps:
+        """This processor's :class:`Taps` on ``attn`` (registered on the first call): the queries,
+        in observe the stock branch's ``key_modules`` outputs, in swap the branch pre-hook."""
+        taps = self.__dict__.get("_nw_taps")
+        if taps is None or taps.attn is not attn or not taps.handles:
+            if taps is not None:
+                taps.remove()
+            swap = self.nw_config.mode == "swap"
+            taps = Taps(attn, () if swap else key_modules, branch=swap)
+            self.__dict__["_nw_taps"] = taps
+            self.recorder.taps.append(taps)
+        return taps
+
+    def release(self) -> None:
+        """Remove this processor's hooks from its attention module (done by the recorder's detach)."""
+        taps = self.__dict__.pop("_nw_taps", None)
+        if taps is not None:
+            taps.remove()
+
     # ------------------------------------------------------------------ bandwidth and swap
     def _bandwidth(self, q: torch.Tensor, k: torch.Tensor, s: float) -> torch.Tensor | float:
-        """h of one softmax at the current step (:func:`resolve_bandwidth`)."""
-        return resolve_bandwidth(self.nw_config, self.recorder.state, q, k, s)
+        """h of one softmax at the current step (:func:`resolve_bandwidth`); the rules that read no
+        keys (fixed, matched, schedule) are resolved once per step and scale."""
+        cfg, state = self.nw_config, self.recorder.state
+        if cfg.bandwidth in ("median", "fitted"):
+            return resolve_bandwidth(cfg, state, q, k, s)
+        cached = self.__dict__.get("_nw_step_h")
+        if cached is not None and cached[0] is state and cached[1] == s:
+            return cached[2]
+        h = resolve_bandwidth(cfg, state, q, k, s)
+        self.__dict__["_nw_step_h"] = (state, s, h)
+        return h
+
+    def _nw_head(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | float
+    ) -> torch.Tensor:
+        """The NW head GKA(q, k, v, h) ``[B, H, N, d_v]`` for swap (THEORY.md section 3):
+
+            SDPA(q, k, v, attn_mask = b, scale = 1/h^2),   b_i = -||k_i||^2 / 2h^2,
+
+        since ``-||q - k_i||^2 / 2h^2 = q.k_i / h^2 - ||k_i||^2 / 2h^2 + (constant in i)``: one fused
+        attention call with its per-key bias, the bias one ``bilinear`` op on the ``[B, H, M, d]``
+        keys (``k^T W k`` with ``W = -I / 2h^2``, computed in the keys' memory order: no copy). Used
+        for float32 inputs, a float h and ``chunk_size=None``; otherwise (half precision: the
+        queries are upcast; a per-head h; chunks) :func:`~nw_adapter.core.kernels.gaussian_kernel_head`,
+        which also centres the keys. At h = inf its exact limit, the mean of the values."""
+        if isinstance(h, float) and math.isinf(h):
+            return v.mean(dim=-2, keepdim=True).expand(*q.shape[:-1], v.shape[-1])
+        f32 = torch.float32
+        lean = isinstance(h, float) and self.nw_config.chunk_size is None
+        if not (lean and q.dtype == f32 and k.dtype == f32 and v.dtype == f32):
+            return kernels.gaussian_kernel_head(q, k, v, h, chunk_size=self.nw_config.chunk_size)
+        inv_h2 = 1.0 / (h * h)
+        weight = self._bias_weight(k.shape[-1], inv_h2, k.device)
+        tokens_first = k.transpose(1, 2)  # [B, M, H, d]: the projection's memory order
+        bias = torch.nn.functional.bilinear(tokens_first, tokens_first, weight)  # [B, M, H, 1]
+        mask = bias.permute(0, 2, 3, 1)  # [B, H, 1, M]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inv_h2)
+
+    def _bias_weight(self, d: int, inv_h2: float, device: torch.device) -> torch.Tensor:
+        """``-I / 2h^2`` as a bilinear weight ``[1, d, d]`` (made once per step's h)."""
+        cache = self.__dict__.setdefault("_nw_bias_weight", {})
+        key = (d, inv_h2, device)
+        if key not in cache:
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = (torch.eye(d, device=device) * (-0.5 * inv_h2))[None]
+        return cache[key]
 
     def _gaussian_head(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: torch.Tensor | float
@@ -255,13 +329,20 @@ class NWProcessorBase:
     # ------------------------------------------------------------------ recording
     def _record_safely(self, record: Callable[[], None]) -> None:
         """Run ``record()``; if it raises, roll back what it stored and count the skipped pair
-        (observe never fails a generation that stock completes; see ``NWRecorder.skip``)."""
-        mark = self.recorder.mark()
+        (observe never fails a generation that stock completes; see ``NWRecorder.skip``).
+
+        Pending statistics that are due (over ``config.deferred_mb``, or of an earlier call) are
+        computed first, outside the rollback window."""
+        rec = self.recorder
+        pending = rec.pending
+        if pending is not None and pending.due(rec.state.call):
+            rec.settle()
+        mark = rec.mark()
         try:
             with torch.no_grad():
                 record()
         except Exception as error:
-            self.recorder.skip(self.layer_name, error, rollback=mark)
+            rec.skip(self.layer_name, error, rollback=mark)
 
     def _record_softmax(
         self,
@@ -279,7 +360,9 @@ class NWProcessorBase:
         maps: bool = False,
         control_keys: Sequence[torch.Tensor] = (),
     ) -> None:
-        """Statistics of one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) to the recorder.
+        """Record one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]): reserve its entry and
+        capture it for the deferred statistics (:mod:`.deferred`), or compute it here (maps stored
+        for this layer, ``compile=True``, ``deferred_mb=0``).
 
         With several ``halves`` the batch is their blocks of rows and every statistic is averaged
         within each; ``ip_mass`` [B, H] (SD3) is averaged the same way. ``adapter_scale``: the
@@ -298,64 +381,56 @@ class NWProcessorBase:
                 undefined): the pair is skipped, not recorded as NaN.
         """
         rec, cfg = self.recorder, self.nw_config
-        if pure_noise_schedule(cfg, rec.state):
+        state = rec.state
+        if pure_noise_schedule(cfg, state):
             raise ValueError(
                 "bandwidth='schedule' is infinite at s = 1 (pure noise): the NW weights are uniform and "
                 "their rank statistics undefined; this step is not recorded (pick another bandwidth for it)"
             )
         batch, n = q.shape[0], len(halves)
-        h = self._bandwidth(q, k, scale)
+        mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
+        entry = rec.reserve(
+            layer=self.layer_name, adapter=adapter, image=image, halves=halves, heads=heads,
+            scale=math.nan if isinstance(adapter_scale, (list, tuple)) else adapter_scale,
+            num_keys=k.shape[-2], key_set=key_set, ip_mass=mass,
+        )  # fmt: skip
+        rule = cfg.bandwidth
+        h = None if rule in ("median", "fitted") else resolve_bandwidth(cfg, state, q, k, scale)
+        capture = Capture(entry, q, k, scale, h, n, tuple(control_keys))
+        wants_maps = maps and cfg.store_maps and rec.wants_maps(self.layer_name)
+        if not (wants_maps or cfg.compile or cfg.deferred_mb == 0):
+            if rec.pending is None:
+                rec.pending = DeferredStatistics(cfg)
+            rec.pending.add(capture)
+            return
+        self._compute_now(capture, wants_maps)
+
+    def _compute_now(self, capture: Capture, wants_maps: bool) -> None:
+        """The per-layer path: the statistics of ``capture`` now (and its maps when wanted)."""
+        rec, cfg, entry = self.recorder, self.nw_config, capture.entry
+        q, k, scale, n = capture.q, capture.k, capture.scale, capture.halves
+        h = capture.h if capture.h is not None else resolve_bandwidth(cfg, rec.state, q, k, scale)
         draws = None
         if cfg.nulls:
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, rec.generator(q.device))
-        # the same computation for the adapter's keys and for the untrained control's (no nulls)
         common: dict[str, Any] = {
-            "scale": scale,
-            "halves": n,
-            "compile": cfg.compile,
-            "readings": cfg.readings,
+            "scale": scale, "halves": n, "compile": cfg.compile, "readings": cfg.readings,
             "fit_rows": cfg.fit_rows,
-        }
+        }  # fmt: skip
         values, attn_w, nw_w = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
-        mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
-        control = None
-        if control_keys:
-            per_draw = [self._control_values(q, k, k0, scale, n, common) for k0 in control_keys]
-            control = torch.stack(per_draw)
-        rec.add(
-            layer=self.layer_name,
-            adapter=adapter,
-            image=image,
-            halves=halves,
-            heads=heads,
-            scale=math.nan if isinstance(adapter_scale, (list, tuple)) else adapter_scale,
-            num_keys=k.shape[-2],
-            stats=values,
-            key_set=key_set,
-            ip_mass=mass,
-            control=control,
-        )
-        if maps and rec.wants_maps(self.layer_name):
-            reduced = reduce_maps(cfg, heads=heads, attn_w=attn_w, nw_w=nw_w, latent_hw=rec.state.latent_hw)
+        if capture.control_keys:
+            per_draw = [control_statistics(cfg, q, k, k0, h, common) for k0 in capture.control_keys]
+            entry.control = torch.stack(per_draw)
+        entry.stats = values
+        if wants_maps:
+            hw = rec.state.latent_hw
+            reduced = reduce_maps(cfg, heads=entry.heads, attn_w=attn_w, nw_w=nw_w, latent_hw=hw)
             if reduced is not None:
                 attn_map, nw_map, meta = reduced
                 rec.add_maps(
-                    layer=self.layer_name, adapter=adapter, image=image, attn=attn_map, nw=nw_map, meta=meta
-                )
-
-    def _control_values(
-        self, q: torch.Tensor, k: torch.Tensor, k0: torch.Tensor, scale: float, halves: int, common: dict
-    ) -> torch.Tensor:
-        """One control draw's rows ``[CONTROL_ROWS, halves, H]``: the statistics of :data:`CONTROL_COLUMNS`
-        of ``q`` against the scale-matched keys ``k0m`` (no nulls), the key scale
-        ``key_rms(k) / key_rms(k0)`` averaged over each half's rows, then the control's h_eff reason
-        code (the last row of the statistics)."""
-        matched, ratio = scale_matched(k, k0)  # [B, H, M0, d], [B, H]
-        h0 = self._bandwidth(q, matched, scale)
-        values0, _, _ = stats.softmax_statistics(q, matched, h=h0, draws=None, **common)
-        picked = values0.index_select(0, self._index(CONTROL_COLUMNS, values0.device))
-        key_scale = ratio.float().view(halves, ratio.shape[0] // halves, ratio.shape[1]).mean(dim=1)
-        return torch.cat([picked, key_scale.to(picked.device)[None], values0[-1:]], dim=0)
+                    layer=self.layer_name, adapter=entry.adapter, image=entry.image, attn=attn_map, nw=nw_map,
+                    meta=meta,
+                )  # fmt: skip
 
 
 def is_nw_processor(processor: Any) -> bool:

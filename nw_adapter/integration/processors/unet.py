@@ -56,7 +56,6 @@ from diffusers.models.attention_processor import (
     IPAdapterAttnProcessor2_0,
 )
 
-from nw_adapter.core import kernels
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.base import NWProcessorBase, split_heads
 from nw_adapter.integration.recorder import NWRecorder
@@ -128,18 +127,9 @@ class _UNetNWProcessor(NWProcessorBase):
         down = IPAdapterMaskProcessor.downsample(mask, batch, rows, inner)
         return down.to(dtype=like.dtype, device=like.device)
 
-    @staticmethod
-    def _key_grabber(into: dict[int, list[torch.Tensor]], adapter: int) -> Any:
-        """Forward hook of ``to_k_ip[adapter]``: appends each output (one per softmax, in order)."""
-
-        def grab(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            into.setdefault(adapter, []).append(output)
-
-        return grab
-
     def _image_key(self, attn: Attention, g: _Group, captured: dict, batch: int) -> torch.Tensor:
         """``k`` [B, H, M, d] of one softmax: the stock branch's own projection when it ran (observe;
-        captured by :meth:`_key_grabber`), the swap branch's, or ``to_k_ip`` applied here."""
+        captured by the taps), the swap branch's, or ``to_k_ip`` applied here."""
         if g.key is not None:
             return g.key
         outputs = captured.get("keys", {}).get(g.adapter, [])
@@ -180,45 +170,40 @@ class _UNetNWProcessor(NWProcessorBase):
             masks = ip_adapter_masks
         else:
             masks = list(ip_adapter_masks.unsqueeze(1))
-        shared_scale = self.scale
+        original = self.original
+        shared_scale = original.scale
         scales = list(shared_scale)
+        taps = self._taps(attn, self.to_k_ip)
         captured: dict[str, Any] = {}
-
-        def grab_query(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            captured["q"] = output
-
-        handles = [attn.to_q.register_forward_hook(grab_query)]
-        if record and not swap:  # observe: keep the image keys the stock branch projects
-            captured["keys"] = {}
-            for j, projection in enumerate(self.to_k_ip):
-                handles.append(projection.register_forward_hook(self._key_grabber(captured["keys"], j)))
+        branch = None
         if swap:
 
-            def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
+            def branch(hidden: torch.Tensor) -> torch.Tensor:
                 try:
-                    hidden = self._swap_branch(attn, captured, ip_hidden_states, masks, scales, args[0])
+                    return self._swap_branch(attn, taps.q, captured, ip_hidden_states, masks, scales, hidden)
                 except Exception as error:  # swap changes the output: fail, naming the layer
                     raise self._swap_error(error) from error
-                return (hidden, *args[1:])
 
-            handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
-            self.scale = [_zero_like(s) for s in scales]
+            original.scale = [_zero_like(s) for s in scales]  # diffusers skips its image branch
+        taps.arm(keys=record and not swap, branch=branch)  # observe: keep the stock branch's keys
         try:
             out = call_stock(
                 attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
             )
         finally:
-            for handle in handles:
-                handle.remove()
+            taps.disarm()
+            q, keys = taps.take()
             if swap:
-                self.scale = shared_scale
-        if record and "q" in captured:
+                original.scale = shared_scale
+        if record and q is not None:
+            captured["q"], captured["keys"] = q, keys
             self._record_safely(lambda: self._record(attn, captured, ip_hidden_states, masks, scales))
         return out
 
     def _swap_branch(
         self,
         attn: Attention,
+        q_raw: torch.Tensor,
         captured: dict,
         ip_hidden_states: Sequence[torch.Tensor],
         masks: Sequence[Any],
@@ -230,13 +215,11 @@ class _UNetNWProcessor(NWProcessorBase):
 
         Built to cost what the stock image branch costs. Per softmax group (no IP mask, float32):
         the key and value projections on 2-D token rows (a bare ``mm`` each; diffusers' 3-D call
-        adds a reshape copy after each), the head of :func:`~nw_adapter.core.kernels.gaussian_kernel_head`
-        (one SDPA call on the untouched queries plus five small ops on the [B, H, M, d] keys) and
-        one fused ``torch.add(hidden, out, alpha=scale)``, against the stock branch's two
-        projections with their reshapes, SDPA, scale multiply and add: 9 against 7 dispatched
-        non-view aten ops (``tests/integration/test_swap_cost.py``).
+        adds a reshape copy after each), the head of :meth:`~.base.NWProcessorBase._nw_head` (one
+        ``bilinear`` for the per-key bias and one SDPA call on the untouched queries) and one
+        fused ``torch.add(hidden, out, alpha=scale)``, against the stock branch's two projections,
+        SDPA, scale multiply and add (``tests/integration/test_swap_cost.py``).
         """
-        q_raw = captured["q"]
         batch, rows, inner = q_raw.shape
         q = split_heads(q_raw, attn.heads)
         s = self.attention_scale(attn, q.shape[-1])
@@ -248,8 +231,7 @@ class _UNetNWProcessor(NWProcessorBase):
             tokens = g.states.reshape(-1, g.states.shape[-1])  # [B*M, cross]
             g.key = split_heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
             g.value = split_heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            h = self._bandwidth(q, g.key, s)
-            out = kernels.gaussian_kernel_head(q, g.key, g.value, h, chunk_size=self.nw_config.chunk_size)
+            out = self._nw_head(q, g.key, g.value, self._bandwidth(q, g.key, s))
             out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
             if g.mask is not None:
                 out = out * self._mask_factor(g.mask, batch, rows, inner, out)

@@ -177,24 +177,30 @@ def _fit(
     rows: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """beta ``[B, H]`` and the per-row moments ``[B, H, n, 3]`` (:data:`MOMENT`) at beta."""
+    """beta ``[B, H]`` and the per-row moments ``[B, H, n, 3]`` (:data:`MOMENT`) at beta.
+
+    The fit works keys-major, on ``[B, H, M, n]``: every softmax over the M keys then runs along
+    a non-last dimension, vectorised across the rows (over the last dimension of 4-16 keys a CPU
+    softmax is ~20x slower); one transposed copy of the logits and of their powers, once."""
     logits = shifted if rows is None else shifted.index_select(-2, rows)  # [B, H, n, M]
     b, nh, n, m = logits.shape
-    powers = w.workspace("fit powers", (b, nh, n, m, len(MOMENT)), logits.device)
-    powers[..., MOMENT["1"]].fill_(1.0)
-    zeroed = logits if valid_rows is None else logits * valid_rows  # G' (0 at padding keys)
-    powers[..., MOMENT["psi"]].copy_(zeroed)
-    w.write(powers[..., MOMENT["second"]], torch.square, zeroed)
+    logits_t = w.workspace("fit logits", (b, nh, m, n), logits.device)
+    logits_t.copy_(logits.transpose(-1, -2))
+    zeroed = logits_t if valid_rows is None else logits_t * valid_rows.transpose(-1, -2)  # G' (0: padding)
+    powers = w.workspace("fit powers", (b, nh, len(MOMENT), m, n), logits.device)  # [1, G', G'^2]
+    powers[:, :, MOMENT["1"]].fill_(1.0)
+    powers[:, :, MOMENT["psi"]].copy_(zeroed)
+    w.write(powers[:, :, MOMENT["second"]], torch.square, zeroed)
     low, high = BETA_RANGE
     ends = w.constant(
         ("fit bracket", scale, logits.device), lambda: f32([low * scale, high * scale], logits.device)
     )
-    bracket = _bracket(logits, powers[..., MOMENT["psi"]], ends)
+    bracket = _bracket(logits_t, powers[:, :, MOMENT["psi"]], ends)
     sides = w.constant(("fit sides", logits.device), lambda: f32([1.0, -1.0], logits.device))
     start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
     beta = torch.clamp(start, bracket[..., 0], bracket[..., 1])
     for _ in range(FIT_STEPS):
-        _, sums = _moments(w, logits, powers, beta)
+        _, sums = _moments(w, logits_t, powers, beta)
         grad = sums[..., MOMENT["1"], MOMENT["psi"]]  # n L'(beta)
         hess = sums[..., MOMENT["1"], MOMENT["second"]] - sums[..., MOMENT["psi"], MOMENT["psi"]]  # n L''
         # the optimum lies right of beta where L' < 0 (raise the lower end), left where L' > 0
@@ -202,15 +208,16 @@ def _fit(
         newton = torch.addcdiv(beta, grad, hess, value=-1.0)
         inside = torch.clamp(newton, bracket[..., 0], bracket[..., 1]) == newton  # NaN (flat loss): not
         beta = torch.where(inside, newton, bracket.prod(-1).sqrt())
-    moments, _ = _moments(w, logits, powers, beta)
+    moments, _ = _moments(w, logits_t, powers, beta)
     return beta, moments
 
 
-def _bracket(logits: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _bracket(logits_t: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """The bracket ``[B, H, 2]`` of beta: the range ``ends`` (``[lo, hi]``), collapsed onto an end
     where the optimum lies at or beyond it (``L'(lo) >= 0``: the loss rises from the lower end,
-    e.g. an anti-NW head; ``L'(hi) <= 0``), so that Newton steps never bisect towards it."""
-    p = torch.softmax(logits[:, :, None] * ends[:, None, None], -1)  # [B, H, 2, n, M]
+    e.g. an anti-NW head; ``L'(hi) <= 0``), so that Newton steps never bisect towards it.
+    ``logits_t``, ``shifted_zeroed``: keys-major ``[B, H, M, n]``."""
+    p = torch.softmax(logits_t[:, :, None] * ends[:, None, None], -2)  # [B, H, 2, M, n]
     grad = (p * shifted_zeroed[:, :, None]).sum((-1, -2))  # n L' at both ends [B, H, 2]
     bracket = ends.expand(*grad.shape)
     bracket = torch.where(grad[..., :1] >= 0, bracket[..., :1], bracket)
@@ -218,17 +225,16 @@ def _bracket(logits: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Ten
 
 
 def _moments(
-    w: EagerWriter, logits: torch.Tensor, powers: torch.Tensor, beta: torch.Tensor
+    w: EagerWriter, logits_t: torch.Tensor, powers: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row ``p_j [1, G'_j, G'_j^2]`` ``[B, H, n, 3]`` (``p = softmax(beta G')``) and their Gram
-    over rows ``[B, H, 3, 3]``: two products (broadcast sums under compile, which fuse)."""
-    b, nh, n, _ = logits.shape
-    p = torch.softmax(logits * beta[..., None, None], -1)
-    moments = w.workspace("fit moments", (b, nh, n, 1, len(MOMENT)), logits.device)
-    w.products(moments, p[..., None, :], powers.transpose(-1, -2))
-    moments = moments[..., 0, :]
-    sums = w.workspace("fit moment sums", (b, nh, len(MOMENT), len(MOMENT)), logits.device)
-    return moments, w.products(sums, moments.transpose(-1, -2), moments.transpose(-1, -2))
+    """Per row ``p_j [1, G'_j, G'_j^2]`` ``[B, H, n, 3]`` (``p = softmax(beta G')``, keys-major
+    ``logits_t [B, H, M, n]``, ``powers [B, H, 3, M, n]``) and their Gram over rows ``[B, H, 3, 3]``."""
+    b, nh, _, n = logits_t.shape
+    p = torch.softmax(logits_t * beta[..., None, None], -2)  # [B, H, M, n]
+    moments = w.workspace("fit moments", (b, nh, len(MOMENT), n), logits_t.device)
+    w.write(moments, torch.sum, powers * p[:, :, None], -2)  # over the keys
+    sums = w.workspace("fit moment sums", (b, nh, len(MOMENT), len(MOMENT)), logits_t.device)
+    return moments.transpose(-1, -2), w.products(sums, moments, moments)
 
 
 def _write_standard_error(

@@ -1,0 +1,197 @@
+"""Deferred statistics: an observed layer captures its softmax, the statistics run later, in bulk.
+
+On a GPU the stock step is launch- and host-bound, so what observe adds per layer is paid one
+aten op and one Python call at a time. An observed layer therefore only *captures*: it reserves
+its record (:meth:`~nw_adapter.integration.recorder.NWRecorder.reserve`, in recording order) and
+keeps references to its float32 queries ``q [B, H, N, d]`` and image keys ``k [B, H, M, d]``
+(the tensors diffusers computed anyway: no copy, no aten op), with the bandwidth of its step.
+
+:meth:`DeferredStatistics.flush` then computes every captured softmax's statistics at once,
+**grouped by shape**: the captures of one group (same shapes, CFG halves, scale and bandwidth)
+are concatenated along the batch, ``q = [q_1; q_2; ...]`` (one ``cat``), and one call of
+:func:`~nw_adapter.integration.stats.softmax_statistics` with ``halves = sum_i halves_i`` gives
+every statistic per (capture, half, head): the fast path reduces per (batch row, head) and
+pools per CFG half, each half being a contiguous block of batch rows, so the stacked call
+computes exactly what one call per capture computes (tests/integration/test_deferred.py). The
+nulls' random numbers are drawn once per group from the call's seeded generator: the null rows
+(``randperm``) are shared by the captures of a group, the permutation noise and the directions
+are per batch row. The untrained-adapter control runs the same way, one call per draw and group.
+
+When the flush runs:
+
+- when the captured tensors exceed ``config.deferred_mb`` MiB (checked before the next capture),
+- when a capture belongs to a new pipeline call (the previous call's are flushed first),
+- before the recorder reports anything (:meth:`~nw_adapter.integration.recorder.NWRecorder.settle`).
+
+Memory bound: at most ``deferred_mb`` MiB of captured tensors plus one capture (the references
+keep diffusers' query tensors alive until the flush). ``deferred_mb=0`` computes each softmax
+in its layer (the per-layer path); so do layers whose maps are stored and ``compile=True``.
+
+Failures: a group that raises is retried capture by capture; a capture that still raises drops
+every entry of its (call, step, layer) and is counted as a skipped pair
+(:meth:`~nw_adapter.integration.recorder.NWRecorder.skip`), as the per-layer path does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nw_adapter.integration import stats
+from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.control import scale_matched
+from nw_adapter.integration.processors.selection import resolve_bandwidth
+from nw_adapter.integration.recorder import CONTROL_COLUMNS
+
+MIB = 2**20
+
+
+@dataclass(eq=False)
+class Capture:
+    """One softmax of one observed layer call, its statistics pending.
+
+    ``q`` [B, H, N, d] and ``k`` [B, H, M, d] float32; ``h`` the step's bandwidth (a float) or
+    None for the data-dependent rules (resolved on the group); ``halves`` the number of CFG
+    halves of the batch; ``control_keys`` the untrained control's keys per draw
+    ``[B, H, M0, d]``; ``entry`` the recorder's reserved entry."""
+
+    entry: Any
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    h: float | None
+    halves: int
+    control_keys: tuple[torch.Tensor, ...] = ()
+
+    def group_key(self) -> tuple:
+        """Captures with equal keys are computed in one call."""
+        controls = tuple(k0.shape for k0 in self.control_keys)
+        return (self.q.shape, self.k.shape, self.q.device, self.scale, self.h, self.halves, controls)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.q, self.k, *self.control_keys)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class DeferredStatistics:
+    """The pending captures of one recorder (see the module docstring)."""
+
+    config: NWProcessorConfig
+    captures: list[Capture] = field(default_factory=list)
+    nbytes: int = 0
+    call: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.captures)
+
+    def add(self, capture: Capture) -> None:
+        """Keep ``capture`` until the next flush."""
+        self.captures.append(capture)
+        self.nbytes += capture.nbytes
+        self.call = capture.entry.call
+
+    def due(self, call: int) -> bool:
+        """Whether to flush before a capture of ``call``: over the memory bound, or a new call."""
+        return bool(self.captures) and (self.nbytes > self.config.deferred_mb * MIB or call != self.call)
+
+    def clear(self) -> None:
+        """Drop every pending capture (their entries are dropped by the recorder)."""
+        self.captures, self.nbytes = [], 0
+
+    def flush(self, recorder: Any) -> None:
+        """Compute every pending capture's statistics into its entry, grouped by shape."""
+        captures, live = self.captures, {id(e) for e in recorder._entries}
+        self.clear()
+        groups: dict[tuple, list[Capture]] = {}
+        for capture in captures:
+            if id(capture.entry) in live:  # entries rolled back or discarded since are not computed
+                groups.setdefault(capture.group_key(), []).append(capture)
+        failed: dict[tuple[int, int, str], BaseException] = {}
+        with torch.no_grad():
+            for group in groups.values():
+                try:
+                    self._compute(recorder, group)
+                except Exception:  # noqa: BLE001 - retried one by one to isolate the failing pair
+                    for capture in group:
+                        try:
+                            self._compute(recorder, [capture])
+                        except Exception as error:  # noqa: BLE001 - counted, never raised
+                            e = capture.entry
+                            failed.setdefault((e.call, e.step, e.layer), error)
+        if failed:
+            recorder._entries = [e for e in recorder._entries if (e.call, e.step, e.layer) not in failed]
+            for (call, step, layer), error in failed.items():
+                recorder.skip(layer, error, call=call, step=step)
+
+    def _compute(self, recorder: Any, group: list[Capture]) -> None:
+        """One call of the statistics for the captures of ``group`` (equal group keys)."""
+        cfg, first = self.config, group[0]
+        q = torch.cat([c.q for c in group]) if len(group) > 1 else first.q
+        k = torch.cat([c.k for c in group]) if len(group) > 1 else first.k
+        halves = first.halves * len(group)
+        draws = None
+        if cfg.nulls:
+            generator = recorder.generator(q.device, call=first.entry.call)
+            draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, generator)
+        common = {"scale": first.scale, "halves": halves, "readings": cfg.readings, "fit_rows": cfg.fit_rows}
+        h = first.h if first.h is not None else group_bandwidth(cfg, q, k, first.scale)
+        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
+        control = None
+        if first.control_keys:
+            per_draw = []
+            for d, single in enumerate(first.control_keys):
+                k0 = torch.cat([c.control_keys[d] for c in group]) if len(group) > 1 else single
+                per_draw.append(control_statistics(cfg, q, k, k0, h, common))
+            control = torch.stack(per_draw)  # [draws, CONTROL_ROWS, halves, H]
+        n = first.halves
+        for i, capture in enumerate(group):
+            capture.entry.stats = values[:, i * n : (i + 1) * n]
+            if control is not None:
+                capture.entry.control = control[:, :, i * n : (i + 1) * n]
+
+
+def group_bandwidth(
+    config: NWProcessorConfig, q: torch.Tensor, k: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """h ``[B, H]`` of a data-dependent rule (median, fitted) on stacked captures: per (batch row,
+    head), so stacking changes nothing."""
+    return resolve_bandwidth(config, None, q, k, scale)  # type: ignore[arg-type]
+
+
+def control_statistics(
+    config: NWProcessorConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k0: torch.Tensor,
+    h: torch.Tensor | float,
+    common: dict[str, Any],
+) -> torch.Tensor:
+    """One control draw's rows ``[CONTROL_ROWS, halves, H]``: the statistics of :data:`CONTROL_COLUMNS`
+    of ``q`` against the scale-matched keys ``k0m = k0 key_rms(k) / key_rms(k0)`` (no nulls, the
+    same bandwidth rule applied to ``k0m``), the key scale ``key_rms(k) / key_rms(k0)`` averaged
+    over each half's rows, then the control's h_eff reason code (the last row of the statistics).
+
+    ``h``: the trained keys' bandwidth; the rules that read no keys (fixed, matched, schedule)
+    give the control the same value, the data-dependent ones are applied to ``k0m``."""
+    halves, scale = common["halves"], common["scale"]
+    matched, ratio = scale_matched(k, k0)  # [B, H, M0, d], [B, H]
+    h0 = h if isinstance(h, float) else group_bandwidth(config, q, matched, scale)
+    values0, _, _ = stats.softmax_statistics(q, matched, h=h0, draws=None, **common)
+    picked = values0.index_select(0, _control_index(values0.device))
+    key_scale = ratio.float().view(halves, ratio.shape[0] // halves, ratio.shape[1]).mean(dim=1)
+    return torch.cat([picked, key_scale.to(picked.device)[None], values0[-1:]], dim=0)
+
+
+_CONTROL_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def _control_index(device: torch.device) -> torch.Tensor:
+    """:data:`CONTROL_COLUMNS` as an index tensor on ``device`` (made once per device)."""
+    index = _CONTROL_INDEX.get(device)
+    if index is None:
+        index = _CONTROL_INDEX[device] = torch.tensor(CONTROL_COLUMNS, device=device)
+    return index
