@@ -39,21 +39,30 @@ def _load(model_dir: Path):
     return pipe
 
 
-def quality(model_dir: Path, out: Path) -> str:
-    """Class agreement at every :data:`QUALITY_SETTINGS` entry; returns the markdown section."""
-    import torch
-
-    from nw_adapter.atomic import atomic_write_json
+def fitted_judge():
+    """The judge fitted on the ``judge`` split, the held-out ``reference`` split, and the judge's
+    accuracy on the references' real images (the ceiling of any agreement)."""
     from nw_adapter.models.digits_data import digit_features, load_digit_splits
-    from nw_adapter.models.digits_quality import fit_judge, measure_agreement
+    from nw_adapter.models.digits_quality import fit_judge
 
-    torch.set_num_threads(1)
     splits = load_digit_splits()
     judge = fit_judge(splits["judge"])
     references = splits["reference"]
     judge_on_references = float(
         (judge.predict(digit_features(references.images)) == references.labels).mean()
     )
+    return judge, references, judge_on_references
+
+
+def quality(model_dir: Path, out: Path) -> str:
+    """Class agreement at every :data:`QUALITY_SETTINGS` entry; returns the markdown section."""
+    import torch
+
+    from nw_adapter.atomic import atomic_write_json
+    from nw_adapter.models.digits_quality import measure_agreement
+
+    torch.set_num_threads(1)
+    judge, references, judge_on_references = fitted_judge()
     pipe = _load(model_dir)
     rows, results = [], []
     for ip_scale, guidance, steps in QUALITY_SETTINGS:
@@ -245,16 +254,9 @@ def _prompt_count() -> int:
 
 def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
     """The card's stage table (from ``run_dir/stages/log.json``) and its file table (sizes, SHA-256)."""
-    import hashlib
-
-    from safetensors.torch import load_file
-
     log = json.loads((run_dir / "stages" / "log.json").read_text())
     config = log["config"]
-    rows = [
-        "| stage | trained | data and objective | steps x batch, lr | time | loss (mean of last 50 steps) |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = list(STAGE_TABLE_HEADER)
     for key, name, objective, steps_key, lr, batch_factor in STAGES:
         entry = log[key]
         extra = (
@@ -269,14 +271,35 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
             f"| {config[steps_key]} x {batch}, {lr:g} "
             f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f}{extra} |"
         )
-    total = sum(log[key]["seconds"] for key, *_ in STAGES)
-    rows.append(
+    rows.append(total_line(log, [key for key, *_ in STAGES]))
+    return "\n".join(rows), file_table(model_dir, model_dir / "models" / "ip-adapter_sd15.safetensors")
+
+
+STAGE_TABLE_HEADER = [
+    "| stage | trained | data and objective | steps x batch, lr | time | loss (mean of last 50 steps) |",
+    "|---|---|---|---|---|---|",
+]
+
+
+def total_line(log: dict, stage_keys: list[str]) -> str:
+    """The line under the stage table: the stages' total time, torch version, threads and seed."""
+    config = log["config"]
+    total = sum(log[key]["seconds"] for key in stage_keys)
+    return (
         f"\nTotal: {total / 60:.1f} min ({log['torch']}, {config['threads']} thread(s), "
         f"seed {config['seed']})."
     )
+
+
+def file_table(model_dir: Path, adapter_file: Path) -> str:
+    """The card's file section: total size, the adapter's parameter count, every weight's SHA-256."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
     files = sorted(path for path in model_dir.rglob("*") if path.is_file() and path.name != "MODEL_CARD.md")
     size = sum(path.stat().st_size for path in files)
-    adapter = load_file(model_dir / "models" / "ip-adapter_sd15.safetensors")
+    adapter = load_file(adapter_file)
     table = [
         f"All files: {size / 2**20:.2f} MiB; "
         f"adapter: {sum(v.numel() for v in adapter.values()):,} parameters.",
@@ -290,7 +313,7 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
             table.append(
                 f"| `{path.relative_to(model_dir)}` | {path.stat().st_size:,} | `{digest[:16]}...` |"
             )
-    return "\n".join(rows), "\n".join(table)
+    return "\n".join(table)
 
 
 def replace_section(card: Path, name: str, body: str) -> None:
@@ -306,6 +329,23 @@ def replace_section(card: Path, name: str, body: str) -> None:
     atomic_write_text(card, f"{head}{begin}\n{body}\n{end}{tail}")
 
 
+def model_folder_ready(script: str, model_dir: Path, out: Path) -> bool:
+    """Whether ``model_dir`` is a model folder (else print the one-line error); creates ``out``."""
+    if not (model_dir / "model_index.json").is_file():
+        print(f"{script}: error: '{model_dir}' has no model_index.json; pass --model-dir", file=sys.stderr)
+        return False
+    out.mkdir(parents=True, exist_ok=True)
+    return True
+
+
+def write_training_sections(stages: str, files: str, card: Path | None) -> None:
+    """Print the stage and file tables and, with a card, rewrite its ``training`` and ``files`` sections."""
+    print(stages + "\n\n" + files)
+    if card is not None:
+        replace_section(card, "training", stages)
+        replace_section(card, "files", files)
+
+
 def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_digits import SHIPPED_DIR
 
@@ -319,19 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=25, help="rho: denoising steps (default 25)")
     parser.add_argument("--card", type=Path, default=None, help="model card whose section to rewrite")
     args = parser.parse_args(argv)
-    if not (args.model_dir / "model_index.json").is_file():
-        print(
-            f"evaluate_tiny.py: error: '{args.model_dir}' has no model_index.json; pass --model-dir",
-            file=sys.stderr,
-        )
+    if not model_folder_ready("evaluate_tiny.py", args.model_dir, args.out):
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "training":
-        stages, files = training(args.run_dir, args.model_dir)
-        print(stages + "\n\n" + files)
-        if args.card is not None:
-            replace_section(args.card, "training", stages)
-            replace_section(args.card, "files", files)
+        write_training_sections(*training(args.run_dir, args.model_dir), args.card)
         return 0
     if args.what == "quality":
         body = quality(args.model_dir, args.out)

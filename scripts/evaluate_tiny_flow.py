@@ -14,14 +14,21 @@ and, with ``--card``, rewrites the card's section between ``<!-- quality:begin -
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evaluate_tiny import replace_section  # noqa: E402  (the card-section writer of the SD 1.5 model)
+from evaluate_tiny import (  # noqa: E402  (the SD 1.5 model's card writers and judge)
+    STAGE_TABLE_HEADER,
+    file_table,
+    fitted_judge,
+    model_folder_ready,
+    replace_section,
+    total_line,
+    write_training_sections,
+)
 
 SUPPORT_SIZES = (1, 2, 4)
 IP_SCALES = (1.0, 0.0)
@@ -38,19 +45,12 @@ def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | N
     import torch
 
     from nw_adapter.atomic import atomic_write_json
-    from nw_adapter.models.digits_data import digit_features, load_digit_splits
-    from nw_adapter.models.digits_quality import fit_judge
     from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL
     from nw_adapter.models.support_quality import measure_support_agreement
     from nw_adapter.models.tiny_flux_digits import load_pipeline
 
     torch.set_num_threads(1)
-    splits = load_digit_splits()
-    judge = fit_judge(splits["judge"])
-    references = splits["reference"]
-    judge_on_references = float(
-        (judge.predict(digit_features(references.images)) == references.labels).mean()
-    )
+    judge, references, judge_on_references = fitted_judge()
     pipe = load_pipeline(model_dir)
     call = dict(TINY_FLUX_DIGITS_CALL)
     if true_cfg_scale > 1:
@@ -121,16 +121,11 @@ STAGES = (
 
 def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
     """The card's stage table (``run_dir/stages/log.json``) and file table (sizes, SHA-256)."""
-    from safetensors.torch import load_file
-
     from nw_adapter.models.tiny_flux_digits import ADAPTER_SUBFOLDER, ADAPTER_WEIGHT_NAME
 
     log = json.loads((run_dir / "stages" / "log.json").read_text())
     config = log["config"]
-    rows = [
-        "| stage | trained | data and objective | steps x batch, lr | time | loss (mean of last 50 steps) |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = list(STAGE_TABLE_HEADER)
     for key, name, objective, steps_key, lr_key in STAGES:
         entry = log[key]
         rows.append(
@@ -138,28 +133,8 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
             f"| {config[steps_key]} x {config['batch_size']}, {config[lr_key]:g} "
             f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f} |"
         )
-    total = sum(log[key]["seconds"] for key, *_ in STAGES)
-    rows.append(
-        f"\nTotal: {total / 60:.1f} min ({log['torch']}, {config['threads']} thread(s), "
-        f"seed {config['seed']})."
-    )
-    files = sorted(path for path in model_dir.rglob("*") if path.is_file() and path.name != "MODEL_CARD.md")
-    size = sum(path.stat().st_size for path in files)
-    adapter = load_file(model_dir / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
-    table = [
-        f"All files: {size / 2**20:.2f} MiB; "
-        f"adapter: {sum(v.numel() for v in adapter.values()):,} parameters.",
-        "",
-        "| file | bytes | SHA-256 |",
-        "|---|---|---|",
-    ]
-    for path in files:
-        if path.suffix == ".safetensors":
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            table.append(
-                f"| `{path.relative_to(model_dir)}` | {path.stat().st_size:,} | `{digest[:16]}...` |"
-            )
-    return "\n".join(rows), "\n".join(table)
+    rows.append(total_line(log, [key for key, *_ in STAGES]))
+    return "\n".join(rows), file_table(model_dir, model_dir / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,19 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--card", type=Path, default=None, help="model card whose sections to rewrite")
     args = parser.parse_args(argv)
-    if not (args.model_dir / "model_index.json").is_file():
-        print(
-            f"evaluate_tiny_flow.py: error: '{args.model_dir}' has no model_index.json; pass --model-dir",
-            file=sys.stderr,
-        )
+    if not model_folder_ready("evaluate_tiny_flow.py", args.model_dir, args.out):
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.what == "training":
-        stages, files = training(args.run_dir, args.model_dir)
-        print(stages + "\n\n" + files)
-        if args.card is not None:
-            replace_section(args.card, "training", stages)
-            replace_section(args.card, "files", files)
+        write_training_sections(*training(args.run_dir, args.model_dir), args.card)
         return 0
     if args.what == "losses":
         import torch

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,22 +27,49 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output folder (stages/ and tiny_digits/)")
+def training_parser(description: str, model_folder: str, steps_help: str) -> argparse.ArgumentParser:
+    """The options of a tiny model's training script (``model_folder``: the folder written under --out)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--out", type=Path, required=True, help=f"output folder (stages/ and {model_folder}/)"
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of every stage (default 0: the shipped weights)"
     )
     parser.add_argument("--quick", action="store_true", help="2 steps per stage on 40 images: a smoke run")
-    parser.add_argument("--steps", type=_positive_int, default=None, help="steps of every stage (overrides)")
+    parser.add_argument("--steps", type=_positive_int, default=None, help=steps_help)
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
 
+def run_and_report(script: str, out: Path, train: Callable[[], Path]) -> int:
+    """Run ``train()`` (it writes under ``out``) and print the model folder; exit code 2 and one line
+    ``<script>: error: ...`` when ``out`` is a file, a stage cannot be reused or ``out`` is not writable."""
+    from nw_adapter.models.training.run import StageMismatchError
+
+    if out.exists() and not out.is_dir():
+        print(f"{script}: error: --out '{out}' is a file; pass a folder", file=sys.stderr)
+        return 2
+    try:
+        folder = train()
+    except StageMismatchError as exc:
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"{script}: error: cannot write to '{out}' ({exc.strerror or exc}); pass a writable --out",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"model folder: {folder}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from nw_adapter.models.training.run import StageMismatchError, TrainingConfig, run_training
+    parser = training_parser(__doc__.splitlines()[0], "tiny_digits", "steps of every stage (overrides)")
+    args = parser.parse_args(argv)
+    from nw_adapter.models.training.run import TrainingConfig, run_training
 
     config = TrainingConfig.quick(args.seed) if args.quick else TrainingConfig(seed=args.seed)
     if args.steps is not None:
@@ -55,23 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.threads is not None:
         config = replace(config, threads=args.threads)
-    if args.out.exists() and not args.out.is_dir():
-        print(f"train_tiny.py: error: --out '{args.out}' is a file; pass a folder", file=sys.stderr)
-        return 2
-    try:
-        folder = run_training(args.out, config, progress=not args.no_progress)
-    except StageMismatchError as exc:
-        print(f"train_tiny.py: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(
-            f"train_tiny.py: error: cannot write to '{args.out}' ({exc.strerror or exc}); "
-            "pass a writable --out",
-            file=sys.stderr,
-        )
-        return 2
-    print(f"model folder: {folder}")
-    return 0
+    return run_and_report(
+        "train_tiny.py", args.out, lambda: run_training(args.out, config, progress=not args.no_progress)
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The one time limit of every child process a test starts.
+"""The one time limit of every child process a test starts, and the runner of the project's scripts.
 
 A limit on a child process exists only to stop a test that hangs; it measures no speed (speed
 is measured in benchmarks/, as ratios or counts). On a 2-core machine shared with other jobs
@@ -9,6 +9,9 @@ wall time, so the limit is generous. ``NW_ADAPTER_TEST_TIMEOUT`` (seconds) overr
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 DEFAULT_SUBPROCESS_TIMEOUT_S = 1200.0
 TIMEOUT_VARIABLE = "NW_ADAPTER_TEST_TIMEOUT"
@@ -33,3 +36,22 @@ def subprocess_timeout() -> float:
 
 
 SUBPROCESS_TIMEOUT_S = subprocess_timeout()
+
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *arguments: str) -> subprocess.CompletedProcess:
+    """Run ``python scripts/<script> <arguments>`` from the repository root, as a user would.
+
+    Returns:
+        The finished process, its stdout and stderr captured as text; the call fails with
+        ``subprocess.TimeoutExpired`` after :data:`SUBPROCESS_TIMEOUT_S`.
+    """
+    return subprocess.run(
+        [sys.executable, str(REPOSITORY_ROOT / "scripts" / script), *arguments],
+        capture_output=True,
+        text=True,
+        cwd=REPOSITORY_ROOT,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )

@@ -12,8 +12,9 @@ over references (independent units: one reference, one seed, one generation each
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ __all__ = [
     "digit_judge",
     "fit_judge",
     "generate_from_references",
+    "generate_one_per_call",
+    "judge_agreement",
     "measure_agreement",
 ]
 
@@ -97,6 +100,70 @@ def digit_judge():
     return judge
 
 
+def generate_one_per_call(
+    pipe,
+    ip_adapter_images: Sequence,
+    prompts: Sequence[str],
+    *,
+    steps: int,
+    seed: int,
+    call_kwargs: Mapping[str, Any] | None = None,
+) -> np.ndarray:
+    """Call ``pipe`` once per entry of ``ip_adapter_images`` and keep each call's one image.
+
+    Call ``k`` gets ``prompt=prompts[k]``, ``ip_adapter_image=ip_adapter_images[k]`` (one PIL image,
+    or a list of them for one adapter), ``num_inference_steps=steps``, the generator
+    ``torch.Generator().manual_seed(seed + k)`` and ``call_kwargs``. The IP scale is the caller's.
+
+    Returns:
+        ``(len(ip_adapter_images), H, W, 3)`` uint8 generations (``round(255 clip(x, 0, 1))``).
+    """
+    outputs = []
+    for index, (image, text) in enumerate(zip(ip_adapter_images, prompts, strict=True)):
+        result = pipe(
+            prompt=text,
+            ip_adapter_image=image,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(seed + index),
+            output_type="np",
+            **dict(call_kwargs or {}),
+        )
+        outputs.append((np.clip(result.images[0], 0.0, 1.0) * 255).round().astype(np.uint8))
+    return np.stack(outputs)
+
+
+def judge_agreement(judge, generated: np.ndarray, truth: np.ndarray, settings: dict) -> AgreementResult:
+    """Label the generations with the judge and measure their agreement with ``truth``.
+
+    Args:
+        judge: The fitted judge (:func:`fit_judge`).
+        generated: ``(n, H, W, 3)`` uint8 generations, one per independent unit.
+        truth: ``(n,)`` the class each generation should show.
+        settings: Generation settings stored with the result.
+
+    Returns:
+        The :class:`AgreementResult`: exact (Clopper-Pearson) 95% interval and one-sided exact
+        binomial test of ``agreement > CHANCE`` over the ``n`` units.
+    """
+    from scipy.stats import binomtest
+
+    predicted = judge.predict(digit_features(generated))
+    agreed = int((predicted == truth).sum())
+    n = len(truth)
+    test = binomtest(agreed, n, CHANCE, alternative="greater")
+    interval = binomtest(agreed, n).proportion_ci(confidence_level=0.95, method="exact")
+    return AgreementResult(
+        agreement=agreed / n,
+        agreed=agreed,
+        n=n,
+        ci_low=float(interval.low),
+        ci_high=float(interval.high),
+        p_above_chance=float(test.pvalue),
+        settings=settings,
+        predicted=[int(p) for p in predicted],
+    )
+
+
 def generate_from_references(
     pipe,
     images: np.ndarray,
@@ -128,18 +195,14 @@ def generate_from_references(
     prompts = [prompt] * len(images) if isinstance(prompt, str) else list(prompt)
     if len(prompts) != len(images):
         raise ValueError(f"got {len(prompts)} prompts for {len(images)} references; pass one per reference")
-    outputs = []
-    for index, (image, text) in enumerate(zip(images, prompts, strict=True)):
-        result = pipe(
-            prompt=text,
-            ip_adapter_image=Image.fromarray(image),
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            generator=torch.Generator().manual_seed(seed + index),
-            output_type="np",
-        )
-        outputs.append((np.clip(result.images[0], 0.0, 1.0) * 255).round().astype(np.uint8))
-    return np.stack(outputs)
+    return generate_one_per_call(
+        pipe,
+        [Image.fromarray(image) for image in images],
+        prompts,
+        steps=steps,
+        seed=seed,
+        call_kwargs={"guidance_scale": guidance_scale},
+    )
 
 
 def measure_agreement(
@@ -158,8 +221,6 @@ def measure_agreement(
     Returns:
         The :class:`AgreementResult`.
     """
-    from scipy.stats import binomtest
-
     generated = generate_from_references(
         pipe,
         references.images,
@@ -169,11 +230,6 @@ def measure_agreement(
         prompt=prompt,
         seed=seed,
     )
-    predicted = judge.predict(digit_features(generated))
-    agreed = int((predicted == references.labels).sum())
-    n = len(references)
-    test = binomtest(agreed, n, CHANCE, alternative="greater")
-    interval = binomtest(agreed, n).proportion_ci(confidence_level=0.95, method="exact")
     settings = {
         "ip_scale": ip_scale,
         "guidance_scale": guidance_scale,
@@ -181,16 +237,7 @@ def measure_agreement(
         "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "seed": seed,
     }
-    return AgreementResult(
-        agreement=agreed / n,
-        agreed=agreed,
-        n=n,
-        ci_low=float(interval.low),
-        ci_high=float(interval.high),
-        p_above_chance=float(test.pvalue),
-        settings=settings,
-        predicted=[int(p) for p in predicted],
-    )
+    return judge_agreement(judge, generated, references.labels, settings)
 
 
 @torch.no_grad()

@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
-from nw_adapter.models.digits_data import DigitSplit, digit_features
-from nw_adapter.models.digits_quality import CHANCE, AgreementResult
+from nw_adapter.models.digits_data import DigitSplit
+from nw_adapter.models.digits_quality import AgreementResult, generate_one_per_call, judge_agreement
 
 __all__ = ["generate_from_supports", "measure_support_agreement", "support_sets"]
 
@@ -75,18 +74,14 @@ def generate_from_supports(
     from PIL import Image
 
     pipe.set_ip_adapter_scale(ip_scale)
-    outputs = []
-    for index, rows in enumerate(supports):
-        result = pipe(
-            prompt=prompt,
-            ip_adapter_image=[[Image.fromarray(images[row]) for row in rows]],
-            num_inference_steps=steps,
-            generator=torch.Generator().manual_seed(seed + index),
-            output_type="np",
-            **dict(call_kwargs or {}),
-        )
-        outputs.append((np.clip(result.images[0], 0.0, 1.0) * 255).round().astype(np.uint8))
-    return np.stack(outputs)
+    return generate_one_per_call(
+        pipe,
+        [[[Image.fromarray(images[row]) for row in rows]] for rows in supports],
+        [prompt] * len(supports),
+        steps=steps,
+        seed=seed,
+        call_kwargs=call_kwargs,
+    )
 
 
 def measure_support_agreement(
@@ -115,8 +110,6 @@ def measure_support_agreement(
     Returns:
         The :class:`~nw_adapter.models.digits_quality.AgreementResult` (its ``n`` counts support sets).
     """
-    from scipy.stats import binomtest
-
     supports = support_sets(references, size)
     if limit is not None and limit < len(supports):
         supports = supports[:: len(supports) // limit][:limit]
@@ -131,10 +124,6 @@ def measure_support_agreement(
         call_kwargs=call_kwargs,
     )
     truth = np.array([references.labels[rows[0]] for rows in supports])
-    predicted = judge.predict(digit_features(generated))
-    agreed = int((predicted == truth).sum())
-    n = len(supports)
-    interval = binomtest(agreed, n).proportion_ci(confidence_level=0.95, method="exact")
     settings = {
         "support_size": size,
         "ip_scale": ip_scale,
@@ -143,13 +132,4 @@ def measure_support_agreement(
         "seed": seed,
         **{key: value for key, value in (call_kwargs or {}).items()},
     }
-    return AgreementResult(
-        agreement=agreed / n,
-        agreed=agreed,
-        n=n,
-        ci_low=float(interval.low),
-        ci_high=float(interval.high),
-        p_above_chance=float(binomtest(agreed, n, CHANCE, alternative="greater").pvalue),
-        settings=settings,
-        predicted=[int(p) for p in predicted],
-    )
+    return judge_agreement(judge, generated, truth, settings)

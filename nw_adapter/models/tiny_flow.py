@@ -58,10 +58,13 @@ __all__ = [
     "SIGLIP_FOLDER",
     "TINY_FLOW_IMAGE_SIZE",
     "flow_builder_fingerprint",
+    "flux_dev_scheduler",
+    "save_char_t5_tokenizer",
     "save_tiny_flux",
     "save_tiny_flux_ip_adapter",
     "save_tiny_sd3",
     "save_tiny_sd3_ip_adapter",
+    "t5_encoder",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
 ]
@@ -138,17 +141,35 @@ def _clip_tokenizer(path: Path):
     return CLIPTokenizer.from_pretrained(path)
 
 
-def _t5_tokenizer(path: Path):
-    """A character-level T5 (unigram) tokenizer built in memory: no sentencepiece file needed."""
+def save_char_t5_tokenizer(path: str | os.PathLike, *, model_max_length: int | None = None) -> Path:
+    """Write a character-level T5 (unigram) tokenizer built in memory: no sentencepiece file needed.
+
+    Its vocabulary: ``<pad>`` (0), ``</s>`` (1), ``<unk>``, the word boundary, then lowercase letters,
+    digits and punctuation, one token each. ``model_max_length``: the saved maximum length
+    (``None``: the tokenizer's default).
+
+    Returns:
+        ``path``, the folder written.
+    """
     from transformers import T5TokenizerFast
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
     vocab += [(c, -1.0) for c in string.ascii_lowercase + string.digits + string.punctuation]
-    T5TokenizerFast(vocab=vocab, extra_ids=0).save_pretrained(path)
-    return T5TokenizerFast.from_pretrained(path)
+    options = {} if model_max_length is None else {"model_max_length": model_max_length}
+    T5TokenizerFast(vocab=vocab, extra_ids=0, **options).save_pretrained(path)
+    return Path(path)
 
 
-def _t5_encoder(width: int):
+def _t5_tokenizer(path: Path):
+    """:func:`save_char_t5_tokenizer` at ``path``, loaded back."""
+    from transformers import T5TokenizerFast
+
+    return T5TokenizerFast.from_pretrained(save_char_t5_tokenizer(path))
+
+
+def t5_encoder(width: int):
+    """A random ``T5EncoderModel``: 1 layer of width ``width``, 4 heads of 8, feed-forward ``2 width``,
+    vocabulary 128 (:func:`save_char_t5_tokenizer`'s ids). Drawn from torch's global generator."""
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(
@@ -202,11 +223,27 @@ def save_tiny_sd3(path: str | os.PathLike, *, seed: int = 0) -> Path:
         tokenizer=_clip_tokenizer(path / "tokenizer"),
         text_encoder_2=_clip_text(True),
         tokenizer_2=_clip_tokenizer(path / "tokenizer_2"),
-        text_encoder_3=_t5_encoder(_SD3["joint_dim"]),
+        text_encoder_3=t5_encoder(_SD3["joint_dim"]),
         tokenizer_3=_t5_tokenizer(path / "tokenizer_3"),
     )
     pipe.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def flux_dev_scheduler():
+    """``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (``shift=3.0``, dynamic shifting
+    between ``base_shift=0.5`` at 256 image tokens and ``max_shift=1.15`` at 4096)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
 
 
 def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
@@ -219,7 +256,7 @@ def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
     Returns:
         The folder, ready for ``FluxPipeline.from_pretrained(path)``.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline, FluxTransformer2DModel
 
     path = Path(path)
     torch.manual_seed(seed)
@@ -236,22 +273,14 @@ def save_tiny_flux(path: str | os.PathLike, *, seed: int = 0) -> Path:
         guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = flux_dev_scheduler()
     pipe = FluxPipeline(
         transformer=transformer,
         scheduler=scheduler,
         vae=_vae(),
         text_encoder=_clip_text(False),
         tokenizer=_clip_tokenizer(path / "tokenizer"),
-        text_encoder_2=_t5_encoder(_FLUX["joint_dim"]),
+        text_encoder_2=t5_encoder(_FLUX["joint_dim"]),
         tokenizer_2=_t5_tokenizer(path / "tokenizer_2"),
     )
     pipe.save_pretrained(path, safe_serialization=True)

@@ -30,7 +30,6 @@ and frozen, trained with prompts padded to :data:`TEXT_TOKENS` tokens: like FLUX
 from __future__ import annotations
 
 import os
-import string
 from pathlib import Path
 
 import torch
@@ -105,48 +104,35 @@ def build_transformer():
 
 
 def build_t5_encoder(seed: int):
-    """The random, frozen ``T5EncoderModel`` (1 layer, width 32) of ``text_encoder_2``."""
-    from transformers import T5Config, T5EncoderModel
+    """The random, frozen ``T5EncoderModel`` (1 layer, width 32) of ``text_encoder_2``.
+
+    The random test Flux's T5 (:func:`~nw_adapter.models.tiny_flow.t5_encoder`), drawn after
+    ``torch.manual_seed(seed)``.
+    """
+    from nw_adapter.models.tiny_flow import t5_encoder
 
     torch.manual_seed(seed)
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=128,
-            d_model=TEXT_WIDTH,
-            d_kv=8,
-            d_ff=2 * TEXT_WIDTH,
-            num_layers=1,
-            num_heads=4,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    ).eval()
+    return t5_encoder(TEXT_WIDTH).eval()
 
 
 def save_t5_tokenizer(path: str | os.PathLike) -> Path:
-    """Write a character-level T5 (unigram) tokenizer, ``model_max_length = TEXT_TOKENS`` (offline)."""
-    from transformers import T5TokenizerFast
+    """Write a character-level T5 (unigram) tokenizer, ``model_max_length = TEXT_TOKENS`` (offline).
 
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
-    vocab += [(char, -1.0) for char in string.ascii_lowercase + string.digits + string.punctuation]
-    T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=TEXT_TOKENS).save_pretrained(path)
-    return Path(path)
+    The random test Flux's tokenizer (:func:`~nw_adapter.models.tiny_flow.save_char_t5_tokenizer`).
+    """
+    from nw_adapter.models.tiny_flow import save_char_t5_tokenizer
+
+    return save_char_t5_tokenizer(path, model_max_length=TEXT_TOKENS)
 
 
 def pipeline_scheduler():
-    """``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (dynamic shifting)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    """``FlowMatchEulerDiscreteScheduler`` configured as FLUX.1-dev's (dynamic shifting).
 
-    return FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    The random test Flux's (:func:`~nw_adapter.models.tiny_flow.flux_dev_scheduler`).
+    """
+    from nw_adapter.models.tiny_flow import flux_dev_scheduler
+
+    return flux_dev_scheduler()
 
 
 def _double_blocks(transformer) -> list[str]:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from subprocess_limits import SUBPROCESS_TIMEOUT_S
+from subprocess_limits import run_script
 
 from nw_adapter.models.digits_data import class_captions, digit_features, load_digit_splits, to_model_range
 from nw_adapter.models.tiny_digits import (
@@ -25,8 +24,6 @@ from nw_adapter.models.tiny_digits import (
     pipeline_scheduler,
     save_tokenizer,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_splits_are_deterministic_disjoint_and_stratified():
@@ -158,21 +155,7 @@ def test_text_encoder_pretraining_makes_the_digit_the_main_content_of_the_states
 
 
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "train_tiny.py"),
-            "--out",
-            str(out),
-            "--quick",
-            "--no-progress",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+    return run_script("train_tiny.py", "--out", str(out), "--quick", "--no-progress", *extra)
 
 
 def test_quick_training_runs_every_stage_and_loads_the_standard_way(tmp_path):
@@ -205,13 +188,7 @@ def test_quick_training_runs_every_stage_and_loads_the_standard_way(tmp_path):
 def test_train_script_rejects_a_file_as_out(tmp_path):
     target = tmp_path / "file"
     target.write_text("x")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train_tiny.py"), "--out", str(target), "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+    result = run_script("train_tiny.py", "--out", str(target), "--quick")
     assert result.returncode == 2
     assert "is a file" in result.stderr and "Traceback" not in result.stderr
 

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from subprocess_limits import SUBPROCESS_TIMEOUT_S
+from subprocess_limits import run_script
 
 from nw_adapter.models import tiny_flux_digits
 from nw_adapter.models.training.flux_run import FluxTrainingConfig, reused_parts_digest, run_flux_training
 from nw_adapter.models.training.run import StageMismatchError
 
-ROOT = Path(__file__).resolve().parents[2]
 QUICK = FluxTrainingConfig.quick()
 
 
@@ -114,20 +111,7 @@ def test_a_stage_trained_on_other_input_files_is_refused(quick_run, tmp_path):
 def test_the_script_refuses_a_mismatched_stage_with_one_line_and_exit_code_2(quick_run, tmp_path):
     run = _copy(quick_run, tmp_path)
     (run / "stages" / "adapter" / "stage.json").write_text("{not json")
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "train_tiny_flow.py"),
-            "--out",
-            str(run),
-            "--quick",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
+    result = run_script("train_tiny_flow.py", "--out", str(run), "--quick", "--no-progress")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and errors[0].startswith("train_tiny_flow.py: error: cannot reuse")

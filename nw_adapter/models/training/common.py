@@ -6,7 +6,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["train_loop"]
+__all__ = ["CAPTION_DROPOUT", "adapter_parameters", "draw_caption_batch", "train_loop"]
+
+CAPTION_DROPOUT = 0.15
+"""Stage 1: probability that a caption is replaced by the empty prompt (the unconditional model)."""
 
 
 def train_loop(
@@ -59,3 +62,46 @@ def train_loop(
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     return losses
+
+
+def adapter_parameters(denoiser: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Freeze ``denoiser`` except its loaded IP-Adapter, and return the adapter's parameters.
+
+    The adapter is what ``load_ip_adapter`` installed: the image projection
+    (``denoiser.encoder_hid_proj``) and every attention processor's ``to_k_ip`` / ``to_v_ip``
+    layers, in that order (the UNet's and the Flux transformer's layout alike).
+
+    Args:
+        denoiser: A UNet or Flux transformer with one IP-Adapter loaded.
+
+    Returns:
+        The adapter's parameters, now requiring gradients (all others do not).
+    """
+    denoiser.requires_grad_(False)
+    parameters = list(denoiser.encoder_hid_proj.parameters())
+    for processor in denoiser.attn_processors.values():
+        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
+            if layers is not None:
+                parameters += list(layers.parameters())
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    return parameters
+
+
+def draw_caption_batch(
+    generator: torch.Generator, images: int, batch_size: int, wordings: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one stage-1 batch: which images, which caption wording, which captions are dropped.
+
+    Drawn from ``generator`` in this order (the order fixes the trained weights):
+    ``rows ~ U{0..images-1}``, ``choice ~ U{0..wordings-1}``, ``dropped = u < CAPTION_DROPOUT``
+    with ``u ~ U[0, 1)``.
+
+    Returns:
+        ``rows``: ``(batch_size,)`` image rows (with replacement); ``choice``: ``(batch_size,)``
+        wording of each caption; ``dropped``: ``(batch_size,)`` bool, caption replaced by ``""``.
+    """
+    rows = torch.randint(0, images, (batch_size,), generator=generator)
+    choice = torch.randint(0, wordings, (batch_size,), generator=generator)
+    dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
+    return rows, choice, dropped

@@ -14,12 +14,14 @@ from __future__ import annotations
 import torch
 
 from nw_adapter.models.tiny_digits import ADAPTER_SUBFOLDER, ADAPTER_WEIGHT_NAME, build_unet, noise_scheduler
-from nw_adapter.models.training.common import train_loop
+from nw_adapter.models.training.common import (
+    CAPTION_DROPOUT,
+    adapter_parameters,
+    draw_caption_batch,
+    train_loop,
+)
 
 __all__ = ["CAPTION_DROPOUT", "IMAGE_DROPOUT", "load_adapter_for_training", "train_adapter", "train_unet"]
-
-CAPTION_DROPOUT = 0.15
-"""Stage 1: probability that a caption is replaced by the empty prompt (the unconditional model)."""
 
 IMAGE_DROPOUT = 0.05
 """Stage 2: probability that the image embedding is replaced by zeros (IP-Adapter's training drop)."""
@@ -70,9 +72,7 @@ def train_unet(
     wordings = caption_embeds.shape[1]
 
     def loss_fn(step: int) -> torch.Tensor:
-        rows = torch.randint(0, len(labels), (batch_size,), generator=generator)
-        choice = torch.randint(0, wordings, (batch_size,), generator=generator)
-        dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
+        rows, choice, dropped = draw_caption_batch(generator, len(labels), batch_size, wordings)
         context = caption_embeds[labels[rows], choice]
         context = torch.where(dropped[:, None, None], empty_embeds.expand_as(context), context)
         return _epsilon_loss(unet, scheduler, latents[rows], context, generator)
@@ -101,16 +101,7 @@ def load_adapter_for_training(pipe, state_dict: dict[str, torch.Tensor]) -> list
         weight_name=ADAPTER_WEIGHT_NAME,
         low_cpu_mem_usage=False,
     )
-    unet = pipe.unet
-    unet.requires_grad_(False)
-    parameters = list(unet.encoder_hid_proj.parameters())
-    for processor in unet.attn_processors.values():
-        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
-            if layers is not None:
-                parameters += list(layers.parameters())
-    for parameter in parameters:
-        parameter.requires_grad_(True)
-    return parameters
+    return adapter_parameters(pipe.unet)
 
 
 def train_adapter(

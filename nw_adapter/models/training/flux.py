@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nw_adapter.models.training.common import train_loop
+from nw_adapter.models.training.common import (
+    CAPTION_DROPOUT,
+    adapter_parameters,
+    draw_caption_batch,
+    train_loop,
+)
 
 __all__ = [
     "CAPTION_DROPOUT",
@@ -37,9 +42,6 @@ __all__ = [
     "train_flux_adapter",
     "train_flux_transformer",
 ]
-
-CAPTION_DROPOUT = 0.15
-"""Stage 1: probability that a caption is replaced by the empty prompt (the unconditional model)."""
 
 IMAGE_DROPOUT = 0.05
 """Stage 2: probability that a support set is replaced by the black image ``FluxPipeline`` feeds as
@@ -142,9 +144,7 @@ def train_flux_transformer(
     wordings = caption_states.shape[1]
 
     def loss_fn(step: int) -> torch.Tensor:
-        rows = torch.randint(0, len(labels), (batch_size,), generator=generator)
-        choice = torch.randint(0, wordings, (batch_size,), generator=generator)
-        dropped = torch.rand(batch_size, generator=generator) < CAPTION_DROPOUT
+        rows, choice, dropped = draw_caption_batch(generator, len(labels), batch_size, wordings)
         states = caption_states[labels[rows], choice]
         pooled = caption_pooled[labels[rows], choice]
         states = torch.where(dropped[:, None, None], empty_states.expand_as(states), states)
@@ -184,16 +184,7 @@ def load_adapter_for_training(pipe, state_dict: dict[str, torch.Tensor]) -> list
             name = name.replace("ip_adapter_double_stream_k_proj", "to_k_ip")
             nested["ip_adapter"][name.replace("ip_adapter_double_stream_v_proj", "to_v_ip")] = value.clone()
     pipe.load_ip_adapter(nested, weight_name="ip_adapter.safetensors", low_cpu_mem_usage=False)
-    transformer = pipe.transformer
-    transformer.requires_grad_(False)
-    parameters = list(transformer.encoder_hid_proj.parameters())
-    for processor in transformer.attn_processors.values():
-        for layers in (getattr(processor, "to_k_ip", None), getattr(processor, "to_v_ip", None)):
-            if layers is not None:
-                parameters += list(layers.parameters())
-    for parameter in parameters:
-        parameter.requires_grad_(True)
-    return parameters
+    return adapter_parameters(pipe.transformer)
 
 
 def support_sets(

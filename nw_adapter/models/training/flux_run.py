@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from nw_adapter.atomic import atomic_write_json
 from nw_adapter.models import tiny_digits
 from nw_adapter.models import tiny_flux_digits as flux_model
 from nw_adapter.models.digits_data import DigitSplit, class_captions, load_digit_splits
@@ -158,20 +156,7 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
     torch.set_num_threads(config.threads)
     torch.use_deterministic_algorithms(True)
     stages = out / "stages"
-    log_path = stages / "log.json"
-    log = json.loads(log_path.read_text()) if log_path.is_file() else {}
-    log.update(config=asdict(config), torch=torch.__version__, python=platform.python_version())
-
-    def record(name: str, started: float, losses: list[float], **extra) -> None:
-        log[name] = {
-            "seconds": round(time.perf_counter() - started, 1),
-            "steps": len(losses),
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "mean_last_50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
-            **extra,
-        }
-        atomic_write_json(log_path, log)
+    record = stage_machinery.open_training_log(stages / "log.json", config)
 
     shipped = tiny_digits.SHIPPED_DIR
     records: dict[str, dict] = {

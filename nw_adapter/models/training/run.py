@@ -27,7 +27,7 @@ import platform
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,7 +45,7 @@ from nw_adapter.models.tiny_digits import (
     save_tokenizer,
 )
 
-__all__ = ["STAGE2_PROMPTS", "StageMismatchError", "TrainingConfig", "run_training"]
+__all__ = ["STAGE2_PROMPTS", "StageMismatchError", "TrainingConfig", "open_training_log", "run_training"]
 
 STAGE2_PROMPTS = ("", "a photograph", "a handwritten digit")
 """Class-free prompts of stage 2 (the CLI's default prompt is ``"a photograph"``)."""
@@ -400,6 +400,38 @@ def run_training(
         return _run_training(Path(out), config, progress=progress)
 
 
+def open_training_log(log_path: Path, config) -> Callable[..., None]:
+    """Start (or continue) a run's ``stages/log.json`` and return the function that records a stage.
+
+    The log holds the run's ``config`` (a dataclass), the torch and Python versions, and one entry
+    per stage: seconds since ``started`` (``time.perf_counter``), the number of steps, the first,
+    last and mean-of-the-last-50 losses, and the caller's extra fields. Entries of a resumed run's
+    earlier stages are kept; every record rewrites the file atomically.
+
+    Args:
+        log_path: ``out/stages/log.json``.
+        config: The run's configuration dataclass.
+
+    Returns:
+        ``record(name, started, losses, **extra)``.
+    """
+    log = json.loads(log_path.read_text()) if log_path.is_file() else {}
+    log.update(config=asdict(config), torch=torch.__version__, python=platform.python_version())
+
+    def record(name: str, started: float, losses: list[float], **extra) -> None:
+        log[name] = {
+            "seconds": round(time.perf_counter() - started, 1),
+            "steps": len(losses),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "mean_last_50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+            **extra,
+        }
+        atomic_write_json(log_path, log)
+
+    return record
+
+
 def _run_training(out: Path, config: TrainingConfig, *, progress: bool) -> Path:
     """The body of :func:`run_training` (under its lock)."""
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
@@ -415,20 +447,7 @@ def _run_training(out: Path, config: TrainingConfig, *, progress: bool) -> Path:
     torch.use_deterministic_algorithms(True)
     out = Path(out)
     stages = out / "stages"
-    log_path = stages / "log.json"
-    log = json.loads(log_path.read_text()) if log_path.is_file() else {}
-    log.update(config=asdict(config), torch=torch.__version__, python=platform.python_version())
-
-    def record(name: str, started: float, losses: list[float], **extra) -> None:
-        log[name] = {
-            "seconds": round(time.perf_counter() - started, 1),
-            "steps": len(losses),
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "mean_last_50": sum(losses[-50:]) / max(len(losses[-50:]), 1),
-            **extra,
-        }
-        atomic_write_json(log_path, log)
+    record = open_training_log(stages / "log.json", config)
 
     splits = load_digit_splits()
     train = splits["train"]
