@@ -262,7 +262,19 @@ def _markdown(summary: dict, scale: Scale) -> str:
                     f"| {100 * h['frac_rho_data_gt_0_9']:.0f}% | {h['neff_attn']:.1f} "
                     f"| {h['neff_data_nw']:.2f} |"
                 )
-        lines += ["", "![heads](heads.png)", ""]
+        seeds = max((h.get("seeds", 1) for _, rows in head_sets for h in rows), default=1)
+        lines += [
+            "",
+            "![heads](heads.png)",
+            "",
+            "heads.png: the table's rho head and rho data per t as points; bars = 95% Student t interval "
+            f"over the {seeds} training seed{'s' if seeds != 1 else ''} (the unit: each seed's mean over "
+            "its layers and heads and the analysed tasks; layers and heads of one model are not independent)"
+            + (", wide with 1 degree of freedom" if seeds == 2 else "")
+            + ("" if seeds >= 2 else ": with one seed no interval is drawn (not identified)")
+            + ".",
+            "",
+        ]
     lines += _p_value_section(summary.get("p_values", []))
     return "\n".join(lines) + "\n"
 
