@@ -270,13 +270,20 @@ def dims_rows() -> list[dict]:
     ]  # fmt: skip
 
 
-def head_sets() -> list[tuple[str, list[dict]]]:
+def head_sets(seeds: int = 2) -> list[tuple[str, list[dict]]]:
+    """Rows as ``aggregate._heads_of`` writes them; with one seed every interval is NaN."""
     ts = [0.05, 0.2, 0.56, 0.99]
-    return [
-        (label, [{"t": t, "rho_head": 0.8, "rho_data": 0.6 + 0.1 * i, "untrained_rho_head": 0.7,
-                  "untrained_rho_data": 0.01} for t in ts])
-        for i, label in enumerate(("dims d=2", "dims d=16", "shells d=8", "shells d=32"))
-    ]  # fmt: skip
+
+    def ci(mean: float) -> list[float]:
+        return [mean - 0.05, mean + 0.05] if seeds >= 2 else [math.nan, math.nan]
+
+    rows = []
+    for i, label in enumerate(("dims d=2", "dims d=16", "shells d=8", "shells d=32")):
+        means = {"rho_head": 0.8, "rho_data": 0.6 + 0.1 * i}
+        means |= {"untrained_rho_head": 0.7, "untrained_rho_data": 0.01}
+        rows.append((label, [{"t": t, "seeds": seeds, **means, **{f"{k}_ci": ci(v) for k, v in means.items()}}
+                             for t in ts]))
+    return rows  # fmt: skip
 
 
 def data_lines(ax) -> list[Line2D]:
@@ -337,6 +344,39 @@ def test_heads_figure_legend_matches_its_lines() -> None:
     ]  # fmt: skip
     assert len(shown) >= 2 * len(head_sets())  # each colour's trained and untrained style
     assert set(shown) <= drawn
+
+
+def bar_heights(ax) -> list[float]:
+    """Lengths of every vertical error bar drawn in ``ax``."""
+    heights = []
+    for container in ax.containers:
+        if isinstance(container, ErrorbarContainer):
+            for segments in container[2]:
+                heights += [abs(seg[1][1] - seg[0][1]) for seg in segments.get_segments()]
+    return heights
+
+
+def test_heads_figure_draws_points_with_intervals_over_seeds() -> None:
+    from nw_adapter.experiments.report import heads_figure
+
+    fig = heads_figure(head_sets(seeds=2))
+    for ax in fig.axes:
+        bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        assert len(bars) == 2 * len(head_sets()) and all(c.has_yerr for c in bars)  # trained, untrained
+        assert min(bar_heights(ax)) == pytest.approx(0.1)  # each row's interval, as given
+        assert data_lines(ax) == []  # points, no line between t values
+        assert ax.get_title()
+    title = fig.legends[0].get_title().get_text()
+    assert "95% t interval over 2 training seeds" in title
+
+
+def test_heads_figure_with_one_seed_draws_no_interval_and_says_so() -> None:
+    from nw_adapter.experiments.report import heads_figure
+
+    fig = heads_figure(head_sets(seeds=1))
+    assert_printable(fig)
+    assert all(h == 0 for ax in fig.axes for h in bar_heights(ax))
+    assert "one training seed: no interval" in fig.legends[0].get_title().get_text()
 
 
 # support sets: sets/<key>/mass.png and support_mass.png

@@ -95,11 +95,38 @@ def heads_summary(rows: list[dict], untrained: list[dict] | None = None) -> list
     return out
 
 
+HEAD_INTERVAL_FIELDS = ("rho_head", "rho_data", "untrained_rho_head", "untrained_rho_data")
+"""Fields of :func:`heads_summary` given a 95% interval over training seeds by :func:`_heads_of`."""
+
+
 def _heads_of(units: list[dict]) -> list[dict]:
-    return heads_summary(
+    """Per t: :func:`heads_summary` of all units, plus a Student t interval over the units.
+
+    The independent unit is the training seed (one unit = one trained model and its untrained
+    twin); the layers and heads of one model are not independent, and the analysed tasks are
+    averaged inside each unit, so each unit gives one value per t: the mean over its layers and
+    heads, ``<field>_per_seed`` ``(n,)``. ``<field>_ci`` is ``mean +- t_{n-1} s / sqrt(n)`` over
+    those n values, cut to rho's range [-1, 1] (``[nan, nan]`` when n < 2: not identified with one
+    seed); ``seeds`` = n.
+    """
+    rows = heads_summary(
         [h for r in units for h in r.get("heads", [])],
         [h for r in units for h in r.get("heads_untrained", [])],
     )
+    per_unit = [
+        {row["t"]: row for row in heads_summary(r["heads"], r.get("heads_untrained"))}
+        for r in units
+        if r.get("heads")
+    ]
+    for row in rows:
+        for key in HEAD_INTERVAL_FIELDS:
+            values = [u[row["t"]].get(key, math.nan) for u in per_unit if row["t"] in u]
+            values = [v for v in values if math.isfinite(v)]
+            row[f"{key}_per_seed"] = values
+            low, high = t_interval(values)[1:] if values else (math.nan, math.nan)
+            row[f"{key}_ci"] = [max(low, -1.0), min(high, 1.0)]  # within rho's range: coverage kept
+        row["seeds"] = len(per_unit)
+    return rows
 
 
 def _fair_note(bad: list, regime_word: str, steps: int) -> str:

@@ -262,7 +262,19 @@ def _markdown(summary: dict, scale: Scale) -> str:
                     f"| {100 * h['frac_rho_data_gt_0_9']:.0f}% | {h['neff_attn']:.1f} "
                     f"| {h['neff_data_nw']:.2f} |"
                 )
-        lines += ["", "![heads](heads.png)", ""]
+        seeds = max((h.get("seeds", 1) for _, rows in head_sets for h in rows), default=1)
+        lines += [
+            "",
+            "![heads](heads.png)",
+            "",
+            "heads.png: the table's rho head and rho data per t as points; bars = 95% Student t interval "
+            f"over the {seeds} training seed{'s' if seeds != 1 else ''} (the unit: each seed's mean over "
+            "its layers and heads and the analysed tasks; layers and heads of one model are not independent)"
+            + (", wide with 1 degree of freedom" if seeds == 2 else "")
+            + ("" if seeds >= 2 else ": with one seed no interval is drawn (not identified)")
+            + ".",
+            "",
+        ]
     lines += _p_value_section(summary.get("p_values", []))
     return "\n".join(lines) + "\n"
 
@@ -604,32 +616,52 @@ def digits_figure(rows: list[dict]):
     return fig
 
 
+HEAD_DODGE = 0.015
+"""Half-width in t over which the series of ``heads.png`` are spread so their bars stay apart."""
+
+
 def heads_figure(head_sets: list[tuple[str, list[dict]]]):
-    """``heads.png``: rho per t of the trained heads (solid, circles) and the untrained baseline
-    (dashed, crosses), head space (left) and data space (right), one colour per sub-experiment;
-    the legend shows each colour's two line styles exactly as drawn. 7 in wide."""
+    """``heads.png``: rho per t of the trained heads (filled circles) and the untrained baseline
+    (crosses), head space (left) and data space (right), one colour per sub-experiment, as points
+    with their 95% Student t interval over training seeds (``<key>_ci`` of each row, the mean over
+    a model's layers and heads being one value per seed; no bar where it is NaN, i.e. one seed).
+    No line joins the t values; the series are spread over +- ``HEAD_DODGE`` in t around the
+    measured t so that their bars do not cover each other. 7 in wide."""
     from matplotlib.figure import Figure
     from matplotlib.legend_handler import HandlerTuple
 
-    fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
+    fig = Figure(figsize=(PAGE, 3.3), layout="constrained")
     left, right = fig.subplots(1, 2, sharey=True)
     handles, labels = [], []
+    series = 2 * len(head_sets)
+    shifts = np.linspace(-HEAD_DODGE, HEAD_DODGE, series) if series > 1 else np.zeros(1)
+    seeds = max((h.get("seeds", 1) for _, rows in head_sets for h in rows), default=1)
     for i, (label, rows) in enumerate(head_sets):
-        ts, colour = [h["t"] for h in rows], f"C{i % 10}"
+        ts, colour = np.array([h["t"] for h in rows]), f"C{i % 10}"
         drawn = []
         for ax, key in ((left, "rho_head"), (right, "rho_data")):
-            trained = ax.plot(ts, [h[key] for h in rows], "o-", color=colour, markersize=3, linewidth=1.0)[0]
-            untrained = ax.plot(ts, [h[f"untrained_{key}"] for h in rows], "x--", color=colour,
-                                markersize=3, linewidth=0.8)[0]
-            drawn = [trained, untrained]
+            drawn = []  # the legend shows the right panel's markers (the same styles as the left)
+            for j, (name, marker) in enumerate(((key, "o"), (f"untrained_{key}", "x"))):
+                means = [h[name] for h in rows]
+                yerr = _errors(means, [h.get(f"{name}_ci") for h in rows])
+                bars = ax.errorbar(ts + shifts[2 * i + j], means, yerr=yerr,
+                                   fmt=marker, color=colour, markersize=3, capsize=1.5, elinewidth=0.7,
+                                   linestyle="None")
+                drawn.append(bars[0])
         handles.append(tuple(drawn))
         labels.append(label)
     _style(left, xlabel="t", ylabel="Spearman rho", title="head space, matched h (high by algebra)")
     _style(right, xlabel="t", title="data space, exact posterior")
+    interval = (
+        f"bars: 95% t interval over {seeds} training seeds (each the mean of its layers and heads)"
+        if seeds >= 2
+        else "one training seed: no interval (not identified)"
+    )
     fig.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=None, pad=0.6)},
-               loc="outside lower center",
-               ncol=min(4, len(labels)), fontsize=7, frameon=False, handlelength=4,
-               title="each colour: trained (solid, o) | untrained baseline (dashed, x)", title_fontsize=7)
+               loc="outside lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False,
+               title=f"each colour: trained (o) | untrained baseline (x); {interval}\n"
+               f"(points spread over +-{HEAD_DODGE} in t around the measured t)",
+               title_fontsize=6)
     return fig
 
 

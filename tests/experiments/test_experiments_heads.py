@@ -73,3 +73,29 @@ def test_analyse_heads_rows_and_refusals():
     padded = TaskBatch(tasks.support, tasks.target, torch.arange(12)[None].expand(2, 12) < 6)
     with pytest.raises(ValueError, match="full supports"):
         analyse_heads(model, padded, (0.3,))
+
+
+def _unit_heads(rho_data: float) -> list[dict]:
+    """A unit's head rows at two t, 2 layers x 2 heads, every head at ``rho_data``."""
+    return [
+        {"t": t, "h_data": 1.0, "layer": layer, "head": head, "rho_head": 0.9, "rho_data": rho_data,
+         "neff_data_nw": 2.0}
+        for t in (0.2, 0.9) for layer in range(2) for head in range(2)
+    ]  # fmt: skip
+
+
+def test_head_intervals_are_over_seeds_not_over_layers_and_heads() -> None:
+    from scipy.stats import t as student_t
+
+    from nw_adapter.experiments.aggregate import _heads_of
+
+    units = [{"heads": _unit_heads(v), "heads_untrained": _unit_heads(0.0)} for v in (0.5, 0.7)]
+    rows = _heads_of(units)
+    half = student_t.ppf(0.975, 1) * 0.1  # s / sqrt(n) of 0.5 and 0.7: 2 seeds, 1 df
+    for row in rows:
+        assert row["seeds"] == 2 and row["rho_data_per_seed"] == [0.5, 0.7]
+        assert row["rho_data_ci"] == pytest.approx([max(0.6 - half, -1), min(0.6 + half, 1)])
+        assert row["untrained_rho_data_ci"] == [0.0, 0.0]  # equal seeds: a zero-width interval
+    # one seed, however many layers and heads: not identified
+    one = _heads_of(units[:1])
+    assert all(math.isnan(v) for row in one for v in row["rho_data_ci"])
