@@ -131,7 +131,7 @@ def test_the_defaults_written_out_are_the_defaults() -> None:
 
 
 def _out_folders() -> set[str]:
-    """The top-level folder of every ``--out`` (and ``--replot``) of the README and docs/."""
+    """The top-level folder of every relative ``--out`` (and ``--replot``) of the README and docs/."""
     texts = [README, *(path.read_text() for path in (REPO / "docs").glob("*.md"))]
     folders = set()
     for text in texts:
@@ -139,7 +139,9 @@ def _out_folders() -> set[str]:
             words = command.split()
             for flag in ("--out", "--replot"):
                 if flag in words and words.index(flag) + 1 < len(words):
-                    folders.add(words[words.index(flag) + 1].split("/")[0])
+                    target = words[words.index(flag) + 1]
+                    if not target.startswith("/"):  # an absolute path lies outside the checkout
+                        folders.add(target.split("/")[0])
     return folders
 
 

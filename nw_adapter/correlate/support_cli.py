@@ -41,8 +41,8 @@ JUDGE = "nw_adapter.models.digits_quality.digit_judge (RBF SVM fitted on the hel
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", re.ASCII)
 
 _REFUSED = {
-    "image": "--support-set/--support-dir name the references; drop --image",
-    "image_dir": "--support-set/--support-dir name the references; drop --image-dir",
+    "image": "{given} names the references itself; drop --image",
+    "image_dir": "{given} names the references itself; drop --image-dir",
     "compare_swap": "--compare-swap is a run of its own; run it without --support-set/--support-dir",
     "replot": "--replot redraws a rho run; drop it with --support-set/--support-dir",
     "store_maps": "--store-maps belongs to the rho run; drop it with --support-set/--support-dir",
@@ -105,12 +105,13 @@ def check_options(args: argparse.Namespace) -> None:
     """
     if not (args.support_set or args.support_dir):
         return
+    given = "--support-set" if args.support_set else "--support-dir"  # the option the user gave
     for dest, message in _REFUSED.items():
         value = getattr(args, dest, None)
         if value:
-            raise SupportSetError(message)
+            raise SupportSetError(message.format(given=given))
     if args.mode == "swap":
-        raise SupportSetError("--support-set observes the stock generation; drop --mode swap")
+        raise SupportSetError(f"{given} observes the stock generation; drop --mode swap")
     if any(not d.strip() for d in args.support_dir):
         raise SupportSetError("--support-dir is empty; pass a folder whose subfolders hold the sets")
 

@@ -29,13 +29,14 @@ layout: down, mid and up blocks each carry IP-Adapter layers) have 2 heads of ``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import string
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -448,8 +449,24 @@ def save_tiny_ip_adapter(
     return path
 
 
+@contextlib.contextmanager
+def _quiet_transformers_saves() -> Iterator[None]:
+    """transformers' progress bars off while a tiny model is written (its ``save_pretrained`` draws
+    "Writing model shards" on stderr, above a command line's one-line messages); restored after."""
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
+
+
 def write_once(target: Path, builder: Callable[[Path], Any]) -> Path:
-    """Run ``builder(tmp)`` in a sibling temporary folder and rename it to ``target`` (once).
+    """Run ``builder(tmp)`` in a sibling temporary folder and rename it to ``target`` (once); the
+    builder runs with transformers' progress bars off (they would print on stderr).
 
     An existing ``target`` is returned as it is. The rename makes the folder appear complete or
     not at all, so concurrent processes (e.g. ``accelerate launch``) never load a half-written model.
@@ -466,7 +483,8 @@ def write_once(target: Path, builder: Callable[[Path], Any]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        builder(staging / "out")
+        with _quiet_transformers_saves():
+            builder(staging / "out")
         try:
             os.replace(staging / "out", target)
         except OSError:

@@ -219,11 +219,22 @@ def test_layers_that_match_no_adapter_layer(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("fresh_cache", [False, True], ids=["cached", "first-run"])
 @pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux"])
 def test_layers_error_names_the_transformer_blocks(
-    tmp_path: Path, good_image: Path, model: str, capsys
+    tmp_path: Path, good_image: Path, model: str, fresh_cache: bool, capsys, monkeypatch, request
 ) -> None:
-    """A UNet block name on SD3 / Flux: the message names the transformer's blocks, not UNet ones."""
+    """A UNet block name on SD3 / Flux: the message names the transformer's blocks, not UNet ones;
+    also on a first run, when the offline model is written to an empty cache (transformers'
+    "Writing model shards" bars stay off stderr)."""
+    if fresh_cache:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        # as in a process that imported transformers before the command line ran (its bars are on)
+        from transformers.utils import logging as transformers_logging
+
+        if not transformers_logging.is_progress_bar_enabled():
+            transformers_logging.enable_progress_bar()
+            request.addfinalizer(transformers_logging.disable_progress_bar)
     out = tmp_path / "out"
     argv = ["--image", good_image, "--model", model, "--height", "32", "--width", "32", "--layers", "up"]
     code, _, err = run_main([*argv, "--out", out, "--quiet"], capsys)

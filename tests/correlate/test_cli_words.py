@@ -20,6 +20,7 @@ from nw_adapter.correlate.report import (
     format_table,
     format_verdict,
 )
+from nw_adapter.correlate.support_cli import SupportSetError
 from nw_adapter.experiments import cli as experiments_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +81,7 @@ def _first_bad_value_error(parse, option: str) -> str | None:
     for value in BAD_VALUES:
         try:
             parse([option, value])
-        except (cli.CLIError, experiments_cli.ArgumentError) as exc:
+        except (cli.CLIError, SupportSetError, experiments_cli.ArgumentError) as exc:
             return str(exc)
     return None
 
