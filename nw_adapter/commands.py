@@ -24,7 +24,7 @@ import os
 import sys
 from typing import NoReturn
 
-__all__ = ["SUBCOMMANDS", "OneLineParser", "invoked_as", "one_line_argument_error"]
+__all__ = ["SUBCOMMANDS", "OneLineParser", "invoked_as", "note", "one_line_argument_error"]
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "correlate": (
@@ -51,6 +51,13 @@ def invoked_as(default: str) -> str:
     argv0 = sys.argv[0] if sys.argv else ""
     name = os.path.basename(argv0)
     return name if name and name != "-c" else default
+
+
+def note(quiet: int, text: str, *, shown: bool = True) -> None:
+    """Print ``note: text`` on stderr unless ``-qq`` (``quiet >= 2``) or not ``shown`` (e.g. a
+    process other than the main one of a multi-process run)."""
+    if quiet < 2 and shown:
+        print(f"note: {text}", file=sys.stderr)
 
 
 def one_line_argument_error(message: str) -> str:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import WriteError
-from nw_adapter.commands import OneLineParser, invoked_as
+from nw_adapter.commands import OneLineParser, invoked_as, note
 from nw_adapter.correlate import support_cli, swap_cli
 from nw_adapter.correlate.end_to_end_cli import (
     add_end_to_end_arguments,
@@ -466,11 +466,6 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
     }
 
 
-def _note(args: argparse.Namespace, state: Any, text: str) -> None:
-    if args.quiet < 2 and state.is_main_process:
-        print(f"note: {text}", file=sys.stderr)
-
-
 def show_progress_bars(args: argparse.Namespace) -> bool:
     """Progress bars only without ``-q`` and when stderr is a terminal.
 
@@ -609,9 +604,9 @@ def _image_worker(
                 warnings.filterwarnings("ignore", message="NWRecorder: the NW side computation failed")
             output = pipe(**call)
         generated = output.images[0]
-        note = skipped_note(recorder, args.mode, info.path.name)
-        if note and args.quiet < 2:
-            print(f"note: {note}", file=sys.stderr)
+        skipped = skipped_note(recorder, args.mode, info.path.name)
+        if skipped:
+            note(args.quiet, skipped)
         failure = recorder.failed_steps_line(see=None)  # steps without statistics: even with -qq
         if failure:
             print(f"error: {info.path.name}: {failure}", file=sys.stderr)
@@ -719,7 +714,7 @@ def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceIma
     device, state = _device_and_state(args.device)
     for info in infos:
         for text in info.notes:
-            _note(args, state, f"{info.path.name}: {text}")
+            note(args.quiet, f"{info.path.name}: {text}", shown=state.is_main_process)
     dtype = resolve_dtype(args.dtype, device)
     pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
     pipe.set_progress_bar_config(disable=not (bars and state.is_main_process), leave=False)
@@ -769,7 +764,7 @@ def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceIma
             validate=check_image_result_file,
         )
         for why in outcome.rejected.values():
-            _note(args, state, f"{why}; that image is computed again")
+            note(args.quiet, f"{why}; that image is computed again", shown=state.is_main_process)
         if state.num_processes > 1 and args.quiet < 2:
             print(
                 f"note: process {state.process_index}/{state.num_processes} computed "
@@ -777,7 +772,8 @@ def _run(args: argparse.Namespace, spec: ModelSpec, infos: Sequence[ReferenceIma
                 file=sys.stderr,
             )
         if outcome.reused:
-            _note(args, state, f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}")
+            reused = f"resumed: {len(outcome.reused)} finished image(s) reused from {out_dir}"
+            note(args.quiet, reused, shown=state.is_main_process)
         if not state.is_main_process:
             return 0
         records = [record for result in outcome.results for record in result["records"]]

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from nw_adapter.commands import note
 
 __all__ = ["MAX_REFERENCES", "SupportSetError", "SupportSetInput", "add_arguments", "check_options", "run"]
 
@@ -192,11 +193,6 @@ def _check_out(out: Path) -> Path:
     return out
 
 
-def _note(args: argparse.Namespace, text: str) -> None:
-    if args.quiet < 2:
-        print(f"note: {text}", file=sys.stderr)
-
-
 def run_config(args: argparse.Namespace, shown: Any, device: str, dtype: str, judged: bool) -> dict[str, Any]:
     """The options recorded in ``support.json``."""
     return {
@@ -312,6 +308,6 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
         report.plot_sweep(document, out_dir / report.FIGURE_NAME, title=f"support sets, {args.model}")
         write_json(out_dir / report.JSON_NAME, document)
     if not judged:
-        _note(args, "classes not judged: the digit judge reads the digits models' 32 x 32 images only")
+        note(args.quiet, "classes not judged: the digit judge reads the digits models' 32 x 32 images only")
     print(report.format_document(document))
     return 0

@@ -40,11 +40,11 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.commands import note
 from nw_adapter.correlate.images import ReferenceImage
 from nw_adapter.integration.config import BANDWIDTH_RANGE
 from nw_adapter.integration.config import BANDWIDTH_RULES as DEFAULT_RULES  # consequence's, without torch
@@ -234,11 +234,6 @@ def reference_labels(
     return [bundled[info.sha256] for info in infos], "bundled"
 
 
-def _note(args: argparse.Namespace, text: str) -> None:
-    if args.quiet < 2:
-        print(f"note: {text}", file=sys.stderr)
-
-
 def run_config(args: argparse.Namespace, shown: Any, device: str, dtype: str, label_source: str) -> dict:
     """The options recorded in ``compare_swap.json`` (all of them fingerprinted)."""
     return {
@@ -358,7 +353,7 @@ def run(
 
     for info in infos:  # validate_images merged files of the same content: one reference each
         for duplicate in info.duplicates:
-            _note(args, same_content_note(duplicate, info.path))
+            note(args.quiet, same_content_note(duplicate, info.path))
     labels, label_source = reference_labels(args, infos)  # before the model: its errors cost nothing
     device = resolve_device(args.device)
     spec = resolve_spec(
@@ -376,7 +371,7 @@ def run(
         document, why = reusable_document(out_dir, expected, infos, labels)
         if document is None:
             if why:
-                _note(args, f"{why}; computing it again")
+                note(args.quiet, f"{why}; computing it again")
             remove_outputs(out_dir)
             result, scheduler_class = _compare(
                 args, spec, infos, labels, device=device, dtype=dtype, bars=bars
@@ -386,7 +381,7 @@ def run(
             atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
             write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
         else:
-            _note(args, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
+            note(args.quiet, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
             if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
     print(format_document(document))
