@@ -33,6 +33,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 import torch  # noqa: E402
 
+from benchmarks.host_cost import VARIANTS as HOST_COST_VARIANTS  # noqa: E402
+from benchmarks.host_cost import UNetCalls  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     SD15_UNET_CONFIG,
     SDXL_IMAGE_EMBED_DIM,
@@ -49,11 +51,12 @@ MODELS: dict[str, tuple[dict[str, Any], int, int]] = {
     "sdxl_1024": (SDXL_UNET_CONFIG, 128, SDXL_IMAGE_EMBED_DIM),
     "toy": (TOY_UNET_CONFIG, 8, 1024),
 }
-VARIANTS: dict[str, dict[str, Any]] = {"observe": {"mode": "observe", "cfg": True}, "swap": {"mode": "swap"}}
+#: the variants run on the GPU (their processor options are host_cost's, installed by UNetCalls).
+VARIANTS: dict[str, dict[str, Any]] = {name: HOST_COST_VARIANTS[name] for name in ("observe", "swap")}
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
-class Calls:
+class Calls(UNetCalls):
     """A UNet, its inputs and one whole call (forwards + the recorder's export) per variant."""
 
     def __init__(self, model: str, device: torch.device, dtype: torch.dtype, forwards: int) -> None:
@@ -62,27 +65,6 @@ class Calls:
         self.inputs = unet_inputs(self.unet, latent_size=latent, image_embed_dim=width, device=device)
         steps = torch.linspace(999, 1, forwards).round().long().tolist()
         self.timesteps = [torch.tensor(t, device=device) for t in steps]
-        self.recorder: Any = None
-
-    def install(self, variant: str) -> None:
-        from nw_adapter.integration.config import NWProcessorConfig
-        from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
-
-        remove_nw_processor(self.unet)
-        self.recorder = None
-        if variant != "stock":
-            self.recorder = apply_nw_processor(self.unet, NWProcessorConfig(**VARIANTS[variant]))
-
-    def call(self) -> None:
-        recorder = self.recorder
-        if recorder is not None:
-            recorder.clear()
-            recorder.new_call()
-        with torch.no_grad():
-            for t in self.timesteps:
-                self.unet(**{**self.inputs, "timestep": t})
-            if recorder is not None:
-                recorder.to_records()
 
 
 def profile_call(calls: Calls, device: torch.device) -> dict[str, Any]:

@@ -61,15 +61,14 @@ TARGETS = {"observe": {"cpu": 1.30, "ops": 1.25}, "swap": {"cpu": 1.10, "ops": 1
 PACKAGE_DIR = str(Path(__file__).resolve().parent.parent / "nw_adapter")
 
 
-class Proxy:
-    """The proxy UNet, its inputs and one call of each variant."""
+class UNetCalls:
+    """A UNet, its inputs and timesteps, and one whole call of each variant (:data:`VARIANTS`);
+    subclasses build the UNet (:class:`Proxy` here, the GPU models in ``gpu_profile.py``)."""
 
-    def __init__(self, latent_size: int = 8) -> None:
-        self.unet = build_unet(SD15_STRUCTURE, image_embed_dim=32, image_hidden_dim=32)
-        self.inputs = unet_inputs(self.unet, latent_size=latent_size, image_embed_dim=32)
-        self.timesteps = [torch.tensor(t) for t in torch.linspace(999, 1, FORWARDS).round().long().tolist()]
-        self.ip_layers = sum(1 for name in self.unet.attn_processors if "attn2" in name)
-        self.recorder: Any = None
+    unet: Any
+    inputs: dict[str, Any]
+    timesteps: list[torch.Tensor]
+    recorder: Any = None
 
     def install(self, variant: str) -> None:
         """Put the variant's processors in place (stock: the original ones)."""
@@ -81,24 +80,33 @@ class Proxy:
         if variant != "stock":
             self.recorder = apply_nw_processor(self.unet, NWProcessorConfig(**VARIANTS[variant]))
 
-    def call(self) -> int:
-        """One call: 10 forwards at 10 timesteps, then the recorder's export; returns the records."""
-        if self.recorder is not None:
-            self.recorder.clear()
-            self.recorder.new_call()
-        with torch.no_grad():
-            for t in self.timesteps:
-                self.unet(**{**self.inputs, "timestep": t})
-        return len(self.recorder.to_records()) if self.recorder is not None else 0
-
     def forwards(self) -> None:
-        """The forwards of :meth:`call` without the export."""
+        """One forward per timestep, the recorder cleared and a new call begun first."""
         if self.recorder is not None:
             self.recorder.clear()
             self.recorder.new_call()
         with torch.no_grad():
             for t in self.timesteps:
                 self.unet(**{**self.inputs, "timestep": t})
+
+    def call(self) -> int:
+        """One call: :meth:`forwards`, then the recorder's export (the deferred statistics
+        included); returns the number of records (0 for stock)."""
+        self.forwards()
+        if self.recorder is None:
+            return 0
+        with torch.no_grad():
+            return len(self.recorder.to_records())
+
+
+class Proxy(UNetCalls):
+    """The proxy UNet (SD 1.5's block structure at tiny widths), 10 forwards at 10 timesteps."""
+
+    def __init__(self, latent_size: int = 8) -> None:
+        self.unet = build_unet(SD15_STRUCTURE, image_embed_dim=32, image_hidden_dim=32)
+        self.inputs = unet_inputs(self.unet, latent_size=latent_size, image_embed_dim=32)
+        self.timesteps = [torch.tensor(t) for t in torch.linspace(999, 1, FORWARDS).round().long().tolist()]
+        self.ip_layers = sum(1 for name in self.unet.attn_processors if "attn2" in name)
 
 
 def count_python_calls(fn: Callable[[], Any], directory: str = PACKAGE_DIR) -> int:
