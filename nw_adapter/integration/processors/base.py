@@ -364,7 +364,7 @@ class NWProcessorBase:
     ) -> None:
         """Record one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]): reserve its entry and
         capture it for the deferred statistics (:mod:`.deferred`), or compute it here (maps stored
-        for this layer, ``compile=True``, ``deferred_mb=0``).
+        for this layer, ``deferred_mb=0``).
 
         With several ``halves`` the batch is their blocks of rows and every statistic is averaged
         within each; ``ip_mass`` [B, H] (SD3) is averaged the same way. ``adapter_scale``: the
@@ -409,7 +409,7 @@ class NWProcessorBase:
         h = None if rule in ("median", "fitted") else resolve_bandwidth(cfg, state, q, k, scale)
         capture = Capture(entry, q, k, scale, h, n, tuple(control_keys))
         wants_maps = maps and cfg.store_maps and rec.wants_maps(self.layer_name)
-        if not (wants_maps or cfg.compile or cfg.deferred_mb == 0):
+        if not (wants_maps or cfg.deferred_mb == 0):
             if rec.pending is None:
                 rec.pending = DeferredStatistics(cfg)
             rec.pending.add(capture)
