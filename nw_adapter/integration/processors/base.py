@@ -37,7 +37,7 @@ adapters). The base does the rest, once for every family:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,7 @@ __all__ = [
     "split_heads",
 ]
 
+
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """``[B, L, H*d]`` -> ``[B, H, L, d]`` (a view)."""
     b, length, inner = x.shape
@@ -80,54 +81,40 @@ def spread_rows(n: int, limit: int, device: torch.device) -> torch.Tensor | None
     return torch.linspace(0, n - 1, limit, device=device).round().long()
 
 
-def capture_outputs(
-    modules: Sequence[tuple[str, torch.nn.Module]], into: dict[str, torch.Tensor]
-) -> list[Any]:
-    """Forward hooks storing each module's output under its name in ``into``; returns the handles."""
-
-    def hook_for(name: str) -> Callable[..., None]:
-        def grab(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            into[name] = output
-
-        return grab
-
-    return [module.register_forward_hook(hook_for(name)) for name, module in modules]
-
-
 class Taps:
-    """Forward hooks kept on one attention module while an NW processor serves it.
+    """Hooks kept on one attention module while an NW processor serves it.
 
-    Registered once, on the first call (not per call): ``attn.to_q``'s output (the queries), each
-    ``to_k_ip[j]``'s outputs (the image keys of the stock branch, one per softmax, in order) and a
-    pre-hook on ``attn.to_out[0]`` that adds ``branch(hidden)`` (swap's NW image branch). Between
-    calls the taps are disarmed and do nothing; :meth:`arm` / :meth:`disarm` bracket one call
-    (``disarm`` in ``finally``). The recorder removes them when the processors are removed
+    Registered once, on the processor's first call (not per call): a forward hook on every module
+    of ``outputs`` (``(name, module)`` pairs, the family's choice: ``attn.to_q``, the stock
+    branch's key projections or norms ...) that appends the module's output to
+    ``captured[name]`` (one entry per forward of the module during the call, in order), and with
+    ``branch`` a forward pre-hook on ``attn.to_out[0]`` that replaces the projection's input
+    ``hidden`` [B, N, H*d] by ``branch(hidden)`` (swap's NW image branch). Between calls the taps
+    are disarmed and do nothing; :meth:`arm` / :meth:`disarm` bracket one call (``disarm`` in
+    ``finally``). The recorder removes them when the processors are removed
     (:meth:`~nw_adapter.integration.recorder.NWRecorder.detach`).
     """
 
     def __init__(
-        self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module] = (), *, branch: bool = False
+        self,
+        attn: torch.nn.Module,
+        outputs: Sequence[tuple[Hashable, torch.nn.Module]] = (),
+        *,
+        branch: bool = False,
     ) -> None:
         self.attn = attn
-        self.q: torch.Tensor | None = None
-        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.armed = False
+        self.captured: dict[Hashable, list[torch.Tensor]] = {}
         self.branch: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.wants_q = self.wants_keys = False
         # only the hooks the mode uses: a module with hooks takes torch's slower call path
-        self.handles = [attn.to_q.register_forward_hook(self._grab_query)]
+        self.handles = [module.register_forward_hook(self._grabber(name)) for name, module in outputs]
         if branch:
             self.handles.append(attn.to_out[0].register_forward_pre_hook(self._add_branch))
-        for j, module in enumerate(key_modules):
-            self.handles.append(module.register_forward_hook(self._key_grabber(j)))
 
-    def _grab_query(self, module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-        if self.wants_q:
-            self.q = output
-
-    def _key_grabber(self, adapter: int) -> Callable[..., None]:
+    def _grabber(self, name: Hashable) -> Callable[..., None]:
         def grab(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-            if self.wants_keys:
-                self.keys.setdefault(adapter, []).append(output)
+            if self.armed:
+                self.captured.setdefault(name, []).append(output)
 
         return grab
 
@@ -136,22 +123,17 @@ class Taps:
             return None
         return (self.branch(args[0]), *args[1:])
 
-    def arm(self, *, keys: bool, branch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Capture the queries (and the stock branch's keys when ``keys``) of the next stock call;
-        add ``branch`` to the input of the output projection."""
-        self.q, self.keys, self.branch = None, {}, branch
-        self.wants_q, self.wants_keys = True, keys
-
-    def take(self) -> tuple[torch.Tensor | None, dict[int, list[torch.Tensor]]]:
-        """The captured queries and keys, no longer held by the taps (nothing outlives the call)."""
-        q, keys = self.q, self.keys
-        self.q, self.keys = None, {}
-        return q, keys
+    def arm(self, branch: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[Hashable, list]:
+        """Capture the tapped outputs of the next stock call into a fresh :attr:`captured` (returned:
+        what the call captured, readable by ``branch`` during the call and after it); replace the
+        output projection's input ``hidden`` by ``branch(hidden)``."""
+        self.captured, self.branch, self.armed = {}, branch, True
+        return self.captured
 
     def disarm(self) -> None:
-        """Stop capturing and adding (what was captured stays readable until the next :meth:`arm`)."""
-        self.wants_q = self.wants_keys = False
-        self.branch = None
+        """Stop capturing and adding; drop the taps' reference to what was captured (nothing
+        outlives the call but what the caller of :meth:`arm` keeps)."""
+        self.armed, self.branch, self.captured = False, None, {}
 
     def remove(self) -> None:
         """Remove the hooks from the modules."""
@@ -169,6 +151,12 @@ class NWProcessorBase:
 
     _shared_modules: tuple[str, ...] = ()
     halves_by_pass: bool = False
+    observe_taps: tuple[str, ...] = ()
+    """The modules whose outputs the taps capture in observe (see :meth:`_tap_modules`)."""
+    swap_taps: tuple[str, ...] = ()
+    """The modules whose outputs the taps capture in swap."""
+    swap_at_output_projection: bool = False
+    """Swap adds its branch at the input of ``attn.to_out[0]`` (a pre-hook of the taps)."""
 
     def _adopt(
         self, original: torch.nn.Module, *, layer_name: str, config: NWProcessorConfig, recorder: NWRecorder
@@ -241,18 +229,36 @@ class NWProcessorBase:
         """The CFG halves of this layer's batch at the current step (:func:`batch_halves`)."""
         return batch_halves(batch, self.recorder.state, cfg=self.recorder.cfg, by_pass=self.halves_by_pass)
 
-    def _taps(self, attn: torch.nn.Module, key_modules: Sequence[torch.nn.Module] = ()) -> Taps:
-        """This processor's :class:`Taps` on ``attn`` (registered on the first call): the queries,
-        in observe the stock branch's ``key_modules`` outputs, in swap the branch pre-hook."""
+    def _taps(self, attn: torch.nn.Module) -> Taps:
+        """This processor's :class:`Taps` on ``attn``, registered on the first call (and again only
+        for another attention module, or after the recorder's detach removed them): the outputs
+        of the modules named by ``observe_taps`` / ``swap_taps`` (the mode's) and, in swap with
+        ``swap_at_output_projection``, the branch pre-hook on ``attn.to_out[0]``."""
         taps = self.__dict__.get("_nw_taps")
         if taps is None or taps.attn is not attn or not taps.handles:
             if taps is not None:
                 taps.remove()
             swap = self.nw_config.mode == "swap"
-            taps = Taps(attn, () if swap else key_modules, branch=swap)
+            outputs = self._tap_modules(attn, self.swap_taps if swap else self.observe_taps)
+            taps = Taps(attn, outputs, branch=swap and self.swap_at_output_projection)
             self.__dict__["_nw_taps"] = taps
             self.recorder.taps.append(taps)
         return taps
+
+    def _tap_modules(self, attn: torch.nn.Module, paths: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
+        """The modules named by ``paths``: ``"attn.<name>"`` an attribute of the attention module,
+        ``"<name>"`` one of this processor (the stock processor's shared modules); a ModuleList
+        (``"to_k_ip"``, one projection per adapter) is tapped element by element, as
+        ``"<path>.<j>"``. Each module's captures are kept under its path."""
+        modules = []
+        for path in paths:
+            owner, _, name = path.rpartition(".")
+            module = getattr(attn if owner == "attn" else self, name)
+            if isinstance(module, torch.nn.ModuleList):
+                modules.extend((f"{path}.{j}", m) for j, m in enumerate(module))
+            else:
+                modules.append((path, module))
+        return modules
 
     def release(self) -> None:
         """Remove this processor's hooks from its attention module (done by the recorder's detach)."""

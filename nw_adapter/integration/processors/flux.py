@@ -35,7 +35,7 @@ from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProc
 
 from nw_adapter.integration import support
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors.base import NWProcessorBase, capture_outputs
+from nw_adapter.integration.processors.base import NWProcessorBase
 from nw_adapter.integration.recorder import NWRecorder
 
 
@@ -58,6 +58,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
 
     _shared_modules = ("to_k_ip", "to_v_ip")
     halves_by_pass = True  # true CFG: the positive pass is "cond", the negative one "uncond"
+    observe_taps = swap_taps = ("attn.norm_q",)  # the image branch's query, RMS-normalised
 
     def __init__(
         self,
@@ -94,17 +95,16 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
                 attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                 ip_hidden_states, ip_adapter_masks,
             )  # fmt: skip
-        captured: dict[str, torch.Tensor] = {}
-        handles = capture_outputs((("q", attn.norm_q),), captured)
+        taps = self._taps(attn)
         scales = list(self.scale)
+        captured = taps.arm()
         try:
             out = stock(
                 attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
                 [] if swap else ip_hidden_states, ip_adapter_masks,
             )  # fmt: skip
         finally:
-            for handle in handles:
-                handle.remove()
+            taps.disarm()
         if swap:
             text_out, context_out, ip_out = out
             try:
@@ -119,9 +119,9 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         return out
 
     @staticmethod
-    def _query(captured: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _query(captured: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         """The image branch's query ``[B, H, N, d]`` (``attn.norm_q``'s output is ``[B, N, H, d]``)."""
-        return captured["q"].transpose(1, 2)
+        return captured["attn.norm_q"][0].transpose(1, 2)
 
     def _keys(self, ip_hidden_states: Sequence[torch.Tensor], heads: int) -> list[torch.Tensor]:
         """Each adapter's IP keys ``[B, H, M_j, d]``, as the stock branch forms them."""

@@ -43,7 +43,6 @@ from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAtt
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.base import (
     NWProcessorBase,
-    capture_outputs,
     split_heads,
     spread_rows,
 )
@@ -67,6 +66,9 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
     """
 
     _shared_modules = ("norm_ip", "to_k_ip", "to_v_ip", "norm_q", "norm_k", "norm_ip_k")
+    observe_taps = ("norm_q", "norm_k", "norm_ip_k")  # q, k_img, k_ip as the stock branch forms them
+    swap_taps = ("attn.to_q", "attn.to_k", "attn.to_v")
+    swap_at_output_projection = True
 
     joint_rows: int = 256
     """Query rows (evenly spaced) on which the joint-key-set statistics and ``ip_mass`` are taken."""
@@ -103,31 +105,30 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         record = record and self.recorder.state.pass_index == 0  # not skip-layer guidance's extra pass
         if not (record or swap) or ip_hidden_states is None or self.scale == 0:
             return stock(attn, hidden_states, encoder_hidden_states, attention_mask, ip_hidden_states, temb)
-        captured: dict[str, torch.Tensor] = {}
+        taps = self._taps(attn)
+        branch = None
+        stock_ip = ip_hidden_states
         if swap:
-            handles = capture_outputs((("q", attn.to_q), ("k", attn.to_k), ("v", attn.to_v)), captured)
 
-            def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
+            def branch(hidden: torch.Tensor) -> torch.Tensor:
                 try:
-                    branch = self._swap_branch(attn, captured, ip_hidden_states, temb)
+                    nw_branch = self._swap_branch(attn, captured, ip_hidden_states, temb)
                 except Exception as error:
                     raise self._swap_error(error) from error
-                return (args[0] + branch * self.scale, *args[1:])
+                return hidden + nw_branch * self.scale
 
-            handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
             stock_ip = None  # diffusers skips its image branch
-        else:
-            norms = (("q", self.norm_q), ("k", self.norm_k), ("k_ip", self.norm_ip_k))
-            handles = capture_outputs(norms, captured)
-            stock_ip = ip_hidden_states
+        captured = taps.arm(branch)
         try:
             out = stock(attn, hidden_states, encoder_hidden_states, attention_mask, stock_ip, temb)
         finally:
-            for handle in handles:
-                handle.remove()
+            taps.disarm()
         if record:
-            names = ("q_normed", "k_normed", "k_ip") if swap else ("q", "k", "k_ip")
-            self._record_safely(lambda: self._record(attn, *(captured[n] for n in names)))
+            if swap:
+                q, k, k_ip = captured["swap"]
+            else:
+                q, k, k_ip = (captured[name][0] for name in self.observe_taps)
+            self._record_safely(lambda: self._record(attn, q, k, k_ip))
         return out
 
     def _swap_branch(
@@ -136,12 +137,14 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         """The NW image branch ``[B, N, H*d]`` before the scale (the stock branch's SDPA replaced)."""
         heads = attn.heads
         ip = self.norm_ip(ip_hidden_states, temb=temb)
-        q = self.norm_q(split_heads(captured["q"], heads))
-        k_img = self.norm_k(split_heads(captured["k"], heads))
+        q = self.norm_q(split_heads(captured["attn.to_q"][0], heads))
+        k_img = self.norm_k(split_heads(captured["attn.to_k"][0], heads))
         k_ip = self.norm_ip_k(split_heads(self.to_k_ip(ip), heads))
         key = torch.cat([k_img, k_ip], dim=2)
-        value = torch.cat([split_heads(captured["v"], heads), split_heads(self.to_v_ip(ip), heads)], dim=2)
-        captured.update(q_normed=q, k_normed=k_img, k_ip=k_ip)
+        value = torch.cat(
+            [split_heads(captured["attn.to_v"][0], heads), split_heads(self.to_v_ip(ip), heads)], 2
+        )
+        captured["swap"] = (q, k_img, k_ip)  # recorded as observe records the stock branch's
         s = 1.0 / math.sqrt(q.shape[-1])
         h = self._bandwidth(q, key, s)
         out = self._gaussian_head(q, key, value, h)

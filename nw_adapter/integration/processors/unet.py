@@ -9,9 +9,10 @@ processor they replace (``scale`` forwarded, see :mod:`~nw_adapter.integration.p
 
 How the side computation gets its inputs, without recomputing the query projection:
 
-- ``q`` [B, H, N, d] is the output of ``attn.to_q`` captured by a forward hook registered on
-  ``attn.to_q`` for the duration of ``super().__call__`` (removed in ``finally``); it already
-  includes ``spatial_norm``, ``group_norm`` and the flattening of 4-D inputs.
+- ``q`` [B, H, N, d] is the output of ``attn.to_q`` captured by the processor's taps (a forward
+  hook on ``attn.to_q`` registered at the first call, armed during ``super().__call__`` only:
+  :class:`~nw_adapter.integration.processors.base.Taps`); it already includes ``spatial_norm``,
+  ``group_norm`` and the flattening of 4-D inputs.
 - ``k_ip`` [B, H, M, d] is the output of ``to_k_ip[j]`` captured the same way (one forward hook
   per adapter, one output per softmax of the stock branch; M = 4 or 16 tokens per image), or
   ``to_k_ip[j](image tokens)`` computed here when the stock branch skipped the adapter (scale
@@ -95,6 +96,9 @@ class _UNetNWProcessor(NWProcessorBase):
     """What the two UNet NW processors share (see the module docstring)."""
 
     _shared_modules = ("to_k_ip", "to_v_ip")
+    observe_taps = ("attn.to_q", "to_k_ip")  # the queries and the stock branch's image keys
+    swap_taps = ("attn.to_q",)
+    swap_at_output_projection = True
     to_k_ip: torch.nn.ModuleList
     to_v_ip: torch.nn.ModuleList
 
@@ -143,7 +147,7 @@ class _UNetNWProcessor(NWProcessorBase):
         captured by the taps), the swap branch's, or ``to_k_ip`` applied here."""
         if g.key is not None:
             return g.key
-        outputs = captured.get("keys", {}).get(g.adapter, [])
+        outputs = captured.get(f"to_k_ip.{g.adapter}", ())
         position = g.image if g.mask is not None else 0
         if position < len(outputs):
             return split_heads(outputs[position].view(batch, -1, outputs[position].shape[-1]), attn.heads)
@@ -184,37 +188,33 @@ class _UNetNWProcessor(NWProcessorBase):
         original = self.original
         shared_scale = original.scale
         scales = list(shared_scale)
-        taps = self._taps(attn, self.to_k_ip)
-        captured: dict[str, Any] = {}
+        taps = self._taps(attn)
         branch = None
         if swap:
 
             def branch(hidden: torch.Tensor) -> torch.Tensor:
                 try:
-                    return self._swap_branch(attn, taps.q, captured, ip_hidden_states, masks, scales, hidden)
+                    return self._swap_branch(attn, captured, ip_hidden_states, masks, scales, hidden)
                 except Exception as error:  # swap changes the output: fail, naming the layer
                     raise self._swap_error(error) from error
 
             original.scale = [_zero_like(s) for s in scales]  # diffusers skips its image branch
-        taps.arm(keys=record and not swap, branch=branch)  # observe: keep the stock branch's keys
+        captured = taps.arm(branch)  # observe: the queries and the stock branch's keys
         try:
             out = call_stock(
                 attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
             )
         finally:
             taps.disarm()
-            q, keys = taps.take()
             if swap:
                 original.scale = shared_scale
-        if record and q is not None:
-            captured["q"], captured["keys"] = q, keys
+        if record and "attn.to_q" in captured:
             self._record_safely(lambda: self._record(attn, captured, ip_hidden_states, masks, scales))
         return out
 
     def _swap_branch(
         self,
         attn: Attention,
-        q_raw: torch.Tensor,
         captured: dict,
         ip_hidden_states: Sequence[torch.Tensor],
         masks: Sequence[Any],
@@ -231,6 +231,7 @@ class _UNetNWProcessor(NWProcessorBase):
         fused ``torch.add(hidden, out, alpha=scale)``, against the stock branch's two projections,
         SDPA, scale multiply and add (``tests/integration/test_swap_cost.py``).
         """
+        q_raw = captured["attn.to_q"][0]
         batch, rows, inner = q_raw.shape
         q = split_heads(q_raw, attn.heads)
         s = self.attention_scale(attn, q.shape[-1])
@@ -260,7 +261,7 @@ class _UNetNWProcessor(NWProcessorBase):
     ) -> None:
         """Record every softmax group of the image branch (q [B, H, N, d] against its keys), with the
         untrained-adapter control's keys of the same group, per draw, when the control is on."""
-        q_raw = captured["q"]
+        q_raw = captured["attn.to_q"][0]
         batch = q_raw.shape[0]
         heads = self._heads(attn.heads)
         if not heads:
