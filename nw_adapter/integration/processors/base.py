@@ -1,10 +1,17 @@
-"""What every NW processor family shares: adoption of the stock processor, selection, recording.
+"""What every NW processor family shares: the call, adoption of the stock processor, selection, recording.
 
 Each family module (:mod:`~nw_adapter.integration.processors.unet`,
 :mod:`~nw_adapter.integration.processors.sd3`, :mod:`~nw_adapter.integration.processors.flux`)
-subclasses :class:`NWProcessorBase` together with diffusers' processor class and only finds the
-queries, the keys and the softmax groups of its image branch (hooks, head split, masks,
-adapters). The base does the rest, once for every family:
+subclasses :class:`NWProcessorBase` together with diffusers' processor class and only says what
+its image branch is: a :class:`BranchSpec` (which module outputs to tap in observe and in swap,
+where swap's branch goes, how the stock call skips its own) and four methods (the call's image
+inputs, the stock arguments without them, swap's branch, the softmaxes to record as
+:class:`Softmax` objects: queries, keys, adapter / image indices, masses). The base does the rest,
+once for every family:
+
+- **The call** (:meth:`NWProcessorBase._nw_call`, the hot path, top to bottom): selection, the
+  stock call alone when nothing is selected, the taps armed (hooks registered once per attention
+  module, :class:`Taps`), the stock call, the taps disarmed in ``finally``, swap, safe recording.
 
 - **Adoption.** The NW processor registers the stock processor's modules (the same objects:
   ``to_k_ip``, ``to_v_ip`` and, for SD3, the norms), so its ``state_dict`` is the stock one, and
@@ -38,7 +45,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
@@ -142,21 +150,85 @@ class Taps:
         self.handles = []
 
 
+@dataclass(frozen=True)
+class BranchSpec:
+    """What a family's image branch is to the call skeleton (:meth:`NWProcessorBase._nw_call`).
+
+    Attributes:
+        observe_taps: the modules whose outputs the taps capture in observe
+            (:meth:`NWProcessorBase._tap_modules`: ``"attn.to_q"``, ``"to_k_ip"``, ...).
+        swap_taps: the same in swap (what the NW branch reads).
+        swap_site: where swap's NW branch goes: ``"to_out"``, it replaces the input ``hidden``
+            [B, N, H*d] of ``attn.to_out[0]`` (the taps' pre-hook; UNets, SD3), so dropout,
+            residual and rescaling stay diffusers'; ``"output"``, it replaces the processor's output
+            after the stock call (Flux, whose image branch is a separate third output).
+        mute_by: how the stock call skips its own image branch in swap: ``"scale"``, every adapter's
+            scale is 0 for the call and restored in ``finally`` (UNets: diffusers still validates
+            the IP masks); ``"inputs"``, the family's :meth:`~NWProcessorBase._without_branch`
+            arguments (no IP states: SD3, Flux).
+        every_pass: record every denoiser pass of a step; False: the first pass only (SD3, whose
+            skip-layer guidance reruns the conditional half with blocks skipped; swap applies to
+            every pass either way).
+        halves_by_pass: a denoiser pass is one CFG half (Flux's true CFG; :func:`batch_halves`).
+    """
+
+    observe_taps: tuple[str, ...]
+    swap_taps: tuple[str, ...]
+    swap_site: Literal["to_out", "output"] = "to_out"
+    mute_by: Literal["scale", "inputs"] = "inputs"
+    every_pass: bool = True
+    halves_by_pass: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Softmax:
+    """One softmax of an image branch, to be recorded (:meth:`NWProcessorBase._record_softmax`).
+
+    ``q`` [B, H, N, d] and ``k`` [B, H, M, d] in float32, the recorded heads only; ``scale`` the
+    softmax's s (A = softmax(q k^T s)); ``adapter_scale`` the adapter's IP-Adapter scale (a
+    per-block list is recorded as NaN); ``adapter`` / ``image`` the softmax's indices (image 0: an
+    adapter's images pooled into one softmax); ``key_set`` what the keys are
+    (:data:`~nw_adapter.integration.schema.KEY_SETS`); ``ip_mass`` [B, H] the joint softmax's mass
+    on the IP keys (SD3); ``maps`` whether its maps may be stored; ``control_keys`` per draw of the
+    untrained-adapter control, its keys ``[B, H, M0, d]``; ``references`` the m reference images
+    whose tokens make up the keys (a support set when m > 1).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    adapter_scale: Any
+    adapter: int = 0
+    image: int = 0
+    key_set: str = "ip"
+    ip_mass: torch.Tensor | None = None
+    maps: bool = False
+    control_keys: tuple[torch.Tensor, ...] = ()
+    references: int = 1
+
+
+def zero_scales(scales: Sequence[Any]) -> list[Any]:
+    """Every adapter's scale set to 0, in the same layout (a float, or a list per image or block)."""
+    return [[0.0] * len(s) if isinstance(s, (list, tuple)) else 0.0 for s in scales]
+
+
 class NWProcessorBase:
     """Mixin placed before a diffusers IP-Adapter processor class (see the module docstring).
 
-    Subclasses call :meth:`_adopt` from ``__init__``, list the stock modules to share in
-    ``_shared_modules`` and set ``halves_by_pass`` when a pass of the denoiser is one CFG half.
+    A family subclasses it with diffusers' processor class, calls :meth:`_adopt` from
+    ``__init__``, lists the stock modules to share in ``_shared_modules``, describes its branch in
+    ``spec`` (a :class:`BranchSpec`), forwards diffusers' ``__call__`` signature to
+    :meth:`_nw_call` and supplies what differs between families:
+
+    - :meth:`_image_inputs`: the call's image-branch inputs (None: the call has none);
+    - :meth:`_without_branch`: the stock arguments without the IP states (``mute_by="inputs"``);
+    - :meth:`_swap`: swap's NW image branch put in place;
+    - :meth:`_softmaxes`: the softmaxes of the branch (queries, keys, indices, masses ...) from
+      what the taps captured.
     """
 
     _shared_modules: tuple[str, ...] = ()
-    halves_by_pass: bool = False
-    observe_taps: tuple[str, ...] = ()
-    """The modules whose outputs the taps capture in observe (see :meth:`_tap_modules`)."""
-    swap_taps: tuple[str, ...] = ()
-    """The modules whose outputs the taps capture in swap."""
-    swap_at_output_projection: bool = False
-    """Swap adds its branch at the input of ``attn.to_out[0]`` (a pre-hook of the taps)."""
+    spec: BranchSpec = BranchSpec(observe_taps=(), swap_taps=())
 
     def _adopt(
         self, original: torch.nn.Module, *, layer_name: str, config: NWProcessorConfig, recorder: NWRecorder
@@ -171,6 +243,100 @@ class NWProcessorBase:
         self.layer_name = layer_name
         self.nw_config = config
         self.recorder = recorder
+
+    # ------------------------------------------------------------------ the call
+    def _nw_call(self, attn: torch.nn.Module, args: tuple) -> Any:
+        """One call of an NW processor of any family: diffusers' stock call with the NW side
+        computation around it. ``args``: the stock ``__call__``'s arguments after ``attn``, in its
+        order (each family's ``__call__`` keeps diffusers' signature and forwards them here).
+
+        1. Selection: record / swap at the current step (:meth:`_selection`); with neither, or no
+           image branch in this call (:meth:`_image_inputs` None), the stock call alone.
+        2. The taps (:meth:`_taps`, registered at the first call) are armed: they capture the
+           outputs the family's ``spec`` names. In swap the stock call skips its own image branch
+           (``spec.mute_by``) and, at ``spec.swap_site="to_out"``, the taps' pre-hook on
+           ``attn.to_out[0]`` puts the NW branch in place (:meth:`_swap`).
+        3. The stock call (diffusers' code: the output is its own); the taps are disarmed and the
+           muted scales restored in ``finally``, whatever the call raises.
+        4. Swap at ``spec.swap_site="output"``: :meth:`_swap` on the processor's output. A swap
+           failure raises a RuntimeError naming the layer and step (:meth:`_swap_error`).
+        5. Record: every softmax of :meth:`_softmaxes`, safely (:meth:`_record_safely`: a failure
+           rolls the layer back and is counted; the output stands).
+        """
+        stock = super().__call__  # type: ignore[misc]  # diffusers' processor, next in the MRO
+        record, swap = self._selection()
+        inputs = self._image_inputs(args) if record or swap else None
+        if inputs is None:
+            return stock(attn, *args)
+        spec = self.spec
+        taps = self._taps(attn)
+        branch = None
+        stock_args, muted, original = args, None, self.__dict__["_nw_original"]
+        if swap:
+            if spec.swap_site == "to_out":
+
+                def branch(hidden: torch.Tensor) -> torch.Tensor:
+                    return self._swap_safely(attn, inputs, captured, hidden)
+
+            if spec.mute_by == "scale":
+                muted = original.scale
+                original.scale = zero_scales(muted)  # diffusers skips every adapter's branch
+            else:
+                stock_args = self._without_branch(args)
+        captured = taps.arm(branch)
+        try:
+            out = stock(attn, *stock_args)
+        finally:
+            taps.disarm()
+            if muted is not None:
+                original.scale = muted
+        if swap and spec.swap_site == "output":
+            out = self._swap_safely(attn, inputs, captured, out)
+        if record:
+            self._record_safely(lambda: self._record(attn, inputs, captured))
+        return out
+
+    def _image_inputs(self, args: tuple) -> Any | None:
+        """The call's image-branch inputs (the family's, e.g. IP states, masks, scales) from the
+        stock arguments ``args``; None when this call has no image branch (the stock call alone)."""
+        raise NotImplementedError
+
+    def _without_branch(self, args: tuple) -> tuple:
+        """The stock arguments ``args`` with no IP states: the stock call skips its image branch
+        (swap, ``spec.mute_by="inputs"``)."""
+        raise NotImplementedError
+
+    def _swap(self, attn: torch.nn.Module, inputs: Any, captured: dict, x: Any) -> Any:
+        """Swap's NW image branch in place: ``x`` is ``attn.to_out[0]``'s input ``hidden``
+        [B, N, H*d] without the stock branch (``spec.swap_site="to_out"``) or the processor's output
+        (``"output"``); returns its replacement. ``captured``: what the taps captured so far (the
+        branch may add to it for :meth:`_softmaxes`)."""
+        raise NotImplementedError
+
+    def _softmaxes(
+        self, attn: torch.nn.Module, inputs: Any, captured: dict, heads: tuple[int, ...]
+    ) -> list[Softmax]:
+        """The softmaxes of the call's image branch to record, over the recorded ``heads``, from
+        what the taps (and swap's branch) captured."""
+        raise NotImplementedError
+
+    def _swap_safely(self, attn: torch.nn.Module, inputs: Any, captured: dict, x: Any) -> Any:
+        """:meth:`_swap`, its failure raised as :meth:`_swap_error` (swap changes the output)."""
+        try:
+            return self._swap(attn, inputs, captured, x)
+        except Exception as error:
+            raise self._swap_error(error) from error
+
+    def _record(self, attn: torch.nn.Module, inputs: Any, captured: dict) -> None:
+        """Record every softmax of :meth:`_softmaxes`, the CFG halves from the batch of the first."""
+        heads = self._heads(attn.heads)
+        if not heads:
+            return
+        softmaxes = self._softmaxes(attn, inputs, captured, heads)
+        if softmaxes:
+            halves = self._halves(softmaxes[0].q.shape[0])
+            for softmax in softmaxes:
+                self._record_softmax(softmax, halves=halves, heads=heads)
 
     @property
     def original(self) -> torch.nn.Module:
@@ -203,9 +369,14 @@ class NWProcessorBase:
 
     # ------------------------------------------------------------------ selection
     def _selection(self) -> tuple[bool, bool]:
-        """(record, swap) at the current step."""
-        selected = self.recorder.wants_step()
-        return self.nw_config.record_statistics and selected, self.nw_config.mode == "swap" and selected
+        """(record, swap) at the current step: ``config.steps``; with ``spec.every_pass`` False only
+        the step's first pass is recorded."""
+        rec = self.recorder
+        selected = rec.wants_step()
+        record = self.nw_config.record_statistics and selected
+        if record and not self.spec.every_pass and rec.state.pass_index:
+            record = False
+        return record, self.nw_config.mode == "swap" and selected
 
     def _heads(self, num_heads: int) -> tuple[int, ...]:
         """The recorded head indices of a layer with ``num_heads`` heads (``config.heads``)."""
@@ -227,20 +398,21 @@ class NWProcessorBase:
 
     def _halves(self, batch: int) -> tuple[str, ...]:
         """The CFG halves of this layer's batch at the current step (:func:`batch_halves`)."""
-        return batch_halves(batch, self.recorder.state, cfg=self.recorder.cfg, by_pass=self.halves_by_pass)
+        rec = self.recorder
+        return batch_halves(batch, rec.state, cfg=rec.cfg, by_pass=self.spec.halves_by_pass)
 
     def _taps(self, attn: torch.nn.Module) -> Taps:
         """This processor's :class:`Taps` on ``attn``, registered on the first call (and again only
         for another attention module, or after the recorder's detach removed them): the outputs
-        of the modules named by ``observe_taps`` / ``swap_taps`` (the mode's) and, in swap with
-        ``swap_at_output_projection``, the branch pre-hook on ``attn.to_out[0]``."""
+        of the modules named by ``spec.observe_taps`` / ``spec.swap_taps`` (the mode's) and, in
+        swap at ``spec.swap_site="to_out"``, the branch pre-hook on ``attn.to_out[0]``."""
         taps = self.__dict__.get("_nw_taps")
         if taps is None or taps.attn is not attn or not taps.handles:
             if taps is not None:
                 taps.remove()
-            swap = self.nw_config.mode == "swap"
-            outputs = self._tap_modules(attn, self.swap_taps if swap else self.observe_taps)
-            taps = Taps(attn, outputs, branch=swap and self.swap_at_output_projection)
+            spec, swap = self.spec, self.nw_config.mode == "swap"
+            outputs = self._tap_modules(attn, spec.swap_taps if swap else spec.observe_taps)
+            taps = Taps(attn, outputs, branch=swap and spec.swap_site == "to_out")
             self.__dict__["_nw_taps"] = taps
             self.recorder.taps.append(taps)
         return taps
@@ -351,31 +523,17 @@ class NWProcessorBase:
         except Exception as error:
             rec.skip(self.layer_name, error, rollback=mark)
 
-    def _record_softmax(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        *,
-        scale: float,
-        halves: tuple[str, ...],
-        heads: tuple[int, ...],
-        adapter: int,
-        image: int,
-        adapter_scale: Any,
-        key_set: str = "ip",
-        ip_mass: torch.Tensor | None = None,
-        maps: bool = False,
-        control_keys: Sequence[torch.Tensor] = (),
-        references: int = 1,
-    ) -> None:
-        """Record one softmax (float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]): reserve its entry and
+    def _record_softmax(self, softmax: Softmax, *, halves: tuple[str, ...], heads: tuple[int, ...]) -> None:
+        """Record one softmax (:class:`Softmax`: float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) of the
+        recorded ``heads``, its batch the blocks of ``halves``: reserve its entry and
         capture it for the deferred statistics (:mod:`.deferred`), or compute it here (maps stored
         for this layer, ``compile=True``, ``deferred_mb=0``).
 
         With several ``halves`` the batch is their blocks of rows and every statistic is averaged
-        within each; ``ip_mass`` [B, H] (SD3) is averaged the same way. ``adapter_scale``: the
-        adapter's scale (NaN in the records when it is a per-block list). ``maps``: also store A
-        and W when the recorder wants this layer's maps. ``control_keys``: per control draw k, the
+        within each; the softmax's ``ip_mass`` [B, H] (SD3) is averaged the same way. Its
+        ``adapter_scale``: the adapter's scale (NaN in the records when it is a per-block list);
+        ``maps``: also store A and W when the recorder wants this layer's maps; ``control_keys``:
+        per control draw k, the
         untrained adapter's keys ``k0`` [B, H, M0, d] (float32) of the same softmax. Each is
         rescaled to the trained keys' RMS norm per (batch row, head), ``k0m = k0 key_rms(k) /
         key_rms(k0)`` (:func:`~nw_adapter.integration.control.scale_matched`); the statistics of
@@ -395,26 +553,28 @@ class NWProcessorBase:
         """
         rec, cfg = self.recorder, self.nw_config
         state = rec.state
+        q, k, scale = softmax.q, softmax.k, softmax.scale
         if pure_noise_schedule(cfg, state):
             raise ValueError(
                 "bandwidth='schedule' is infinite at s = 1 (pure noise): the NW weights are uniform and "
                 "their rank statistics undefined; this step is not recorded (pick another bandwidth for it)"
             )
         batch, n = q.shape[0], len(halves)
+        ip_mass, references = softmax.ip_mass, softmax.references
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         support = None
         if references > 1:  # support sets only: computed here, in the layer, not deferred
             h_nw = support_bandwidth(cfg, state)
             support = support_values(q, k, scale=scale, h=h_nw, references=references, halves=n)
         entry = rec.reserve(
-            layer=self.layer_name, adapter=adapter, image=image, halves=halves, heads=heads,
-            scale=math.nan if isinstance(adapter_scale, (list, tuple)) else adapter_scale,
-            num_keys=k.shape[-2], key_set=key_set, ip_mass=mass, support=support,
+            layer=self.layer_name, adapter=softmax.adapter, image=softmax.image, halves=halves, heads=heads,
+            scale=math.nan if isinstance(softmax.adapter_scale, (list, tuple)) else softmax.adapter_scale,
+            num_keys=k.shape[-2], key_set=softmax.key_set, ip_mass=mass, support=support,
         )  # fmt: skip
         rule = cfg.bandwidth
         h = None if rule in ("median", "fitted") else resolve_bandwidth(cfg, state, q, k, scale)
-        capture = Capture(entry, q, k, scale, h, n, tuple(control_keys))
-        wants_maps = maps and cfg.store_maps and rec.wants_maps(self.layer_name)
+        capture = Capture(entry, q, k, scale, h, n, softmax.control_keys)
+        wants_maps = softmax.maps and cfg.store_maps and rec.wants_maps(self.layer_name)
         if not (wants_maps or cfg.compile or cfg.deferred_mb == 0):
             if rec.pending is None:
                 rec.pending = DeferredStatistics(cfg)
