@@ -63,6 +63,7 @@ from nw_adapter.integration.processors.selection import (
     resolve_bandwidth,
 )
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 from nw_adapter.integration.support import support_bandwidth, support_values
 
 __all__ = [
@@ -250,8 +251,10 @@ class NWProcessorBase:
         computation around it. ``args``: the stock ``__call__``'s arguments after ``attn``, in its
         order (each family's ``__call__`` keeps diffusers' signature and forwards them here).
 
-        1. Selection: record / swap at the current step (:meth:`_selection`); with neither, or no
-           image branch in this call (:meth:`_image_inputs` None), the stock call alone.
+        1. Selection: record / swap at the current pass, read from the pass's context (the
+           recorder's :attr:`~nw_adapter.integration.recorder.NWRecorder.context`, made once per
+           pass: :meth:`_selection`); with neither, or no image branch in this call
+           (:meth:`_image_inputs` None), the stock call alone.
         2. The taps (:meth:`_taps`, registered at the first call) are armed: they capture the
            outputs the family's ``spec`` names. In swap the stock call skips its own image branch
            (``spec.mute_by``) and, at ``spec.swap_site="to_out"``, the taps' pre-hook on
@@ -264,7 +267,8 @@ class NWProcessorBase:
            rolls the layer back and is counted; the output stands).
         """
         stock = super().__call__  # type: ignore[misc]  # diffusers' processor, next in the MRO
-        record, swap = self._selection()
+        ctx = self.recorder.context  # this pass: its state, CFG layout, step selection, memo
+        record, swap = self._selection(ctx)
         inputs = self._image_inputs(args) if record or swap else None
         if inputs is None:
             return stock(attn, *args)
@@ -276,7 +280,7 @@ class NWProcessorBase:
             if spec.swap_site == "to_out":
 
                 def branch(hidden: torch.Tensor) -> torch.Tensor:
-                    return self._swap_safely(attn, inputs, captured, hidden)
+                    return self._swap_safely(ctx, attn, inputs, captured, hidden)
 
             if spec.mute_by == "scale":
                 muted = original.scale
@@ -291,9 +295,9 @@ class NWProcessorBase:
             if muted is not None:
                 original.scale = muted
         if swap and spec.swap_site == "output":
-            out = self._swap_safely(attn, inputs, captured, out)
+            out = self._swap_safely(ctx, attn, inputs, captured, out)
         if record:
-            self._record_safely(lambda: self._record(attn, inputs, captured))
+            self._record_safely(ctx, lambda: self._record(ctx, attn, inputs, captured))
         return out
 
     def _image_inputs(self, args: tuple) -> Any | None:
@@ -306,11 +310,12 @@ class NWProcessorBase:
         (swap, ``spec.mute_by="inputs"``)."""
         raise NotImplementedError
 
-    def _swap(self, attn: torch.nn.Module, inputs: Any, captured: dict, x: Any) -> Any:
-        """Swap's NW image branch in place: ``x`` is ``attn.to_out[0]``'s input ``hidden``
-        [B, N, H*d] without the stock branch (``spec.swap_site="to_out"``) or the processor's output
-        (``"output"``); returns its replacement. ``captured``: what the taps captured so far (the
-        branch may add to it for :meth:`_softmaxes`)."""
+    def _swap(self, ctx: StepContext, attn: torch.nn.Module, inputs: Any, captured: dict, x: Any) -> Any:
+        """Swap's NW image branch in place at the pass ``ctx`` (the bandwidth: :meth:`_bandwidth`):
+        ``x`` is ``attn.to_out[0]``'s input ``hidden`` [B, N, H*d] without the stock branch
+        (``spec.swap_site="to_out"``) or the processor's output (``"output"``); returns its
+        replacement. ``captured``: what the taps captured so far (the branch may add to it for
+        :meth:`_softmaxes`)."""
         raise NotImplementedError
 
     def _softmaxes(
@@ -320,23 +325,25 @@ class NWProcessorBase:
         what the taps (and swap's branch) captured."""
         raise NotImplementedError
 
-    def _swap_safely(self, attn: torch.nn.Module, inputs: Any, captured: dict, x: Any) -> Any:
+    def _swap_safely(
+        self, ctx: StepContext, attn: torch.nn.Module, inputs: Any, captured: dict, x: Any
+    ) -> Any:
         """:meth:`_swap`, its failure raised as :meth:`_swap_error` (swap changes the output)."""
         try:
-            return self._swap(attn, inputs, captured, x)
+            return self._swap(ctx, attn, inputs, captured, x)
         except Exception as error:
             raise self._swap_error(error) from error
 
-    def _record(self, attn: torch.nn.Module, inputs: Any, captured: dict) -> None:
+    def _record(self, ctx: StepContext, attn: torch.nn.Module, inputs: Any, captured: dict) -> None:
         """Record every softmax of :meth:`_softmaxes`, the CFG halves from the batch of the first."""
         heads = self._heads(attn.heads)
         if not heads:
             return
         softmaxes = self._softmaxes(attn, inputs, captured, heads)
         if softmaxes:
-            halves = self._halves(softmaxes[0].q.shape[0])
+            halves = self._halves(ctx, softmaxes[0].q.shape[0])
             for softmax in softmaxes:
-                self._record_softmax(softmax, halves=halves, heads=heads)
+                self._record_softmax(softmax, ctx, halves=halves, heads=heads)
 
     @property
     def original(self) -> torch.nn.Module:
@@ -354,29 +361,28 @@ class NWProcessorBase:
 
     def _untrained_wanted(self) -> UntrainedControl | None:
         """The control when it is on for this processor (config and an attached control)."""
-        control = self.untrained_control
+        control = self.__dict__.get("_nw_untrained_control")
         return control if self.nw_config.untrained_control and control is not None else None
 
     @property
     def scale(self) -> Any:
         """The stock processor's ``scale`` (the same object: a list per adapter for UNets and Flux,
         a float for SD3); assigning it sets the stock processor's."""
-        return self.original.scale
+        return self.__dict__["_nw_original"].scale  # read by diffusers' own code too: no further call
 
     @scale.setter
     def scale(self, value: Any) -> None:
-        self.original.scale = value
+        self.__dict__["_nw_original"].scale = value
 
     # ------------------------------------------------------------------ selection
-    def _selection(self) -> tuple[bool, bool]:
-        """(record, swap) at the current step: ``config.steps``; with ``spec.every_pass`` False only
-        the step's first pass is recorded."""
-        rec = self.recorder
-        selected = rec.wants_step()
-        record = self.nw_config.record_statistics and selected
-        if record and not self.spec.every_pass and rec.state.pass_index:
-            record = False
-        return record, self.nw_config.mode == "swap" and selected
+    def _selection(self, ctx: StepContext) -> tuple[bool, bool]:
+        """(record, swap) at the pass ``ctx``: its step selected (``config.steps``); with
+        ``spec.every_pass`` False only the step's first pass is recorded."""
+        if not ctx.selected:
+            return False, False
+        config = self.nw_config
+        record = config.record_statistics and (self.spec.every_pass or not ctx.state.pass_index)
+        return record, config.mode == "swap"
 
     def _heads(self, num_heads: int) -> tuple[int, ...]:
         """The recorded head indices of a layer with ``num_heads`` heads (``config.heads``)."""
@@ -396,10 +402,14 @@ class NWProcessorBase:
             return x.float()
         return x.index_select(1, self._index(heads, x.device)).float()
 
-    def _halves(self, batch: int) -> tuple[str, ...]:
-        """The CFG halves of this layer's batch at the current step (:func:`batch_halves`)."""
-        rec = self.recorder
-        return batch_halves(batch, rec.state, cfg=rec.cfg, by_pass=self.spec.halves_by_pass)
+    def _halves(self, ctx: StepContext, batch: int) -> tuple[str, ...]:
+        """The CFG halves of a batch of ``batch`` rows at the pass ``ctx`` (:func:`batch_halves`),
+        resolved once per pass and batch size for every layer (``ctx.memo``)."""
+        key = ("halves", batch, self.spec.halves_by_pass)
+        labels = ctx.memo.get(key)
+        if labels is None:
+            labels = ctx.memo[key] = batch_halves(batch, ctx.state, cfg=ctx.cfg, by_pass=key[2])
+        return labels
 
     def _taps(self, attn: torch.nn.Module) -> Taps:
         """This processor's :class:`Taps` on ``attn``, registered on the first call (and again only
@@ -439,17 +449,22 @@ class NWProcessorBase:
             taps.remove()
 
     # ------------------------------------------------------------------ bandwidth and swap
-    def _bandwidth(self, q: torch.Tensor, k: torch.Tensor, s: float) -> torch.Tensor | float:
-        """h of one softmax at the current step (:func:`resolve_bandwidth`); the rules that read no
-        keys (fixed, matched, schedule) are resolved once per step and scale."""
-        cfg, state = self.nw_config, self.recorder.state
-        if cfg.bandwidth in ("median", "fitted"):
-            return resolve_bandwidth(cfg, state, q, k, s)
-        cached = self.__dict__.get("_nw_step_h")
-        if cached is not None and cached[0] is state and cached[1] == s:
-            return cached[2]
-        h = resolve_bandwidth(cfg, state, q, k, s)
-        self.__dict__["_nw_step_h"] = (state, s, h)
+    def _bandwidth(
+        self, q: torch.Tensor, k: torch.Tensor, s: float, ctx: StepContext | None = None
+    ) -> torch.Tensor | float:
+        """h of one softmax at the pass ``ctx`` (default: the current one; :func:`resolve_bandwidth`);
+        the rules that read no keys (fixed, matched, schedule) are resolved once per pass and
+        softmax scale s for every layer (``ctx.memo``)."""
+        cfg = self.nw_config
+        if ctx is None:
+            ctx = self.recorder.context
+        rule = cfg.bandwidth
+        if rule == "median" or rule == "fitted":
+            return resolve_bandwidth(cfg, ctx.state, q, k, s)
+        key = ("h", rule, cfg.schedule_c, s)
+        h = ctx.memo.get(key)
+        if h is None:
+            h = ctx.memo[key] = resolve_bandwidth(cfg, ctx.state, q, k, s)
         return h
 
     def _nw_head(
@@ -506,15 +521,15 @@ class NWProcessorBase:
         )
 
     # ------------------------------------------------------------------ recording
-    def _record_safely(self, record: Callable[[], None]) -> None:
-        """Run ``record()``; if it raises, roll back what it stored and count the skipped pair
-        (observe never fails a generation that stock completes; see ``NWRecorder.skip``).
+    def _record_safely(self, ctx: StepContext, record: Callable[[], None]) -> None:
+        """Run ``record()`` at the pass ``ctx``; if it raises, roll back what it stored and count the
+        skipped pair (observe never fails a generation that stock completes; see ``NWRecorder.skip``).
 
         Pending statistics that are due (over ``config.deferred_mb``, or of an earlier call) are
         computed first, outside the rollback window."""
         rec = self.recorder
         pending = rec.pending
-        if pending is not None and pending.due(rec.state.call):
+        if pending is not None and pending.due(ctx.state.call):
             rec.settle()
         mark = rec.mark()
         try:
@@ -523,7 +538,9 @@ class NWProcessorBase:
         except Exception as error:
             rec.skip(self.layer_name, error, rollback=mark)
 
-    def _record_softmax(self, softmax: Softmax, *, halves: tuple[str, ...], heads: tuple[int, ...]) -> None:
+    def _record_softmax(
+        self, softmax: Softmax, ctx: StepContext, *, halves: tuple[str, ...], heads: tuple[int, ...]
+    ) -> None:
         """Record one softmax (:class:`Softmax`: float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) of the
         recorded ``heads``, its batch the blocks of ``halves``: reserve its entry and
         capture it for the deferred statistics (:mod:`.deferred`), or compute it here (maps stored
@@ -552,9 +569,10 @@ class NWProcessorBase:
                 undefined): the pair is skipped, not recorded as NaN.
         """
         rec, cfg = self.recorder, self.nw_config
-        state = rec.state
+        state = ctx.state
         q, k, scale = softmax.q, softmax.k, softmax.scale
-        if pure_noise_schedule(cfg, state):
+        rule = cfg.bandwidth
+        if rule == "schedule" and pure_noise_schedule(cfg, state):
             raise ValueError(
                 "bandwidth='schedule' is infinite at s = 1 (pure noise): the NW weights are uniform and "
                 "their rank statistics undefined; this step is not recorded (pick another bandwidth for it)"
@@ -571,8 +589,7 @@ class NWProcessorBase:
             scale=math.nan if isinstance(softmax.adapter_scale, (list, tuple)) else softmax.adapter_scale,
             num_keys=k.shape[-2], key_set=softmax.key_set, ip_mass=mass, support=support,
         )  # fmt: skip
-        rule = cfg.bandwidth
-        h = None if rule in ("median", "fitted") else resolve_bandwidth(cfg, state, q, k, scale)
+        h = None if rule == "median" or rule == "fitted" else self._bandwidth(q, k, scale, ctx)
         capture = Capture(entry, q, k, scale, h, n, softmax.control_keys)
         wants_maps = softmax.maps and cfg.store_maps and rec.wants_maps(self.layer_name)
         if not (wants_maps or cfg.compile or cfg.deferred_mb == 0):
@@ -580,13 +597,13 @@ class NWProcessorBase:
                 rec.pending = DeferredStatistics(cfg)
             rec.pending.add(capture)
             return
-        self._compute_now(capture, wants_maps)
+        self._compute_now(capture, wants_maps, ctx)
 
-    def _compute_now(self, capture: Capture, wants_maps: bool) -> None:
+    def _compute_now(self, capture: Capture, wants_maps: bool, ctx: StepContext) -> None:
         """The per-layer path: the statistics of ``capture`` now (and its maps when wanted)."""
         rec, cfg, entry = self.recorder, self.nw_config, capture.entry
         q, k, scale, n = capture.q, capture.k, capture.scale, capture.halves
-        h = capture.h if capture.h is not None else resolve_bandwidth(cfg, rec.state, q, k, scale)
+        h = capture.h if capture.h is not None else resolve_bandwidth(cfg, ctx.state, q, k, scale)
         draws = None
         if cfg.nulls:
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, rec.generator(q.device))
@@ -600,7 +617,7 @@ class NWProcessorBase:
             entry.control = torch.stack(per_draw)
         entry.stats = values
         if wants_maps:
-            hw = rec.state.latent_hw
+            hw = ctx.state.latent_hw
             reduced = reduce_maps(cfg, heads=entry.heads, attn_w=attn_w, nw_w=nw_w, latent_hw=hw)
             if reduced is not None:
                 attn_map, nw_map, meta = reduced

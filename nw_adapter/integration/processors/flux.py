@@ -37,6 +37,7 @@ from nw_adapter.integration import support
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.base import BranchSpec, NWProcessorBase, Softmax
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 
 
 class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
@@ -112,7 +113,12 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         return (*args[:4], [], args[5])
 
     def _swap(
-        self, attn: Any, inputs: tuple[Sequence[torch.Tensor], list[Any]], captured: dict, out: tuple
+        self,
+        ctx: StepContext,
+        attn: Any,
+        inputs: tuple[Sequence[torch.Tensor], list[Any]],
+        captured: dict,
+        out: tuple,
     ) -> tuple:
         """The stock output with ``sum_j scale_j * GKA(q, k_j, v_j, h)`` ``[B, N, H*d]`` added to its
         (zero) image-branch output."""
@@ -124,7 +130,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
         for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
             value = self._split(self.to_v_ip[j](states), attn.heads)
-            h = self._bandwidth(q, key, s)
+            h = self._bandwidth(q, key, s, ctx)
             branch = self._gaussian_head(q, key, value, h)
             total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
         return text_out, context_out, ip_out + total

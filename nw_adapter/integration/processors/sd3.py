@@ -49,6 +49,7 @@ from nw_adapter.integration.processors.base import (
     spread_rows,
 )
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 
 
 class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttnProcessor2_0):
@@ -124,7 +125,12 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         return (*args[:3], None, args[4])
 
     def _swap(
-        self, attn: Attention, inputs: tuple[torch.Tensor, torch.Tensor], captured: dict, hidden: torch.Tensor
+        self,
+        ctx: StepContext,
+        attn: Attention,
+        inputs: tuple[torch.Tensor, torch.Tensor],
+        captured: dict,
+        hidden: torch.Tensor,
     ) -> torch.Tensor:
         """``hidden + scale * GKA(q, k, v, h)`` ``[B, N, H*d]``: the stock branch's SDPA over the joint
         keys replaced (q, k, v formed with the stock modules from the captured projections); the
@@ -141,7 +147,7 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         )
         captured["swap"] = (q, k_img, k_ip)  # recorded as observe records the stock branch's
         s = 1.0 / math.sqrt(q.shape[-1])
-        h = self._bandwidth(q, key, s)
+        h = self._bandwidth(q, key, s, ctx)
         out = self._gaussian_head(q, key, value, h)
         batch, _, rows, head_dim = out.shape
         return hidden + out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype) * self.scale

@@ -60,6 +60,7 @@ from diffusers.models.attention_processor import (
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.base import BranchSpec, NWProcessorBase, Softmax, split_heads
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 
 
 def _is_zero(scale: float | Sequence[float]) -> bool:
@@ -150,7 +151,7 @@ class _UNetNWProcessor(NWProcessorBase):
         return UNetInputs(encoder_hidden_states[1], masks, scales)
 
     def _swap(
-        self, attn: Attention, inputs: UNetInputs, captured: dict, hidden: torch.Tensor
+        self, ctx: StepContext, attn: Attention, inputs: UNetInputs, captured: dict, hidden: torch.Tensor
     ) -> torch.Tensor:
         """``hidden + sum_g scale_g * mask_g * GKA(q, k_g, v_g, h)``: the NW image branch added to
         the text attention output ``hidden`` [B, N, H*d] (the input of ``to_out[0]``).
@@ -175,7 +176,7 @@ class _UNetNWProcessor(NWProcessorBase):
             tokens = g.states.reshape(-1, g.states.shape[-1])  # [B*M, cross]
             g.key = split_heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
             g.value = split_heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            out = self._nw_head(q, g.key, g.value, self._bandwidth(q, g.key, s))
+            out = self._nw_head(q, g.key, g.value, self._bandwidth(q, g.key, s, ctx))
             out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
             if g.mask is not None:
                 out = out * self._mask_factor(g.mask, batch, rows, inner, out)
