@@ -516,7 +516,7 @@ class NWProcessorBase:
     def _swap_error(self, error: Exception) -> RuntimeError:
         """The error swap raises (it changes the output, so it may fail), naming layer and step."""
         return RuntimeError(
-            f"NW swap failed in layer {self.layer_name!r} at step {self.recorder.state.step}: "
+            f"NW swap failed in layer {self.layer_name!r} at step {self.recorder.context.state.step}: "
             f"{type(error).__name__}: {error}"
         )
 
