@@ -274,21 +274,20 @@ class NWProcessorBase:
             return stock(attn, *args)
         spec = self.spec
         taps = self._taps(attn)
-        branch = None
-        stock_args, muted, original = args, None, self.__dict__["_nw_original"]
-        if swap:
-            if spec.swap_site == "to_out":
+        branch, stock_args = None, args
+        if swap and spec.swap_site == "to_out":
 
-                def branch(hidden: torch.Tensor) -> torch.Tensor:
-                    return self._swap_safely(ctx, attn, inputs, captured, hidden)
+            def branch(hidden: torch.Tensor) -> torch.Tensor:  # run by the taps' pre-hook, mid-call
+                return self._swap_safely(ctx, attn, inputs, captured, hidden)
 
-            if spec.mute_by == "scale":
+        if swap and spec.mute_by == "inputs":
+            stock_args = self._without_branch(args)
+        captured = taps.arm(branch)  # what the call's tapped modules output, in order
+        muted, original = None, self.__dict__["_nw_original"]
+        try:
+            if swap and spec.mute_by == "scale":
                 muted = original.scale
                 original.scale = zero_scales(muted)  # diffusers skips every adapter's branch
-            else:
-                stock_args = self._without_branch(args)
-        captured = taps.arm(branch)
-        try:
             out = stock(attn, *stock_args)
         finally:
             taps.disarm()

@@ -10,8 +10,9 @@ a separate softmax per adapter over its IP tokens (M_j = images x tokens), with 
 RMS-normalised query and un-normalised IP keys; the block adds ``ip_out`` to its hidden states.
 Single-stream blocks carry no IP-Adapter.
 
-Observe: a forward hook on ``attn.norm_q`` (called once per processor call) captures q exactly
-as the stock branch uses it; ``super().__call__``'s output is returned untouched. Each adapter's
+Observe: the taps' forward hook on ``attn.norm_q`` (called once per processor call; registered at
+the first call, armed during ``super().__call__`` only) captures q exactly as the stock branch
+uses it; ``super().__call__``'s output is returned untouched. Each adapter's
 softmax is compared with the NW weights over its keys (recomputed with the stock ``to_k_ip``).
 
 Swap: ``super().__call__`` runs with an empty list of IP states (its image-branch output is then

@@ -19,9 +19,10 @@ comparisons per (layer, head, CFG half):
   over the image (the joint key set grows with the image: N = 4096 at 1024 px);
 
 and ``ip_mass``, the joint softmax's mass on the IP keys, sum_{i in IP} A_ni averaged over the
-same rows, beside both. q, k and k_ip are the very tensors the stock processor forms: forward
-hooks on its ``norm_q``, ``norm_k`` and ``norm_ip_k`` (called only in the image branch) capture
-them during ``super().__call__``, whose output is returned untouched (observe is bit-identical).
+same rows, beside both. q, k and k_ip are the very tensors the stock processor forms: the taps'
+forward hooks on its ``norm_q``, ``norm_k`` and ``norm_ip_k`` (called only in the image branch;
+registered at the first call, armed during ``super().__call__`` only) capture them, and the
+stock output is returned untouched (observe is bit-identical).
 
 A further transformer pass of the same step (skip-layer guidance, ``skip_guidance_layers``, runs
 the conditional half again with some blocks skipped) is not recorded; swap applies to it too.

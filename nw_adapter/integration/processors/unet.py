@@ -38,9 +38,9 @@ Failures: in observe a side computation that raises never fails the layer: the s
 returned, the recorder drops what the layer stored at that step, counts the (step, layer) pair
 with its reason and warns once (:meth:`~nw_adapter.integration.recorder.NWRecorder.skip`). In
 swap the output depends on the NW branch, so its failure raises a RuntimeError naming the layer.
-Both, the head selection, the CFG halves and the statistics of each softmax are the base's
-(:class:`~nw_adapter.integration.processors.base.NWProcessorBase`); this module finds q, k and the
-softmax groups.
+Both, the call sequence, the head selection, the CFG halves and the statistics of each softmax are
+the base's (:class:`~nw_adapter.integration.processors.base.NWProcessorBase`); this module finds
+q, k and the softmax groups.
 """
 
 from __future__ import annotations
