@@ -543,7 +543,7 @@ class NWProcessorBase:
         """Record one softmax (:class:`Softmax`: float32 ``q`` [B, H, N, d], ``k`` [B, H, M, d]) of the
         recorded ``heads``, its batch the blocks of ``halves``: reserve its entry and
         capture it for the deferred statistics (:mod:`.deferred`), or compute it here (maps stored
-        for this layer, ``compile=True``, ``deferred_mb=0``).
+        for this layer, ``deferred_mb=0``).
 
         With several ``halves`` the batch is their blocks of rows and every statistic is averaged
         within each; the softmax's ``ip_mass`` [B, H] (SD3) is averaged the same way. Its
@@ -591,7 +591,7 @@ class NWProcessorBase:
         h = None if rule == "median" or rule == "fitted" else self._bandwidth(q, k, scale, ctx)
         capture = Capture(entry, q, k, scale, h, n, softmax.control_keys)
         wants_maps = softmax.maps and cfg.store_maps and rec.wants_maps(self.layer_name)
-        if not (wants_maps or cfg.compile or cfg.deferred_mb == 0):
+        if not (wants_maps or cfg.deferred_mb == 0):
             if rec.pending is None:
                 rec.pending = DeferredStatistics(cfg)
             rec.pending.add(capture)
