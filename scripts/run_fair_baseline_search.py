@@ -21,7 +21,7 @@ model was trained; a finished checkpoint under ``--checkpoints`` is reused, not 
 evaluation CPU time of OFF and of the plug-in, and the per-task MMD^2 of both.
 
 Usage: python scripts/run_fair_baseline_search.py --out runs/fair_search.jsonl
-           [--tasks 32] [--points 400] [--scales 0,1,2,3,4] [--threads 1]
+           [--tasks 32] [--points 400] [--scales 0,3] [--threads 1] [--eval-batch 25]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from nw_adapter.experiments.training import TrainConfig, TrainResult, loss_plate
 #: (d_model, layers, steps, tasks per batch, targets per task, lr), cheapest first.
 SCALES = (
     (32, 2, 1500, 16, 32, 2e-3),
+    (32, 2, 3000, 16, 32, 2e-3),
+    (32, 2, 1500, 32, 64, 1e-3),
     (32, 2, 3000, 32, 64, 1e-3),
     (64, 2, 3000, 32, 64, 1e-3),
     (64, 2, 6000, 32, 64, 5e-4),

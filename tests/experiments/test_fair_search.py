@@ -36,10 +36,12 @@ def test_parse_scales_picks_indices_in_order_once(search):
     assert search.parse_scales("1", num=2) == [1]
 
 
-@pytest.mark.parametrize("text", ["", "5", "-1", "a", "1,,2"])
+@pytest.mark.parametrize("text", ["", "99", "-1", "a", "1,,2"])
 def test_parse_scales_rejects_what_is_not_an_index(search, text):
     with pytest.raises(ValueError, match="--scales"):
         search.parse_scales(text)
+    with pytest.raises(ValueError, match="--scales"):
+        search.parse_scales(str(len(search.SCALES)))  # one past the last index
 
 
 def _tasks(seed: int, n: int = 200) -> np.ndarray:
@@ -111,5 +113,5 @@ def test_main_rejects_too_small_evaluation(search, tmp_path):
     with pytest.raises(SystemExit):
         search.main(["--out", str(tmp_path / "x.jsonl"), "--tasks", "1"])
     with pytest.raises(SystemExit):
-        search.main(["--out", str(tmp_path / "x.jsonl"), "--scales", "9"])
+        search.main(["--out", str(tmp_path / "x.jsonl"), "--scales", "99"])
     assert not (tmp_path / "x.jsonl").exists()
