@@ -53,11 +53,15 @@ MODELS: dict[str, tuple[dict[str, Any], int, int]] = {
 }
 #: the variants run on the GPU (their processor options are host_cost's, installed by UNetCalls).
 VARIANTS: dict[str, dict[str, Any]] = {name: HOST_COST_VARIANTS[name] for name in ("observe", "swap")}
+#: observe with the deferred statistics compiled (CUDA graphs on CUDA), run for ``--compiled-models``.
+COMPILED = {"observe_compiled": {**HOST_COST_VARIANTS["observe"], "compile": True}}
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 class Calls(UNetCalls):
     """A UNet, its inputs and one whole call (forwards + the recorder's export) per variant."""
+
+    variants = {**HOST_COST_VARIANTS, **COMPILED}
 
     def __init__(self, model: str, device: torch.device, dtype: torch.dtype, forwards: int) -> None:
         config, latent, width = MODELS[model]
@@ -88,13 +92,22 @@ def profile_call(calls: Calls, device: torch.device) -> dict[str, Any]:
 
 
 def run(
-    models: Sequence[str], device: torch.device, dtype: torch.dtype, forwards: int, repeats: int
+    models: Sequence[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    forwards: int,
+    repeats: int,
+    compiled_models: Sequence[str] = (),
+    on_model: Any = None,
 ) -> dict[str, Any]:
-    """Timed and profiled calls of every model and variant (see the module docstring)."""
+    """Timed and profiled calls of every model and variant (see the module docstring); the models
+    in ``compiled_models`` also run ``observe_compiled`` (its first call compiles: reported as
+    ``first_call_s``, outside the timed repeats). ``on_model(result)`` runs after each model (the
+    CLI writes the files then, so a run stopped by a time cap keeps the models that finished)."""
     out: dict[str, Any] = {"machine": machine_info(device), "forwards": forwards, "models": {}}
     for model in models:
         calls = Calls(model, device, dtype, forwards)
-        names = ["stock", *VARIANTS]
+        names = ["stock", *VARIANTS, *(COMPILED if model in compiled_models else ())]
         timed = time_interleaved(
             {name: calls.call for name in names},
             repeats=repeats,
@@ -119,6 +132,8 @@ def run(
             for name in names
         }
         del calls
+        if on_model is not None:
+            on_model(out)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
@@ -150,20 +165,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forwards", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/gpu_results"))
+    parser.add_argument(
+        "--compiled-models", nargs="*", default=[], choices=list(MODELS),
+        help="models that also run observe with compile=True (CUDA graphs on CUDA)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_profile: --device cuda but CUDA is not available; pass --device cpu", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    result = run(args.models, device, getattr(torch, args.dtype), args.forwards, args.repeats)
-    text = summary(result)
-    print(text)
     from nw_adapter.atomic import atomic_write_text
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out_dir / "profile.txt", text + "\n")
-    atomic_write_text(args.out_dir / "profile.json", json.dumps(result, indent=1, default=str))
+
+    def write(result: dict[str, Any]) -> None:
+        atomic_write_text(args.out_dir / "profile.txt", summary(result) + "\n")
+        atomic_write_text(args.out_dir / "profile.json", json.dumps(result, indent=1, default=str))
+
+    dtype = getattr(torch, args.dtype)
+    options = {"compiled_models": args.compiled_models, "on_model": write}
+    result = run(args.models, device, dtype, args.forwards, args.repeats, **options)
+    print(summary(result))
     return 0
 
 

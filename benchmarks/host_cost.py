@@ -69,6 +69,8 @@ class UNetCalls:
     inputs: dict[str, Any]
     timesteps: list[torch.Tensor]
     recorder: Any = None
+    #: variant name -> NW processor options (subclasses may add variants)
+    variants: dict[str, dict[str, Any]] = VARIANTS
 
     def install(self, variant: str) -> None:
         """Put the variant's processors in place (stock: the original ones)."""
@@ -78,7 +80,7 @@ class UNetCalls:
         remove_nw_processor(self.unet)
         self.recorder = None
         if variant != "stock":
-            self.recorder = apply_nw_processor(self.unet, NWProcessorConfig(**VARIANTS[variant]))
+            self.recorder = apply_nw_processor(self.unet, NWProcessorConfig(**self.variants[variant]))
 
     def forwards(self) -> None:
         """One forward per timestep, the recorder cleared and a new call begun first."""

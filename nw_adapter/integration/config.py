@@ -104,11 +104,15 @@ class NWProcessorConfig:
         map_dtype: ``"float16"`` or ``"float32"`` storage of the maps.
         map_max_mb: cap on stored map memory; maps beyond it are dropped with a warning.
         chunk_size: query chunk of the Gaussian-kernel attention in swap mode (None = one).
-        compile: run the statistics of each layer as one ``torch.compile``'d function per layer
-            shape (fewer dispatched operations; equal to eager within float32 tolerance). The
-            first call of each shape compiles (seconds; logged); where compilation is not
-            available a one-line warning says so and the eager code runs. Off by default (it
-            is not measured on a GPU yet).
+        compile: run the statistics as one ``torch.compile``'d function per shape (each deferred
+            group's call, or each layer's on the per-layer path); on CUDA with
+            ``mode="reduce-overhead"`` (CUDA graphs: one replay per group instead of ~100
+            launches). Equal to eager within float32 tolerance. The first call of each shape
+            compiles (minutes on a CPU; logged); where compilation is not available a one-line
+            warning says so and the eager code runs. Off by default: on a CPU it does not pay
+            (the host-cost proxy's largest group: 102 ms compiled against 86 ms eager per call,
+            after a 159 s compile, 2026-12-02 at load 7; benchmarks/README.md), and on a GPU it
+            is not measured yet.
         untrained_control: also record, per softmax, the statistics of the same queries against
             the keys of *untrained* adapters (the IP-Adapter training recipe's initialisation,
             THEORY.md section 4, docs/controls.md; :mod:`nw_adapter.integration.untrained`), built
@@ -137,7 +141,7 @@ class NWProcessorConfig:
             (:mod:`~nw_adapter.integration.processors.deferred`). The captures hold diffusers'
             float32 query tensors until then (at most this bound plus one layer's). 0 = each
             layer computes its statistics in the call (the per-layer path; so do layers whose maps
-            are stored and ``compile=True``). The records are the same either way; the nulls'
+            are stored). The records are the same either way; the nulls'
             random numbers are drawn per group, not per layer.
 
     Example:

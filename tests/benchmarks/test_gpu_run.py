@@ -269,3 +269,27 @@ def test_gpu_profile_refuses_cuda_without_cuda(capsys) -> None:
 
     assert gpu_profile.main(["--device", "cuda"]) == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_gpu_profile_runs_observe_compiled_for_the_compiled_models(tmp_path, monkeypatch) -> None:
+    """--compiled-models adds observe with compile=True to those models only, and the files are
+    written after each model (torch.compile replaced by the identity: nothing is compiled here)."""
+    from benchmarks import gpu_profile
+    from nw_adapter.integration.stats import compiled
+
+    monkeypatch.setattr(torch, "compile", lambda function, **kwargs: function)
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    written = []
+    result = gpu_profile.run(
+        ["toy"], torch.device("cpu"), torch.float32, forwards=2, repeats=1, compiled_models=["toy"],
+        on_model=lambda out: written.append(sorted(out["models"])),
+    )  # fmt: skip
+    assert set(result["models"]["toy"]) == {"stock", "observe", "swap", "observe_compiled"}
+    assert written == [["toy"]]
+    assert compiled._COMPILED["fn"].seen  # the compiled function served the observed call
+
+
+def test_gpu_run_script_runs_the_profile_under_its_cap() -> None:
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_run.sh").read_text()
+    assert "benchmarks/gpu_profile.py" in script and "--compiled-models sd15_512" in script
+    assert "timeout --signal=INT --kill-after=10 290" in script

@@ -22,7 +22,8 @@ from nw_adapter.integration.stats import compiled
 C, HEADS, DIM, ROWS, TOKENS = 32, 2, 16, 36, 4
 
 
-def _run(**options) -> list[dict]:
+def _observed_layer(**options) -> tuple[Attention, NWRecorder, tuple]:
+    """One IP-Adapter attention layer with an NW processor, its recorder and its inputs."""
     torch.manual_seed(0)
     attn = Attention(C, cross_attention_dim=24, heads=HEADS, dim_head=DIM).eval()
     stock = IPAdapterAttnProcessor2_0(C, 24, num_tokens=(TOKENS,), scale=0.8)
@@ -33,8 +34,13 @@ def _run(**options) -> list[dict]:
     attn.set_processor(
         nw_processor_for(stock, layer_name="up_blocks.1.attn2.processor", config=rec.config, recorder=rec)
     )
+    return attn, rec, (x, (text, ip))
+
+
+def _run(**options) -> list[dict]:
+    attn, rec, inputs = _observed_layer(**options)
     with torch.no_grad():
-        attn(x, (text, ip))
+        attn(*inputs)
     return rec.to_records()
 
 
@@ -84,3 +90,42 @@ def test_compile_falls_back_to_eager_with_one_warning(monkeypatch):
 def test_compile_option_is_validated():
     with pytest.raises(ValueError, match="`compile` must be True or False"):
         NWProcessorConfig(compile="yes")
+
+
+def test_compiled_statistics_are_deferred_like_eager():
+    """compile=True no longer forces the per-layer path: the layer only captures, the group's
+    compiled call runs when the records are read (nothing is compiled here)."""
+    attn, rec, inputs = _observed_layer(compile=True)
+    with torch.no_grad():
+        attn(*inputs)
+    assert rec.pending is not None and len(rec.pending) == 1
+    assert all(entry.stats is None for entry in rec._entries)
+
+
+def test_cuda_inputs_get_cuda_graphs_and_cloned_outputs(monkeypatch):
+    """On CUDA the compiled function runs under CUDA graphs (mode="reduce-overhead"): each call
+    marks a step and clones the outputs a replay would overwrite (checked without a GPU)."""
+    modes = []
+
+    def fake_compile(function, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return function
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    statistics = compiled.CompiledStatistics()
+    assert statistics.function_for(torch.device("cpu")) is statistics.function
+    assert statistics.function_for(torch.device("cuda")) is statistics.graphed
+    assert modes == [None, "reduce-overhead"]
+
+    buffers = (torch.zeros(3), torch.zeros(2))
+    marks = []
+    statistics.graphed = lambda *args: buffers
+    monkeypatch.setattr(statistics, "function_for", lambda device: statistics.graphed)
+    monkeypatch.setattr(compiled, "_run_and_count_launches", lambda function, *args: (function(*args), 1))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    q, k = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 3, 4)
+    for _ in range(2):
+        out = statistics(q, k, 1.0, 0.5, None, None, 1)
+        assert all(got is not buffer for got, buffer in zip(out, buffers, strict=True))
+        assert all(torch.equal(got, buffer) for got, buffer in zip(out, buffers, strict=True))
+    assert len(marks) == 2

@@ -25,7 +25,9 @@ When the flush runs:
 
 Memory bound: at most ``deferred_mb`` MiB of captured tensors plus one capture (the references
 keep diffusers' query tensors alive until the flush). ``deferred_mb=0`` computes each softmax
-in its layer (the per-layer path); so do layers whose maps are stored and ``compile=True``.
+in its layer (the per-layer path); so do layers whose maps are stored. With ``compile=True``
+each group's call is the compiled function (one graph per group shape; on CUDA under CUDA
+graphs, :mod:`~nw_adapter.integration.stats.compiled`).
 
 Failures: a group that raises is retried capture by capture; a capture that still raises drops
 every entry of its (call, step, layer) and is counted as a skipped pair
@@ -137,7 +139,10 @@ class DeferredStatistics:
         if cfg.nulls:
             generator = recorder.generator(q.device, call=first.entry.call)
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, generator)
-        common = {"scale": first.scale, "halves": halves, "readings": cfg.readings, "fit_rows": cfg.fit_rows}
+        common = {
+            "scale": first.scale, "halves": halves, "readings": cfg.readings, "fit_rows": cfg.fit_rows,
+            "compile": cfg.compile,
+        }  # fmt: skip
         h = first.h if first.h is not None else group_bandwidth(cfg, q, k, first.scale)
         values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
         control = None

@@ -1,9 +1,13 @@
-"""The fast path under :func:`torch.compile`: one graph per layer shape, timed, launches counted.
+"""The fast path under :func:`torch.compile`: one graph per shape, timed, launches counted.
 
-Compiled once per process (``dynamic=False``: dynamo specialises one graph per layer shape on
-first use). If compilation is unavailable (no C++/Triton toolchain, unsupported platform), one
-warning line says so and the eager function is used; the results are the same within float32
-tolerance either way.
+Compiled once per process (``dynamic=False``: dynamo specialises one graph per shape on first
+use). On CUDA the graph runs under CUDA graphs (``mode="reduce-overhead"``): one replay instead
+of one launch per kernel, the host cost that matters on a GPU; each call marks a new step
+(:func:`torch.compiler.cudagraph_mark_step_begin`) and its outputs are cloned, since a replay
+overwrites the graph's output buffers and the deferred statistics keep their results. If
+compilation is unavailable (no C++/Triton toolchain, unsupported platform), one warning line
+says so and the eager function is used; the results are the same within float32 tolerance
+either way.
 """
 
 from __future__ import annotations
@@ -56,21 +60,37 @@ class CompiledStatistics:
 
     def __init__(self) -> None:
         self.function: Callable[..., Any] | None = torch.compile(layer_statistics, dynamic=False)
+        self.graphed: Callable[..., Any] | None = None  # CUDA: made on the first CUDA call
         self.seen: set[tuple] = set()
         self.launches: dict[tuple, int] = {}
 
+    def function_for(self, device: torch.device) -> Callable[..., Any] | None:
+        """The compiled function for inputs on ``device``: under CUDA graphs on CUDA (None after
+        a fallback to eager)."""
+        if self.function is None or device.type != "cuda":
+            return self.function
+        if self.graphed is None:
+            self.graphed = torch.compile(layer_statistics, dynamic=False, mode="reduce-overhead")
+        return self.graphed
+
     def __call__(self, q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256):  # noqa: ANN001, ANN204
         args = (q, k, h, scale, valid, draws, halves, readings, fit_rows)  # as layer_statistics
-        if self.function is None:
+        function = self.function_for(q.device)
+        if function is None:
             return layer_statistics(*args)
         key = shape_key(q, k, valid, draws, halves, readings, fit_rows)
         first = key not in self.seen
+        graphed = function is self.graphed
         start = time.perf_counter()
         try:
+            if graphed:
+                torch.compiler.cudagraph_mark_step_begin()
             if first:
-                out, self.launches[key] = _run_and_count_launches(self.function, *args)
+                out, self.launches[key] = _run_and_count_launches(function, *args)
             else:
-                out = self.function(*args)
+                out = function(*args)
+            if graphed:  # the next replay overwrites the graph's output buffers
+                out = tuple(tensor.clone() for tensor in out)
         except Exception as err:  # noqa: BLE001 - a backend failure falls back to eager
             out = layer_statistics(*args)  # a genuine error raises here
             message = str(err).splitlines()[0][:120] if str(err) else ""
@@ -79,7 +99,7 @@ class CompiledStatistics:
                 f"{message}); the side computation runs eagerly (same statistics, more operations)",
                 stacklevel=3,
             )
-            self.function = None
+            self.function = self.graphed = None
             return out
         if first:
             self.seen.add(key)

@@ -2,25 +2,31 @@
 
 Computes what :mod:`nw_adapter.core.specification` specifies (and is tested equal to it) in three passes over
 stacked tensors, each with named columns derived from one table (:data:`PRODUCERS`, one
-producer per name of :data:`~nw_adapter.core.specification.STAT_NAMES`):
+producer per name of :data:`~nw_adapter.core.specification.STAT_NAMES`). Every tensor is
+**keys-major**: the M keys on a leading dimension, the query rows last, so that each op over the
+keys (softmax, log-sum-exp, ranks, the per-row sums over keys) runs along the long contiguous
+row dimension; over a last dimension of 4-16 keys the same CPU ops are several times slower
+(measured 1.7-1.9x less CPU time for the whole statistics of the host-cost proxy's largest group,
+``benchmarks/README.md``).
 
-1. **Pairs** ``P [B, H, R, 2, M]``: for each compared pair of key rankings, the (attention,
+1. **Pairs** ``P [B, H, M, 2, R]``: for each compared pair of key rankings, the (attention,
    NW) scores ``(q.k_i, q.k_i - ||k_i||^2 / 2)``; rows: the N observed queries, the n0
    norm-matched queries ``q' = ||q|| z / ||z||`` (one product of the stacked queries ``[q; q']``
-   with the keys), then per null row r the q.k-spread null ``(q.k_i, q.k_i - ||k_pi(i)||^2 / 2)``
-   and the permutation null ``(q.k_pi(i), q.k_i - ||k_i||^2 / 2)`` (R = N + 3 n0).
-2. **Ranks** of every row at once, their per-row 2 x 2 Gram matrix, per row
-   ``(rho_r, c_r) = (G_ab / sqrt(G_aa G_bb), 1)`` (``(0, 0)`` for a constant row, left out),
-   summed over the batch rows of each CFG half and one product with a 0/1 segment matrix:
+   with the keys), then a block of n0 rows of the q.k-spread null ``(q.k_i, q.k_i -
+   ||k_pi(i)||^2 / 2)`` and one of the permutation null ``(q.k_pi(i), q.k_i - ||k_i||^2 / 2)``
+   (R = N + 3 n0).
+2. **Ranks** of every row at once (sign sums over the keys), their per-row 2 x 2 Gram matrix,
+   per row ``(rho_r, c_r) = (G_ab / sqrt(G_aa G_bb), 1)`` (``(0, 0)`` for a constant row, left
+   out), summed over the batch rows of each CFG half and one product with a 0/1 segment matrix:
    ``rho = sum rho_r / sum c_r`` per segment and CFG half.
-3. **Weights** of the observed rows, ``Z [B, H, N, 7, M]`` with rows (a, b, c_A, c_B, l_A,
+3. **Weights** of the observed rows, ``Z [B, H, M, 7, N]`` with rows (a, b, c_A, c_B, l_A,
    l_W, l_AW): the weights, the centred weights ``c = w - 1/M`` (Pearson), the log-weights and
-   ``log(a + b)``. One batched product ``Z[a, b, c_A, c_B] Z[c_A, c_B, l_A, l_W, l_AW]^T``
-   gives per row every inner product the divergences need (KL = a.l_A - a.l_W,
-   JS = (a.l_A + b.l_W - a.l_AW - b.l_AW) / 2 + log 2, n_eff = 1 / a.a with a.a = a.c_A + 1/M),
-   and one product with the row-mean matrix averages the per-row features into the
-   statistics (:class:`~.layout.RowMean`). The remaining statistics follow per (batch row,
-   head) (:class:`~.layout.PerHead`); one ``addcmul`` applies the gains and offsets.
+   ``log(a + b)``. Three grouped products over the keys (:data:`PRODUCT_GROUPS`) give per row
+   every inner product the divergences need (KL = a.l_A - a.l_W, JS = (a.l_A + b.l_W - a.l_AW -
+   b.l_AW) / 2 + log 2, n_eff = 1 / a.a), and one product with the row-mean matrix averages the
+   per-row features ``[B, H, F, N]`` into the statistics (:class:`~.layout.RowMean`). The
+   remaining statistics follow per (batch row, head) (:class:`~.layout.PerHead`); one
+   ``addcmul`` applies the gains and offsets.
 4. **Readings** (unless ``readings=False``): the readings of
    :data:`~nw_adapter.core.specification.READING_STATS` per (batch row, head) from the observed
    pairs, A and ``a.l_A`` (:mod:`.readings`: the variance shares, the key-prior KL, the
@@ -63,22 +69,21 @@ MASKED_LOGIT = -1e20
 
 #: The two scores of a pair row of P (pass 1): attention ``q.k`` and NW ``q.k - ||k||^2 / 2``.
 PAIR = Columns(("attn", "nw"))
-#: Pair rows per null row r, after the N observed and n0 norm-matched rows (pass 1).
+#: The null pair rows' blocks, after the N observed and n0 norm-matched rows (pass 1): n0 rows each.
 NULL_PAIR_ROWS = ("rho_spread_null", "rho_perm_null")
-#: The slots of one null row: its pair rows x the pair's scores.
-NULL_SLOTS = Columns(f"{row}.{score}" for row in NULL_PAIR_ROWS for score in PAIR.names)
 #: The powers of the key norms (pass 1): ``||k||`` and ``||k||^2``.
 KEY = Columns(("norm", "sq_norm"))
 #: The per-row rank Gram matrix (pass 2) and the product of its diagonal.
 GRAM = Columns(("aa", "ab", "ba", "bb", "aa*bb"))
 #: The rows of Z (pass 3): weights, centred weights, log-weights, ``log(a + b)``.
 Z = Columns(("a", "b", "cA", "cB", "lA", "lW", "lAW"))
-#: The left and right rows of the per-row product of pass 3.
-LEFT, RIGHT = ("a", "b", "cA", "cB"), ("cA", "cB", "lA", "lW", "lAW")
-#: Products that hold a squared norm once 1/M is added (``a.c_A + 1/M = a.a``).
-SQUARES = {"a.cA": "a.a", "b.cB": "b.b"}
-PRODUCTS = tuple(SQUARES.get(f"{x}.{y}", f"{x}.{y}") for x in LEFT for y in RIGHT)
-#: Per-row features ``[B, H, N, F]`` (pass 3).
+#: The per-row inner products over the keys (pass 3): every product of a left row of Z with a right
+#: row, group by group (one product per group; a few are not read, e.g. ``a.b``).
+PRODUCT_GROUPS = ((("a", "b"), ("lA", "lW", "lAW")), (("a", "b"), ("a", "b")), (("cA", "cB"), ("cA", "cB")))
+#: The feature names of each group's products, left-major.
+GROUP_NAMES = tuple(tuple(f"{x}.{y}" for x in left for y in right) for left, right in PRODUCT_GROUPS)
+PRODUCTS = tuple(name for names in GROUP_NAMES for name in names)
+#: Per-row features, stored feature-major ``[B, H, F, N]`` (pass 3).
 ROW = Columns((*PRODUCTS, "1/a.a", "1/b.b", "top1", "q_norm", "qk_std", "qk_var"))
 #: The stats tensor's row after the statistics: h_eff's reason code (0: identified; 1 + the index
 #: in :data:`~nw_adapter.core.specification.H_EFF_REASONS`), written by the readings pass.
@@ -229,25 +234,26 @@ def layer_statistics(
     k = k.to(torch.float32, memory_format=torch.contiguous_format)
     n = q.shape[2]
     n0 = 0 if draws is None else draws.rows.shape[0]
-    valid_rows = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
+    b, nh, m = k.shape[0], k.shape[1], k.shape[2]
+    valid_keys = None if valid is None else valid.view(b, 1, m, 1, 1)  # keys-major mask [B, 1, M, 1, 1]
     keys = _key_norms(w, k, valid)
-    feats = w.workspace("row features", (*q.shape[:3], len(ROW)), q.device)
-    pairs = _pairs(w, q, k, keys, feats, draws, valid_rows)
-    rho_sums = _pooled_rank_correlations(w, pairs, valid_rows, halves, n, n0)
-    z, masked, inv_count = _weights_and_row_features(w, pairs[:, :, :n], scale, h, valid_rows, feats)
+    feats = w.workspace("row features", (b, nh, len(ROW), n), q.device)
+    pairs = _pairs(w, q, k, keys, feats, draws, valid)
+    rho_sums = _pooled_rank_correlations(w, pairs, valid_keys, halves, n, n0)
+    z, masked, inv_count = _weights_and_row_features(w, pairs[..., :n], scale, h, valid_keys, feats)
     head = _per_head(w, feats, keys, h)
     if readings:
         columns = {name: head[..., HEAD[name]] for name in (*READINGS, CODE)}
-        attn, neg_entropy = z[..., Z["a"], :], feats[..., ROW["a.lA"]]
+        attn, neg_entropy = z[:, :, :, Z["a"]], feats[:, :, ROW["a.lA"]]
         write_readings(
-            w, columns, pairs[:, :, :n], masked, attn, neg_entropy, valid_rows, inv_count, scale, fit_rows
+            w, columns, pairs[..., :n], masked, attn, neg_entropy, valid_keys, inv_count, scale, fit_rows
         )
     fit = fit_count(n, fit_rows) if readings else None
     means = _half_means(head, halves)
     if readings and q.shape[0] != halves:  # a half's reason: the first among its batch rows
         means[..., HEAD[CODE]] = _first_reason(head[..., HEAD[CODE]], halves)
     stats = _statistics(w, means, rho_sums, h, scale, draws is not None, fit)
-    return stats, z[..., Z.slice("a", "b"), :].movedim(-2, 0)
+    return stats, z[:, :, :, Z.slice("a", "b")].permute(3, 0, 1, 4, 2)
 
 
 def _key_norms(w: EagerWriter, k: torch.Tensor, valid: torch.Tensor | None) -> KeyNorms:
@@ -270,56 +276,68 @@ def _pairs(
     keys: KeyNorms,
     feats: torch.Tensor,
     draws: NullDraws | None,
-    valid_rows: torch.Tensor | None,
+    valid: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Pass 1: the pairs ``[B, H, N + 3 n0, 2, M]`` (rows: observed, norm-matched, per null row
-    its :data:`NULL_PAIR_ROWS`); writes ``||q||`` into the row features."""
+    """Pass 1: the pairs keys-major ``[B, H, M, 2, N + 3 n0]`` (last dim: the N observed rows, the
+    n0 norm-matched rows, then one block of n0 rows per :data:`NULL_PAIR_ROWS`); writes ``||q||``
+    into the row features.
+
+    Keys-major: every later op over the keys runs along the long contiguous row dimension."""
     b, nh, n, d = q.shape
     m = k.shape[-2]
     n0 = 0 if draws is None else draws.rows.shape[0]
     queries = w.workspace("queries", (b, nh, n + n0, d), q.device)
     queries[:, :, :n].copy_(q)
-    q_norm = w.write(feats[..., ROW["q_norm"]], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
+    q_norm = w.write(feats[:, :, ROW["q_norm"]], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
     if draws is not None:
         ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
         w.write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
-    logits = queries @ k.transpose(-1, -2)  # [B, H, N + n0, M]: q.k of [q; q']
-    pairs = w.workspace("pairs", (b, nh, n + 3 * n0, len(PAIR), m), q.device)
+    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + n0]: q.k of [q; q']
+    pairs = w.workspace("pairs", (b, nh, m, len(PAIR), n + 3 * n0), q.device)
     shift = w.constant(("pair shift", q.device), lambda: f32([[0.0], [-0.5]], q.device))  # PAIR order
-    w.write(pairs[:, :, : n + n0], torch.addcmul, logits[..., None, :], shift, keys.sq[..., None, None, :])
+    sq = keys.sq[..., None, None]  # [B, H, M, 1, 1]
+    w.write(pairs[..., : n + n0], torch.addcmul, logits[:, :, :, None], shift, sq)
     if draws is None:
         return pairs
-    slot = pairs[:, :, n + n0 :].view(b, nh, n0, len(NULL_SLOTS), m)  # per null row r
-    spread_qk = slot[..., NULL_SLOTS["rho_spread_null.attn"], :]
-    # the observed pair (q.k_r, q.k_r - ||k||^2 / 2) is both the spread null's attention and the
-    # permutation null's NW scores: one index_select fills both slots
-    observed_into = NULL_SLOTS.slice("rho_spread_null.attn", "rho_perm_null.nw")
-    w.write(slot[..., observed_into, :], torch.index_select, pairs[:, :, :n], 2, draws.rows)
-    perm = metrics.valid_permutation(draws.noise, valid_rows)
-    w.write(slot[..., NULL_SLOTS["rho_perm_null.attn"], :], torch.gather, spread_qk, -1, perm)
-    shuffled_sq = torch.gather(keys.sq[..., None, :].expand(b, nh, n0, m), -1, perm)
-    w.write(slot[..., NULL_SLOTS["rho_spread_null.nw"], :], torch.sub, spread_qk, shuffled_sq, alpha=0.5)
+    attn, nw = pairs[:, :, :, PAIR["attn"]], pairs[:, :, :, PAIR["nw"]]  # [B, H, M, R]
+    spread, perm_block = slice(n + n0, n + 2 * n0), slice(n + 2 * n0, n + 3 * n0)
+    # the observed pair (q.k_r, q.k_r - ||k||^2 / 2) gives the spread null's attention scores and
+    # the permutation null's NW scores
+    spread_qk = w.write(attn[..., spread], torch.index_select, attn[..., :n], -1, draws.rows)
+    w.write(nw[..., perm_block], torch.index_select, nw[..., :n], -1, draws.rows)
+    valid_rows = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
+    perm = metrics.valid_permutation(draws.noise, valid_rows).transpose(-1, -2)  # [B, H, M, n0]
+    w.write(attn[..., perm_block], torch.gather, spread_qk, 2, perm)
+    shuffled_sq = torch.gather(keys.sq[..., None].expand(b, nh, m, n0), 2, perm)
+    w.write(nw[..., spread], torch.sub, spread_qk, shuffled_sq, alpha=0.5)
     return pairs
 
 
 def _pooled_rank_correlations(
-    w: EagerWriter, pairs: torch.Tensor, valid_rows: torch.Tensor | None, halves: int, n: int, n0: int
+    w: EagerWriter, pairs: torch.Tensor, valid_keys: torch.Tensor | None, halves: int, n: int, n0: int
 ) -> torch.Tensor:
-    """Pass 2: ``[H, halves * segments, 2]`` = (sum of per-row Spearman, non-constant rows)."""
-    b, nh, rows = pairs.shape[:3]
-    valid5 = None if valid_rows is None else valid_rows[..., None, :]
-    ranks = w.ranks(pairs, valid5, w.workspace("ranks", tuple(pairs.shape), pairs.device))
-    gram = w.workspace("rank gram", (b, nh, rows, len(GRAM)), pairs.device)
-    w.products(gram[..., GRAM.slice("aa", "ab", "ba", "bb")].unflatten(-1, (2, 2)), ranks, ranks)
-    w.write(gram[..., GRAM["aa*bb"]], torch.prod, gram[..., GRAM.slice("aa", "bb")], -1)  # 0: constant
-    num_den = gram[..., GRAM.slice("ab", "aa*bb")]  # per row: (G_ab, G_aa G_bb)
-    powers = w.constant(("rho powers", pairs.device), lambda: f32([0.5, 1.0], pairs.device))
-    per_row = w.workspace("rho rows", (nh, b, rows, 2), pairs.device)  # head-major: one pooling product
-    w.write(per_row.permute(1, 0, 2, 3), torch.div, num_den, num_den[..., 1:].clamp_min(0.5).pow(powers))
-    within = per_row.view(nh, halves, b // halves, rows, 2).sum(2)  # [H, halves, R, 2]: the half's rows
+    """Pass 2: ``[H, halves * segments, 2]`` = (sum of per-row Spearman, non-constant rows) of the
+    keys-major pairs ``[B, H, M, 2, R]`` (the rank comparisons and the per-row products over the
+    keys run along the long contiguous ``2 R``)."""
+    b, nh, m, _, rows = pairs.shape
+    ranks = w.ranks(pairs, valid_keys, w.workspace("ranks", tuple(pairs.shape), pairs.device), dim=2)
+    gram = w.workspace("rank gram", (b, nh, len(GRAM), rows), pairs.device)
+    pair_products = gram[:, :, GRAM.slice("aa", "ab", "ba", "bb")].unflatten(2, (2, 2))  # [B, H, 2, 2, R]
+    w.write(pair_products, torch.linalg.vecdot, ranks[:, :, :, :, None], ranks[:, :, :, None], dim=2)
+    aa, bb = gram[:, :, GRAM["aa"]], gram[:, :, GRAM["bb"]]
+    w.write(gram[:, :, GRAM["aa*bb"]], torch.mul, aa, bb)  # 0: a constant row
+    num_den = gram[:, :, GRAM.slice("ab", "aa*bb")]  # per row: (G_ab, G_aa G_bb) [B, H, 2, R]
+    # (rho_r, c_r) = (G_ab, G_aa G_bb) / (sqrt(D), D), D = max(G_aa G_bb, 1/2): (0, 0) for a constant
+    # row (sign sums are integers, so a non-constant row has G_aa G_bb >= 1)
+    denominator = w.workspace("rho denominators", (b, nh, 2, rows), pairs.device)
+    clamped = w.write(denominator[:, :, 1], torch.clamp_min, num_den[:, :, 1], 0.5)
+    w.write(denominator[:, :, 0], torch.sqrt, clamped)
+    per_row = w.workspace("rho rows", (nh, b, 2, rows), pairs.device)  # head-major: one pooling product
+    w.write(per_row.transpose(0, 1), torch.div, num_den, denominator)
+    within = per_row.view(nh, halves, b // halves, 2, rows).sum(2)  # [H, halves, 2, R]: the half's rows
     key = ("segments", n, n0, pairs.device)
     segments = w.constant(key, lambda: _segment_matrix(n, n0, pairs.device))  # [segments, R]
-    return (segments @ within).view(nh, -1, 2)
+    return (within @ segments.T).transpose(-1, -2).reshape(nh, -1, 2)
 
 
 def _weights_and_row_features(
@@ -327,51 +345,64 @@ def _weights_and_row_features(
     observed: torch.Tensor,
     scale: float,
     h: torch.Tensor | float,
-    valid_rows: torch.Tensor | None,
+    valid_keys: torch.Tensor | None,
     feats: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
-    """Pass 3: Z of the observed pairs ``[B, H, N, 2, M]`` and the per-row features; returns
-    Z ``[B, H, N, 7, M]`` (a fresh tensor: A and W are views of it), the observed pairs with a
-    large negative logit at padding keys, and 1 / the number of valid keys."""
-    b, nh, n, _, m = observed.shape
-    qk = observed[..., PAIR["attn"], :]
-    valid5 = None if valid_rows is None else valid_rows[..., None, :]
-    if valid5 is not None:
-        observed = observed.masked_fill(~valid5, MASKED_LOGIT)
-    z = torch.empty((b, nh, n, len(Z), m), dtype=torch.float32, device=observed.device)  # fresh: returned
+    """Pass 3: Z of the observed pairs ``[B, H, M, 2, N]`` (keys-major) and the per-row features;
+    returns Z ``[B, H, M, 7, N]`` (a fresh tensor: A and W are views of it), the observed pairs
+    with a large negative logit at padding keys, and 1 / the number of valid keys."""
+    b, nh, m, _, n = observed.shape
+    qk = observed[:, :, :, PAIR["attn"]]  # [B, H, M, N]
+    if valid_keys is not None:
+        observed = observed.masked_fill(~valid_keys, MASKED_LOGIT)
+    z = torch.empty((b, nh, m, len(Z), n), dtype=torch.float32, device=observed.device)  # fresh: returned
     coefficients = _logit_coefficients(w, scale, h, observed)  # s, 1/h^2
-    log_w = w.write(z[..., Z.slice("lA", "lW"), :], torch.mul, observed, coefficients)
-    log_w.sub_(torch.logsumexp(log_w, -1, keepdim=True))
-    weights = w.write(z[..., Z.slice("a", "b"), :], torch.exp, log_w)
-    w.write(z[..., Z["lAW"], :], torch.logaddexp, log_w[..., 0, :], log_w[..., 1, :])
-    centred = z[..., Z.slice("cA", "cB"), :]
-    if valid5 is None:
+    log_w = w.write(z[:, :, :, Z.slice("lA", "lW")], torch.mul, observed, coefficients)
+    log_w.sub_(torch.logsumexp(log_w, 2, keepdim=True))
+    weights = w.write(z[:, :, :, Z.slice("a", "b")], torch.exp, log_w)
+    w.write(z[:, :, :, Z["lAW"]], torch.logaddexp, log_w[:, :, :, 0], log_w[:, :, :, 1])
+    centred = z[:, :, :, Z.slice("cA", "cB")]
+    if valid_keys is None:
         inv_count: torch.Tensor | float = 1.0 / m
         w.write(centred, torch.sub, weights, inv_count)
     else:
-        weight = valid5.to(torch.float32)
-        inv_count = weight.sum(-1, keepdim=True).reciprocal()  # [B, 1, 1, 1, 1]: 1/M'
+        weight = valid_keys.to(torch.float32)
+        inv_count = weight.sum(2, keepdim=True).reciprocal()  # [B, 1, 1, 1, 1]: 1/M'
         w.write(centred, torch.sub, weights, inv_count).mul_(weight)
-    top = observed.argmax(-1)  # [B, H, N, 2]
-    w.write(feats[..., ROW["top1"]], torch.eq, top[..., PAIR["attn"]], top[..., PAIR["nw"]])
-    products = feats[..., ROW.slice(*PRODUCTS)].unflatten(-1, (len(LEFT), len(RIGHT)))
-    w.biased_products(
-        products, _square_bias(w, inv_count, observed), z[..., Z.slice(*LEFT), :], z[..., Z.slice(*RIGHT), :]
-    )
-    w.write(feats[..., ROW.slice("1/a.a", "1/b.b")], torch.reciprocal, feats[..., ROW.slice("a.a", "b.b")])
-    if valid_rows is None:  # the mean square of the centred row (torch.std over 4-16 keys is ~6x slower)
-        centred_qk = torch.sub(qk, qk.mean(-1, keepdim=True)).square_()
-        w.write(feats[..., ROW["qk_var"]], torch.mean, centred_qk, -1)
-        w.write(feats[..., ROW["qk_std"]], torch.sqrt, feats[..., ROW["qk_var"]])
+    top = _first_peak(w, observed)  # [B, H, 2, N]
+    w.write(feats[:, :, ROW["top1"]], torch.eq, top[:, :, PAIR["attn"]], top[:, :, PAIR["nw"]])
+    for (left, right), names in zip(PRODUCT_GROUPS, GROUP_NAMES, strict=True):  # sums over the keys, per row
+        x, y = z[:, :, :, Z.slice(*left), None], z[:, :, :, None, Z.slice(*right)]  # [B, H, M, P, Q, N]
+        out = feats[:, :, ROW.slice(*names)].unflatten(2, (len(left), len(right)))
+        w.write(out, torch.linalg.vecdot, x, y, dim=2)
+    w.write(feats[:, :, ROW.slice("1/a.a", "1/b.b")], torch.reciprocal, feats[:, :, ROW.slice("a.a", "b.b")])
+    if valid_keys is None:  # the mean square of the centred row (torch.std over 4-16 keys is slower)
+        centred_qk = torch.sub(qk, qk.mean(2, keepdim=True)).square_()
+        w.write(feats[:, :, ROW["qk_var"]], torch.mean, centred_qk, 2)
+        w.write(feats[:, :, ROW["qk_std"]], torch.sqrt, feats[:, :, ROW["qk_var"]])
     else:
-        feats[..., ROW["qk_std"]].copy_(metrics.masked_std(qk, valid_rows))
-        w.write(feats[..., ROW["qk_var"]], torch.square, feats[..., ROW["qk_std"]])
+        rows_valid = valid_keys.view(b, 1, 1, m)
+        feats[:, :, ROW["qk_std"]].copy_(metrics.masked_std(qk.transpose(-1, -2), rows_valid))
+        w.write(feats[:, :, ROW["qk_var"]], torch.square, feats[:, :, ROW["qk_std"]])
     return z, observed, inv_count
+
+
+def _first_peak(w: EagerWriter, scores: torch.Tensor) -> torch.Tensor:
+    """``M - argmax`` over the keys (dim 2) of ``scores [B, H, M, ...]``: M minus the index of the first
+    key at the maximum, from two ``amax`` reductions (an ``argmax`` over a non-last dimension is
+    several times slower on a CPU); 0 where the keys hold a NaN (no maximum)."""
+    m = scores.shape[2]
+    countdown = w.constant(
+        ("countdown", m, scores.dim(), scores.device),
+        lambda: f32(range(m, 0, -1), scores.device).view(1, 1, m, *[1] * (scores.dim() - 3)),
+    )
+    at_peak = torch.eq(scores, scores.amax(2, keepdim=True))
+    return (at_peak * countdown).amax(2)
 
 
 def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float) -> torch.Tensor:
     """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`; the readings' columns written later)."""
-    b, nh, n, _ = feats.shape
+    b, nh, _, n = feats.shape
     tensor_h = isinstance(h, torch.Tensor)
     # never written: the columns of rho (gain 0) and of a float h (gain 0, offset h); a float h has
     # its own workspace so that a tensor h (even NaN) of an earlier call cannot leak into it
@@ -429,8 +460,8 @@ def _statistics(
 
 
 def _segment_of_rows(n: int, n0: int) -> list[str]:
-    """The rank segment of each pair row (pass 1's order)."""
-    nulls = [NULL_PAIR_ROWS[r % len(NULL_PAIR_ROWS)] for r in range(len(NULL_PAIR_ROWS) * n0)]
+    """The rank segment of each pair row (pass 1's order: observed, norm-matched, the null blocks)."""
+    nulls = [name for name in NULL_PAIR_ROWS for _ in range(n0)]
     return ["rho"] * n + ["rho_norm_matched_null"] * n0 + nulls
 
 
@@ -442,13 +473,13 @@ def _segment_matrix(n: int, n0: int, device: torch.device) -> torch.Tensor:
 
 
 def _row_mean_matrix(n: int, device: torch.device) -> torch.Tensor:
-    """``[C', N * F]``: the row features ``[N, F]`` (flattened) -> the row-mean columns of HEAD."""
+    """``[C', F * N]``: the row features ``[F, N]`` (flattened) -> the row-mean columns of HEAD."""
     columns = HEAD.names[ROW_MEAN_SPAN]
     matrix = torch.zeros(len(columns), len(ROW), dtype=torch.float32)
     for c, name in enumerate(columns):
         for feature, coefficient in getattr(_ROW_MEANS.get(name), "terms", {}).items():
             matrix[c, ROW[feature]] = coefficient / n
-    return matrix.repeat(1, n).to(device)
+    return matrix.repeat_interleave(n, dim=1).to(device)
 
 
 def _affine(
@@ -485,14 +516,3 @@ def _logit_coefficients(
         return coef.view(2, 1) if inv_h2.dim() == 0 else coef.view(*inv_h2.shape, 1, 2, 1)
     key = ("coef", scale, float(h), like.device)
     return w.constant(key, lambda: f32([[scale], [float(h) ** -2]], like.device))
-
-
-def _square_bias(w: EagerWriter, inv_count: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    """``[len(LEFT), len(RIGHT)]`` (``[B, 1, 1, ., .]`` with a mask): 1/M at the :data:`SQUARES` products."""
-
-    def indicator() -> torch.Tensor:
-        return f32([[float(f"{x}.{y}" in SQUARES) for y in RIGHT] for x in LEFT], like.device)
-
-    if isinstance(inv_count, float):
-        return w.constant(("square bias", inv_count, like.device), lambda: indicator() * inv_count)
-    return indicator() * inv_count

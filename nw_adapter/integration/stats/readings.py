@@ -17,9 +17,9 @@ rows and the attention logits ``L = s q.k`` over the valid keys:
   Newton leaves it), the algorithm of :func:`nw_adapter.core.bandwidth.fitted_bandwidth`, after
   one look at the gradient at both ends of the range (an optimum at an end is that end at once). Each row
   is shifted by its target ``t_j = E_{A_j}[G]`` (a softmax does not see a row constant), so with
-  ``G'_j = G_j - t_j`` and ``p_j = softmax(beta G_j)``, one product ``p_j [1, G'_j, G'_j^2]`` gives
-  per row ``(1, psi_j, E_p[G'^2])`` with ``psi_j = E_{p_j}[G] - E_{A_j}[G]`` and a second product
-  their Gram over rows: ``L'(beta) n = sum_j psi_j`` and ``L''(beta) n = sum_j Var_{p_j}(G)``.
+  ``G'_j = G_j - t_j`` and ``p_j = softmax(beta G_j)``, two sums over the keys give per row
+  ``psi_j = p_j . G'_j = E_{p_j}[G] - E_{A_j}[G]`` and ``E_p[G'^2]_j = p_j . G'^2_j``, and sums over
+  rows ``L'(beta) n = sum_j psi_j`` and ``L''(beta) n = sum_j Var_{p_j}(G) = sum_j (E_p[G'^2]_j - psi_j^2)``.
 - ``h_eff_se``: the sandwich (delta-method) standard error of the M-estimator,
   ``Var(beta) = var_j(psi_j) / (n L''^2) (1 - n/N)`` (finite-population correction) and
   ``SE(h) = SE(beta) / (2 beta^1.5)``; exactly 0 when every row was used.
@@ -27,7 +27,8 @@ rows and the attention logits ``L = s q.k`` over the valid keys:
   ALL rows (``a.G'_j = 0``): one more log-sum-exp, of shifted logits (no cancellation of large
   key norms). ``nw_gain = kl_key_prior - kl_nw_fit``.
 
-Everything is float32, written into the per-(batch row, head) tensor of the fast path by name.
+Everything is float32 and keys-major (the keys on a leading dimension, the query rows last, as the
+fast path holds its tensors), written into the per-(batch row, head) tensor of the fast path by name.
 No host reads and no random numbers.
 """
 
@@ -41,7 +42,6 @@ from nw_adapter.core.specification import (
     H_EFF_EDGE_TOLERANCE,
     fit_row_indices,
 )
-from nw_adapter.integration.stats.layout import Columns
 from nw_adapter.integration.stats.workspace import EagerWriter, f32
 
 #: Safeguarded Newton steps of the bandwidth fit (from beta = s, after the look at the range's ends).
@@ -49,8 +49,6 @@ from nw_adapter.integration.stats.workspace import EagerWriter, f32
 #: query scales e^(1.5 z), key offsets, anti-NW heads): worst relative error of h_eff 2e-2 after 8
 #: steps, below 5e-5 after 10 (but one nearly flat loss, tiny queries: 4e-4, float32's limit there).
 FIT_STEPS = 12
-#: The columns of the moments product: ``p [1, G', G'^2]``.
-MOMENT = Columns(("1", "psi", "second"))
 
 
 def fit_count(n: int, fit_rows: int | None) -> int:
@@ -65,43 +63,45 @@ def write_readings(
     masked: torch.Tensor,
     attn: torch.Tensor,
     neg_entropy: torch.Tensor,
-    valid_rows: torch.Tensor | None,
+    valid_keys: torch.Tensor | None,
     inv_count: torch.Tensor | float,
     scale: float,
     fit_rows: int | None,
 ) -> None:
     """The readings of every (batch row, head), written into ``out[name]`` (``[B, H]`` views).
 
+    Every tensor is keys-major (the keys on a leading dimension, the query rows last), as the fast
+    path holds them: each reduction over the keys runs along the rows.
+
     Args:
         w: the writer of this call.
         out: ``{name: [B, H] view}`` for r2_key, r2_nw, kl_nw_fit, kl_key_prior, nw_gain, h_eff
             and h_eff_se (``fit_rows`` is a constant of the call, written by the caller).
-        observed: the observed pairs ``[B, H, N, 2, M]`` (``q.k``, ``G``), unmasked.
+        observed: the observed pairs ``[B, H, M, 2, N]`` (``q.k``, ``G``), unmasked.
         masked: the same with a large negative finite logit at padding keys.
-        attn: the attention weights A ``[B, H, N, M]`` (0 at padding keys).
+        attn: the attention weights A ``[B, H, M, N]`` (0 at padding keys).
         neg_entropy: ``a.l_A = -H(A_j)`` per row ``[B, H, N]``.
-        valid_rows: bool ``[B, 1, 1, M]`` key mask or None.
+        valid_keys: bool ``[B, 1, M, 1, 1]`` key mask or None.
         inv_count: 1 / the number of valid keys (float, or ``[B, 1, 1, 1, 1]``).
         scale: the softmax scale s (the fit's start).
         fit_rows: rows the bandwidth is fitted on (evenly spaced), None = all.
     """
-    _write_shares(w, out, observed, valid_rows, inv_count)
-    n = attn.shape[-2]
-    a_bar = attn.mean(-2)  # A_bar [B, H, M]
+    _write_shares(w, out, observed, valid_keys, inv_count)
+    n = attn.shape[-1]
+    a_bar = attn.mean(-1)  # A_bar [B, H, M]
     prior = torch.xlogy(a_bar, a_bar).sum(-1)  # -H(A_bar)
     mean_neg_entropy = neg_entropy.mean(-1)
     w.write(out["kl_key_prior"], torch.sub, mean_neg_entropy, prior).clamp_min_(0.0)
 
-    g = masked[..., 1, :]  # [B, H, N, M], padding keys very negative
-    target = w.workspace("fit targets", (*g.shape[:-1], 1, 1), g.device)
-    w.products(target, attn[..., None, :], g[..., None, :])  # E_A[G] per row [B, H, N, 1, 1]
-    target = target[..., 0]
-    shifted = g - target  # G'_j = G_j - t_j (padding keys stay very negative)
+    g = masked[:, :, :, 1]  # [B, H, M, N], padding keys very negative
+    target = torch.linalg.vecdot(attn, g, dim=2)  # E_A[G] per row [B, H, N]
+    shifted = g - target[:, :, None]  # G'_j = G_j - t_j (padding keys stay very negative)
     count = fit_count(n, fit_rows)
     rows = None
     if count < n:
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
-    beta, moments = _fit(w, shifted, valid_rows, rows, scale)
+    valid = None if valid_keys is None else valid_keys[..., 0]  # [B, 1, M, 1]
+    beta, moments = _fit(w, shifted, valid, rows, scale)
     unidentified = _write_reason(w, out, beta, inv_count, scale)
     w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
     if count == n:
@@ -109,7 +109,7 @@ def write_readings(
     else:
         _write_standard_error(w, out["h_eff_se"], beta, moments, count, n)
     out["h_eff_se"].masked_fill_(unidentified, float("nan"))
-    lse = torch.logsumexp(shifted * beta[..., None, None], -1)  # [B, H, N]
+    lse = torch.logsumexp(shifted * beta[..., None, None], 2)  # [B, H, N]
     kl_fit = w.write(out["kl_nw_fit"], torch.add, mean_neg_entropy, lse.mean(-1)).clamp_min_(0.0)
     w.write(out["nw_gain"], torch.sub, out["kl_key_prior"], kl_fit)
 
@@ -149,21 +149,23 @@ def _write_shares(
     w: EagerWriter,
     out: dict[str, torch.Tensor],
     observed: torch.Tensor,
-    valid_rows: torch.Tensor | None,
+    valid_keys: torch.Tensor | None,
     inv_count: torch.Tensor | float,
 ) -> None:
-    """``r2_key`` and ``r2_nw`` from the row-centred pairs (``q.k``, ``G``) over the valid keys."""
-    n = observed.shape[2]
-    if valid_rows is None:
-        centred = observed - observed.mean(-1, keepdim=True)
+    """``r2_key`` and ``r2_nw`` from the row-centred keys-major pairs (``q.k``, ``G``) ``[B, H, M, 2, N]``
+    over the valid keys."""
+    n = observed.shape[-1]
+    if valid_keys is None:
+        centred = observed - observed.mean(2, keepdim=True)
     else:
-        weight = valid_rows[..., None, :].to(observed.dtype)  # [B, 1, 1, 1, M]
+        weight = valid_keys.to(observed.dtype)  # [B, 1, M, 1, 1]
         kept = observed * weight
-        centred = torch.sub(kept, kept.sum(-1, keepdim=True) * inv_count).mul_(weight)
-    per_row = w.workspace("reading grams", (*centred.shape[:-1], 2), centred.device)
-    gram = w.products(per_row, centred, centred).sum(2)  # [B, H, 2, 2]: <L, L>, <L, G>, <G, G>
-    columns = centred[..., 0, :].sum(2)  # n b_i [B, H, M]
-    ll, lg, gg = gram[..., 0, 0], gram[..., 0, 1], gram[..., 1, 1]
+        centred = torch.sub(kept, kept.sum(2, keepdim=True) * inv_count).mul_(weight)
+    logit, nw = centred[:, :, :, 0], centred[:, :, :, 1]  # [B, H, M, N]
+    ll = (logit * logit).sum((-2, -1))
+    lg = (logit * nw).sum((-2, -1))
+    gg = (nw * nw).sum((-2, -1))
+    columns = logit.sum(-1)  # n b_i [B, H, M]
     bias = torch.linalg.vector_norm(columns, dim=-1).square_()
     w.write(out["r2_key"], torch.div, bias, ll * n)
     explained = torch.where(gg > 0, lg.clamp_min(0.0).square() / gg, 0.0)  # 0 where G~ is 0
@@ -173,51 +175,54 @@ def _write_shares(
 def _fit(
     w: EagerWriter,
     shifted: torch.Tensor,
-    valid_rows: torch.Tensor | None,
+    valid: torch.Tensor | None,
     rows: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """beta ``[B, H]`` and the per-row moments ``[B, H, n, 3]`` (:data:`MOMENT`) at beta.
+    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta.
 
-    The fit works keys-major, on ``[B, H, M, n]``: every softmax over the M keys then runs along
-    a non-last dimension, vectorised across the rows (over the last dimension of 4-16 keys a CPU
-    softmax is ~20x slower); one transposed copy of the logits and of their powers, once."""
-    logits = shifted if rows is None else shifted.index_select(-2, rows)  # [B, H, n, M]
-    b, nh, n, m = logits.shape
-    logits_t = w.workspace("fit logits", (b, nh, m, n), logits.device)
-    logits_t.copy_(logits.transpose(-1, -2))
-    zeroed = logits_t if valid_rows is None else logits_t * valid_rows.transpose(-1, -2)  # G' (0: padding)
-    powers = w.workspace("fit powers", (b, nh, len(MOMENT), m, n), logits.device)  # [1, G', G'^2]
-    powers[:, :, MOMENT["1"]].fill_(1.0)
-    powers[:, :, MOMENT["psi"]].copy_(zeroed)
-    w.write(powers[:, :, MOMENT["second"]], torch.square, zeroed)
+    Keys-major (``shifted [B, H, M, N]``, ``valid [B, 1, M, 1]``): every softmax over the M keys
+    runs along a non-last dimension, vectorised across the rows. Per Newton step
+    ``p = softmax(beta G')``, ``psi_j = p_j . G'_j`` and ``E_p[G'^2]_j = p_j . G'^2_j``, then one
+    Gram product over rows of ``[1, psi_j, E_p[G'^2]_j]`` gives ``n L' = sum_j psi_j`` and
+    ``n L'' = sum_j (E_p[G'^2]_j - psi_j^2)`` (the weights sum to 1)."""
+    logits = shifted if rows is None else shifted.index_select(-1, rows)  # [B, H, M, n]
+    b, nh, m, n = logits.shape
+    powers = w.workspace("fit powers", (b, nh, 2, m, n), logits.device)  # [G', G'^2] (0: padding)
+    zeroed = w.write(powers[:, :, 0], torch.mul, logits, valid) if valid is not None else None
+    if zeroed is None:
+        zeroed = powers[:, :, 0].copy_(logits)
+    w.write(powers[:, :, 1], torch.square, zeroed)
     low, high = BETA_RANGE
     ends = w.constant(
         ("fit bracket", scale, logits.device), lambda: f32([low * scale, high * scale], logits.device)
     )
-    bracket = _bracket(logits_t, powers[:, :, MOMENT["psi"]], ends)
+    bracket = _bracket(logits, zeroed, ends)
     sides = w.constant(("fit sides", logits.device), lambda: f32([1.0, -1.0], logits.device))
     start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
     beta = torch.clamp(start, bracket[..., 0], bracket[..., 1])
+    moments = w.workspace("fit moments", (b, nh, 3, n), logits.device)  # per row [1, psi_j, E_p[G'^2]_j]
+    moments[:, :, 0].fill_(1.0)
+    sums = w.workspace("fit moment sums", (b, nh, 3, 3), logits.device)
     for _ in range(FIT_STEPS):
-        _, sums = _moments(w, logits_t, powers, beta)
-        grad = sums[..., MOMENT["1"], MOMENT["psi"]]  # n L'(beta)
-        hess = sums[..., MOMENT["1"], MOMENT["second"]] - sums[..., MOMENT["psi"], MOMENT["psi"]]  # n L''
+        _moments(w, moments, logits, powers, beta)
+        w.products(sums, moments, moments)  # their Gram over rows
+        grad = sums[..., 0, 1]  # n L'(beta) = sum_j psi_j
+        hess = sums[..., 0, 2] - sums[..., 1, 1]  # n L'' = sum_j (E_p[G'^2]_j - psi_j^2)
         # the optimum lies right of beta where L' < 0 (raise the lower end), left where L' > 0
         bracket = torch.where(grad[..., None] * sides < 0, beta[..., None], bracket)
         newton = torch.addcdiv(beta, grad, hess, value=-1.0)
         inside = torch.clamp(newton, bracket[..., 0], bracket[..., 1]) == newton  # NaN (flat loss): not
         beta = torch.where(inside, newton, bracket.prod(-1).sqrt())
-    moments, _ = _moments(w, logits_t, powers, beta)
-    return beta, moments
+    return beta, _moments(w, moments, logits, powers, beta)[:, :, 1:]
 
 
-def _bracket(logits_t: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _bracket(logits: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """The bracket ``[B, H, 2]`` of beta: the range ``ends`` (``[lo, hi]``), collapsed onto an end
     where the optimum lies at or beyond it (``L'(lo) >= 0``: the loss rises from the lower end,
     e.g. an anti-NW head; ``L'(hi) <= 0``), so that Newton steps never bisect towards it.
-    ``logits_t``, ``shifted_zeroed``: keys-major ``[B, H, M, n]``."""
-    p = torch.softmax(logits_t[:, :, None] * ends[:, None, None], -2)  # [B, H, 2, M, n]
+    ``logits``, ``shifted_zeroed``: keys-major ``[B, H, M, n]``."""
+    p = torch.softmax(logits[:, :, None] * ends[:, None, None], -2)  # [B, H, 2, M, n]
     grad = (p * shifted_zeroed[:, :, None]).sum((-1, -2))  # n L' at both ends [B, H, 2]
     bracket = ends.expand(*grad.shape)
     bracket = torch.where(grad[..., :1] >= 0, bracket[..., :1], bracket)
@@ -225,23 +230,21 @@ def _bracket(logits_t: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.T
 
 
 def _moments(
-    w: EagerWriter, logits_t: torch.Tensor, powers: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row ``p_j [1, G'_j, G'_j^2]`` ``[B, H, n, 3]`` (``p = softmax(beta G')``, keys-major
-    ``logits_t [B, H, M, n]``, ``powers [B, H, 3, M, n]``) and their Gram over rows ``[B, H, 3, 3]``."""
-    b, nh, _, n = logits_t.shape
-    p = torch.softmax(logits_t * beta[..., None, None], -2)  # [B, H, M, n]
-    moments = w.workspace("fit moments", (b, nh, len(MOMENT), n), logits_t.device)
-    w.write(moments, torch.sum, powers * p[:, :, None], -2)  # over the keys
-    sums = w.workspace("fit moment sums", (b, nh, len(MOMENT), len(MOMENT)), logits_t.device)
-    return moments.transpose(-1, -2), w.products(sums, moments, moments)
+    w: EagerWriter, out: torch.Tensor, logits: torch.Tensor, powers: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """Per row ``p_j . [G'_j, G'^2_j]`` into ``out[:, :, 1:]`` (``out [B, H, 3, n]``, its row 0 the
+    ones), ``p = softmax(beta G')`` over the keys of the keys-major ``logits [B, H, M, n]``;
+    ``powers [B, H, 2, M, n]``. Returns ``out``."""
+    p = torch.softmax(logits * beta[..., None, None], -2)  # [B, H, M, n]
+    w.write(out[:, :, 1:], torch.linalg.vecdot, powers, p[:, :, None], dim=-2)
+    return out
 
 
 def _write_standard_error(
     w: EagerWriter, out: torch.Tensor, beta: torch.Tensor, moments: torch.Tensor, count: int, total: int
 ) -> None:
     """``SE(h) = sqrt(var_j(psi_j) / (n L''^2) (1 - n/N)) / (2 beta^1.5)`` into ``out [B, H]``."""
-    psi, second = moments[..., MOMENT["psi"]], moments[..., MOMENT["second"]]
+    psi, second = moments[:, :, 0], moments[:, :, 1]
     var_psi = psi.var(-1)  # sample variance over the n fit rows
     curvature = (second - psi.square()).mean(-1)  # L'' = mean_j Var_{p_j}(G)
     correction = (1.0 - count / total) / count
