@@ -95,6 +95,7 @@ def test_main_rows_sizes_skip_and_checkpoint_reuse(search, tmp_path, monkeypatch
     assert json.loads((ckpt / search.scale_name(TINY) / "train_cpu.json").read_text())["train_cpu_s"] > 0
     # the plug-in is scored on the held-out tasks of the test split, same noise: recompute it
     tasks = search.eval_tasks(3, 8)
+    assert tuple(tasks.target.shape) == (3, 8, 2) and tuple(tasks.support.shape) == (3, search.NUM_SUPPORT, 2)
     cfg = EvalConfig(num_generated=8, grid_points=100, sigma_min=search.SIGMA_MIN, seed=0, batch_tasks=2)
     plug = evaluate_methods({"p": lambda s, mk: plugin_field(s, mk, sigma_min=search.SIGMA_MIN)}, tasks, cfg)
     np.testing.assert_allclose(row["plugin_tasks"], plug["p"]["mmd2_median"], rtol=1e-12)
