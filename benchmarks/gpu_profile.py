@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         atomic_write_text(args.out_dir / "profile.json", json.dumps(result, indent=1, default=str))
 
     dtype = getattr(torch, args.dtype)
-    result = run(args.models, device, dtype, args.forwards, args.repeats, args.compiled_models, on_model=write)
+    options = {"compiled_models": args.compiled_models, "on_model": write}
+    result = run(args.models, device, dtype, args.forwards, args.repeats, **options)
     print(summary(result))
     return 0
 

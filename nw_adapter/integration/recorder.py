@@ -5,7 +5,9 @@ The NW processors hand the recorder per-layer statistics as device tensors of sh
 Python once, at export (:meth:`NWRecorder.to_records`, one transfer). The recorder only records:
 
 - which step a denoiser forward belongs to is tracked by its
-  :class:`~nw_adapter.integration.steps.StepTracker` (a forward pre-hook on the denoiser);
+  :class:`~nw_adapter.integration.steps.StepTracker` (a forward pre-hook on the denoiser); the
+  processors read each pass from one :class:`~nw_adapter.integration.steps.StepContext`
+  (:attr:`NWRecorder.context`, made once per pass), not from the recorder's pass-throughs;
 - the optional raw maps are kept by a :class:`~nw_adapter.integration.maps.MapStore`;
 - what stays here: the entries, the nulls' seeded generators, the ledger of skipped
   (step, layer) pairs and their export as plain records (:meth:`NWRecorder.to_records`).
@@ -47,7 +49,7 @@ from nw_adapter.integration.schema import (
 )
 from nw_adapter.integration.settings import SETTINGS_FIELD, config_settings, scale_settings, settings_digest
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
-from nw_adapter.integration.steps import StepState, StepTracker
+from nw_adapter.integration.steps import StepContext, StepState, StepTracker
 
 __all__ = [
     "RECORDS_SCHEMA",
@@ -55,6 +57,7 @@ __all__ = [
     "CONTROL_COLUMNS",
     "CONTROL_ROWS",
     "NWRecorder",
+    "StepContext",
     "StepState",
     "block_of",
 ]
@@ -245,12 +248,26 @@ class NWRecorder:
         #: The processors' taps (:class:`~nw_adapter.integration.processors.base.Taps`): hooks kept on
         #: the attention modules while the processors serve them, removed by :meth:`detach`.
         self.taps: list[Any] = []
+        self._context: StepContext | None = None
 
     # ------------------------------------------------------------------ steps (the tracker's)
     @property
     def state(self) -> StepState:
         """Where the current denoiser forward sits (:class:`~nw_adapter.integration.steps.StepState`)."""
         return self.tracker.state
+
+    @property
+    def context(self) -> StepContext:
+        """The current denoiser pass as the processors read it: its state, CFG layout and step
+        selection, and a memo shared by its layers (:class:`~nw_adapter.integration.steps.StepContext`),
+        made once per pass (when the tracker's state is a new one)."""
+        ctx, state = self._context, self.tracker.state
+        if ctx is None or ctx.state is not state:
+            config = self.config
+            cfg = state.cfg if config.cfg is None else config.cfg
+            selected = config.steps is None or state.step in config.steps
+            ctx = self._context = StepContext(state, cfg, selected)
+        return ctx
 
     @property
     def _steps(self) -> dict[tuple[int, int], StepState]:
@@ -297,7 +314,7 @@ class NWRecorder:
     @property
     def cfg(self) -> bool:
         """Whether the current batch is [uncond; cond]: ``config.cfg`` if set, else the step's value."""
-        return self.state.cfg if self.config.cfg is None else self.config.cfg
+        return self.context.cfg
 
     def generator(self, device: torch.device, call: int | None = None) -> torch.Generator:
         """The seeded generator of the nulls on ``device`` (reseeded at every new call).
@@ -327,7 +344,7 @@ class NWRecorder:
     # ------------------------------------------------------------------ accumulation
     def wants_step(self) -> bool:
         """Whether the current step is selected by ``config.steps``."""
-        return self.config.steps is None or self.state.step in self.config.steps
+        return self.context.selected
 
     def add(
         self,

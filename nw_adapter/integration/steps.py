@@ -48,7 +48,7 @@ import hashlib
 import inspect
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -85,6 +85,27 @@ class StepState:
     latent_hw: tuple[int, int] | None = None
     pass_index: int = 0
     perturbed: bool = False
+
+
+@dataclass(eq=False)
+class StepContext:
+    """One denoiser pass as the NW processors read it, made once per pass by the recorder
+    (:attr:`~nw_adapter.integration.recorder.NWRecorder.context`): every layer of the pass reads
+    this one object instead of asking the recorder and its tracker.
+
+    Attributes:
+        state: the pass's :class:`StepState` (call, step, pass index, noise level).
+        cfg: whether the batch is [uncond; cond]: ``config.cfg`` when set, else ``state.cfg``.
+        selected: whether the step is one of ``config.steps`` (all when None).
+        memo: what the processors resolve once per pass for every layer (the CFG halves of a
+            batch size, the bandwidth of a rule that reads no keys per softmax scale); a new pass
+            starts with an empty one.
+    """
+
+    state: StepState
+    cfg: bool = False
+    selected: bool = True
+    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 _NO_MARKER = object()

@@ -407,3 +407,44 @@ def test_sd3_skip_layer_guidance_pass_is_not_recorded(sd3):
     records = rec.to_records()
     assert {(r["step"], r["half"]) for r in records} == {(s, h) for s in range(3) for h in ("uncond", "cond")}
     assert len(records) == 3 * 2 * 2 * 2  # steps x halves x layers x heads: one record each
+
+
+# ---------------------------------------------------------------- hooks: registered once, not per call
+
+
+def _hook_count(module: torch.nn.Module) -> int:
+    """Forward hooks and forward pre-hooks on ``module`` and every module below it."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("mode", ["observe", "swap"])
+def test_a_call_registers_no_hook_the_taps_stay_until_removal(request, family, mode, monkeypatch):
+    """The taps (hooks on the attention modules) are registered at the processors' first call and
+    only armed / disarmed after it: a second pipeline call registers no hook at all, leaves the
+    same hooks in place, and removing the processors removes every hook they added."""
+    pipe = request.getfixturevalue(family)
+    kwargs = {"ip_adapter_image": [_image(1), _image(2)]} if family == "flux" else {}
+    before = _hook_count(pipe.transformer)
+    registered: list[str] = []
+
+    def counting(real):
+        def register(module, *args, **kw):
+            registered.append(type(module).__name__)
+            return real(module, *args, **kw)
+
+        return register
+
+    with nw_processor(pipe, mode=mode, nulls=False) as rec:
+        generate(pipe, **kwargs)  # the first call registers the taps
+        tapped = _hook_count(pipe.transformer)
+        with monkeypatch.context() as patch:
+            for name in ("register_forward_hook", "register_forward_pre_hook"):
+                patch.setattr(torch.nn.Module, name, counting(getattr(torch.nn.Module, name)))
+            generate(pipe, **kwargs)
+        assert registered == []  # no hook registered during the second call
+        assert _hook_count(pipe.transformer) == tapped > before + 1  # the step tracker's and the taps
+        assert rec.taps and all(not t.armed and t.branch is None for t in rec.taps)
+        if mode == "observe":
+            assert {r["call"] for r in rec.to_records()} == {0, 1}
+    assert _hook_count(pipe.transformer) == before  # detach removed the taps

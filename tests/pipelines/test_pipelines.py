@@ -242,7 +242,7 @@ def test_an_interrupted_call_keeps_the_processors_and_drops_its_partial_records(
         assert all(name.startswith("call0/") for name in rec.maps())
         # no per-call hook is left: the only hooks are the processors' taps (registered once,
         # disarmed between calls; removed with the processors, checked after unset below)
-        assert rec.taps and all(not t.wants_q and not t.wants_keys and t.branch is None for t in rec.taps)
+        assert rec.taps and all(not t.armed and t.branch is None and not t.captured for t in rec.taps)
         tapped = {id(h.hooks_dict_ref()) for t in rec.taps for h in t.handles}
         inner = [m for m in sd15.unet.modules() if m is not sd15.unet]
         assert all(id(m._forward_hooks) in tapped for m in inner if m._forward_hooks)

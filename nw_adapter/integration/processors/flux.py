@@ -10,8 +10,9 @@ a separate softmax per adapter over its IP tokens (M_j = images x tokens), with 
 RMS-normalised query and un-normalised IP keys; the block adds ``ip_out`` to its hidden states.
 Single-stream blocks carry no IP-Adapter.
 
-Observe: a forward hook on ``attn.norm_q`` (called once per processor call) captures q exactly
-as the stock branch uses it; ``super().__call__``'s output is returned untouched. Each adapter's
+Observe: the taps' forward hook on ``attn.norm_q`` (called once per processor call; registered at
+the first call, armed during ``super().__call__`` only) captures q exactly as the stock branch
+uses it; ``super().__call__``'s output is returned untouched. Each adapter's
 softmax is compared with the NW weights over its keys (recomputed with the stock ``to_k_ip``).
 
 Swap: ``super().__call__`` runs with an empty list of IP states (its image-branch output is then
@@ -35,8 +36,9 @@ from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProc
 
 from nw_adapter.integration import support
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors.base import NWProcessorBase, capture_outputs
+from nw_adapter.integration.processors.base import BranchSpec, NWProcessorBase, Softmax
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 
 
 class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
@@ -57,7 +59,12 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
     """
 
     _shared_modules = ("to_k_ip", "to_v_ip")
-    halves_by_pass = True  # true CFG: the positive pass is "cond", the negative one "uncond"
+    spec = BranchSpec(
+        observe_taps=("attn.norm_q",),  # the image branch's query, RMS-normalised
+        swap_taps=("attn.norm_q",),
+        swap_site="output",  # the image branch is the processor's third output
+        halves_by_pass=True,  # true CFG: the positive pass is "cond", the negative one "uncond"
+    )
 
     def __init__(
         self,
@@ -79,7 +86,8 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         ip_hidden_states: list[torch.Tensor] | None = None,
         ip_adapter_masks: torch.Tensor | None = None,
     ) -> Any:
-        """Stock Flux IP-Adapter attention plus the NW side computation (module docstring).
+        """Stock Flux IP-Adapter attention plus the NW side computation (module docstring and
+        :meth:`~nw_adapter.integration.processors.base.NWProcessorBase._nw_call`).
 
         Args: as diffusers' ``FluxIPAdapterAttnProcessor``.
 
@@ -87,41 +95,82 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
             ``(hidden_states, encoder_hidden_states, ip_attn_output)`` as the stock processor;
             in swap mode ``ip_attn_output`` is the Gaussian-kernel head's.
         """
-        stock = super().__call__
-        record, swap = self._selection()
-        if not (record or swap) or not ip_hidden_states or encoder_hidden_states is None:
-            return stock(
-                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
-                ip_hidden_states, ip_adapter_masks,
-            )  # fmt: skip
-        captured: dict[str, torch.Tensor] = {}
-        handles = capture_outputs((("q", attn.norm_q),), captured)
-        scales = list(self.scale)
-        try:
-            out = stock(
-                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb,
-                [] if swap else ip_hidden_states, ip_adapter_masks,
-            )  # fmt: skip
-        finally:
-            for handle in handles:
-                handle.remove()
-        if swap:
-            text_out, context_out, ip_out = out
-            try:
-                branch = self._swap_branch(self._query(captured), ip_hidden_states, scales, attn)
-            except Exception as error:
-                raise self._swap_error(error) from error
-            out = (text_out, context_out, ip_out + branch)
-        if record:
-            self._record_safely(
-                lambda: self._record(self._query(captured), ip_hidden_states, scales, attn.heads)
-            )
-        return out
+        return self._nw_call(
+            attn, (hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, ip_hidden_states,
+                   ip_adapter_masks),
+        )  # fmt: skip
 
+    # ------------------------------------------------------------------ what the skeleton asks
+    def _image_inputs(self, args: tuple) -> tuple[Sequence[torch.Tensor], list[Any]] | None:
+        """``(ip_hidden_states, scales)``: each adapter's IP states and scale; None without IP
+        states or text stream (a single-stream call: no image branch)."""
+        ip_hidden_states = args[4]
+        if not ip_hidden_states or args[1] is None:
+            return None
+        return ip_hidden_states, list(self.scale)
+
+    def _without_branch(self, args: tuple) -> tuple:
+        """The stock arguments with an empty list of IP states (the stock image output is zeros)."""
+        return (*args[:4], [], args[5])
+
+    def _swap(
+        self,
+        ctx: StepContext,
+        attn: Any,
+        inputs: tuple[Sequence[torch.Tensor], list[Any]],
+        captured: dict,
+        out: tuple,
+    ) -> tuple:
+        """The stock output with ``sum_j scale_j * GKA(q, k_j, v_j, h)`` ``[B, N, H*d]`` added to its
+        (zero) image-branch output."""
+        ip_hidden_states, scales = inputs
+        text_out, context_out, ip_out = out
+        q = self._query(captured)
+        keys = self._keys(ip_hidden_states, attn.heads)
+        s = 1.0 / math.sqrt(q.shape[-1])
+        total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
+        for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
+            value = self._split(self.to_v_ip[j](states), attn.heads)
+            h = self._bandwidth(q, key, s, ctx)
+            branch = self._gaussian_head(q, key, value, h)
+            total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
+        return text_out, context_out, ip_out + total
+
+    def _softmaxes(
+        self,
+        attn: Any,
+        inputs: tuple[Sequence[torch.Tensor], list[Any]],
+        captured: dict,
+        heads: tuple[int, ...],
+    ) -> list[Softmax]:
+        """Each adapter's softmax (q [B, H, N, d] against its keys), with the untrained-adapter
+        control's keys (every draw) when the control is on."""
+        ip_hidden_states, scales = inputs
+        heads_n = attn.heads
+        keys = self._keys(ip_hidden_states, heads_n)
+        q = self._pick(self._query(captured), heads, heads_n)
+        s = 1.0 / math.sqrt(q.shape[-1])
+        control = self._untrained_wanted()
+        draws = range(control.draws) if control is not None else range(0)
+        softmaxes = []
+        for j, (key, scale, states) in enumerate(zip(keys, scales, ip_hidden_states, strict=False)):
+            k = self._pick(key, heads, heads_n)
+            keys0 = tuple(
+                self._pick(control.keys(self.layer_name, control.projected(d).states[j], adapter=j, draw=d),
+                           heads, heads_n)
+                for d in draws
+            )  # fmt: skip
+            softmaxes.append(Softmax(
+                q, k, s, scale, adapter=j, maps=True, control_keys=keys0,
+                references=support.reference_count(states),
+            ))  # fmt: skip
+        return softmaxes
+
+    # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _query(captured: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _query(captured: dict[str, list[torch.Tensor]]) -> torch.Tensor:
         """The image branch's query ``[B, H, N, d]`` (``attn.norm_q``'s output is ``[B, N, H, d]``)."""
-        return captured["q"].transpose(1, 2)
+        return captured["attn.norm_q"][0].transpose(1, 2)
 
     def _keys(self, ip_hidden_states: Sequence[torch.Tensor], heads: int) -> list[torch.Tensor]:
         """Each adapter's IP keys ``[B, H, M_j, d]``, as the stock branch forms them."""
@@ -131,50 +180,6 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
     def _split(x: torch.Tensor, heads: int) -> torch.Tensor:
         """``[B, ..., M, H*d]`` (images x tokens flattened, as diffusers' ``view``) -> ``[B, H, M', d]``."""
         return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)
-
-    def _swap_branch(
-        self, q: torch.Tensor, ip_hidden_states: Sequence[torch.Tensor], scales: Sequence[float], attn: Any
-    ) -> torch.Tensor:
-        """sum_j scale_j * GKA(q, k_j, v_j, h) as ``[B, N, H*d]``."""
-        keys = self._keys(ip_hidden_states, attn.heads)
-        s = 1.0 / math.sqrt(q.shape[-1])
-        total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
-        for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
-            value = self._split(self.to_v_ip[j](states), attn.heads)
-            h = self._bandwidth(q, key, s)
-            branch = self._gaussian_head(q, key, value, h)
-            total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
-        return total
-
-    def _record(
-        self,
-        q_all: torch.Tensor,
-        ip_hidden_states: Sequence[torch.Tensor],
-        scales: Sequence[Any],
-        heads_n: int,
-    ) -> None:
-        """Record each adapter's softmax (q [B, H, N, d] against its keys), labelled by the pass, with
-        the untrained-adapter control's keys (every draw) when the control is on."""
-        heads = self._heads(heads_n)
-        if not heads:
-            return
-        keys = self._keys(ip_hidden_states, heads_n)
-        q = self._pick(q_all, heads, heads_n)
-        halves = self._halves(q.shape[0])
-        s = 1.0 / math.sqrt(q.shape[-1])
-        control = self._untrained_wanted()
-        draws = range(control.draws) if control is not None else range(0)
-        for j, (key, scale, states) in enumerate(zip(keys, scales, ip_hidden_states, strict=False)):
-            k = self._pick(key, heads, heads_n)
-            keys0 = [
-                self._pick(control.keys(self.layer_name, control.projected(d).states[j], adapter=j, draw=d),
-                           heads, heads_n)
-                for d in draws
-            ]  # fmt: skip
-            self._record_softmax(
-                q, k, scale=s, halves=halves, heads=heads, adapter=j, image=0, adapter_scale=scale,
-                maps=True, control_keys=keys0, references=support.reference_count(states),
-            )  # fmt: skip
 
 
 def is_flux_ip_processor(processor: Any) -> bool:

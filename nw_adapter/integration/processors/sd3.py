@@ -19,9 +19,10 @@ comparisons per (layer, head, CFG half):
   over the image (the joint key set grows with the image: N = 4096 at 1024 px);
 
 and ``ip_mass``, the joint softmax's mass on the IP keys, sum_{i in IP} A_ni averaged over the
-same rows, beside both. q, k and k_ip are the very tensors the stock processor forms: forward
-hooks on its ``norm_q``, ``norm_k`` and ``norm_ip_k`` (called only in the image branch) capture
-them during ``super().__call__``, whose output is returned untouched (observe is bit-identical).
+same rows, beside both. q, k and k_ip are the very tensors the stock processor forms: the taps'
+forward hooks on its ``norm_q``, ``norm_k`` and ``norm_ip_k`` (called only in the image branch;
+registered at the first call, armed during ``super().__call__`` only) capture them, and the
+stock output is returned untouched (observe is bit-identical).
 
 A further transformer pass of the same step (skip-layer guidance, ``skip_guidance_layers``, runs
 the conditional half again with some blocks skipped) is not recorded; swap applies to it too.
@@ -42,12 +43,14 @@ from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAtt
 
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.processors.base import (
+    BranchSpec,
     NWProcessorBase,
-    capture_outputs,
+    Softmax,
     split_heads,
     spread_rows,
 )
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 
 
 class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttnProcessor2_0):
@@ -67,6 +70,12 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
     """
 
     _shared_modules = ("norm_ip", "to_k_ip", "to_v_ip", "norm_q", "norm_k", "norm_ip_k")
+    spec = BranchSpec(
+        observe_taps=("norm_q", "norm_k", "norm_ip_k"),  # q, k_img, k_ip as the stock branch forms them
+        swap_taps=("attn.to_q", "attn.to_k", "attn.to_v"),
+        swap_site="to_out",
+        every_pass=False,  # skip-layer guidance's further pass is not recorded
+    )
 
     joint_rows: int = 256
     """Query rows (evenly spaced) on which the joint-key-set statistics and ``ip_mass`` are taken."""
@@ -90,7 +99,8 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         ip_hidden_states: torch.FloatTensor = None,
         temb: torch.FloatTensor = None,
     ) -> torch.FloatTensor:
-        """Stock SD3 IP-Adapter attention plus the NW side computation (module docstring).
+        """Stock SD3 IP-Adapter attention plus the NW side computation (module docstring and
+        :meth:`~nw_adapter.integration.processors.base.NWProcessorBase._nw_call`).
 
         Args: as diffusers' ``SD3IPAdapterJointAttnProcessor2_0``.
 
@@ -98,70 +108,69 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
             As the stock processor: identical in observe mode; in swap mode the image branch is
             the Gaussian-kernel head.
         """
-        stock = super().__call__
-        record, swap = self._selection()
-        record = record and self.recorder.state.pass_index == 0  # not skip-layer guidance's extra pass
-        if not (record or swap) or ip_hidden_states is None or self.scale == 0:
-            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, ip_hidden_states, temb)
-        captured: dict[str, torch.Tensor] = {}
-        if swap:
-            handles = capture_outputs((("q", attn.to_q), ("k", attn.to_k), ("v", attn.to_v)), captured)
+        return self._nw_call(
+            attn, (hidden_states, encoder_hidden_states, attention_mask, ip_hidden_states, temb)
+        )
 
-            def add_nw_branch(module: torch.nn.Module, args: tuple) -> tuple:
-                try:
-                    branch = self._swap_branch(attn, captured, ip_hidden_states, temb)
-                except Exception as error:
-                    raise self._swap_error(error) from error
-                return (args[0] + branch * self.scale, *args[1:])
+    # ------------------------------------------------------------------ what the skeleton asks
+    def _image_inputs(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(ip_hidden_states, temb)``; None when the stock call has no image branch (no IP states,
+        or scale 0)."""
+        ip_hidden_states = args[3]
+        if ip_hidden_states is None or self.scale == 0:
+            return None
+        return ip_hidden_states, args[4]
 
-            handles.append(attn.to_out[0].register_forward_pre_hook(add_nw_branch))
-            stock_ip = None  # diffusers skips its image branch
-        else:
-            norms = (("q", self.norm_q), ("k", self.norm_k), ("k_ip", self.norm_ip_k))
-            handles = capture_outputs(norms, captured)
-            stock_ip = ip_hidden_states
-        try:
-            out = stock(attn, hidden_states, encoder_hidden_states, attention_mask, stock_ip, temb)
-        finally:
-            for handle in handles:
-                handle.remove()
-        if record:
-            names = ("q_normed", "k_normed", "k_ip") if swap else ("q", "k", "k_ip")
-            self._record_safely(lambda: self._record(attn, *(captured[n] for n in names)))
-        return out
+    def _without_branch(self, args: tuple) -> tuple:
+        """The stock arguments without ``ip_hidden_states``: diffusers skips its image branch."""
+        return (*args[:3], None, args[4])
 
-    def _swap_branch(
-        self, attn: Attention, captured: dict, ip_hidden_states: torch.Tensor, temb: torch.Tensor
+    def _swap(
+        self,
+        ctx: StepContext,
+        attn: Attention,
+        inputs: tuple[torch.Tensor, torch.Tensor],
+        captured: dict,
+        hidden: torch.Tensor,
     ) -> torch.Tensor:
-        """The NW image branch ``[B, N, H*d]`` before the scale (the stock branch's SDPA replaced)."""
+        """``hidden + scale * GKA(q, k, v, h)`` ``[B, N, H*d]``: the stock branch's SDPA over the joint
+        keys replaced (q, k, v formed with the stock modules from the captured projections); the
+        normalised q, k_img, k_ip are kept in ``captured["swap"]`` for the statistics."""
+        ip_hidden_states, temb = inputs
         heads = attn.heads
         ip = self.norm_ip(ip_hidden_states, temb=temb)
-        q = self.norm_q(split_heads(captured["q"], heads))
-        k_img = self.norm_k(split_heads(captured["k"], heads))
+        q = self.norm_q(split_heads(captured["attn.to_q"][0], heads))
+        k_img = self.norm_k(split_heads(captured["attn.to_k"][0], heads))
         k_ip = self.norm_ip_k(split_heads(self.to_k_ip(ip), heads))
         key = torch.cat([k_img, k_ip], dim=2)
-        value = torch.cat([split_heads(captured["v"], heads), split_heads(self.to_v_ip(ip), heads)], dim=2)
-        captured.update(q_normed=q, k_normed=k_img, k_ip=k_ip)
+        value = torch.cat(
+            [split_heads(captured["attn.to_v"][0], heads), split_heads(self.to_v_ip(ip), heads)], 2
+        )
+        captured["swap"] = (q, k_img, k_ip)  # recorded as observe records the stock branch's
         s = 1.0 / math.sqrt(q.shape[-1])
-        h = self._bandwidth(q, key, s)
+        h = self._bandwidth(q, key, s, ctx)
         out = self._gaussian_head(q, key, value, h)
         batch, _, rows, head_dim = out.shape
-        return out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype)
+        return hidden + out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype) * self.scale
 
-    def _record(
-        self, attn: Attention, q_all: torch.Tensor, k_img_all: torch.Tensor, k_ip_all: torch.Tensor
-    ) -> None:
-        """Record the "ip" and "joint" comparisons of the captured q [B, H, N, d], k_img [B, H, N, d],
-        k_ip [B, H, M, d] (all as the stock branch forms them), with ``ip_mass``; the "ip" comparison
-        also against the untrained adapters' IP keys (every draw) when the control is on."""
-        heads = self._heads(attn.heads)
-        if not heads:
-            return
+    def _softmaxes(
+        self,
+        attn: Attention,
+        inputs: tuple[torch.Tensor, torch.Tensor],
+        captured: dict,
+        heads: tuple[int, ...],
+    ) -> list[Softmax]:
+        """The "ip" and "joint" comparisons of q [B, H, N, d], k_img [B, H, N, d], k_ip [B, H, M, d]
+        (as the stock branch forms them: the observe taps, or swap's own), with ``ip_mass``; the
+        "ip" comparison also against the untrained adapters' IP keys (every draw) when the control
+        is on."""
+        if "swap" in captured:
+            q_all, k_img_all, k_ip_all = captured["swap"]
+        else:
+            q_all, k_img_all, k_ip_all = (captured[name][0] for name in self.spec.observe_taps)
         q = self._pick(q_all, heads, attn.heads)
         k_img = self._pick(k_img_all, heads, attn.heads)
         k_ip = self._pick(k_ip_all, heads, attn.heads)
-        batch = q.shape[0]
-        halves = self._halves(batch)
         s = 1.0 / math.sqrt(q.shape[-1])
         rows = spread_rows(q.shape[-2], self.joint_rows, q.device)
         q_rows = q if rows is None else q.index_select(2, rows)
@@ -171,15 +180,16 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         lse_all = torch.logaddexp(logits_img.logsumexp(dim=-1), lse_ip)
         ip_mass = (lse_ip - lse_all).exp().mean(dim=-1)  # [B, H]: sum_{i in IP} A_ni over the rows
         scale = self.scale
-        common = dict(halves=halves, heads=heads, adapter=0, image=0, adapter_scale=scale, ip_mass=ip_mass)
         control = self._untrained_wanted()
         keys0 = []
         for d in range(control.draws if control is not None else 0):
             states0 = control.projected(d).states[0]
             keys0.append(self._pick(control.keys(self.layer_name, states0, draw=d), heads, attn.heads))
-        self._record_softmax(q, k_ip, scale=s, key_set="ip", maps=True, control_keys=keys0, **common)
         k_joint = torch.cat([k_img, k_ip], dim=2)
-        self._record_softmax(q_rows, k_joint, scale=s, key_set="joint", **common)
+        return [
+            Softmax(q, k_ip, s, scale, ip_mass=ip_mass, maps=True, control_keys=tuple(keys0)),
+            Softmax(q_rows, k_joint, s, scale, key_set="joint", ip_mass=ip_mass),
+        ]
 
 
 def is_sd3_ip_processor(processor: Any) -> bool:

@@ -9,9 +9,10 @@ processor they replace (``scale`` forwarded, see :mod:`~nw_adapter.integration.p
 
 How the side computation gets its inputs, without recomputing the query projection:
 
-- ``q`` [B, H, N, d] is the output of ``attn.to_q`` captured by a forward hook registered on
-  ``attn.to_q`` for the duration of ``super().__call__`` (removed in ``finally``); it already
-  includes ``spatial_norm``, ``group_norm`` and the flattening of 4-D inputs.
+- ``q`` [B, H, N, d] is the output of ``attn.to_q`` captured by the processor's taps (a forward
+  hook on ``attn.to_q`` registered at the first call, armed during ``super().__call__`` only:
+  :class:`~nw_adapter.integration.processors.base.Taps`); it already includes ``spatial_norm``,
+  ``group_norm`` and the flattening of 4-D inputs.
 - ``k_ip`` [B, H, M, d] is the output of ``to_k_ip[j]`` captured the same way (one forward hook
   per adapter, one output per softmax of the stock branch; M = 4 or 16 tokens per image), or
   ``to_k_ip[j](image tokens)`` computed here when the stock branch skipped the adapter (scale
@@ -37,16 +38,16 @@ Failures: in observe a side computation that raises never fails the layer: the s
 returned, the recorder drops what the layer stored at that step, counts the (step, layer) pair
 with its reason and warns once (:meth:`~nw_adapter.integration.recorder.NWRecorder.skip`). In
 swap the output depends on the NW branch, so its failure raises a RuntimeError naming the layer.
-Both, the head selection, the CFG halves and the statistics of each softmax are the base's
-(:class:`~nw_adapter.integration.processors.base.NWProcessorBase`); this module finds q, k and the
-softmax groups.
+Both, the call sequence, the head selection, the CFG halves and the statistics of each softmax are
+the base's (:class:`~nw_adapter.integration.processors.base.NWProcessorBase`); this module finds
+q, k and the softmax groups.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
@@ -57,18 +58,15 @@ from diffusers.models.attention_processor import (
 )
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors.base import NWProcessorBase, split_heads
+from nw_adapter.integration.processors.base import BranchSpec, NWProcessorBase, Softmax, split_heads
 from nw_adapter.integration.recorder import NWRecorder
+from nw_adapter.integration.steps import StepContext
 
 
 def _is_zero(scale: float | Sequence[float]) -> bool:
     if isinstance(scale, (list, tuple)):
         return all(s == 0 for s in scale)
     return scale == 0
-
-
-def _zero_like(scale: float | Sequence[float]) -> float | list[float]:
-    return [0.0] * len(scale) if isinstance(scale, (list, tuple)) else 0.0
 
 
 class _Group:
@@ -91,12 +89,129 @@ class _Group:
         self.value: torch.Tensor | None = None
 
 
+class UNetInputs(NamedTuple):
+    """A UNet layer call's image-branch inputs: each adapter's image states ``[B, (images,) T, D]``,
+    its IP mask ``[1, images, h, w]`` or None, and its scale (the stock list, copied)."""
+
+    ip_hidden_states: Sequence[torch.Tensor]
+    masks: Sequence[Any]
+    scales: list[Any]
+
+
 class _UNetNWProcessor(NWProcessorBase):
     """What the two UNet NW processors share (see the module docstring)."""
 
     _shared_modules = ("to_k_ip", "to_v_ip")
+    spec = BranchSpec(
+        observe_taps=("attn.to_q", "to_k_ip"),  # the queries and the stock branch's image keys
+        swap_taps=("attn.to_q",),
+        swap_site="to_out",
+        mute_by="scale",  # diffusers still validates the IP masks of the call
+    )
     to_k_ip: torch.nn.ModuleList
     to_v_ip: torch.nn.ModuleList
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        scale: float = 1.0,
+        ip_adapter_masks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Stock IP-Adapter attention plus the NW side computation (see the module docstring and
+        :meth:`~nw_adapter.integration.processors.base.NWProcessorBase._nw_call`).
+
+        Args: as diffusers' IP-Adapter processors.
+
+        Returns:
+            The layer output: identical to the stock processor's in observe mode; with the image
+            branch replaced by the Gaussian-kernel head in swap mode.
+        """
+        return self._nw_call(
+            attn, (hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks)
+        )
+
+    # ------------------------------------------------------------------ what the skeleton asks
+    def _image_inputs(self, args: tuple) -> UNetInputs | None:
+        """The IP states of ``encoder_hidden_states = (text, [states_j])``, the masks per adapter
+        and the scales; None without IP states (a tensor: no image branch to look at)."""
+        encoder_hidden_states, ip_adapter_masks = args[1], args[5]
+        if not isinstance(encoder_hidden_states, tuple):
+            return None
+        scales = list(self.scale)
+        if ip_adapter_masks is None:
+            masks: list[Any] = [None] * len(scales)
+        elif isinstance(ip_adapter_masks, list):
+            masks = ip_adapter_masks
+        else:
+            masks = list(ip_adapter_masks.unsqueeze(1))
+        return UNetInputs(encoder_hidden_states[1], masks, scales)
+
+    def _swap(
+        self, ctx: StepContext, attn: Attention, inputs: UNetInputs, captured: dict, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden + sum_g scale_g * mask_g * GKA(q, k_g, v_g, h)``: the NW image branch added to
+        the text attention output ``hidden`` [B, N, H*d] (the input of ``to_out[0]``).
+
+        Built to cost what the stock image branch costs. Per softmax group (no IP mask, float32):
+        the key and value projections on 2-D token rows (a bare ``mm`` each; diffusers' 3-D call
+        adds a reshape copy after each), the head of :meth:`~.base.NWProcessorBase._nw_head` (one
+        ``bilinear`` for the per-key bias and one SDPA call on the untouched queries) and one
+        fused ``torch.add(hidden, out, alpha=scale)``, against the stock branch's two projections,
+        SDPA, scale multiply and add (``tests/integration/test_swap_cost.py``). The groups, with
+        their keys, are kept in ``captured["groups"]`` for the statistics.
+        """
+        q_raw = captured["attn.to_q"][0]
+        batch, rows, inner = q_raw.shape
+        q = split_heads(q_raw, attn.heads)
+        s = self.attention_scale(attn, q.shape[-1])
+        groups = self._groups(inputs.ip_hidden_states, inputs.masks, inputs.scales, batch)
+        captured["groups"] = groups
+        for g in groups:
+            if _is_zero(g.scale):
+                continue
+            tokens = g.states.reshape(-1, g.states.shape[-1])  # [B*M, cross]
+            g.key = split_heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
+            g.value = split_heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
+            out = self._nw_head(q, g.key, g.value, self._bandwidth(q, g.key, s, ctx))
+            out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
+            if g.mask is not None:
+                out = out * self._mask_factor(g.mask, batch, rows, inner, out)
+            hidden = torch.add(hidden, out, alpha=g.scale)
+        return hidden
+
+    def _softmaxes(
+        self, attn: Attention, inputs: UNetInputs, captured: dict, heads: tuple[int, ...]
+    ) -> list[Softmax]:
+        """Every softmax group of the image branch (q [B, H, N, d] against its keys), with the
+        untrained-adapter control's keys of the same group, per draw, when the control is on."""
+        q_raw = captured["attn.to_q"][0]
+        batch = q_raw.shape[0]
+        q = self._pick(split_heads(q_raw, attn.heads), heads, attn.heads)
+        s = self.attention_scale(attn, q.shape[-1])
+        masks, scales = inputs.masks, inputs.scales
+        groups = captured.get("groups") or self._groups(inputs.ip_hidden_states, masks, scales, batch)
+        control = self._untrained_wanted()
+        # per draw, the untrained states grouped as the trained branch groups its own
+        per_draw = [] if control is None else [
+            self._groups(control.projected(d).states, masks, scales, batch) for d in range(control.draws)
+        ]  # fmt: skip
+        softmaxes = []
+        for gi, g in enumerate(groups):
+            k = self._pick(self._image_key(attn, g, captured, batch), heads, attn.heads)
+            keys0 = tuple(
+                self._pick(control.keys(self.layer_name, draw[gi].states, adapter=draw[gi].adapter, draw=d),
+                           heads, attn.heads)
+                for d, draw in enumerate(per_draw)
+            )  # fmt: skip
+            softmaxes.append(Softmax(
+                q, k, s, g.scale, adapter=g.adapter, image=g.image, maps=True, control_keys=keys0,
+                references=g.references,
+            ))  # fmt: skip
+        return softmaxes
 
     # ------------------------------------------------------------------ helpers
     def attention_scale(self, attn: Attention, head_dim: int) -> float:
@@ -143,148 +258,11 @@ class _UNetNWProcessor(NWProcessorBase):
         captured by the taps), the swap branch's, or ``to_k_ip`` applied here."""
         if g.key is not None:
             return g.key
-        outputs = captured.get("keys", {}).get(g.adapter, [])
+        outputs = captured.get(f"to_k_ip.{g.adapter}", ())
         position = g.image if g.mask is not None else 0
         if position < len(outputs):
             return split_heads(outputs[position].view(batch, -1, outputs[position].shape[-1]), attn.heads)
         return split_heads(self.to_k_ip[g.adapter](g.states), attn.heads)
-
-    # ------------------------------------------------------------------ the call
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        scale: float = 1.0,
-        ip_adapter_masks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Stock IP-Adapter attention plus the NW side computation (see the module docstring).
-
-        Args: as diffusers' IP-Adapter processors.
-
-        Returns:
-            The layer output: identical to the stock processor's in observe mode; with the image
-            branch replaced by the Gaussian-kernel head in swap mode.
-        """
-        call_stock = super().__call__  # type: ignore[misc]
-        record, swap = self._selection()
-        if not (record or swap) or not isinstance(encoder_hidden_states, tuple):
-            return call_stock(
-                attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
-            )
-        ip_hidden_states = encoder_hidden_states[1]
-        if ip_adapter_masks is None:
-            masks: list[Any] = [None] * len(self.scale)
-        elif isinstance(ip_adapter_masks, list):
-            masks = ip_adapter_masks
-        else:
-            masks = list(ip_adapter_masks.unsqueeze(1))
-        original = self.original
-        shared_scale = original.scale
-        scales = list(shared_scale)
-        taps = self._taps(attn, self.to_k_ip)
-        captured: dict[str, Any] = {}
-        branch = None
-        if swap:
-
-            def branch(hidden: torch.Tensor) -> torch.Tensor:
-                try:
-                    return self._swap_branch(attn, taps.q, captured, ip_hidden_states, masks, scales, hidden)
-                except Exception as error:  # swap changes the output: fail, naming the layer
-                    raise self._swap_error(error) from error
-
-            original.scale = [_zero_like(s) for s in scales]  # diffusers skips its image branch
-        taps.arm(keys=record and not swap, branch=branch)  # observe: keep the stock branch's keys
-        try:
-            out = call_stock(
-                attn, hidden_states, encoder_hidden_states, attention_mask, temb, scale, ip_adapter_masks
-            )
-        finally:
-            taps.disarm()
-            q, keys = taps.take()
-            if swap:
-                original.scale = shared_scale
-        if record and q is not None:
-            captured["q"], captured["keys"] = q, keys
-            self._record_safely(lambda: self._record(attn, captured, ip_hidden_states, masks, scales))
-        return out
-
-    def _swap_branch(
-        self,
-        attn: Attention,
-        q_raw: torch.Tensor,
-        captured: dict,
-        ip_hidden_states: Sequence[torch.Tensor],
-        masks: Sequence[Any],
-        scales: Sequence[Any],
-        hidden: torch.Tensor,
-    ) -> torch.Tensor:
-        """``hidden + sum_g scale_g * mask_g * GKA(q, k_g, v_g, h)``: the NW image branch added to
-        the text attention output ``hidden`` [B, N, H*d] (the input of ``to_out[0]``).
-
-        Built to cost what the stock image branch costs. Per softmax group (no IP mask, float32):
-        the key and value projections on 2-D token rows (a bare ``mm`` each; diffusers' 3-D call
-        adds a reshape copy after each), the head of :meth:`~.base.NWProcessorBase._nw_head` (one
-        ``bilinear`` for the per-key bias and one SDPA call on the untouched queries) and one
-        fused ``torch.add(hidden, out, alpha=scale)``, against the stock branch's two projections,
-        SDPA, scale multiply and add (``tests/integration/test_swap_cost.py``).
-        """
-        batch, rows, inner = q_raw.shape
-        q = split_heads(q_raw, attn.heads)
-        s = self.attention_scale(attn, q.shape[-1])
-        groups = self._groups(ip_hidden_states, masks, scales, batch)
-        captured["groups"] = groups
-        for g in groups:
-            if _is_zero(g.scale):
-                continue
-            tokens = g.states.reshape(-1, g.states.shape[-1])  # [B*M, cross]
-            g.key = split_heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            g.value = split_heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            out = self._nw_head(q, g.key, g.value, self._bandwidth(q, g.key, s))
-            out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
-            if g.mask is not None:
-                out = out * self._mask_factor(g.mask, batch, rows, inner, out)
-            hidden = torch.add(hidden, out, alpha=g.scale)
-        return hidden
-
-    # ------------------------------------------------------------------ statistics
-    def _record(
-        self,
-        attn: Attention,
-        captured: dict,
-        ip_hidden_states: Sequence[torch.Tensor],
-        masks: Sequence[Any],
-        scales: Sequence[Any],
-    ) -> None:
-        """Record every softmax group of the image branch (q [B, H, N, d] against its keys), with the
-        untrained-adapter control's keys of the same group, per draw, when the control is on."""
-        q_raw = captured["q"]
-        batch = q_raw.shape[0]
-        heads = self._heads(attn.heads)
-        if not heads:
-            return
-        q = self._pick(split_heads(q_raw, attn.heads), heads, attn.heads)
-        s = self.attention_scale(attn, q.shape[-1])
-        halves = self._halves(batch)
-        groups = captured.get("groups") or self._groups(ip_hidden_states, masks, scales, batch)
-        control = self._untrained_wanted()
-        # per draw, the untrained states grouped as the trained branch groups its own
-        per_draw = [] if control is None else [
-            self._groups(control.projected(d).states, masks, scales, batch) for d in range(control.draws)
-        ]  # fmt: skip
-        for gi, g in enumerate(groups):
-            k = self._pick(self._image_key(attn, g, captured, batch), heads, attn.heads)
-            keys0 = [
-                self._pick(control.keys(self.layer_name, draw[gi].states, adapter=draw[gi].adapter, draw=d),
-                           heads, attn.heads)
-                for d, draw in enumerate(per_draw)
-            ]  # fmt: skip
-            self._record_softmax(
-                q, k, scale=s, halves=halves, heads=heads, adapter=g.adapter, image=g.image,
-                adapter_scale=g.scale, maps=True, control_keys=keys0, references=g.references,
-            )  # fmt: skip
 
 
 class NWIPAdapterAttnProcessor2_0(_UNetNWProcessor, IPAdapterAttnProcessor2_0):
