@@ -2,6 +2,7 @@
 
     $ python scripts/train_tiny_flow.py --out runs/tiny_flux            # the shipped weights (seed 0)
     $ python scripts/train_tiny_flow.py --out /tmp/smoke --quick        # every stage for 2 steps (CI)
+    $ python scripts/train_tiny_flow.py --out runs/neutral --class-free-drop   # a variant (model card)
 
 Writes ``OUT/stages/{parts,transformer,adapter}`` (resumable, each with its ``stage.json``) and the
 model folder ``OUT/tiny_flux_digits`` (the layout shipped in
@@ -12,6 +13,7 @@ image encoder of the shipped tiny SD 1.5 digits model, frozen. See
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +22,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tiny import run_and_report, training_parser  # noqa: E402  (the SD 1.5 model's training CLI)
 
 
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = training_parser(__doc__.splitlines()[0], "tiny_flux_digits", "steps of both trained stages")
+    parser.add_argument(
+        "--class-free-drop",
+        action="store_true",
+        help='stage 1: a dropped caption becomes "", "a photograph" or "a handwritten digit" (default: "")',
+    )
+    parser.add_argument(
+        "--image-dropout", type=_probability, default=None, help="stage 2: black-image drop (default 0.05)"
+    )
+    parser.add_argument(
+        "--single-share",
+        type=_probability,
+        default=None,
+        help="stage 2: share of steps with m = 1, the rest m ~ U{2..4} (default: m ~ U{1..4})",
+    )
     args = parser.parse_args(argv)
     from nw_adapter.models.training.flux_run import FluxTrainingConfig, run_flux_training
 
@@ -30,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, transformer_steps=args.steps, adapter_steps=args.steps)
     if args.threads is not None:
         config = replace(config, threads=args.threads)
+    if args.class_free_drop:
+        config = replace(config, transformer_class_free_drop=True)
+    if args.image_dropout is not None:
+        config = replace(config, image_dropout=args.image_dropout)
+    if args.single_share is not None:
+        config = replace(config, single_share=args.single_share)
     return run_and_report(
         "train_tiny_flow.py",
         args.out,

@@ -97,6 +97,35 @@ def test_a_rerun_reuses_every_stage_and_other_settings_are_refused(quick_run, tm
     assert _weights(run) == written
 
 
+def test_default_records_are_the_shipped_ones_and_variants_are_recorded_and_refused(quick_run, tmp_path):
+    """The variant fields enter a stage's record only when not default: the shipped stage.json holds
+    exactly what a default run records; a variant run retrains the stage it changes and records why."""
+    from nw_adapter.models.training.flux_run import settings_of
+
+    shipped = json.loads((tiny_flux_digits.SHIPPED_DIR / "stage.json").read_text())["inputs"]
+    default = settings_of(FluxTrainingConfig())
+    for stage in ("transformer", "adapter"):
+        assert tuple(shipped[stage]["record"]["settings"]) == default[stage]
+    variant = settings_of(replace(FluxTrainingConfig(), transformer_class_free_drop=True, single_share=0.5))
+    assert variant["transformer"][-1] == "transformer_class_free_drop"
+    assert variant["adapter"][-1] == "single_share" and "image_dropout" not in variant["adapter"]
+
+    run = _copy(quick_run, tmp_path)
+    with pytest.raises(
+        StageMismatchError, match=r"stages/adapter.*image_dropout: 'missing' on disk, 0.1 asked"
+    ):
+        run_flux_training(run, replace(QUICK, image_dropout=0.1), progress=False)
+    with pytest.raises(StageMismatchError, match=r"stages/transformer.*transformer_class_free_drop"):
+        run_flux_training(run, replace(QUICK, transformer_class_free_drop=True), progress=False)
+    for folder in ("adapter", "tiny_flux_digits"):
+        shutil.rmtree(run / "stages" / folder if folder == "adapter" else run / folder)
+    run_flux_training(run, replace(QUICK, single_share=1.0, adapter_steps=3), progress=False)
+    log = json.loads((run / "stages" / "log.json").read_text())
+    assert log["adapter"]["support_sizes"] == {"1": 3}  # every step m = 1
+    record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
+    assert record["settings"]["single_share"] == 1.0 and record["settings"]["adapter_steps"] == 3
+
+
 def test_a_stage_trained_on_other_input_files_is_refused(quick_run, tmp_path):
     run = _copy(quick_run, tmp_path)
     weights = next((run / "stages" / "transformer").glob("*.safetensors"))

@@ -113,8 +113,8 @@ def train_flux_transformer(
     labels: torch.Tensor,
     caption_states: torch.Tensor,
     caption_pooled: torch.Tensor,
-    empty_states: torch.Tensor,
-    empty_pooled: torch.Tensor,
+    null_states: torch.Tensor,
+    null_pooled: torch.Tensor,
     ids: FluxBatchInputs,
     *,
     steps: int,
@@ -131,7 +131,9 @@ def train_flux_transformer(
         labels: ``(N,)`` digit classes.
         caption_states: ``(10, W, TEXT_TOKENS, 32)`` T5 states of ``W`` wordings per class.
         caption_pooled: ``(10, W, 32)`` pooled CLIP embeddings of the same captions.
-        empty_states: ``(1, TEXT_TOKENS, 32)`` and ``empty_pooled``: ``(1, 32)``, of ``""``.
+        null_states: ``(P, TEXT_TOKENS, 32)`` and ``null_pooled``: ``(P, 32)``, of the ``P`` prompts
+            a dropped caption is replaced by (``P = 1``: ``""`` only; ``P > 1``: one drawn uniformly
+            per dropped caption, after the batch, so ``P = 1`` draws exactly what it always drew).
         ids: RoPE ids.
         steps, batch_size, lr: Optimiser steps, images per step, peak learning rate.
         seed: Seed of the batches, caption choices, drops, noise and timesteps.
@@ -147,8 +149,13 @@ def train_flux_transformer(
         rows, choice, dropped = draw_caption_batch(generator, len(labels), batch_size, wordings)
         states = caption_states[labels[rows], choice]
         pooled = caption_pooled[labels[rows], choice]
-        states = torch.where(dropped[:, None, None], empty_states.expand_as(states), states)
-        pooled = torch.where(dropped[:, None], empty_pooled.expand_as(pooled), pooled)
+        null = (
+            torch.zeros(batch_size, dtype=torch.long)
+            if len(null_states) == 1
+            else torch.randint(0, len(null_states), (batch_size,), generator=generator)
+        )
+        states = torch.where(dropped[:, None, None], null_states[null], states)
+        pooled = torch.where(dropped[:, None], null_pooled[null], pooled)
         return flow_matching_loss(transformer, latents[rows], states, pooled, ids, generator)
 
     transformer.train()
@@ -225,6 +232,8 @@ def train_flux_adapter(
     lr: float,
     seed: int,
     progress: bool = True,
+    image_dropout: float = IMAGE_DROPOUT,
+    single_share: float | None = None,
 ) -> tuple[list[float], list[int]]:
     """Stage 2: train only the adapter on (support set, target) pairs of one class.
 
@@ -241,6 +250,9 @@ def train_flux_adapter(
         steps, batch_size, lr: Optimiser steps, targets per step, peak learning rate.
         seed: Seed of the support sizes, supports, prompts, drops, noise and timesteps.
         progress: Show a progress bar.
+        image_dropout: Probability that a support set is replaced by ``negative_embed``.
+        single_share: ``None``: ``m ~ U{1..MAX_SUPPORT}``; otherwise ``m = 1`` with this
+            probability and ``m ~ U{2..MAX_SUPPORT}`` else (one uniform draw per step, then the size).
 
     Returns:
         ``(losses, sizes)``: the per-step loss and support size ``m``.
@@ -249,11 +261,16 @@ def train_flux_adapter(
     sizes: list[int] = []
 
     def loss_fn(step: int) -> torch.Tensor:
-        size = int(torch.randint(1, MAX_SUPPORT + 1, (1,), generator=generator))
+        if single_share is None:
+            size = int(torch.randint(1, MAX_SUPPORT + 1, (1,), generator=generator))
+        elif float(torch.rand(1, generator=generator)) < single_share:
+            size = 1
+        else:
+            size = int(torch.randint(2, MAX_SUPPORT + 1, (1,), generator=generator))
         sizes.append(size)
         targets = torch.randint(0, len(labels), (batch_size,), generator=generator)
         embeds = image_embeds[support_sets(targets, labels, size, generator)]  # (B, m, 32)
-        dropped = torch.rand(batch_size, generator=generator) < IMAGE_DROPOUT
+        dropped = torch.rand(batch_size, generator=generator) < image_dropout
         embeds = torch.where(dropped[:, None, None], negative_embed.expand_as(embeds), embeds)
         prompt = torch.randint(0, len(prompt_states), (batch_size,), generator=generator)
         return flow_matching_loss(

@@ -34,7 +34,14 @@ from nw_adapter.models import tiny_flux_digits as flux_model
 from nw_adapter.models.digits_data import DigitSplit, class_captions, load_digit_splits
 from nw_adapter.models.training import run as stage_machinery
 
-__all__ = ["FINAL", "STAGE2_PROMPTS", "FluxTrainingConfig", "reused_parts_digest", "run_flux_training"]
+__all__ = [
+    "FINAL",
+    "STAGE2_PROMPTS",
+    "FluxTrainingConfig",
+    "reused_parts_digest",
+    "run_flux_training",
+    "settings_of",
+]
 
 FINAL = "tiny_flux_digits"
 STAGE2_PROMPTS = ("", "a photograph", "a handwritten digit")
@@ -53,6 +60,13 @@ class FluxTrainingConfig:
     batch_size: int = 32
     threads: int = 1
     max_train_images: int | None = None
+    transformer_class_free_drop: bool = False
+    """Stage 1: a dropped caption becomes one of :data:`STAGE2_PROMPTS` (drawn uniformly), not only
+    ``""``, so the class-free prompts mean "any digit" to the transformer (off for the shipped weights)."""
+    image_dropout: float = 0.05
+    """Stage 2: probability that a support set is replaced by the black image."""
+    single_share: float | None = None
+    """Stage 2: ``None``: m ~ U{1..4}; else m = 1 with this probability, m ~ U{2..4} otherwise."""
 
     @classmethod
     def quick(cls, seed: int = 0) -> FluxTrainingConfig:
@@ -67,6 +81,30 @@ SETTINGS_OF = {
     FINAL: (),
 }
 """The config fields each stage's result depends on (besides the stages it is trained on)."""
+
+VARIANT_SETTINGS_OF = {
+    "transformer": ("transformer_class_free_drop",),
+    "adapter": ("image_dropout", "single_share"),
+}
+"""Fields added after the shipped weights were trained: a stage's record holds one only when it
+differs from its default, so a default run writes the shipped ``stage.json`` records unchanged and a
+variant's stage is never mistaken for the default's (:func:`settings_of`)."""
+
+
+def settings_of(config: FluxTrainingConfig) -> dict[str, tuple[str, ...]]:
+    """Each stage's recorded config fields: :data:`SETTINGS_OF` plus the :data:`VARIANT_SETTINGS_OF`
+    fields whose value in ``config`` differs from the default."""
+    default = FluxTrainingConfig()
+    return {
+        stage: fields
+        + tuple(
+            name
+            for name in VARIANT_SETTINGS_OF.get(stage, ())
+            if getattr(config, name) != getattr(default, name)
+        )
+        for stage, fields in SETTINGS_OF.items()
+    }
+
 
 INPUTS_OF = {
     "parts": ("tiny_digits",),
@@ -166,7 +204,7 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
 
     def stage(name: str, build, folder: Path | None = None) -> Path:
         records[name] = stage_machinery._stage_record(
-            name, config, records, digests, settings_of=SETTINGS_OF, inputs_of=INPUTS_OF
+            name, config, records, digests, settings_of=settings_of(config), inputs_of=INPUTS_OF
         )
         folder = stage_machinery._checked_stage(folder or stages / name, records[name], build)
         digests[name] = stage_machinery._folder_digest(folder)
@@ -215,7 +253,8 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
 
         captions = [caption for digit in range(10) for caption in class_captions(digit)]
         caption_states, caption_pooled = encode(captions)
-        empty_states, empty_pooled = encode([""])
+        nulls = list(STAGE2_PROMPTS) if config.transformer_class_free_drop else [""]
+        null_states, null_pooled = encode(nulls)
 
     def transformer_stage(path: Path) -> None:
         started = time.perf_counter()
@@ -227,8 +266,8 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             labels,
             caption_states.unflatten(0, (10, -1)),
             caption_pooled.unflatten(0, (10, -1)),
-            empty_states,
-            empty_pooled,
+            null_states,
+            null_pooled,
             ids,
             steps=config.transformer_steps,
             batch_size=config.batch_size,
@@ -267,6 +306,8 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             lr=config.adapter_lr,
             seed=config.seed + 110,
             progress=progress,
+            image_dropout=config.image_dropout,
+            single_share=config.single_share,
         )
         path.mkdir(parents=True)
         save_file(
