@@ -159,7 +159,7 @@ class _UNetNWProcessor(NWProcessorBase):
         Built to cost what the stock image branch costs. Per softmax group (no IP mask, float32):
         the key and value projections on 2-D token rows (a bare ``mm`` each; diffusers' 3-D call
         adds a reshape copy after each), the head of :meth:`~.base.NWProcessorBase._nw_head` (one
-        ``bilinear`` for the per-key bias and one SDPA call on the untouched queries) and one
+        ``baddbmm`` for the per-key bias and one SDPA call on the untouched queries) and one
         fused ``torch.add(hidden, out, alpha=scale)``, against the stock branch's two projections,
         SDPA, scale multiply and add (``tests/integration/test_swap_cost.py``). The groups, with
         their keys, are kept in ``captured["groups"]`` for the statistics.
