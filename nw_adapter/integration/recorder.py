@@ -131,8 +131,8 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
     the run's fields (:data:`~nw_adapter.integration.schema.RUN_KEYS`).
     """
     parts = []
-    for e in entries:
-        parts.append(e.stats.reshape(-1).float())
+    for e in entries:  # the statistics half- and head-major: one record's values are one slice
+        parts.append(e.stats.permute(1, 2, 0).reshape(-1).float())
         if e.ip_mass is not None:
             parts.append(e.ip_mass.reshape(-1).float())
         if e.control is not None:
@@ -144,6 +144,7 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
     run_cache: dict[int, dict[str, str]] = {}
     records: list[dict[str, Any]] = []
     offset = 0
+    rows, num_stats = len(STAT_ROWS), len(STAT_NAMES)
     for e in entries:
         n_h, n_k = len(e.halves), len(e.heads)
         size = len(STAT_ROWS) * n_h * n_k
@@ -168,26 +169,18 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
             info_cache[key] = step_info(*key)
         if e.call not in run_cache:
             run_cache[e.call] = run_info(e.call)
+        before = {"call": e.call, "step": e.step, **info_cache[key]}
+        before.update(layer=e.layer, block=block_of(e.layer))
+        after = {
+            "adapter": e.adapter, "image": e.image, "scale": e.scale, "num_keys": e.num_keys,
+            "key_set": e.key_set, **run_cache[e.call],
+        }  # fmt: skip
         for hi, half in enumerate(e.halves):
             for ki, head in enumerate(e.heads):
-                rec: dict[str, Any] = {
-                    "call": e.call,
-                    "step": e.step,
-                    **info_cache[key],
-                    "layer": e.layer,
-                    "block": block_of(e.layer),
-                    "head": head,
-                    "half": half,
-                    "adapter": e.adapter,
-                    "image": e.image,
-                    "scale": e.scale,
-                    "num_keys": e.num_keys,
-                    "key_set": e.key_set,
-                    **run_cache[e.call],
-                }
-                for si, name in enumerate(STAT_NAMES):
-                    rec[name] = vals[(si * n_h + hi) * n_k + ki]
-                rec[H_EFF_REASON_FIELD] = _reason(vals[(len(STAT_NAMES) * n_h + hi) * n_k + ki])
+                rec: dict[str, Any] = {**before, "head": head, "half": half, **after}
+                start = (hi * n_k + ki) * rows
+                rec.update(zip(STAT_NAMES, vals[start : start + num_stats], strict=True))
+                rec[H_EFF_REASON_FIELD] = _reason(vals[start + num_stats])
                 if mass is not None:
                     rec["ip_mass"] = mass[hi * n_k + ki]
                 if control is not None:
