@@ -189,9 +189,10 @@ def _fit(
     logits = shifted if rows is None else shifted.index_select(-1, rows)  # [B, H, M, n]
     b, nh, m, n = logits.shape
     powers = w.workspace("fit powers", (b, nh, 2, m, n), logits.device)  # [G', G'^2] (0: padding)
-    zeroed = w.write(powers[:, :, 0], torch.mul, logits, valid) if valid is not None else None
-    if zeroed is None:
+    if valid is None:
         zeroed = powers[:, :, 0].copy_(logits)
+    else:
+        zeroed = w.write(powers[:, :, 0], torch.mul, logits, valid)
     w.write(powers[:, :, 1], torch.square, zeroed)
     low, high = BETA_RANGE
     ends = w.constant(
