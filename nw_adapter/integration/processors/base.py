@@ -55,7 +55,12 @@ from nw_adapter.integration import stats
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.control import UntrainedControl
 from nw_adapter.integration.maps import reduce_maps
-from nw_adapter.integration.processors.deferred import Capture, DeferredStatistics, control_statistics
+from nw_adapter.integration.processors.deferred import (
+    Capture,
+    DeferredStatistics,
+    control_statistics,
+    statistics_options,
+)
 from nw_adapter.integration.processors.selection import (
     PASS_HALVES,
     batch_halves,
@@ -613,10 +618,7 @@ class NWProcessorBase:
         draws = None
         if cfg.nulls:
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, rec.generator(q.device))
-        common: dict[str, Any] = {
-            "scale": scale, "halves": n, "compile": cfg.compile, "readings": cfg.readings,
-            "fit_rows": cfg.fit_rows,
-        }  # fmt: skip
+        common = statistics_options(cfg, scale, n)
         values, attn_w, nw_w = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
         if capture.control_keys:
             per_draw = [control_statistics(cfg, q, k, k0, h, common) for k0 in capture.control_keys]

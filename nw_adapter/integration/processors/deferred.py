@@ -139,10 +139,7 @@ class DeferredStatistics:
         if cfg.nulls:
             generator = recorder.generator(q.device, call=first.entry.call)
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, generator)
-        common = {
-            "scale": first.scale, "halves": halves, "readings": cfg.readings, "fit_rows": cfg.fit_rows,
-            "compile": cfg.compile,
-        }  # fmt: skip
+        common = statistics_options(cfg, first.scale, halves)
         h = first.h if first.h is not None else group_bandwidth(cfg, q, k, first.scale)
         values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
         control = None
@@ -157,6 +154,15 @@ class DeferredStatistics:
             capture.entry.stats = values[:, i * n : (i + 1) * n]
             if control is not None:
                 capture.entry.control = control[:, :, i * n : (i + 1) * n]
+
+
+def statistics_options(config: NWProcessorConfig, scale: float, halves: int) -> dict[str, Any]:
+    """The keyword arguments of :func:`~nw_adapter.integration.stats.softmax_statistics` that come from
+    the configuration, the softmax scale and the CFG halves (the deferred and per-layer paths alike)."""
+    return {
+        "scale": scale, "halves": halves, "compile": config.compile, "readings": config.readings,
+        "fit_rows": config.fit_rows,
+    }  # fmt: skip
 
 
 def group_bandwidth(
