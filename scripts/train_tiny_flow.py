@@ -52,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         help='stage 1: a dropped caption becomes "", "a photograph" or "a handwritten digit" (default: "")',
     )
     parser.add_argument(
+        "--double-blocks",
+        type=int,
+        choices=range(1, 9),
+        metavar="N",
+        default=None,
+        help="stage 1: double-stream blocks of the transformer, each with adapter layers (1-8, default 2)",
+    )
+    parser.add_argument(
         "--image-dropout", type=_probability, default=None, help="stage 2: black-image drop (default 0.05)"
     )
     parser.add_argument(
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, threads=args.threads)
     if args.class_free_drop:
         config = replace(config, transformer_class_free_drop=True)
+    if args.double_blocks is not None:
+        config = replace(config, transformer_double_blocks=args.double_blocks)
     if args.image_dropout is not None:
         config = replace(config, image_dropout=args.image_dropout)
     if args.single_share is not None:

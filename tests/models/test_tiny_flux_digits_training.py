@@ -267,3 +267,36 @@ def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refu
     assert losses(torch.stack([embeds, -embeds], dim=1)) != plain
     with pytest.raises(ValueError, match="embed_noise must be >= 0, got -0.1"):
         losses(embeds, embed_noise=-0.1)
+
+
+def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_layer_pair_per_block(
+    quick_run, tmp_path
+):
+    """``--double-blocks 3`` retrains stage 1 with 3 double blocks (recorded), the adapter gets
+    ``to_k_ip`` / ``to_v_ip`` in each, and the folder still loads through the standard calls."""
+    run = _copy(quick_run, tmp_path)
+    for folder in ("transformer", "adapter"):
+        shutil.rmtree(run / "stages" / folder)
+    shutil.rmtree(run / "tiny_flux_digits")
+    result = run_script(
+        "train_tiny_flow.py",
+        "--out",
+        str(run),
+        "--quick",
+        "--no-progress",
+        "--single-share",
+        "1",
+        "--double-blocks",
+        "3",
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run / "stages" / "transformer" / "stage.json").read_text())
+    assert record["settings"]["transformer_double_blocks"] == 3
+    config = json.loads((run / "tiny_flux_digits" / "transformer" / "config.json").read_text())
+    assert config["num_layers"] == 3
+    adapter = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
+    assert {key.split(".")[1] for key in adapter if key.startswith("double_blocks.")} == {"0", "1", "2"}
+    pipe = tiny_flux_digits.load_pipeline(run / "tiny_flux_digits")
+    assert len(pipe.transformer.transformer_blocks) == 3
+    with pytest.raises(ValueError, match="double_blocks must be >= 1, got 0"):
+        tiny_flux_digits.build_transformer(0)

@@ -63,6 +63,9 @@ class FluxTrainingConfig:
     transformer_class_free_drop: bool = False
     """Stage 1: a dropped caption becomes one of :data:`STAGE2_PROMPTS` (drawn uniformly), not only
     ``""``, so the class-free prompts mean "any digit" to the transformer (off for the shipped weights)."""
+    transformer_double_blocks: int = 2
+    """Stage 1: double-stream blocks of the transformer (each gets the adapter's ``to_k_ip`` /
+    ``to_v_ip``; :func:`~nw_adapter.models.tiny_flux_digits.build_transformer`)."""
     image_dropout: float = 0.05
     """Stage 2: probability that a support set is replaced by the black image."""
     single_share: float | None = None
@@ -90,7 +93,7 @@ SETTINGS_OF = {
 """The config fields each stage's result depends on (besides the stages it is trained on)."""
 
 VARIANT_SETTINGS_OF = {
-    "transformer": ("transformer_class_free_drop",),
+    "transformer": ("transformer_class_free_drop", "transformer_double_blocks"),
     "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment"),
 }
 """Fields added after the shipped weights were trained: a stage's record holds one only when it
@@ -267,7 +270,7 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
     def transformer_stage(path: Path) -> None:
         started = time.perf_counter()
         torch.manual_seed(config.seed + 80)
-        transformer = flux_model.build_transformer()
+        transformer = flux_model.build_transformer(config.transformer_double_blocks)
         losses = train_flux_transformer(
             transformer,
             packed,
