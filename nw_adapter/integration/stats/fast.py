@@ -286,25 +286,28 @@ def _pairs(
     b, nh, n, d = q.shape
     m = k.shape[-2]
     n0 = 0 if draws is None else draws.rows.shape[0]
-    queries = w.workspace("queries", (b, nh, n + n0, d), q.device)
+    # the stacked queries [q; q'; q_r]: the observed rows, the norm-matched rows and the nulls' rows
+    # r of q (selected as query rows of d values, not as scattered columns of the keys-major pairs)
+    queries = w.workspace("queries", (b, nh, n + 2 * n0, d), q.device)
     queries[:, :, :n].copy_(q)
     q_norm = w.write(feats[:, :, ROW["q_norm"]], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
     if draws is not None:
         ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
-        w.write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
-    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + n0]: q.k of [q; q']
+        w.write(queries[:, :, n : n + n0], torch.mul, draws.directions, ratio[..., None])
+        w.write(queries[:, :, n + n0 :], torch.index_select, queries[:, :, :n], 2, draws.rows)
+    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + 2 n0]: q.k of [q; q'; q_r]
     pairs = w.workspace("pairs", (b, nh, m, len(PAIR), n + 3 * n0), q.device)
     shift = w.constant(("pair shift", q.device), lambda: f32([[0.0], [-0.5]], q.device))  # PAIR order
     sq = keys.sq[..., None, None]  # [B, H, M, 1, 1]
-    w.write(pairs[..., : n + n0], torch.addcmul, logits[:, :, :, None], shift, sq)
+    w.write(pairs[..., : n + n0], torch.addcmul, logits[:, :, :, None, : n + n0], shift, sq)
     if draws is None:
         return pairs
     attn, nw = pairs[:, :, :, PAIR["attn"]], pairs[:, :, :, PAIR["nw"]]  # [B, H, M, R]
     spread, perm_block = slice(n + n0, n + 2 * n0), slice(n + 2 * n0, n + 3 * n0)
-    # the observed pair (q.k_r, q.k_r - ||k||^2 / 2) gives the spread null's attention scores and
-    # the permutation null's NW scores
-    spread_qk = w.write(attn[..., spread], torch.index_select, attn[..., :n], -1, draws.rows)
-    w.write(nw[..., perm_block], torch.index_select, nw[..., :n], -1, draws.rows)
+    # the nulls' rows r of the observed pair (q.k_r, q.k_r - ||k||^2 / 2) give the spread null's
+    # attention scores and the permutation null's NW scores
+    spread_qk = attn[..., spread].copy_(logits[..., n + n0 :])
+    w.write(nw[..., perm_block], torch.sub, spread_qk, keys.sq[..., None], alpha=0.5)
     valid_rows = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
     perm = metrics.valid_permutation(draws.noise, valid_rows).transpose(-1, -2)  # [B, H, M, n0]
     w.write(attn[..., perm_block], torch.gather, spread_qk, 2, perm)

@@ -13,13 +13,14 @@ rows and the attention logits ``L = s q.k`` over the valid keys:
   ``mean_j a.l_A - sum_i xlogy(A_bar_i, A_bar_i)``.
 - ``h_eff = beta^-1/2``, ``beta = argmin mean_j CE(A_j || softmax(beta G_j))`` over the ``fit_rows``
   evenly spaced rows (:func:`~.layout.fit_row_indices`): :data:`FIT_STEPS` safeguarded Newton steps
-  from ``beta = s`` inside the bracket ``[1e-6 s, 1e6 s]`` (bisection at the geometric mean where
-  Newton leaves it), the algorithm of :func:`nw_adapter.core.bandwidth.fitted_bandwidth`, after
-  one look at the gradient at both ends of the range (an optimum at an end is that end at once). Each row
-  is shifted by its target ``t_j = E_{A_j}[G]`` (a softmax does not see a row constant), so with
-  ``G'_j = G_j - t_j`` and ``p_j = softmax(beta G_j)``, two sums over the keys give per row
-  ``psi_j = p_j . G'_j = E_{p_j}[G] - E_{A_j}[G]`` and ``E_p[G'^2]_j = p_j . G'^2_j``, and sums over
-  rows ``L'(beta) n = sum_j psi_j`` and ``L''(beta) n = sum_j Var_{p_j}(G) = sum_j (E_p[G'^2]_j - psi_j^2)``.
+  (fewer eager on the CPU once no beta moves, :data:`FIT_SETTLED`) from ``beta = s`` inside the
+  bracket ``[1e-6 s, 1e6 s]`` (bisection at the geometric mean where Newton leaves it), the
+  algorithm of :func:`nw_adapter.core.bandwidth.fitted_bandwidth`, after one look at the gradient at
+  both ends of the range (an optimum at an end is that end at once). Each row is shifted by its
+  target ``t_j = E_{A_j}[G]`` (a softmax does not see a row constant), so with ``G'_j = G_j - t_j``
+  and ``p_j = softmax(beta G_j)``, two sums over the keys give per row ``psi_j = p_j . G'_j =
+  E_{p_j}[G] - E_{A_j}[G]`` and ``E_p[G'^2]_j = p_j . G'^2_j``, and sums over rows ``L'(beta) n =
+  sum_j psi_j`` and ``L''(beta) n = sum_j Var_{p_j}(G) = sum_j (E_p[G'^2]_j - psi_j^2)``.
 - ``h_eff_se``: the sandwich (delta-method) standard error of the M-estimator,
   ``Var(beta) = var_j(psi_j) / (n L''^2) (1 - n/N)`` (finite-population correction) and
   ``SE(h) = SE(beta) / (2 beta^1.5)``; exactly 0 when every row was used.
@@ -49,6 +50,10 @@ from nw_adapter.integration.stats.workspace import EagerWriter, f32
 #: query scales e^(1.5 z), key offsets, anti-NW heads): worst relative error of h_eff 2e-2 after 8
 #: steps, below 5e-5 after 10 (but one nearly flat loss, tiny queries: 4e-4, float32's limit there).
 FIT_STEPS = 12
+#: Eager on the CPU the fit stops before :data:`FIT_STEPS` once a step moved no beta by more than
+#: this (relative): Newton converges quadratically, so the next step would move it by about the
+#: square, below float32's resolution. Elsewhere (a GPU, compiled) all steps run: no host read.
+FIT_SETTLED = 1e-5
 
 
 def fit_count(n: int, fit_rows: int | None) -> int:
@@ -214,7 +219,9 @@ def _fit(
         bracket = torch.where(grad[..., None] * sides < 0, beta[..., None], bracket)
         newton = torch.addcdiv(beta, grad, hess, value=-1.0)
         inside = torch.clamp(newton, bracket[..., 0], bracket[..., 1]) == newton  # NaN (flat loss): not
-        beta = torch.where(inside, newton, bracket.prod(-1).sqrt())
+        beta, previous = torch.where(inside, newton, bracket.prod(-1).sqrt()), beta
+        if w.settled(beta, previous, FIT_SETTLED):  # eager on the CPU only (FIT_SETTLED)
+            break
     return beta, _moments(w, moments, logits, powers, beta)[:, :, 1:]
 
 
