@@ -228,8 +228,9 @@ def _fit_steps(monkeypatch, q, k, scale, settled=None):
 
 def test_the_cpu_fit_stops_once_settled_at_the_fixed_step_answer(monkeypatch):
     """Eager on the CPU the bandwidth fit stops when no beta moves by more than FIT_SETTLED; it
-    answers what all FIT_STEPS steps answer, on heads whose answer is far from the start beta = s
-    (random queries and keys of several scales; the exact NW head starts at its answer: 1 step)."""
+    answers what all FIT_STEPS steps answer, on heads whose answer is far from the start (random
+    queries and keys of several scales; the exact NW head starts at its answer, float32 rounding
+    aside: at most 2 steps)."""
     from nw_adapter.integration.stats.readings import FIT_STEPS
 
     g = torch.Generator().manual_seed(3)
@@ -242,7 +243,7 @@ def test_the_cpu_fit_stops_once_settled_at_the_fixed_step_answer(monkeypatch):
         torch.testing.assert_close(early, full, rtol=1e-6, atol=0.0)  # ... at the same answer
     q, k = _augmented_nw_head(0.7)
     nw, steps = _fit_steps(monkeypatch, q, k, 1.0 / 0.7**2)
-    assert steps == 1 and float(nw) == pytest.approx(0.7, rel=1e-3)
+    assert steps <= 2 and float(nw) == pytest.approx(0.7, rel=1e-3)  # starts at its answer
 
 
 def test_settled_reads_the_host_only_eager_on_the_cpu():

@@ -74,7 +74,7 @@ NULL_PAIR_ROWS = ("rho_spread_null", "rho_perm_null")
 #: The powers of the key norms (pass 1): ``||k||`` and ``||k||^2``.
 KEY = Columns(("norm", "sq_norm"))
 #: The per-row rank Gram matrix (pass 2) and the product of its diagonal.
-GRAM = Columns(("aa", "ab", "ba", "bb", "aa*bb"))
+GRAM = Columns(("aa", "ab", "bb", "aa*bb"))
 #: The rows of Z (pass 3): weights, centred weights, log-weights, ``log(a + b)``.
 Z = Columns(("a", "b", "cA", "cB", "lA", "lW", "lAW"))
 #: The per-row inner products over the keys (pass 3): every product of a left row of Z with a right
@@ -325,8 +325,9 @@ def _pooled_rank_correlations(
     b, nh, m, _, rows = pairs.shape
     ranks = w.ranks(pairs, valid_keys, w.workspace("ranks", tuple(pairs.shape), pairs.device), dim=2)
     gram = w.workspace("rank gram", (b, nh, len(GRAM), rows), pairs.device)
-    pair_products = gram[:, :, GRAM.slice("aa", "ab", "ba", "bb")].unflatten(2, (2, 2))  # [B, H, 2, 2, R]
-    w.write(pair_products, torch.linalg.vecdot, ranks[:, :, :, :, None], ranks[:, :, :, None], dim=2)
+    # its three distinct entries: (a.a, a.b) in one product, b.b in another
+    w.write(gram[:, :, GRAM.slice("aa", "ab")], torch.linalg.vecdot, ranks, ranks[:, :, :, :1], dim=2)
+    w.write(gram[:, :, GRAM["bb"]], torch.linalg.vecdot, ranks[:, :, :, 1], ranks[:, :, :, 1], dim=2)
     aa, bb = gram[:, :, GRAM["aa"]], gram[:, :, GRAM["bb"]]
     w.write(gram[:, :, GRAM["aa*bb"]], torch.mul, aa, bb)  # 0: a constant row
     num_den = gram[:, :, GRAM.slice("ab", "aa*bb")]  # per row: (G_ab, G_aa G_bb) [B, H, 2, R]

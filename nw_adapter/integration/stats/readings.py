@@ -91,7 +91,7 @@ def write_readings(
         scale: the softmax scale s (the fit's start).
         fit_rows: rows the bandwidth is fitted on (evenly spaced), None = all.
     """
-    _write_shares(w, out, observed, valid_keys, inv_count)
+    slope = _write_shares(w, out, observed, valid_keys, inv_count)  # <L~, G~> / <G~, G~> [B, H]
     n = attn.shape[-1]
     a_bar = attn.mean(-1)  # A_bar [B, H, M]
     prior = torch.xlogy(a_bar, a_bar).sum(-1)  # -H(A_bar)
@@ -106,7 +106,7 @@ def write_readings(
     if count < n:
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
     valid = None if valid_keys is None else valid_keys[..., 0]  # [B, 1, M, 1]
-    beta, moments = _fit(w, shifted, valid, rows, scale)
+    beta, moments = _fit(w, shifted, valid, rows, scale, slope)
     unidentified = _write_reason(w, out, beta, inv_count, scale)
     w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
     if count == n:
@@ -158,7 +158,8 @@ def _write_shares(
     inv_count: torch.Tensor | float,
 ) -> None:
     """``r2_key`` and ``r2_nw`` from the row-centred keys-major pairs (``q.k``, ``G``) ``[B, H, M, 2, N]``
-    over the valid keys."""
+    over the valid keys; returns the least-squares slope ``<L~, G~> / <G~, G~>`` ``[B, H]`` (NaN
+    where G~ is 0), the fit's start."""
     n = observed.shape[-1]
     if valid_keys is None:
         centred = observed - observed.mean(2, keepdim=True)
@@ -175,6 +176,7 @@ def _write_shares(
     w.write(out["r2_key"], torch.div, bias, ll * n)
     explained = torch.where(gg > 0, lg.clamp_min(0.0).square() / gg, 0.0)  # 0 where G~ is 0
     w.write(out["r2_nw"], torch.div, explained, ll)
+    return lg / gg
 
 
 def _fit(
@@ -183,8 +185,11 @@ def _fit(
     valid: torch.Tensor | None,
     rows: torch.Tensor | None,
     scale: float,
+    slope: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta.
+    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta,
+    from ``beta = s slope`` (``slope [B, H]``: ``<L~, G~> / <G~, G~>`` over all rows; ``s`` where it
+    is not positive) inside the bracket.
 
     Keys-major (``shifted [B, H, M, N]``, ``valid [B, 1, M, 1]``): every softmax over the M keys
     runs along a non-last dimension, vectorised across the rows. Per Newton step
@@ -205,8 +210,10 @@ def _fit(
     )
     bracket = _bracket(logits, zeroed, ends)
     sides = w.constant(("fit sides", logits.device), lambda: f32([1.0, -1.0], logits.device))
+    # the start: s times the least-squares slope of the row-centred logits on G~ (the answer when A is
+    # an NW smoother, s log A = beta G + row constants), s where that slope is not positive
     start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
-    beta = torch.clamp(start, bracket[..., 0], bracket[..., 1])
+    beta = torch.clamp(torch.where(slope > 0, slope * scale, start), bracket[..., 0], bracket[..., 1])
     moments = w.workspace("fit moments", (b, nh, 3, n), logits.device)  # per row [1, psi_j, E_p[G'^2]_j]
     moments[:, :, 0].fill_(1.0)
     sums = w.workspace("fit moment sums", (b, nh, 3, 3), logits.device)
