@@ -361,8 +361,9 @@ def _weights_and_row_features(
         observed = observed.masked_fill(~valid_keys, MASKED_LOGIT)
     z = torch.empty((b, nh, m, len(Z), n), dtype=torch.float32, device=observed.device)  # fresh: returned
     coefficients = _logit_coefficients(w, scale, h, observed)  # s, 1/h^2
-    log_w = w.write(z[:, :, :, Z.slice("lA", "lW")], torch.mul, observed, coefficients)
-    log_w.sub_(torch.logsumexp(log_w, 2, keepdim=True))
+    # the log-weights: one log-softmax over the keys (a CPU log-sum-exp over a non-last dimension
+    # and a subtraction cost ~2x as much)
+    log_w = z[:, :, :, Z.slice("lA", "lW")].copy_(torch.log_softmax(torch.mul(observed, coefficients), 2))
     weights = w.write(z[:, :, :, Z.slice("a", "b")], torch.exp, log_w)
     w.write(z[:, :, :, Z["lAW"]], torch.logaddexp, log_w[:, :, :, 0], log_w[:, :, :, 1])
     centred = z[:, :, :, Z.slice("cA", "cB")]
