@@ -38,6 +38,7 @@ from nw_adapter.integration.mixin import apply_nw_processor, remove_nw_processor
 from nw_adapter.integration.processors import nw_processor_for  # noqa: E402
 from nw_adapter.integration.recorder import NWRecorder  # noqa: E402
 from nw_adapter.integration.stats import compiled as compiled_stats  # noqa: E402
+from nw_adapter.integration.stats.workspace import EagerWriter  # noqa: E402
 
 #: NW processor options of each non-stock variant.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -60,12 +61,39 @@ benchmarks/README.md."""
 METADATA_OPS = frozenset({"_unsafe_view", "_reshape_alias", "lift_fresh", "detach"})
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched while active; views and metadata-only ops excluded."""
+def _never_settled(writer: EagerWriter, new: torch.Tensor, old: torch.Tensor, tolerance: float) -> bool:
+    """``EagerWriter.settled`` as on a GPU: never (every Newton step runs)."""
+    return False
 
-    def __init__(self) -> None:
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active; views and metadata-only ops excluded.
+
+    It counts what a GPU dispatches (``as_gpu``, the default): while active, the statistics'
+    CPU-only early stop of the bandwidth fit (``EagerWriter.settled``, a host read that costs
+    nothing on the CPU) is off, so every Newton step is counted, as on a device, and the count does
+    not depend on the data. ``as_gpu=False`` counts what the CPU dispatches.
+    """
+
+    def __init__(self, as_gpu: bool = True) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.as_gpu = as_gpu
+        self._settled: Any = None
+
+    def __enter__(self) -> OpCounter:
+        if self.as_gpu:
+            self._settled = EagerWriter.__dict__["settled"]
+            EagerWriter.settled = _never_settled  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._settled is not None:
+                EagerWriter.settled = self._settled  # type: ignore[method-assign]
+                self._settled = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         name = str(func.overloadpacket.__name__)

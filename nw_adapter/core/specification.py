@@ -105,7 +105,8 @@ H_EFF_EDGE_TOLERANCE = 1e-3
 #: The bandwidth fit's search range of ``beta``, relative to the softmax scale s: ``[1e-6 s, 1e6 s]``.
 BETA_RANGE: tuple[float, float] = (1e-6, 1e6)
 
-#: Newton/bisection steps of the plain fit (the fast path uses fewer, from the same start).
+#: Newton/bisection steps of the plain fit (the fast path uses at most 12, from the least-squares start;
+#: :mod:`nw_adapter.integration.stats.readings`).
 FIT_STEPS = 60
 
 

@@ -175,24 +175,31 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
             "adapter": e.adapter, "image": e.image, "scale": e.scale, "num_keys": e.num_keys,
             "key_set": e.key_set, **run_cache[e.call],
         }  # fmt: skip
+        # one key tuple per entry; a record is one zip of it with its values, in the same order
+        names_of_entry = [*before, "head", "half", *after, *STAT_NAMES, H_EFF_REASON_FIELD]
+        if mass is not None:
+            names_of_entry.append("ip_mass")
+        for di, row_names in enumerate(names):
+            names_of_entry += [*row_names, control_reason_field(di)]
+        if support is not None:
+            names_of_entry += [SUPPORT_REFERENCES, *support_names]
+        keys = tuple(names_of_entry)
+        head_values, tail_values = tuple(before.values()), tuple(after.values())
         for hi, half in enumerate(e.halves):
             for ki, head in enumerate(e.heads):
-                rec: dict[str, Any] = {**before, "head": head, "half": half, **after}
-                start = (hi * n_k + ki) * rows
-                rec.update(zip(STAT_NAMES, vals[start : start + num_stats], strict=True))
-                rec[H_EFF_REASON_FIELD] = _reason(vals[start + num_stats])
+                start, cell = (hi * n_k + ki) * rows, hi * n_k + ki
+                values = [*head_values, head, half, *tail_values, *vals[start : start + num_stats]]
+                values.append(_reason(vals[start + num_stats]))
                 if mass is not None:
-                    rec["ip_mass"] = mass[hi * n_k + ki]
-                if control is not None:
-                    for di, row_names in enumerate(names):
-                        for ui, name in enumerate(row_names):
-                            rec[name] = control[((di * CONTROL_ROWS + ui) * n_h + hi) * n_k + ki]
-                        code = control[((di * CONTROL_ROWS + CONTROL_ROWS - 1) * n_h + hi) * n_k + ki]
-                        rec[control_reason_field(di)] = _reason(code)
-                if support is not None:
-                    rec[SUPPORT_REFERENCES] = (len(support_names) - 5) // 2
-                    for ui, name in enumerate(support_names):
-                        rec[name] = support[(ui * n_h + hi) * n_k + ki]
+                    values.append(mass[cell])
+                for di, row_names in enumerate(names):  # control[draw, row, half, head], flattened
+                    first = di * CONTROL_ROWS * n_h * n_k + cell
+                    values.extend(control[first + ui * n_h * n_k] for ui in range(len(row_names)))
+                    values.append(_reason(control[first + (CONTROL_ROWS - 1) * n_h * n_k]))
+                if support is not None:  # support[row, half, head], flattened
+                    values.append((len(support_names) - 5) // 2)
+                    values.extend(support[ui * n_h * n_k + cell] for ui in range(len(support_names)))
+                rec = dict(zip(keys, values, strict=True))
                 records.append(rec)
     return records
 

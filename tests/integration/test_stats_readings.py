@@ -209,3 +209,52 @@ def test_a_half_of_several_batch_rows_takes_the_first_reason_among_them():
     assert stats[code, :, 0].tolist() == want[code, :, 0].tolist() == [2.0, 0.0]
     h_eff = stats[STAT_ROWS.index("h_eff"), :, 0]
     assert math.isnan(float(h_eff[0])) and math.isfinite(float(h_eff[1]))
+
+
+def _fit_steps(monkeypatch, q, k, scale, settled=None):
+    """(h_eff, Newton steps) of the fast path's bandwidth fit, ``settled`` patched when given."""
+    from nw_adapter.integration.stats import readings
+    from nw_adapter.integration.stats.workspace import EagerWriter
+
+    calls = []
+    moments = readings._moments
+    monkeypatch.setattr(readings, "_moments", lambda *a: calls.append(1) or moments(*a))
+    if settled is not None:
+        monkeypatch.setattr(EagerWriter, "settled", settled)
+    h_eff = _readings(q, k, scale, fit_rows=None)["h_eff"]
+    monkeypatch.undo()
+    return h_eff, len(calls) - 1  # the last call evaluates the moments at the fitted beta
+
+
+def test_the_cpu_fit_stops_once_settled_at_the_fixed_step_answer(monkeypatch):
+    """Eager on the CPU the bandwidth fit stops when no beta moves by more than FIT_SETTLED; it
+    answers what all FIT_STEPS steps answer, on heads whose answer is far from the start (random
+    queries and keys of several scales; the exact NW head starts at its answer, float32 rounding
+    aside: at most 2 steps)."""
+    from nw_adapter.integration.stats.readings import FIT_STEPS
+
+    g = torch.Generator().manual_seed(3)
+    for heads, scale in ((1, 1.0), (4, 0.05), (4, 20.0)):
+        q, k = torch.randn(2, heads, 64, 8, generator=g), torch.randn(2, heads, 6, 8, generator=g)
+        early, steps = _fit_steps(monkeypatch, q, k, scale)
+        full, all_steps = _fit_steps(monkeypatch, q, k, scale, settled=lambda *a: False)
+        assert all_steps == FIT_STEPS
+        assert 2 <= steps < FIT_STEPS  # stopped early ...
+        torch.testing.assert_close(early, full, rtol=1e-6, atol=0.0)  # ... at the same answer
+    q, k = _augmented_nw_head(0.7)
+    nw, steps = _fit_steps(monkeypatch, q, k, 1.0 / 0.7**2)
+    assert steps <= 2 and float(nw) == pytest.approx(0.7, rel=1e-3)  # starts at its answer
+
+
+def test_settled_reads_the_host_only_eager_on_the_cpu():
+    """A GPU (here the meta device: no values to read) or a compiled graph runs every step."""
+    from nw_adapter.integration.stats.workspace import CompiledWriter, EagerWriter
+
+    same = torch.ones(3)
+    moved = torch.tensor([1.0, 1.0, 1.1])
+    assert EagerWriter().settled(same, same.clone(), 1e-5)
+    assert not EagerWriter().settled(moved, same, 1e-5)  # one element moved by 10%
+    assert not EagerWriter().settled(torch.tensor([math.nan]), torch.tensor([math.nan]), 1e-5)
+    meta = torch.ones(3, device="meta")
+    assert not EagerWriter().settled(meta, meta, 1e-5)  # would raise if it read the values
+    assert not CompiledWriter().settled(same, same.clone(), 1e-5)

@@ -74,7 +74,7 @@ NULL_PAIR_ROWS = ("rho_spread_null", "rho_perm_null")
 #: The powers of the key norms (pass 1): ``||k||`` and ``||k||^2``.
 KEY = Columns(("norm", "sq_norm"))
 #: The per-row rank Gram matrix (pass 2) and the product of its diagonal.
-GRAM = Columns(("aa", "ab", "ba", "bb", "aa*bb"))
+GRAM = Columns(("aa", "ab", "bb", "aa*bb"))
 #: The rows of Z (pass 3): weights, centred weights, log-weights, ``log(a + b)``.
 Z = Columns(("a", "b", "cA", "cB", "lA", "lW", "lAW"))
 #: The per-row inner products over the keys (pass 3): every product of a left row of Z with a right
@@ -286,25 +286,28 @@ def _pairs(
     b, nh, n, d = q.shape
     m = k.shape[-2]
     n0 = 0 if draws is None else draws.rows.shape[0]
-    queries = w.workspace("queries", (b, nh, n + n0, d), q.device)
+    # the stacked queries [q; q'; q_r]: the observed rows, the norm-matched rows and the nulls' rows
+    # r of q (selected as query rows of d values, not as scattered columns of the keys-major pairs)
+    queries = w.workspace("queries", (b, nh, n + 2 * n0, d), q.device)
     queries[:, :, :n].copy_(q)
     q_norm = w.write(feats[:, :, ROW["q_norm"]], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
     if draws is not None:
         ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
-        w.write(queries[:, :, n:], torch.mul, draws.directions, ratio[..., None])
-    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + n0]: q.k of [q; q']
+        w.write(queries[:, :, n : n + n0], torch.mul, draws.directions, ratio[..., None])
+        w.write(queries[:, :, n + n0 :], torch.index_select, queries[:, :, :n], 2, draws.rows)
+    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + 2 n0]: q.k of [q; q'; q_r]
     pairs = w.workspace("pairs", (b, nh, m, len(PAIR), n + 3 * n0), q.device)
     shift = w.constant(("pair shift", q.device), lambda: f32([[0.0], [-0.5]], q.device))  # PAIR order
     sq = keys.sq[..., None, None]  # [B, H, M, 1, 1]
-    w.write(pairs[..., : n + n0], torch.addcmul, logits[:, :, :, None], shift, sq)
+    w.write(pairs[..., : n + n0], torch.addcmul, logits[:, :, :, None, : n + n0], shift, sq)
     if draws is None:
         return pairs
     attn, nw = pairs[:, :, :, PAIR["attn"]], pairs[:, :, :, PAIR["nw"]]  # [B, H, M, R]
     spread, perm_block = slice(n + n0, n + 2 * n0), slice(n + 2 * n0, n + 3 * n0)
-    # the observed pair (q.k_r, q.k_r - ||k||^2 / 2) gives the spread null's attention scores and
-    # the permutation null's NW scores
-    spread_qk = w.write(attn[..., spread], torch.index_select, attn[..., :n], -1, draws.rows)
-    w.write(nw[..., perm_block], torch.index_select, nw[..., :n], -1, draws.rows)
+    # the nulls' rows r of the observed pair (q.k_r, q.k_r - ||k||^2 / 2) give the spread null's
+    # attention scores and the permutation null's NW scores
+    spread_qk = attn[..., spread].copy_(logits[..., n + n0 :])
+    w.write(nw[..., perm_block], torch.sub, spread_qk, keys.sq[..., None], alpha=0.5)
     valid_rows = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
     perm = metrics.valid_permutation(draws.noise, valid_rows).transpose(-1, -2)  # [B, H, M, n0]
     w.write(attn[..., perm_block], torch.gather, spread_qk, 2, perm)
@@ -322,8 +325,9 @@ def _pooled_rank_correlations(
     b, nh, m, _, rows = pairs.shape
     ranks = w.ranks(pairs, valid_keys, w.workspace("ranks", tuple(pairs.shape), pairs.device), dim=2)
     gram = w.workspace("rank gram", (b, nh, len(GRAM), rows), pairs.device)
-    pair_products = gram[:, :, GRAM.slice("aa", "ab", "ba", "bb")].unflatten(2, (2, 2))  # [B, H, 2, 2, R]
-    w.write(pair_products, torch.linalg.vecdot, ranks[:, :, :, :, None], ranks[:, :, :, None], dim=2)
+    # its three distinct entries: (a.a, a.b) in one product, b.b in another
+    w.write(gram[:, :, GRAM.slice("aa", "ab")], torch.linalg.vecdot, ranks, ranks[:, :, :, :1], dim=2)
+    w.write(gram[:, :, GRAM["bb"]], torch.linalg.vecdot, ranks[:, :, :, 1], ranks[:, :, :, 1], dim=2)
     aa, bb = gram[:, :, GRAM["aa"]], gram[:, :, GRAM["bb"]]
     w.write(gram[:, :, GRAM["aa*bb"]], torch.mul, aa, bb)  # 0: a constant row
     num_den = gram[:, :, GRAM.slice("ab", "aa*bb")]  # per row: (G_ab, G_aa G_bb) [B, H, 2, R]
@@ -357,8 +361,9 @@ def _weights_and_row_features(
         observed = observed.masked_fill(~valid_keys, MASKED_LOGIT)
     z = torch.empty((b, nh, m, len(Z), n), dtype=torch.float32, device=observed.device)  # fresh: returned
     coefficients = _logit_coefficients(w, scale, h, observed)  # s, 1/h^2
-    log_w = w.write(z[:, :, :, Z.slice("lA", "lW")], torch.mul, observed, coefficients)
-    log_w.sub_(torch.logsumexp(log_w, 2, keepdim=True))
+    # the log-weights: one log-softmax over the keys (a CPU log-sum-exp over a non-last dimension
+    # and a subtraction cost ~2x as much)
+    log_w = z[:, :, :, Z.slice("lA", "lW")].copy_(torch.log_softmax(torch.mul(observed, coefficients), 2))
     weights = w.write(z[:, :, :, Z.slice("a", "b")], torch.exp, log_w)
     w.write(z[:, :, :, Z["lAW"]], torch.logaddexp, log_w[:, :, :, 0], log_w[:, :, :, 1])
     centred = z[:, :, :, Z.slice("cA", "cB")]

@@ -13,13 +13,14 @@ rows and the attention logits ``L = s q.k`` over the valid keys:
   ``mean_j a.l_A - sum_i xlogy(A_bar_i, A_bar_i)``.
 - ``h_eff = beta^-1/2``, ``beta = argmin mean_j CE(A_j || softmax(beta G_j))`` over the ``fit_rows``
   evenly spaced rows (:func:`~.layout.fit_row_indices`): :data:`FIT_STEPS` safeguarded Newton steps
-  from ``beta = s`` inside the bracket ``[1e-6 s, 1e6 s]`` (bisection at the geometric mean where
-  Newton leaves it), the algorithm of :func:`nw_adapter.core.bandwidth.fitted_bandwidth`, after
-  one look at the gradient at both ends of the range (an optimum at an end is that end at once). Each row
-  is shifted by its target ``t_j = E_{A_j}[G]`` (a softmax does not see a row constant), so with
-  ``G'_j = G_j - t_j`` and ``p_j = softmax(beta G_j)``, two sums over the keys give per row
-  ``psi_j = p_j . G'_j = E_{p_j}[G] - E_{A_j}[G]`` and ``E_p[G'^2]_j = p_j . G'^2_j``, and sums over
-  rows ``L'(beta) n = sum_j psi_j`` and ``L''(beta) n = sum_j Var_{p_j}(G) = sum_j (E_p[G'^2]_j - psi_j^2)``.
+  (fewer eager on the CPU once no beta moves, :data:`FIT_SETTLED`) from ``beta = s`` inside the
+  bracket ``[1e-6 s, 1e6 s]`` (bisection at the geometric mean where Newton leaves it), the
+  algorithm of :func:`nw_adapter.core.bandwidth.fitted_bandwidth`, after one look at the gradient at
+  both ends of the range (an optimum at an end is that end at once). Each row is shifted by its
+  target ``t_j = E_{A_j}[G]`` (a softmax does not see a row constant), so with ``G'_j = G_j - t_j``
+  and ``p_j = softmax(beta G_j)``, two sums over the keys give per row ``psi_j = p_j . G'_j =
+  E_{p_j}[G] - E_{A_j}[G]`` and ``E_p[G'^2]_j = p_j . G'^2_j``, and sums over rows ``L'(beta) n =
+  sum_j psi_j`` and ``L''(beta) n = sum_j Var_{p_j}(G) = sum_j (E_p[G'^2]_j - psi_j^2)``.
 - ``h_eff_se``: the sandwich (delta-method) standard error of the M-estimator,
   ``Var(beta) = var_j(psi_j) / (n L''^2) (1 - n/N)`` (finite-population correction) and
   ``SE(h) = SE(beta) / (2 beta^1.5)``; exactly 0 when every row was used.
@@ -49,6 +50,10 @@ from nw_adapter.integration.stats.workspace import EagerWriter, f32
 #: query scales e^(1.5 z), key offsets, anti-NW heads): worst relative error of h_eff 2e-2 after 8
 #: steps, below 5e-5 after 10 (but one nearly flat loss, tiny queries: 4e-4, float32's limit there).
 FIT_STEPS = 12
+#: Eager on the CPU the fit stops before :data:`FIT_STEPS` once a step moved no beta by more than
+#: this (relative): Newton converges quadratically, so the next step would move it by about the
+#: square, below float32's resolution. Elsewhere (a GPU, compiled) all steps run: no host read.
+FIT_SETTLED = 1e-5
 
 
 def fit_count(n: int, fit_rows: int | None) -> int:
@@ -86,7 +91,7 @@ def write_readings(
         scale: the softmax scale s (the fit's start).
         fit_rows: rows the bandwidth is fitted on (evenly spaced), None = all.
     """
-    _write_shares(w, out, observed, valid_keys, inv_count)
+    slope = _write_shares(w, out, observed, valid_keys, inv_count)  # <L~, G~> / <G~, G~> [B, H]
     n = attn.shape[-1]
     a_bar = attn.mean(-1)  # A_bar [B, H, M]
     prior = torch.xlogy(a_bar, a_bar).sum(-1)  # -H(A_bar)
@@ -101,7 +106,7 @@ def write_readings(
     if count < n:
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
     valid = None if valid_keys is None else valid_keys[..., 0]  # [B, 1, M, 1]
-    beta, moments = _fit(w, shifted, valid, rows, scale)
+    beta, moments = _fit(w, shifted, valid, rows, scale, slope)
     unidentified = _write_reason(w, out, beta, inv_count, scale)
     w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
     if count == n:
@@ -153,7 +158,8 @@ def _write_shares(
     inv_count: torch.Tensor | float,
 ) -> None:
     """``r2_key`` and ``r2_nw`` from the row-centred keys-major pairs (``q.k``, ``G``) ``[B, H, M, 2, N]``
-    over the valid keys."""
+    over the valid keys; returns the least-squares slope ``<L~, G~> / <G~, G~>`` ``[B, H]`` (NaN
+    where G~ is 0), the fit's start."""
     n = observed.shape[-1]
     if valid_keys is None:
         centred = observed - observed.mean(2, keepdim=True)
@@ -170,6 +176,7 @@ def _write_shares(
     w.write(out["r2_key"], torch.div, bias, ll * n)
     explained = torch.where(gg > 0, lg.clamp_min(0.0).square() / gg, 0.0)  # 0 where G~ is 0
     w.write(out["r2_nw"], torch.div, explained, ll)
+    return lg / gg
 
 
 def _fit(
@@ -178,8 +185,11 @@ def _fit(
     valid: torch.Tensor | None,
     rows: torch.Tensor | None,
     scale: float,
+    slope: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta.
+    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta,
+    from ``beta = s slope`` (``slope [B, H]``: ``<L~, G~> / <G~, G~>`` over all rows; ``s`` where it
+    is not positive) inside the bracket.
 
     Keys-major (``shifted [B, H, M, N]``, ``valid [B, 1, M, 1]``): every softmax over the M keys
     runs along a non-last dimension, vectorised across the rows. Per Newton step
@@ -200,8 +210,10 @@ def _fit(
     )
     bracket = _bracket(logits, zeroed, ends)
     sides = w.constant(("fit sides", logits.device), lambda: f32([1.0, -1.0], logits.device))
+    # the start: s times the least-squares slope of the row-centred logits on G~ (the answer when A is
+    # an NW smoother, s log A = beta G + row constants), s where that slope is not positive
     start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
-    beta = torch.clamp(start, bracket[..., 0], bracket[..., 1])
+    beta = torch.clamp(torch.where(slope > 0, slope * scale, start), bracket[..., 0], bracket[..., 1])
     moments = w.workspace("fit moments", (b, nh, 3, n), logits.device)  # per row [1, psi_j, E_p[G'^2]_j]
     moments[:, :, 0].fill_(1.0)
     sums = w.workspace("fit moment sums", (b, nh, 3, 3), logits.device)
@@ -214,7 +226,9 @@ def _fit(
         bracket = torch.where(grad[..., None] * sides < 0, beta[..., None], bracket)
         newton = torch.addcdiv(beta, grad, hess, value=-1.0)
         inside = torch.clamp(newton, bracket[..., 0], bracket[..., 1]) == newton  # NaN (flat loss): not
-        beta = torch.where(inside, newton, bracket.prod(-1).sqrt())
+        beta, previous = torch.where(inside, newton, bracket.prod(-1).sqrt()), beta
+        if w.settled(beta, previous, FIT_SETTLED):  # eager on the CPU only (FIT_SETTLED)
+            break
     return beta, _moments(w, moments, logits, powers, beta)[:, :, 1:]
 
 

@@ -91,6 +91,17 @@ class EagerWriter:
             buffers[key] = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
         return buffers[key]
 
+    def settled(self, new: torch.Tensor, old: torch.Tensor, tolerance: float) -> bool:
+        """Whether every element of an iteration moved by at most ``tolerance`` relative,
+        ``|new - old| <= tolerance |old|`` (NaN: not settled), so that the caller may stop early.
+
+        A host read, so answered only where it costs nothing: eager on the CPU, where there is no
+        device to wait for. On any other device it is False without reading (the iteration runs
+        its fixed number of steps and the call makes no host synchronisation)."""
+        if new.device.type != "cpu":
+            return False
+        return bool(torch.le(torch.sub(new, old).abs_(), old.abs().mul_(tolerance)).all())
+
     def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A constant tensor made once per key (no host-to-device copy after the first call)."""
         if key not in _CONSTANTS:
@@ -131,6 +142,10 @@ class CompiledWriter(EagerWriter):
     ) -> torch.Tensor:
         """A fresh tensor (the compiler plans its own buffers)."""
         return (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32, device=device)
+
+    def settled(self, new: torch.Tensor, old: torch.Tensor, tolerance: float) -> bool:
+        """Never (a data-dependent stop would break the graph): the fixed number of steps runs."""
+        return False
 
     def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The constant made in the graph (the compiler folds it)."""
