@@ -3,6 +3,11 @@
     $ python scripts/evaluate_tiny_flow.py quality     # class agreement per support size m = 1, 2, 4
     $ python scripts/evaluate_tiny_flow.py losses      # held-out flow loss: right / black / wrong reference
     $ python scripts/evaluate_tiny_flow.py training --run-dir runs/tiny_flux   # stage table, files
+    $ python scripts/evaluate_tiny_flow.py pilot --model-dir runs/x/tiny_flux_digits  # recipe choice
+
+``pilot`` measures m = 1 on 100 digits of the ``judge`` split (10 per class,
+:func:`~nw_adapter.models.support_quality.pilot_references`), seeds ``1000 + k``, the quality's
+settings otherwise: recipes are chosen on it without touching the ``reference`` digits.
 
 ``quality`` generates one image per disjoint held-out support set (m references of one class,
 one adapter's list of images), at IP scale 1 and 0, and the judge of
@@ -38,6 +43,45 @@ TRUE_CFG_SCALE = 5.0  # nw_adapter.models.tiny_flux_digits.QUALITY_TRUE_CFG_SCAL
 as the SD 1.5 model is measured at guidance 7.5. Chosen from a pilot on 20 of the references
 (m = 1, IP scale 1: 4/20 agreed at 1 (no guidance), 14/20 at 3, 17/20 at 5, 13/20 at 7.5), so
 the measurement at 5 is not independent of that choice (the model card says so)."""
+
+
+PILOT_SEED = 1000
+
+
+def pilot(model_dir: Path, out: Path, *, true_cfg_scale: float, ip_scales: tuple[float, ...]) -> list[str]:
+    """m = 1 agreement on the judge-split pilot references, per IP scale; writes ``pilot.json``."""
+    import torch
+
+    from nw_adapter.atomic import atomic_write_json
+    from nw_adapter.models.digits_data import load_digit_splits
+    from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL
+    from nw_adapter.models.support_quality import measure_support_agreement, pilot_references
+    from nw_adapter.models.tiny_flux_digits import load_pipeline
+
+    torch.set_num_threads(1)
+    judge, _, _ = fitted_judge()
+    references = pilot_references(load_digit_splits()["judge"])
+    pipe = load_pipeline(model_dir)
+    call = dict(TINY_FLUX_DIGITS_CALL)
+    if true_cfg_scale > 1:
+        call.update(true_cfg_scale=true_cfg_scale, negative_prompt="")
+    rows, results = [], []
+    for ip_scale in ip_scales:
+        started = time.perf_counter()
+        result = measure_support_agreement(
+            pipe, judge, references, 1, ip_scale=ip_scale, steps=STEPS, seed=PILOT_SEED, call_kwargs=call
+        )
+        results.append({**result.to_dict(), "seconds": round(time.perf_counter() - started, 1)})
+        rows.append(
+            f"pilot m=1 IP scale {ip_scale:g}: {result.agreed}/{result.n} "
+            f"[{result.ci_low:.0%}, {result.ci_high:.0%}] ({results[-1]['seconds']} s)"
+        )
+        print(rows[-1], file=sys.stderr)
+    atomic_write_json(
+        out / "pilot.json",
+        {"model_dir": str(model_dir), "true_cfg_scale": true_cfg_scale, "results": results},
+    )
+    return rows
 
 
 def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | None) -> str:
@@ -141,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_flux_digits import SHIPPED_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("quality", "losses", "training"))
+    parser.add_argument("what", choices=("quality", "losses", "training", "pilot"))
     parser.add_argument(
         "--run-dir", type=Path, default=Path("runs/tiny_flux"), help="training: train_tiny_flow.py --out"
     )
@@ -152,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "--limit", type=int, default=None, help="quality: at most this many support sets per m"
     )
     parser.add_argument("--card", type=Path, default=None, help="model card whose sections to rewrite")
+    parser.add_argument(
+        "--ip-scales", type=float, nargs="+", default=[1.0], help="pilot: IP scales to measure (default 1)"
+    )
     args = parser.parse_args(argv)
     if not model_folder_ready("evaluate_tiny_flow.py", args.model_dir, args.out):
         return 2
@@ -170,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         losses = held_out_flow_losses(load_pipeline(args.model_dir), splits["judge"], splits["reference"])
         atomic_write_json(args.out / "losses.json", losses)
         print(" ".join(f"{name} {value:.4f}" for name, value in losses.items()))
+        return 0
+    if args.what == "pilot":
+        pilot(args.model_dir, args.out, true_cfg_scale=args.true_cfg_scale, ip_scales=tuple(args.ip_scales))
         return 0
     body = quality(args.model_dir, args.out, true_cfg_scale=args.true_cfg_scale, limit=args.limit)
     print(body)

@@ -3,6 +3,7 @@
     $ python scripts/train_tiny_flow.py --out runs/tiny_flux            # the shipped weights (seed 0)
     $ python scripts/train_tiny_flow.py --out /tmp/smoke --quick        # every stage for 2 steps (CI)
     $ python scripts/train_tiny_flow.py --out runs/neutral --class-free-drop   # a variant (model card)
+    $ python scripts/train_tiny_flow.py --out runs/n --class-free-drop --embed-noise 0.2 --adapter-steps 5000
 
 Writes ``OUT/stages/{parts,transformer,adapter}`` (resumable, each with its ``stage.json``) and the
 model folder ``OUT/tiny_flux_digits`` (the layout shipped in
@@ -19,13 +20,27 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny import run_and_report, training_parser  # noqa: E402  (the SD 1.5 model's training CLI)
+from train_tiny import _positive_int, run_and_report, training_parser  # noqa: E402  (the SD 1.5 model's training CLI)
 
 
 def _probability(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return value
 
 
@@ -37,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         help='stage 1: a dropped caption becomes "", "a photograph" or "a handwritten digit" (default: "")',
     )
     parser.add_argument(
+        "--double-blocks",
+        type=int,
+        choices=range(1, 9),
+        metavar="N",
+        default=None,
+        help="stage 1: double-stream blocks of the transformer, each with adapter layers (1-8, default 2)",
+    )
+    parser.add_argument(
         "--image-dropout", type=_probability, default=None, help="stage 2: black-image drop (default 0.05)"
     )
     parser.add_argument(
@@ -44,6 +67,28 @@ def main(argv: list[str] | None = None) -> int:
         type=_probability,
         default=None,
         help="stage 2: share of steps with m = 1, the rest m ~ U{2..4} (default: m ~ U{1..4})",
+    )
+    parser.add_argument(
+        "--embed-noise",
+        type=_non_negative,
+        default=None,
+        help="stage 2: Gaussian noise on the reference embeddings, in per-dimension standard deviations "
+        "of the training embeddings (default 0)",
+    )
+    parser.add_argument(
+        "--shift-augment",
+        type=int,
+        choices=range(0, 5),
+        metavar="PIXELS",
+        default=None,
+        help="stage 2: references translated by up to this many pixels (0-4) before the image encoder "
+        "(default 0)",
+    )
+    parser.add_argument(
+        "--adapter-steps", type=_positive_int, default=None, help="stage 2's steps only (default 2500)"
+    )
+    parser.add_argument(
+        "--adapter-lr", type=_positive, default=None, help="stage 2's peak learning rate (default 0.005)"
     )
     args = parser.parse_args(argv)
     from nw_adapter.models.training.flux_run import FluxTrainingConfig, run_flux_training
@@ -55,10 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, threads=args.threads)
     if args.class_free_drop:
         config = replace(config, transformer_class_free_drop=True)
+    if args.double_blocks is not None:
+        config = replace(config, transformer_double_blocks=args.double_blocks)
     if args.image_dropout is not None:
         config = replace(config, image_dropout=args.image_dropout)
     if args.single_share is not None:
         config = replace(config, single_share=args.single_share)
+    if args.embed_noise is not None:
+        config = replace(config, embed_noise=args.embed_noise)
+    if args.shift_augment is not None:
+        config = replace(config, shift_augment=args.shift_augment)
+    if args.adapter_steps is not None:
+        config = replace(config, adapter_steps=args.adapter_steps)
+    if args.adapter_lr is not None:
+        config = replace(config, adapter_lr=args.adapter_lr)
     return run_and_report(
         "train_tiny_flow.py",
         args.out,

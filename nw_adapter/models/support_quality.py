@@ -20,7 +20,7 @@ import numpy as np
 from nw_adapter.models.digits_data import DigitSplit
 from nw_adapter.models.digits_quality import AgreementResult, generate_one_per_call, judge_agreement
 
-__all__ = ["generate_from_supports", "measure_support_agreement", "support_sets"]
+__all__ = ["generate_from_supports", "measure_support_agreement", "pilot_references", "support_sets"]
 
 
 def support_sets(references: DigitSplit, size: int) -> list[np.ndarray]:
@@ -43,6 +43,32 @@ def support_sets(references: DigitSplit, size: int) -> list[np.ndarray]:
         rows = np.flatnonzero(references.labels == digit)
         sets += [rows[start : start + size] for start in range(0, len(rows) - size + 1, size)]
     return sets
+
+
+def pilot_references(judge_split: DigitSplit, per_class: int = 10) -> DigitSplit:
+    """References for choosing a recipe without touching the ``reference`` split: the first
+    ``per_class`` digits of each class of the ``judge`` split (split order), ordered by class.
+
+    The judge is fitted on these digits, so generations conditioned on them are scored by a
+    classifier that has seen the references (a mild bias: it labels the generated image, not the
+    reference); the training never sees them.
+
+    Args:
+        judge_split: ``load_digit_splits()["judge"]``.
+        per_class: Digits per class (at most the smallest class's count).
+
+    Returns:
+        A :class:`~nw_adapter.models.digits_data.DigitSplit` of ``10 * per_class`` digits.
+    """
+    rows = [np.flatnonzero(judge_split.labels == digit) for digit in range(10)]
+    if not 1 <= per_class <= min(len(r) for r in rows):
+        raise ValueError(f"per_class must be in [1, {min(len(r) for r in rows)}], got {per_class}")
+    chosen = np.concatenate([r[:per_class] for r in rows])
+    return DigitSplit(
+        images=judge_split.images[chosen],
+        labels=judge_split.labels[chosen],
+        indices=judge_split.indices[chosen],
+    )
 
 
 def generate_from_supports(

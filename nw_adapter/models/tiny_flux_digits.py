@@ -81,18 +81,22 @@ IMAGE_EMBED_DIM = 32  # the reused CLIP image encoder's projection width
 _HEADS, _HEAD_DIM = 4, 16
 
 
-def build_transformer():
-    """A ``FluxTransformer2DModel``: 2 double-stream and 2 single-stream blocks, 4 heads of 16.
+def build_transformer(double_blocks: int = 2):
+    """A ``FluxTransformer2DModel``: ``double_blocks`` double-stream (default 2, the adapter attaches
+    to each) and 2 single-stream blocks, 4 heads of 16.
 
     No guidance embedding (as FLUX.1-schnell; guidance is classifier-free, ``true_cfg_scale``):
-    about 0.46 M parameters, on the 16 packed tokens (16 channels) of an 8 x 8 x 4 latent.
+    about 0.46 M parameters with 2 double blocks, on the 16 packed tokens (16 channels) of an
+    8 x 8 x 4 latent.
     """
+    if double_blocks < 1:
+        raise ValueError(f"double_blocks must be >= 1, got {double_blocks}")
     from diffusers import FluxTransformer2DModel
 
     return FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * LATENT_CHANNELS,
-        num_layers=2,
+        num_layers=double_blocks,
         num_single_layers=2,
         attention_head_dim=_HEAD_DIM,
         num_attention_heads=_HEADS,

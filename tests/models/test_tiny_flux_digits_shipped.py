@@ -16,7 +16,7 @@ from nw_adapter.models import tiny_digits
 from nw_adapter.models.digits_data import load_digit_splits
 from nw_adapter.models.digits_quality import fit_judge
 from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL, tiny_digit_image
-from nw_adapter.models.support_quality import measure_support_agreement, support_sets
+from nw_adapter.models.support_quality import measure_support_agreement, pilot_references, support_sets
 from nw_adapter.models.tiny_flux_digits import (
     ADAPTER_SUBFOLDER,
     ADAPTER_WEIGHT_NAME,
@@ -133,6 +133,20 @@ def test_support_sets_are_disjoint_one_class_each():
         assert all(len(set(references.labels[s].tolist())) == 1 for s in sets)
     with pytest.raises(ValueError, match="at least one reference"):
         support_sets(references, 0)
+
+
+def test_pilot_references_are_judge_digits_10_per_class_never_a_reference_or_training_digit():
+    splits = load_digit_splits()
+    pilot = pilot_references(splits["judge"])
+    assert len(pilot) == 100 and np.array_equal(np.bincount(pilot.labels), np.full(10, 10))
+    assert set(pilot.indices.tolist()) <= set(splits["judge"].indices.tolist())
+    assert not set(pilot.indices.tolist()) & set(splits["reference"].indices.tolist())
+    assert not set(pilot.indices.tolist()) & set(splits["train"].indices.tolist())
+    row = int(np.flatnonzero(splits["judge"].indices == pilot.indices[0])[0])
+    assert np.array_equal(pilot.images[0], splits["judge"].images[row])  # images travel with their rows
+    assert len(support_sets(pilot, 1)) == 100
+    with pytest.raises(ValueError, match=r"per_class must be in \[1, \d+\], got 0"):
+        pilot_references(splits["judge"], 0)
 
 
 def _agreement(pipe, judge) -> int:

@@ -157,3 +157,146 @@ def test_support_sets_hold_m_distinct_images_of_the_targets_class_never_the_targ
     for target, support in zip(targets.tolist(), rows.tolist(), strict=True):
         assert target not in support and len(set(support)) == 4
         assert all(labels[row] == labels[target] for row in support)
+
+
+def test_shifted_images_translate_with_a_black_border_and_keep_the_image_in_the_middle():
+    import numpy as np
+
+    from nw_adapter.models.training.flux import shifted_images
+
+    images = np.arange(2 * 5 * 5 * 3, dtype=np.uint8).reshape(2, 5, 5, 3) + 1  # no zero pixel
+    views = shifted_images(images, 1)
+    assert views.shape == (2, 9, 5, 5, 3)
+    assert np.array_equal(views[:, 4], images)  # (dy, dx) = (0, 0)
+    down_right = views[:, 8]  # (dy, dx) = (1, 1)
+    assert np.array_equal(down_right[:, 1:, 1:], images[:, :-1, :-1])
+    assert not down_right[:, 0].any() and not down_right[:, :, 0].any()
+    up = views[:, 1]  # (dy, dx) = (-1, 0)
+    assert np.array_equal(up[:, :-1], images[:, 1:]) and not up[:, -1].any()
+    assert np.array_equal(shifted_images(images, 0)[:, 0], images)
+    with pytest.raises(ValueError, match=r"max_shift must be in \[0, 4\], got 5"):
+        shifted_images(images, 5)
+
+
+@pytest.fixture(scope="module")
+def single_run(quick_run, tmp_path_factory) -> Path:
+    """The quick run with its adapter retrained at m = 1 in every step (the quick run's 40 images hold
+    too few per class for m = 4 once an option changes which m are drawn)."""
+    run = _copy(quick_run, tmp_path_factory.mktemp("flux_single"))
+    shutil.rmtree(run / "stages" / "adapter")
+    shutil.rmtree(run / "tiny_flux_digits")
+    run_flux_training(run, replace(QUICK, single_share=1.0), progress=False)
+    return run
+
+
+@pytest.mark.parametrize(
+    ("flags", "settings"),
+    [
+        (("--embed-noise", "0.5"), {"embed_noise": 0.5}),
+        (("--shift-augment", "1"), {"shift_augment": 1}),
+        (("--adapter-steps", "3", "--adapter-lr", "0.01"), {"adapter_steps": 3, "adapter_lr": 0.01}),
+    ],
+)
+def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
+    single_run, tmp_path, flags, settings
+):
+    """The script's stage-2 options retrain the adapter only (the transformer stage is reused), are
+    recorded in the adapter's stage.json, and give other adapter weights than the run without them."""
+    run = _copy(single_run, tmp_path)
+    transformer = {path: time for path, time in _weights(run).items() if "transformer" in path.parts}
+    baseline = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
+    shutil.rmtree(run / "stages" / "adapter")
+    shutil.rmtree(run / "tiny_flux_digits")
+    result = run_script(
+        "train_tiny_flow.py", "--out", str(run), "--quick", "--no-progress", "--single-share", "1", *flags
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
+    assert {key: record["settings"][key] for key in settings} == settings
+    assert {path: time for path, time in _weights(run).items() if path in transformer} == transformer
+    trained = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
+    assert any(not torch.equal(trained[key], baseline[key]) for key in baseline)
+
+
+def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refused():
+    """Noise on the embeddings, or several views of each, change the losses of the same seeded run;
+    one view without noise is the plain ``(N, 32)`` run bit for bit."""
+    from diffusers import FluxTransformer2DModel
+
+    from nw_adapter.models.training.flux import FluxBatchInputs, load_adapter_for_training, train_flux_adapter
+
+    torch.manual_seed(0)
+    n = 12
+    labels = torch.arange(n) % 2
+    embeds = torch.randn(n, 32)
+    transformer = tiny_flux_digits.build_transformer()
+    state = tiny_flux_digits.initial_adapter_state_dict(transformer, seed=1)
+
+    class _Pipe:  # what load_adapter_for_training uses of a FluxPipeline
+        def __init__(self, model) -> None:
+            self.transformer = model
+
+        def load_ip_adapter(self, nested, **_) -> None:
+            self.transformer._load_ip_adapter_weights([nested], low_cpu_mem_usage=False)
+
+    def losses(image_embeds, **options) -> list[float]:
+        model = FluxTransformer2DModel.from_config(transformer.config)
+        model.load_state_dict(transformer.state_dict())
+        parameters = load_adapter_for_training(_Pipe(model), state)
+        return train_flux_adapter(
+            model,
+            parameters,
+            torch.randn(n, 16, 16, generator=torch.Generator().manual_seed(2)),
+            image_embeds,
+            torch.zeros(32),
+            labels,
+            torch.zeros(1, tiny_flux_digits.TEXT_TOKENS, 32),
+            torch.zeros(1, 32),
+            FluxBatchInputs(torch.zeros(16, 3), torch.zeros(tiny_flux_digits.TEXT_TOKENS, 3)),
+            steps=2,
+            batch_size=4,
+            lr=1e-2,
+            seed=3,
+            progress=False,
+            **options,
+        )[0]
+
+    plain = losses(embeds)
+    assert losses(embeds[:, None]) == plain
+    assert losses(embeds, embed_noise=0.5) != plain
+    assert losses(torch.stack([embeds, -embeds], dim=1)) != plain
+    with pytest.raises(ValueError, match="embed_noise must be >= 0, got -0.1"):
+        losses(embeds, embed_noise=-0.1)
+
+
+def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_layer_pair_per_block(
+    quick_run, tmp_path
+):
+    """``--double-blocks 3`` retrains stage 1 with 3 double blocks (recorded), the adapter gets
+    ``to_k_ip`` / ``to_v_ip`` in each, and the folder still loads through the standard calls."""
+    run = _copy(quick_run, tmp_path)
+    for folder in ("transformer", "adapter"):
+        shutil.rmtree(run / "stages" / folder)
+    shutil.rmtree(run / "tiny_flux_digits")
+    result = run_script(
+        "train_tiny_flow.py",
+        "--out",
+        str(run),
+        "--quick",
+        "--no-progress",
+        "--single-share",
+        "1",
+        "--double-blocks",
+        "3",
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run / "stages" / "transformer" / "stage.json").read_text())
+    assert record["settings"]["transformer_double_blocks"] == 3
+    config = json.loads((run / "tiny_flux_digits" / "transformer" / "config.json").read_text())
+    assert config["num_layers"] == 3
+    adapter = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
+    assert {key.split(".")[1] for key in adapter if key.startswith("double_blocks.")} == {"0", "1", "2"}
+    pipe = tiny_flux_digits.load_pipeline(run / "tiny_flux_digits")
+    assert len(pipe.transformer.transformer_blocks) == 3
+    with pytest.raises(ValueError, match="double_blocks must be >= 1, got 0"):
+        tiny_flux_digits.build_transformer(0)

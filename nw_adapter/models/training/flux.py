@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nw_adapter.models.training.common import (
@@ -38,6 +39,7 @@ __all__ = [
     "FluxBatchInputs",
     "flow_matching_loss",
     "load_adapter_for_training",
+    "shifted_images",
     "support_sets",
     "train_flux_adapter",
     "train_flux_transformer",
@@ -194,6 +196,30 @@ def load_adapter_for_training(pipe, state_dict: dict[str, torch.Tensor]) -> list
     return adapter_parameters(pipe.transformer)
 
 
+def shifted_images(images: np.ndarray, max_shift: int) -> np.ndarray:
+    """Every translation of each image by ``-max_shift..max_shift`` pixels in x and y, the uncovered
+    border filled with black (the digits' background).
+
+    Args:
+        images: ``(N, H, W, C)`` images.
+        max_shift: Largest shift in pixels (``0 <= max_shift < min(H, W)``).
+
+    Returns:
+        ``(N, (2 max_shift + 1)^2, H, W, C)``: view ``v`` shifts by ``(dy, dx)`` in row-major order of
+        ``dy, dx = -max_shift..max_shift``; the unshifted image is the middle view.
+    """
+    height, width = images.shape[1:3]
+    if not 0 <= max_shift < min(height, width):
+        raise ValueError(f"max_shift must be in [0, {min(height, width) - 1}], got {max_shift}")
+    offsets = range(-max_shift, max_shift + 1)
+    views = np.zeros((len(images), len(offsets) ** 2, *images.shape[1:]), dtype=images.dtype)
+    for view, (dy, dx) in enumerate((dy, dx) for dy in offsets for dx in offsets):
+        views[:, view, max(dy, 0) : height + min(dy, 0), max(dx, 0) : width + min(dx, 0)] = images[
+            :, max(-dy, 0) : height + min(-dy, 0), max(-dx, 0) : width + min(-dx, 0)
+        ]
+    return views
+
+
 def support_sets(
     targets: torch.Tensor, labels: torch.Tensor, size: int, generator: torch.Generator
 ) -> torch.Tensor:
@@ -234,6 +260,7 @@ def train_flux_adapter(
     progress: bool = True,
     image_dropout: float = IMAGE_DROPOUT,
     single_share: float | None = None,
+    embed_noise: float = 0.0,
 ) -> tuple[list[float], list[int]]:
     """Stage 2: train only the adapter on (support set, target) pairs of one class.
 
@@ -241,7 +268,8 @@ def train_flux_adapter(
         transformer: The frozen stage-1 transformer with the adapter loaded.
         parameters: The adapter's parameters (:func:`load_adapter_for_training`).
         latents: ``(N, 16, 16)`` packed latents of the training images (targets).
-        image_embeds: ``(N, 32)`` frozen image-encoder embeddings of the same images (references).
+        image_embeds: ``(N, 32)`` frozen image-encoder embeddings of the same images (references),
+            or ``(N, V, 32)``: ``V`` augmented views of each image, one drawn uniformly per reference.
         negative_embed: ``(32,)`` the embedding of the black image (the pipeline's negative image).
         labels: ``(N,)`` digit classes.
         prompt_states: ``(P, TEXT_TOKENS, 32)`` and ``prompt_pooled``: ``(P, 32)``, of the
@@ -253,12 +281,30 @@ def train_flux_adapter(
         image_dropout: Probability that a support set is replaced by ``negative_embed``.
         single_share: ``None``: ``m ~ U{1..MAX_SUPPORT}``; otherwise ``m = 1`` with this
             probability and ``m ~ U{2..MAX_SUPPORT}`` else (one uniform draw per step, then the size).
+        embed_noise: Standard deviation of Gaussian noise added to every reference embedding, as a
+            multiple of the embeddings' per-dimension standard deviation over ``image_embeds``
+            (0: none); a dropped support's black embedding gets none.
 
     Returns:
         ``(losses, sizes)``: the per-step loss and support size ``m``.
     """
+    if embed_noise < 0:
+        raise ValueError(f"embed_noise must be >= 0, got {embed_noise}")
+    views = image_embeds if image_embeds.ndim == 3 else image_embeds[:, None]  # (N, V, 32)
+    noise_std = embed_noise * views.flatten(0, 1).std(dim=0)  # (32,)
     generator = torch.Generator().manual_seed(seed)
     sizes: list[int] = []
+
+    def references(rows: torch.Tensor) -> torch.Tensor:
+        """``(B, m, 32)`` embeddings of the support rows: a drawn view each, noised if asked (the
+        extra draws happen only for a non-default option, so a default run draws what it always drew)."""
+        if views.shape[1] == 1:
+            embeds = views[rows, 0]
+        else:
+            embeds = views[rows, torch.randint(0, views.shape[1], rows.shape, generator=generator)]
+        if embed_noise > 0:
+            embeds = embeds + noise_std * torch.randn(embeds.shape, generator=generator)
+        return embeds
 
     def loss_fn(step: int) -> torch.Tensor:
         if single_share is None:
@@ -269,7 +315,7 @@ def train_flux_adapter(
             size = int(torch.randint(2, MAX_SUPPORT + 1, (1,), generator=generator))
         sizes.append(size)
         targets = torch.randint(0, len(labels), (batch_size,), generator=generator)
-        embeds = image_embeds[support_sets(targets, labels, size, generator)]  # (B, m, 32)
+        embeds = references(support_sets(targets, labels, size, generator))  # (B, m, 32)
         dropped = torch.rand(batch_size, generator=generator) < image_dropout
         embeds = torch.where(dropped[:, None, None], negative_embed.expand_as(embeds), embeds)
         prompt = torch.randint(0, len(prompt_states), (batch_size,), generator=generator)

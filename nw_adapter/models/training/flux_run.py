@@ -63,10 +63,20 @@ class FluxTrainingConfig:
     transformer_class_free_drop: bool = False
     """Stage 1: a dropped caption becomes one of :data:`STAGE2_PROMPTS` (drawn uniformly), not only
     ``""``, so the class-free prompts mean "any digit" to the transformer (off for the shipped weights)."""
+    transformer_double_blocks: int = 2
+    """Stage 1: double-stream blocks of the transformer (each gets the adapter's ``to_k_ip`` /
+    ``to_v_ip``; :func:`~nw_adapter.models.tiny_flux_digits.build_transformer`)."""
     image_dropout: float = 0.05
     """Stage 2: probability that a support set is replaced by the black image."""
     single_share: float | None = None
     """Stage 2: ``None``: m ~ U{1..4}; else m = 1 with this probability, m ~ U{2..4} otherwise."""
+    embed_noise: float = 0.0
+    """Stage 2: Gaussian noise on every reference embedding, in units of the training embeddings'
+    per-dimension standard deviation (0: none)."""
+    shift_augment: int = 0
+    """Stage 2: each reference is one of its image's translations by up to this many pixels in x and
+    y (drawn per reference and step; :func:`~nw_adapter.models.training.flux.shifted_images`),
+    encoded by the frozen image encoder (0: the image itself)."""
 
     @classmethod
     def quick(cls, seed: int = 0) -> FluxTrainingConfig:
@@ -83,8 +93,8 @@ SETTINGS_OF = {
 """The config fields each stage's result depends on (besides the stages it is trained on)."""
 
 VARIANT_SETTINGS_OF = {
-    "transformer": ("transformer_class_free_drop",),
-    "adapter": ("image_dropout", "single_share"),
+    "transformer": ("transformer_class_free_drop", "transformer_double_blocks"),
+    "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment"),
 }
 """Fields added after the shipped weights were trained: a stage's record holds one only when it
 differs from its default, so a default run writes the shipped ``stage.json`` records unchanged and a
@@ -187,6 +197,7 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
     from nw_adapter.models.training.flux import (
         FluxBatchInputs,
         load_adapter_for_training,
+        shifted_images,
         train_flux_adapter,
         train_flux_transformer,
     )
@@ -259,7 +270,7 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
     def transformer_stage(path: Path) -> None:
         started = time.perf_counter()
         torch.manual_seed(config.seed + 80)
-        transformer = flux_model.build_transformer()
+        transformer = flux_model.build_transformer(config.transformer_double_blocks)
         losses = train_flux_transformer(
             transformer,
             packed,
@@ -288,7 +299,14 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             pipe, flux_model.initial_adapter_state_dict(transformer, seed=config.seed + 100)
         )
         with torch.no_grad():
-            references = pipe.encode_image([Image.fromarray(image) for image in train.images], "cpu", 1)
+            if config.shift_augment:
+                views = shifted_images(train.images, config.shift_augment)  # (N, V, 32, 32, 3)
+                flat = [Image.fromarray(image) for image in views.reshape(-1, *views.shape[2:])]
+                chunks = range(0, len(flat), 2048)
+                references = torch.cat([pipe.encode_image(flat[i : i + 2048], "cpu", 1) for i in chunks])
+                references = references.unflatten(0, views.shape[:2])  # (N, V, 32)
+            else:
+                references = pipe.encode_image([Image.fromarray(image) for image in train.images], "cpu", 1)
             black = pipe.encode_image(np.zeros((32, 32, 3), dtype=np.uint8), "cpu", 1)[0]
             prompt_states, prompt_pooled = encode(list(STAGE2_PROMPTS))
         losses, sizes = train_flux_adapter(
@@ -308,6 +326,7 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             progress=progress,
             image_dropout=config.image_dropout,
             single_share=config.single_share,
+            embed_noise=config.embed_noise,
         )
         path.mkdir(parents=True)
         save_file(
