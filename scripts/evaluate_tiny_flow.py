@@ -22,7 +22,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_tiny import (  # noqa: E402  (the SD 1.5 model's card writers and judge)
@@ -48,13 +50,30 @@ the measurement at 5 is not independent of that choice (the model card says so).
 PILOT_SEED = 1000
 
 
+def _call_kwargs(true_cfg_scale: float) -> dict:
+    """The pipeline call of every measurement: the model's size and T5 length, and above 1 true CFG
+    with the negative prompt ``""`` (the negative image is the pipeline's black one)."""
+    from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL
+
+    call = dict(TINY_FLUX_DIGITS_CALL)
+    if true_cfg_scale > 1:
+        call.update(true_cfg_scale=true_cfg_scale, negative_prompt="")
+    return call
+
+
+def _timed(measure: Callable[[], Any]) -> tuple[Any, dict]:
+    """``measure()``'s result and its JSON row (the result's fields and the wall seconds it took)."""
+    started = time.perf_counter()
+    result = measure()
+    return result, {**result.to_dict(), "seconds": round(time.perf_counter() - started, 1)}
+
+
 def pilot(model_dir: Path, out: Path, *, true_cfg_scale: float, ip_scales: tuple[float, ...]) -> list[str]:
     """m = 1 agreement on the judge-split pilot references, per IP scale; writes ``pilot.json``."""
     import torch
 
     from nw_adapter.atomic import atomic_write_json
     from nw_adapter.models.digits_data import load_digit_splits
-    from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL
     from nw_adapter.models.support_quality import measure_support_agreement, pilot_references
     from nw_adapter.models.tiny_flux_digits import load_pipeline
 
@@ -62,16 +81,15 @@ def pilot(model_dir: Path, out: Path, *, true_cfg_scale: float, ip_scales: tuple
     judge, _, _ = fitted_judge()
     references = pilot_references(load_digit_splits()["judge"])
     pipe = load_pipeline(model_dir)
-    call = dict(TINY_FLUX_DIGITS_CALL)
-    if true_cfg_scale > 1:
-        call.update(true_cfg_scale=true_cfg_scale, negative_prompt="")
+    call = _call_kwargs(true_cfg_scale)
     rows, results = [], []
     for ip_scale in ip_scales:
-        started = time.perf_counter()
-        result = measure_support_agreement(
-            pipe, judge, references, 1, ip_scale=ip_scale, steps=STEPS, seed=PILOT_SEED, call_kwargs=call
+        result, row = _timed(
+            lambda ip_scale=ip_scale: measure_support_agreement(
+                pipe, judge, references, 1, ip_scale=ip_scale, steps=STEPS, seed=PILOT_SEED, call_kwargs=call
+            )
         )
-        results.append({**result.to_dict(), "seconds": round(time.perf_counter() - started, 1)})
+        results.append(row)
         rows.append(
             f"pilot m=1 IP scale {ip_scale:g}: {result.agreed}/{result.n} "
             f"[{result.ci_low:.0%}, {result.ci_high:.0%}] ({results[-1]['seconds']} s)"
@@ -89,24 +107,23 @@ def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | N
     import torch
 
     from nw_adapter.atomic import atomic_write_json
-    from nw_adapter.models.loaders import TINY_FLUX_DIGITS_CALL
     from nw_adapter.models.support_quality import measure_support_agreement
     from nw_adapter.models.tiny_flux_digits import load_pipeline
 
     torch.set_num_threads(1)
     judge, references, judge_on_references = fitted_judge()
     pipe = load_pipeline(model_dir)
-    call = dict(TINY_FLUX_DIGITS_CALL)
-    if true_cfg_scale > 1:
-        call.update(true_cfg_scale=true_cfg_scale, negative_prompt="")
+    call = _call_kwargs(true_cfg_scale)
     rows, results = [], []
     for size in SUPPORT_SIZES:
         for ip_scale in IP_SCALES:
-            started = time.perf_counter()
-            result = measure_support_agreement(
-                pipe, judge, references, size, ip_scale=ip_scale, steps=STEPS, call_kwargs=call, limit=limit
+            result, row = _timed(
+                lambda size=size, ip_scale=ip_scale: measure_support_agreement(
+                    pipe, judge, references, size, ip_scale=ip_scale, steps=STEPS, call_kwargs=call,
+                    limit=limit,
+                )
             )
-            results.append({**result.to_dict(), "seconds": round(time.perf_counter() - started, 1)})
+            results.append(row)
             rows.append(
                 f"| {size} | {ip_scale:g} | {result.agreed}/{result.n} = {result.agreement:.0%} "
                 f"| [{result.ci_low:.0%}, {result.ci_high:.0%}] | {result.p_above_chance:.1e} |"

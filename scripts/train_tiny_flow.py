@@ -44,6 +44,19 @@ def _positive(text: str) -> float:
     return value
 
 
+#: The command-line options that set one training setting each (``None``: the default).
+OPTION_SETTINGS = {
+    "threads": "threads",
+    "double_blocks": "transformer_double_blocks",
+    "image_dropout": "image_dropout",
+    "single_share": "single_share",
+    "embed_noise": "embed_noise",
+    "shift_augment": "shift_augment",
+    "adapter_steps": "adapter_steps",
+    "adapter_lr": "adapter_lr",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = training_parser(__doc__.splitlines()[0], "tiny_flux_digits", "steps of both trained stages")
     parser.add_argument(
@@ -96,24 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     config = FluxTrainingConfig.quick(args.seed) if args.quick else FluxTrainingConfig(seed=args.seed)
     if args.steps is not None:
         config = replace(config, transformer_steps=args.steps, adapter_steps=args.steps)
-    if args.threads is not None:
-        config = replace(config, threads=args.threads)
     if args.class_free_drop:
         config = replace(config, transformer_class_free_drop=True)
-    if args.double_blocks is not None:
-        config = replace(config, transformer_double_blocks=args.double_blocks)
-    if args.image_dropout is not None:
-        config = replace(config, image_dropout=args.image_dropout)
-    if args.single_share is not None:
-        config = replace(config, single_share=args.single_share)
-    if args.embed_noise is not None:
-        config = replace(config, embed_noise=args.embed_noise)
-    if args.shift_augment is not None:
-        config = replace(config, shift_augment=args.shift_augment)
-    if args.adapter_steps is not None:
-        config = replace(config, adapter_steps=args.adapter_steps)
-    if args.adapter_lr is not None:
-        config = replace(config, adapter_lr=args.adapter_lr)
+    for option, setting in OPTION_SETTINGS.items():  # the options given, each to its setting
+        if getattr(args, option) is not None:
+            config = replace(config, **{setting: getattr(args, option)})
     return run_and_report(
         "train_tiny_flow.py",
         args.out,
