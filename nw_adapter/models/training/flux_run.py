@@ -299,14 +299,12 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             pipe, flux_model.initial_adapter_state_dict(transformer, seed=config.seed + 100)
         )
         with torch.no_grad():
-            if config.shift_augment:
-                views = shifted_images(train.images, config.shift_augment)  # (N, V, 32, 32, 3)
-                flat = [Image.fromarray(image) for image in views.reshape(-1, *views.shape[2:])]
-                chunks = range(0, len(flat), 2048)
-                references = torch.cat([pipe.encode_image(flat[i : i + 2048], "cpu", 1) for i in chunks])
-                references = references.unflatten(0, views.shape[:2])  # (N, V, 32)
-            else:
-                references = pipe.encode_image([Image.fromarray(image) for image in train.images], "cpu", 1)
+            # every reference's views (one, the image itself, without shift_augment), encoded in chunks
+            views = shifted_images(train.images, config.shift_augment)  # (N, V, 32, 32, 3)
+            flat = [Image.fromarray(image) for image in views.reshape(-1, *views.shape[2:])]
+            chunks = range(0, len(flat), 2048)
+            references = torch.cat([pipe.encode_image(flat[i : i + 2048], "cpu", 1) for i in chunks])
+            references = references.unflatten(0, views.shape[:2])  # (N, V, 32)
             black = pipe.encode_image(np.zeros((32, 32, 3), dtype=np.uint8), "cpu", 1)[0]
             prompt_states, prompt_pooled = encode(list(STAGE2_PROMPTS))
         losses, sizes = train_flux_adapter(
