@@ -187,7 +187,8 @@ def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[
         head_values, tail_values = tuple(before.values()), tuple(after.values())
         for hi, half in enumerate(e.halves):
             for ki, head in enumerate(e.heads):
-                start, cell = (hi * n_k + ki) * rows, hi * n_k + ki
+                cell = hi * n_k + ki  # the (half, head) cell
+                start = cell * rows
                 values = [*head_values, head, half, *tail_values, *vals[start : start + num_stats]]
                 values.append(_reason(vals[start + num_stats]))
                 if mass is not None:
