@@ -4,6 +4,7 @@
     $ python scripts/train_tiny_flow.py --out /tmp/smoke --quick        # every stage for 2 steps (CI)
     $ python scripts/train_tiny_flow.py --out runs/neutral --class-free-drop   # a variant (model card)
     $ python scripts/train_tiny_flow.py --out runs/n --class-free-drop --embed-noise 0.2 --adapter-steps 5000
+    $ python scripts/train_tiny_flow.py --out runs/j --adapter-transformer-lr 1e-4   # stage 2 trains both
 
 Writes ``OUT/stages/{parts,transformer,adapter}`` (resumable, each with its ``stage.json``) and the
 model folder ``OUT/tiny_flux_digits`` (the layout shipped in
@@ -54,6 +55,7 @@ OPTION_SETTINGS = {
     "shift_augment": "shift_augment",
     "adapter_steps": "adapter_steps",
     "adapter_lr": "adapter_lr",
+    "adapter_transformer_lr": "adapter_transformer_lr",
 }
 
 
@@ -102,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--adapter-lr", type=_positive, default=None, help="stage 2's peak learning rate (default 0.005)"
+    )
+    parser.add_argument(
+        "--adapter-transformer-lr",
+        type=_non_negative,
+        default=None,
+        help="stage 2: also train the transformer, at this peak learning rate (default 0: frozen)",
     )
     args = parser.parse_args(argv)
     from nw_adapter.models.training.flux_run import FluxTrainingConfig, run_flux_training

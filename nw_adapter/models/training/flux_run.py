@@ -5,7 +5,9 @@
     out/stages/parts/         the reused frozen parts (VAE, CLIP text and image encoders, from the
                               shipped tiny SD 1.5 digits model) and the random frozen T5
     out/stages/transformer/   stage 1 (float32)
-    out/stages/adapter/       stage 2: ip_adapter.safetensors (float32, XLabs keys)
+    out/stages/adapter/       stage 2: ip_adapter.safetensors (float32, XLabs keys); with
+                              adapter_transformer_lr > 0 also transformer/, the transformer
+                              trained with it (float32), which the model folder then holds
     out/stages/log.json       losses and wall-clock time of each stage
     out/tiny_flux_digits/     the model folder, as shipped
 
@@ -77,6 +79,10 @@ class FluxTrainingConfig:
     """Stage 2: each reference is one of its image's translations by up to this many pixels in x and
     y (drawn per reference and step; :func:`~nw_adapter.models.training.flux.shifted_images`),
     encoded by the frozen image encoder (0: the image itself)."""
+    adapter_transformer_lr: float = 0.0
+    """Stage 2: 0 keeps the stage-1 transformer frozen; otherwise it is trained with the adapter, as a
+    second AdamW group at this peak learning rate (the adapter keeps ``adapter_lr``), saved in the
+    adapter stage's ``transformer/`` and assembled into the model folder in place of stage 1's."""
 
     @classmethod
     def quick(cls, seed: int = 0) -> FluxTrainingConfig:
@@ -94,7 +100,7 @@ SETTINGS_OF = {
 
 VARIANT_SETTINGS_OF = {
     "transformer": ("transformer_class_free_drop", "transformer_double_blocks"),
-    "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment"),
+    "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment", "adapter_transformer_lr"),
 }
 """Fields added after the shipped weights were trained: a stage's record holds one only when it
 differs from its default, so a default run writes the shipped ``stage.json`` records unchanged and a
@@ -325,12 +331,18 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             image_dropout=config.image_dropout,
             single_share=config.single_share,
             embed_noise=config.embed_noise,
+            transformer_lr=config.adapter_transformer_lr,
         )
         path.mkdir(parents=True)
         save_file(
             flux_model.adapter_state_dict_from_transformer(pipe.transformer),
             path / flux_model.ADAPTER_WEIGHT_NAME,
         )
+        if config.adapter_transformer_lr > 0:  # the fine-tuned transformer, without the adapter's layers
+            tuned = FluxTransformer2DModel.from_pretrained(transformer_dir)
+            state = pipe.transformer.state_dict()
+            tuned.load_state_dict({key: state[key] for key in tuned.state_dict()})
+            tuned.save_pretrained(path / "transformer", safe_serialization=True)
         record("adapter", started, losses, support_sizes={m: sizes.count(m) for m in sorted(set(sizes))})
 
     adapter_dir = stage("adapter", adapter_stage)
@@ -339,7 +351,8 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
         # float16 for the diffusers models (diffusers loads them as float32 unless told otherwise);
         # the transformers encoders stay float32 (transformers 5 would load float16 as float16).
         # Fresh tokenizers: a used one saves its last padding / truncation state.
-        pipe = _pipeline(parts, FluxTransformer2DModel.from_pretrained(transformer_dir), image_encoder=False)
+        tuned = adapter_dir / "transformer" if config.adapter_transformer_lr > 0 else transformer_dir
+        pipe = _pipeline(parts, FluxTransformer2DModel.from_pretrained(tuned), image_encoder=False)
         pipe.transformer.to(torch.float16)
         pipe.vae.to(torch.float16)
         pipe.save_pretrained(path, safe_serialization=True)
