@@ -218,19 +218,22 @@ def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
     assert any(not torch.equal(trained[key], baseline[key]) for key in baseline)
 
 
-def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refused():
-    """Noise on the embeddings, or several views of each, change the losses of the same seeded run;
-    one view without noise is the plain ``(N, 32)`` run bit for bit."""
+def _train_adapter(image_embeds: torch.Tensor, **options):
+    """Two seeded stage-2 steps on a random untrained transformer (12 targets of 2 classes).
+
+    Returns:
+        ``(losses, before, after)``: the losses and the transformer's own weights (the adapter's left
+        out) before and after training.
+    """
     from diffusers import FluxTransformer2DModel
 
     from nw_adapter.models.training.flux import FluxBatchInputs, load_adapter_for_training, train_flux_adapter
 
     torch.manual_seed(0)
-    n = 12
-    labels = torch.arange(n) % 2
-    embeds = torch.randn(n, 32)
+    n = len(image_embeds)
     transformer = tiny_flux_digits.build_transformer()
     state = tiny_flux_digits.initial_adapter_state_dict(transformer, seed=1)
+    before = {key: value.clone() for key, value in transformer.state_dict().items()}
 
     class _Pipe:  # what load_adapter_for_training uses of a FluxPipeline
         def __init__(self, model) -> None:
@@ -239,34 +242,103 @@ def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refu
         def load_ip_adapter(self, nested, **_) -> None:
             self.transformer._load_ip_adapter_weights([nested], low_cpu_mem_usage=False)
 
-    def losses(image_embeds, **options) -> list[float]:
-        model = FluxTransformer2DModel.from_config(transformer.config)
-        model.load_state_dict(transformer.state_dict())
-        parameters = load_adapter_for_training(_Pipe(model), state)
-        return train_flux_adapter(
-            model,
-            parameters,
-            torch.randn(n, 16, 16, generator=torch.Generator().manual_seed(2)),
-            image_embeds,
-            torch.zeros(32),
-            labels,
-            torch.zeros(1, tiny_flux_digits.TEXT_TOKENS, 32),
-            torch.zeros(1, 32),
-            FluxBatchInputs(torch.zeros(16, 3), torch.zeros(tiny_flux_digits.TEXT_TOKENS, 3)),
-            steps=2,
-            batch_size=4,
-            lr=1e-2,
-            seed=3,
-            progress=False,
-            **options,
-        )[0]
+    model = FluxTransformer2DModel.from_config(transformer.config)
+    model.load_state_dict(transformer.state_dict())
+    parameters = load_adapter_for_training(_Pipe(model), state)
+    losses = train_flux_adapter(
+        model,
+        parameters,
+        torch.randn(n, 16, 16, generator=torch.Generator().manual_seed(2)),
+        image_embeds,
+        torch.zeros(32),
+        torch.arange(n) % 2,
+        torch.zeros(1, tiny_flux_digits.TEXT_TOKENS, 32),
+        torch.zeros(1, 32),
+        FluxBatchInputs(torch.zeros(16, 3), torch.zeros(tiny_flux_digits.TEXT_TOKENS, 3)),
+        steps=2,
+        batch_size=4,
+        lr=1e-2,
+        seed=3,
+        progress=False,
+        **options,
+    )[0]
+    after = model.state_dict()
+    return losses, before, {key: after[key] for key in before}
 
-    plain = losses(embeds)
-    assert losses(embeds[:, None]) == plain
-    assert losses(embeds, embed_noise=0.5) != plain
-    assert losses(torch.stack([embeds, -embeds], dim=1)) != plain
+
+def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refused():
+    """Noise on the embeddings, or several views of each, change the losses of the same seeded run;
+    one view without noise is the plain ``(N, 32)`` run bit for bit."""
+    embeds = torch.randn(12, 32, generator=torch.Generator().manual_seed(4))
+    plain = _train_adapter(embeds)[0]
+    assert _train_adapter(embeds[:, None])[0] == plain
+    assert _train_adapter(embeds, embed_noise=0.5)[0] != plain
+    assert _train_adapter(torch.stack([embeds, -embeds], dim=1))[0] != plain
     with pytest.raises(ValueError, match="embed_noise must be >= 0, got -0.1"):
-        losses(embeds, embed_noise=-0.1)
+        _train_adapter(embeds, embed_noise=-0.1)
+
+
+def test_transformer_lr_trains_the_transformer_with_the_adapter_and_zero_leaves_it_bit_identical():
+    embeds = torch.randn(12, 32, generator=torch.Generator().manual_seed(4))
+    plain, before, after = _train_adapter(embeds)
+    assert all(torch.equal(after[key], before[key]) for key in before)  # frozen: bit for bit
+    assert _train_adapter(embeds, transformer_lr=0.0)[0] == plain
+    joint, before, after = _train_adapter(embeds, transformer_lr=1e-3)
+    assert joint[0] == plain[0] and joint[1] != plain[1]  # the same first batch, then another model
+    unchanged = {key for key in before if torch.equal(after[key], before[key])}
+    # every transformer tensor is trained but the weights that read the text, all zeros here
+    assert unchanged == {"context_embedder.weight", "time_text_embed.text_embedder.linear_1.weight"}
+    with pytest.raises(ValueError, match="transformer_lr must be >= 0, got -0.1"):
+        _train_adapter(embeds, transformer_lr=-0.1)
+
+
+def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_folder_holds_it(
+    single_run, tmp_path
+):
+    """``--adapter-transformer-lr`` retrains the adapter stage only, records the setting, writes the
+    fine-tuned transformer beside the adapter (every tensor changed) and assembles it; a default run
+    keeps the stage-1 transformer bit for bit, and each refuses the other's adapter stage."""
+    default = _copy(single_run, tmp_path / "default")
+    stage1 = load_file(default / "stages" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert not (default / "stages" / "adapter" / "transformer").exists()
+    folder = load_file(default / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert folder.keys() == stage1.keys()
+    assert all(torch.equal(folder[key], stage1[key].half()) for key in stage1)
+    with pytest.raises(
+        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 'missing' on disk, 0.0001 asked"
+    ):
+        run_flux_training(
+            default, replace(QUICK, single_share=1.0, adapter_transformer_lr=1e-4), progress=False
+        )
+
+    run = _copy(single_run, tmp_path / "joint")
+    transformer = {path: time for path, time in _weights(run).items() if "transformer" in path.parts}
+    shutil.rmtree(run / "stages" / "adapter")
+    shutil.rmtree(run / "tiny_flux_digits")
+    result = run_script(
+        "train_tiny_flow.py",
+        "--out",
+        str(run),
+        "--quick",
+        "--no-progress",
+        "--single-share",
+        "1",
+        "--adapter-transformer-lr",
+        "1e-4",
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
+    assert record["settings"]["adapter_transformer_lr"] == 1e-4
+    assert {path: time for path, time in _weights(run).items() if path in transformer} == transformer
+    tuned = load_file(run / "stages" / "adapter" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert tuned.keys() == stage1.keys()  # the transformer's own weights, no adapter layers
+    assert all(not torch.equal(tuned[key], stage1[key]) for key in stage1)
+    folder = load_file(run / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(folder[key], tuned[key].half()) for key in tuned)
+    with pytest.raises(
+        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 0.0001 on disk, 'missing' asked"
+    ):
+        run_flux_training(run, replace(QUICK, single_share=1.0), progress=False)
 
 
 def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_layer_pair_per_block(
