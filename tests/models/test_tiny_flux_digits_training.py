@@ -106,9 +106,11 @@ def test_default_records_are_the_shipped_ones_and_variants_are_recorded_and_refu
     default = settings_of(FluxTrainingConfig())
     for stage in ("transformer", "adapter"):
         assert tuple(shipped[stage]["record"]["settings"]) == default[stage]
-    variant = settings_of(replace(FluxTrainingConfig(), transformer_class_free_drop=True, single_share=0.5))
-    assert variant["transformer"][-1] == "transformer_class_free_drop"
+    variant = settings_of(replace(FluxTrainingConfig(), transformer_double_blocks=3, single_share=0.5))
+    assert variant["transformer"][-1] == "transformer_double_blocks"
     assert variant["adapter"][-1] == "single_share" and "image_dropout" not in variant["adapter"]
+    assert "transformer_class_free_drop" in default["transformer"]  # the shipped recipe: always recorded
+    assert "adapter_transformer_lr" in default["adapter"]
 
     run = _copy(quick_run, tmp_path)
     with pytest.raises(
@@ -116,7 +118,7 @@ def test_default_records_are_the_shipped_ones_and_variants_are_recorded_and_refu
     ):
         run_flux_training(run, replace(QUICK, image_dropout=0.1), progress=False)
     with pytest.raises(StageMismatchError, match=r"stages/transformer.*transformer_class_free_drop"):
-        run_flux_training(run, replace(QUICK, transformer_class_free_drop=True), progress=False)
+        run_flux_training(run, replace(QUICK, transformer_class_free_drop=False), progress=False)
     for folder in ("adapter", "tiny_flux_digits"):
         shutil.rmtree(run / "stages" / folder if folder == "adapter" else run / folder)
     run_flux_training(run, replace(QUICK, single_share=1.0, adapter_steps=3), progress=False)
@@ -203,7 +205,9 @@ def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
     """The script's stage-2 options retrain the adapter only (the transformer stage is reused), are
     recorded in the adapter's stage.json, and give other adapter weights than the run without them."""
     run = _copy(single_run, tmp_path)
-    transformer = {path: time for path, time in _weights(run).items() if "transformer" in path.parts}
+    transformer = {
+        path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()
+    }
     baseline = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
@@ -295,24 +299,28 @@ def test_transformer_lr_trains_the_transformer_with_the_adapter_and_zero_leaves_
 def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_folder_holds_it(
     single_run, tmp_path
 ):
-    """``--adapter-transformer-lr`` retrains the adapter stage only, records the setting, writes the
-    fine-tuned transformer beside the adapter (every tensor changed) and assembles it; a default run
-    keeps the stage-1 transformer bit for bit, and each refuses the other's adapter stage."""
-    default = _copy(single_run, tmp_path / "default")
-    stage1 = load_file(default / "stages" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert not (default / "stages" / "adapter" / "transformer").exists()
-    folder = load_file(default / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert folder.keys() == stage1.keys()
-    assert all(torch.equal(folder[key], stage1[key].half()) for key in stage1)
+    """A default run (the shipped recipe) trains the transformer with the adapter: the adapter stage
+    records the learning rate, writes the tuned transformer beside the adapter (every tensor changed)
+    and the model folder holds it; ``--adapter-transformer-lr 0`` retrains the adapter stage alone and
+    keeps the stage-1 transformer bit for bit; each refuses the other's adapter stage."""
+    joint = _copy(single_run, tmp_path / "joint")
+    stage1 = load_file(joint / "stages" / "transformer" / "diffusion_pytorch_model.safetensors")
+    record = json.loads((joint / "stages" / "adapter" / "stage.json").read_text())
+    assert record["settings"]["adapter_transformer_lr"] == FluxTrainingConfig().adapter_transformer_lr > 0
+    tuned = load_file(joint / "stages" / "adapter" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert tuned.keys() == stage1.keys()  # the transformer's own weights, no adapter layers
+    assert all(not torch.equal(tuned[key], stage1[key]) for key in stage1)
+    folder = load_file(joint / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(folder[key], tuned[key].half()) for key in tuned)
     with pytest.raises(
-        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 'missing' on disk, 0.0001 asked"
+        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 0.001 on disk, 0.0 asked"
     ):
-        run_flux_training(
-            default, replace(QUICK, single_share=1.0, adapter_transformer_lr=1e-4), progress=False
-        )
+        run_flux_training(joint, replace(QUICK, single_share=1.0, adapter_transformer_lr=0.0), progress=False)
 
-    run = _copy(single_run, tmp_path / "joint")
-    transformer = {path: time for path, time in _weights(run).items() if "transformer" in path.parts}
+    run = _copy(single_run, tmp_path / "frozen")
+    transformer = {
+        path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()
+    }
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
     result = run_script(
@@ -324,19 +332,18 @@ def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_
         "--single-share",
         "1",
         "--adapter-transformer-lr",
-        "1e-4",
+        "0",
     )
     assert result.returncode == 0, result.stderr
     record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
-    assert record["settings"]["adapter_transformer_lr"] == 1e-4
+    assert record["settings"]["adapter_transformer_lr"] == 0.0
     assert {path: time for path, time in _weights(run).items() if path in transformer} == transformer
-    tuned = load_file(run / "stages" / "adapter" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert tuned.keys() == stage1.keys()  # the transformer's own weights, no adapter layers
-    assert all(not torch.equal(tuned[key], stage1[key]) for key in stage1)
+    assert not (run / "stages" / "adapter" / "transformer").exists()
     folder = load_file(run / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert all(torch.equal(folder[key], tuned[key].half()) for key in tuned)
+    assert folder.keys() == stage1.keys()
+    assert all(torch.equal(folder[key], stage1[key].half()) for key in stage1)
     with pytest.raises(
-        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 0.0001 on disk, 'missing' asked"
+        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 0.0 on disk, 0.001 asked"
     ):
         run_flux_training(run, replace(QUICK, single_share=1.0), progress=False)
 
@@ -372,3 +379,31 @@ def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_lay
     assert len(pipe.transformer.transformer_blocks) == 3
     with pytest.raises(ValueError, match="double_blocks must be >= 1, got 0"):
         tiny_flux_digits.build_transformer(0)
+
+
+def test_the_cards_stage_table_says_what_each_stage_trained():
+    """The model card's stage table follows the training record: stage 1's caption drop, and whether
+    stage 2 trained the transformer with the adapter (and at which learning rate)."""
+    import importlib.util
+    from dataclasses import asdict
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "evaluate_tiny_flow.py"
+    spec = importlib.util.spec_from_file_location("evaluate_tiny_flow", path)
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+
+    stage1, stage2 = evaluate.stage_rows(asdict(FluxTrainingConfig()))  # the shipped recipe
+    assert '"a photograph"' in stage1[2] and stage1[3] == "2500 x 32, 0.001"
+    assert (
+        stage2[1] == "IP-Adapter and transformer (stage 2)"
+        and stage2[3] == "5000 x 32, 0.005 (transformer 0.001)"
+    )
+    first = replace(
+        FluxTrainingConfig(),
+        transformer_class_free_drop=False,
+        adapter_transformer_lr=0.0,
+        adapter_steps=2500,
+    )
+    stage1, stage2 = evaluate.stage_rows(asdict(first))  # the first shipped weights' recipe
+    assert stage1[2].endswith("15% empty prompt") and '"a photograph"' not in stage1[2]
+    assert stage2[1] == "IP-Adapter only (stage 2)" and stage2[3] == "2500 x 32, 0.005"

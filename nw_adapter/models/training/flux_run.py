@@ -57,14 +57,15 @@ class FluxTrainingConfig:
     seed: int = 0
     transformer_steps: int = 2500
     transformer_lr: float = 1e-3
-    adapter_steps: int = 2500
+    adapter_steps: int = 5000
     adapter_lr: float = 5e-3
     batch_size: int = 32
     threads: int = 1
     max_train_images: int | None = None
-    transformer_class_free_drop: bool = False
+    transformer_class_free_drop: bool = True
     """Stage 1: a dropped caption becomes one of :data:`STAGE2_PROMPTS` (drawn uniformly), not only
-    ``""``, so the class-free prompts mean "any digit" to the transformer (off for the shipped weights)."""
+    ``""``, so the class-free prompts mean "any digit" to the transformer (False: ``""`` only, as the
+    first shipped weights were trained)."""
     transformer_double_blocks: int = 2
     """Stage 1: double-stream blocks of the transformer (each gets the adapter's ``to_k_ip`` /
     ``to_v_ip``; :func:`~nw_adapter.models.tiny_flux_digits.build_transformer`)."""
@@ -79,10 +80,12 @@ class FluxTrainingConfig:
     """Stage 2: each reference is one of its image's translations by up to this many pixels in x and
     y (drawn per reference and step; :func:`~nw_adapter.models.training.flux.shifted_images`),
     encoded by the frozen image encoder (0: the image itself)."""
-    adapter_transformer_lr: float = 0.0
-    """Stage 2: 0 keeps the stage-1 transformer frozen; otherwise it is trained with the adapter, as a
-    second AdamW group at this peak learning rate (the adapter keeps ``adapter_lr``), saved in the
-    adapter stage's ``transformer/`` and assembled into the model folder in place of stage 1's."""
+    adapter_transformer_lr: float = 1e-3
+    """Stage 2: the transformer is trained with the adapter, as a second AdamW group at this peak
+    learning rate (the adapter keeps ``adapter_lr``), saved in the adapter stage's ``transformer/``
+    and assembled into the model folder in place of stage 1's; 0 keeps the stage-1 transformer
+    frozen (the adapter alone is trained, as h94's IP-Adapter training does and as the first shipped
+    weights were trained)."""
 
     @classmethod
     def quick(cls, seed: int = 0) -> FluxTrainingConfig:
@@ -92,19 +95,24 @@ class FluxTrainingConfig:
 
 SETTINGS_OF = {
     "parts": ("seed",),
-    "transformer": ("seed", "transformer_steps", "transformer_lr", "batch_size", "max_train_images"),
-    "adapter": ("seed", "adapter_steps", "adapter_lr", "batch_size", "max_train_images"),
+    "transformer": (
+        "seed", "transformer_steps", "transformer_lr", "batch_size", "max_train_images",
+        "transformer_class_free_drop",
+    ),
+    "adapter": (
+        "seed", "adapter_steps", "adapter_lr", "batch_size", "max_train_images", "adapter_transformer_lr",
+    ),
     FINAL: (),
-}
+}  # fmt: skip
 """The config fields each stage's result depends on (besides the stages it is trained on)."""
 
 VARIANT_SETTINGS_OF = {
-    "transformer": ("transformer_class_free_drop", "transformer_double_blocks"),
-    "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment", "adapter_transformer_lr"),
+    "transformer": ("transformer_double_blocks",),
+    "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment"),
 }
-"""Fields added after the shipped weights were trained: a stage's record holds one only when it
-differs from its default, so a default run writes the shipped ``stage.json`` records unchanged and a
-variant's stage is never mistaken for the default's (:func:`settings_of`)."""
+"""Fields of the variants tried (model card): a stage's record holds one only when it differs from
+its default, so a default run writes the shipped ``stage.json`` records unchanged and a variant's
+stage is never mistaken for the default's (:func:`settings_of`)."""
 
 
 def settings_of(config: FluxTrainingConfig) -> dict[str, tuple[str, ...]]:
