@@ -309,6 +309,8 @@ def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_
     assert record["settings"]["adapter_transformer_lr"] == FluxTrainingConfig().adapter_transformer_lr > 0
     tuned = load_file(joint / "stages" / "adapter" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert tuned.keys() == stage1.keys()  # the transformer's own weights, no adapter layers
+    config = (joint / "stages" / "adapter" / "transformer" / "config.json").read_text()
+    assert config == (joint / "stages" / "transformer" / "config.json").read_text()  # no run path in it
     assert all(not torch.equal(tuned[key], stage1[key]) for key in stage1)
     folder = load_file(joint / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(folder[key], tuned[key].half()) for key in tuned)

@@ -347,7 +347,9 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             path / flux_model.ADAPTER_WEIGHT_NAME,
         )
         if config.adapter_transformer_lr > 0:  # the fine-tuned transformer, without the adapter's layers
-            tuned = FluxTransformer2DModel.from_pretrained(transformer_dir)
+            # built from stage 1's config file, not from_pretrained: its config would record the run's
+            # path (_name_or_path), and the stage's files would then depend on where the run is
+            tuned = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(transformer_dir))
             state = pipe.transformer.state_dict()
             tuned.load_state_dict({key: state[key] for key in tuned.state_dict()})
             tuned.save_pretrained(path / "transformer", safe_serialization=True)
