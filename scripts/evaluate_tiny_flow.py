@@ -187,11 +187,15 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
     log = json.loads((run_dir / "stages" / "log.json").read_text())
     config = log["config"]
     rows = list(STAGE_TABLE_HEADER)
+    joint = config.get("adapter_transformer_lr", 0.0)  # absent from the logs of earlier runs
     for key, name, objective, steps_key, lr_key in STAGES:
         entry = log[key]
+        lr = f"{config[lr_key]:g}"
+        if key == "adapter" and joint > 0:  # stage 2 trained the transformer too
+            name, lr = "IP-Adapter and transformer (stage 2)", f"{lr} (transformer {joint:g})"
         rows.append(
             f"| {key} | {name} | {objective} "
-            f"| {config[steps_key]} x {config['batch_size']}, {config[lr_key]:g} "
+            f"| {config[steps_key]} x {config['batch_size']}, {lr} "
             f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f} |"
         )
     rows.append(total_line(log, [key for key, *_ in STAGES]))
