@@ -160,24 +160,37 @@ def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | N
     )
 
 
-STAGES = (
-    (
-        "transformer",
-        "transformer (stage 1)",
-        "train latents; rectified-flow MSE to eps - z0, s ~ logit-normal; "
-        "captions (pooled CLIP + T5), 15% empty prompt",
-        "transformer_steps",
-        "transformer_lr",
-    ),
-    (
-        "adapter",
-        "IP-Adapter only (stage 2)",
-        "support sets of m = 1..4 other train images of the target's class "
-        "(m per step), class-free prompt, 5% black-image drop; same loss",
-        "adapter_steps",
-        "adapter_lr",
-    ),
-)
+STAGE_KEYS = ("transformer", "adapter")
+
+
+def stage_rows(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Per stage of the training record ``config``: (stage, what is trained, data and objective,
+    "steps x batch, lr"), the text following the settings (the caption drop of stage 1, the
+    transformer trained with the adapter in stage 2)."""
+    drop = (
+        '15% dropped, each to "", "a photograph" or "a handwritten digit"'
+        if config.get("transformer_class_free_drop")
+        else "15% empty prompt"
+    )
+    joint = float(config.get("adapter_transformer_lr") or 0.0)
+    batch = config["batch_size"]
+    adapter_lr = f"{config['adapter_lr']:g}" + (f" (transformer {joint:g})" if joint else "")
+    return [
+        (
+            "transformer",
+            "transformer (stage 1)",
+            "train latents; rectified-flow MSE to eps - z0, s ~ logit-normal; "
+            f"captions (pooled CLIP + T5), {drop}",
+            f"{config['transformer_steps']} x {batch}, {config['transformer_lr']:g}",
+        ),
+        (
+            "adapter",
+            "IP-Adapter and transformer (stage 2)" if joint else "IP-Adapter only (stage 2)",
+            "support sets of m = 1..4 other train images of the target's class "
+            "(m per step), class-free prompt, 5% black-image drop; same loss",
+            f"{config['adapter_steps']} x {batch}, {adapter_lr}",
+        ),
+    ]
 
 
 def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
@@ -187,14 +200,13 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
     log = json.loads((run_dir / "stages" / "log.json").read_text())
     config = log["config"]
     rows = list(STAGE_TABLE_HEADER)
-    for key, name, objective, steps_key, lr_key in STAGES:
+    for key, name, objective, steps in stage_rows(config):
         entry = log[key]
         rows.append(
-            f"| {key} | {name} | {objective} "
-            f"| {config[steps_key]} x {config['batch_size']}, {config[lr_key]:g} "
+            f"| {key} | {name} | {objective} | {steps} "
             f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f} |"
         )
-    rows.append(total_line(log, [key for key, *_ in STAGES]))
+    rows.append(total_line(log, list(STAGE_KEYS)))
     return "\n".join(rows), file_table(model_dir, model_dir / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
 
 

@@ -2,8 +2,10 @@
 
     $ python scripts/train_tiny_flow.py --out runs/tiny_flux            # the shipped weights (seed 0)
     $ python scripts/train_tiny_flow.py --out /tmp/smoke --quick        # every stage for 2 steps (CI)
-    $ python scripts/train_tiny_flow.py --out runs/neutral --class-free-drop   # a variant (model card)
-    $ python scripts/train_tiny_flow.py --out runs/n --class-free-drop --embed-noise 0.2 --adapter-steps 5000
+    $ python scripts/train_tiny_flow.py --out runs/a --adapter-transformer-lr 0   # stage 2: the adapter alone
+    $ python scripts/train_tiny_flow.py --out runs/f --no-class-free-drop --adapter-transformer-lr 0 \
+          --adapter-steps 2500                             # the first shipped weights' recipe (model card)
+    $ python scripts/train_tiny_flow.py --out runs/n --embed-noise 0.2   # a variant
 
 Writes ``OUT/stages/{parts,transformer,adapter}`` (resumable, each with its ``stage.json``) and the
 model folder ``OUT/tiny_flux_digits`` (the layout shipped in
@@ -54,6 +56,7 @@ OPTION_SETTINGS = {
     "shift_augment": "shift_augment",
     "adapter_steps": "adapter_steps",
     "adapter_lr": "adapter_lr",
+    "adapter_transformer_lr": "adapter_transformer_lr",
 }
 
 
@@ -61,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = training_parser(__doc__.splitlines()[0], "tiny_flux_digits", "steps of both trained stages")
     parser.add_argument(
         "--class-free-drop",
-        action="store_true",
-        help='stage 1: a dropped caption becomes "", "a photograph" or "a handwritten digit" (default: "")',
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help='stage 1: a dropped caption becomes "", "a photograph" or "a handwritten digit" (default); '
+        '--no-class-free-drop: "" only',
     )
     parser.add_argument(
         "--double-blocks",
@@ -98,10 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         "(default 0)",
     )
     parser.add_argument(
-        "--adapter-steps", type=_positive_int, default=None, help="stage 2's steps only (default 2500)"
+        "--adapter-steps", type=_positive_int, default=None, help="stage 2's steps only (default 5000)"
     )
     parser.add_argument(
         "--adapter-lr", type=_positive, default=None, help="stage 2's peak learning rate (default 0.005)"
+    )
+    parser.add_argument(
+        "--adapter-transformer-lr",
+        type=_non_negative,
+        default=None,
+        help="stage 2: train the transformer with the adapter, at this peak learning rate "
+        "(default 0.001; 0: frozen, the adapter alone)",
     )
     args = parser.parse_args(argv)
     from nw_adapter.models.training.flux_run import FluxTrainingConfig, run_flux_training
@@ -109,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     config = FluxTrainingConfig.quick(args.seed) if args.quick else FluxTrainingConfig(seed=args.seed)
     if args.steps is not None:
         config = replace(config, transformer_steps=args.steps, adapter_steps=args.steps)
-    if args.class_free_drop:
-        config = replace(config, transformer_class_free_drop=True)
+    if args.class_free_drop is not None:
+        config = replace(config, transformer_class_free_drop=args.class_free_drop)
     for option, setting in OPTION_SETTINGS.items():  # the options given, each to its setting
         if getattr(args, option) is not None:
             config = replace(config, **{setting: getattr(args, option)})

@@ -250,10 +250,12 @@ def format_document(document: dict) -> str:
 
     config = document["config"]
     count = len(document["images"])
+    true_cfg = config.get("true_cfg_scale") or 1.0  # > 1 only where Flux's true CFG guided the calls
+    guidance = f"true CFG {true_cfg:g}" if true_cfg > 1 else f"guidance {config['guidance_scale']:g}"
     lines = [
         f"swap consequence: stock vs the exact NW head in every IP-Adapter layer, {count} reference "
         f"image(s), {config['model']['model']}, {config['steps']} steps "
-        f"({config.get('scheduler_class', 'scheduler')}), guidance {config['guidance_scale']:g}, "
+        f"({config.get('scheduler_class', 'scheduler')}), {guidance}, "
         f"seed {config['seed']} (reference i: seed + i)",
         comparison_of(document).table(),
     ]

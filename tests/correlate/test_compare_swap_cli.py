@@ -23,7 +23,7 @@ from PIL import Image
 import nw_adapter.analysis.consequence as consequence
 from nw_adapter import load_tiny_digits, tiny_digit_image
 from nw_adapter.correlate.cli import main
-from nw_adapter.correlate.swap_files import CSV_NAME, JSON_NAME, SCHEMA, comparison_of
+from nw_adapter.correlate.swap_files import CSV_NAME, JSON_NAME, SCHEMA, comparison_of, format_document
 from nw_adapter.correlate.sweep import content_digest
 from nw_adapter.models.digits_quality import digit_judge
 from nw_adapter.models.tiny_digits import example_image_path
@@ -98,6 +98,17 @@ def test_printed_table_has_bounded_intervals_units_a_legend_and_a_conclusion(fin
         for column, (low, high) in consequence.RANGES.items():
             assert low <= row[f"{column}_low"] <= row[f"{column}_high"] <= high, column
         assert row["change_vs_seed"] in {"less", "more", "unclear"}
+
+
+def test_the_context_line_names_the_guidance_that_guided_the_calls(finished):
+    """SD's guidance scale, or Flux's true CFG where it guided the calls (its guidance_scale then
+    guides nothing in a transformer without a guidance embedding)."""
+    document = json.loads((finished["out"] / JSON_NAME).read_text())
+    first = format_document(document).splitlines()[0]
+    assert ", guidance 7.5, " in first and "true CFG" not in first  # the run's defaults, true CFG 1
+    document["config"]["true_cfg_scale"] = 5.0
+    first = format_document(document).splitlines()[0]
+    assert ", true CFG 5, " in first and "guidance 7.5" not in first
 
 
 def test_json_values_equal_the_functions(finished, direct):

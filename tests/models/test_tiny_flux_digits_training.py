@@ -106,9 +106,11 @@ def test_default_records_are_the_shipped_ones_and_variants_are_recorded_and_refu
     default = settings_of(FluxTrainingConfig())
     for stage in ("transformer", "adapter"):
         assert tuple(shipped[stage]["record"]["settings"]) == default[stage]
-    variant = settings_of(replace(FluxTrainingConfig(), transformer_class_free_drop=True, single_share=0.5))
-    assert variant["transformer"][-1] == "transformer_class_free_drop"
+    variant = settings_of(replace(FluxTrainingConfig(), transformer_double_blocks=3, single_share=0.5))
+    assert variant["transformer"][-1] == "transformer_double_blocks"
     assert variant["adapter"][-1] == "single_share" and "image_dropout" not in variant["adapter"]
+    assert "transformer_class_free_drop" in default["transformer"]  # the shipped recipe: always recorded
+    assert "adapter_transformer_lr" in default["adapter"]
 
     run = _copy(quick_run, tmp_path)
     with pytest.raises(
@@ -116,7 +118,7 @@ def test_default_records_are_the_shipped_ones_and_variants_are_recorded_and_refu
     ):
         run_flux_training(run, replace(QUICK, image_dropout=0.1), progress=False)
     with pytest.raises(StageMismatchError, match=r"stages/transformer.*transformer_class_free_drop"):
-        run_flux_training(run, replace(QUICK, transformer_class_free_drop=True), progress=False)
+        run_flux_training(run, replace(QUICK, transformer_class_free_drop=False), progress=False)
     for folder in ("adapter", "tiny_flux_digits"):
         shutil.rmtree(run / "stages" / folder if folder == "adapter" else run / folder)
     run_flux_training(run, replace(QUICK, single_share=1.0, adapter_steps=3), progress=False)
@@ -203,7 +205,9 @@ def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
     """The script's stage-2 options retrain the adapter only (the transformer stage is reused), are
     recorded in the adapter's stage.json, and give other adapter weights than the run without them."""
     run = _copy(single_run, tmp_path)
-    transformer = {path: time for path, time in _weights(run).items() if "transformer" in path.parts}
+    transformer = {
+        path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()
+    }
     baseline = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
@@ -218,19 +222,22 @@ def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
     assert any(not torch.equal(trained[key], baseline[key]) for key in baseline)
 
 
-def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refused():
-    """Noise on the embeddings, or several views of each, change the losses of the same seeded run;
-    one view without noise is the plain ``(N, 32)`` run bit for bit."""
+def _train_adapter(image_embeds: torch.Tensor, **options):
+    """Two seeded stage-2 steps on a random untrained transformer (12 targets of 2 classes).
+
+    Returns:
+        ``(losses, before, after)``: the losses and the transformer's own weights (the adapter's left
+        out) before and after training.
+    """
     from diffusers import FluxTransformer2DModel
 
     from nw_adapter.models.training.flux import FluxBatchInputs, load_adapter_for_training, train_flux_adapter
 
     torch.manual_seed(0)
-    n = 12
-    labels = torch.arange(n) % 2
-    embeds = torch.randn(n, 32)
+    n = len(image_embeds)
     transformer = tiny_flux_digits.build_transformer()
     state = tiny_flux_digits.initial_adapter_state_dict(transformer, seed=1)
+    before = {key: value.clone() for key, value in transformer.state_dict().items()}
 
     class _Pipe:  # what load_adapter_for_training uses of a FluxPipeline
         def __init__(self, model) -> None:
@@ -239,34 +246,108 @@ def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refu
         def load_ip_adapter(self, nested, **_) -> None:
             self.transformer._load_ip_adapter_weights([nested], low_cpu_mem_usage=False)
 
-    def losses(image_embeds, **options) -> list[float]:
-        model = FluxTransformer2DModel.from_config(transformer.config)
-        model.load_state_dict(transformer.state_dict())
-        parameters = load_adapter_for_training(_Pipe(model), state)
-        return train_flux_adapter(
-            model,
-            parameters,
-            torch.randn(n, 16, 16, generator=torch.Generator().manual_seed(2)),
-            image_embeds,
-            torch.zeros(32),
-            labels,
-            torch.zeros(1, tiny_flux_digits.TEXT_TOKENS, 32),
-            torch.zeros(1, 32),
-            FluxBatchInputs(torch.zeros(16, 3), torch.zeros(tiny_flux_digits.TEXT_TOKENS, 3)),
-            steps=2,
-            batch_size=4,
-            lr=1e-2,
-            seed=3,
-            progress=False,
-            **options,
-        )[0]
+    model = FluxTransformer2DModel.from_config(transformer.config)
+    model.load_state_dict(transformer.state_dict())
+    parameters = load_adapter_for_training(_Pipe(model), state)
+    losses = train_flux_adapter(
+        model,
+        parameters,
+        torch.randn(n, 16, 16, generator=torch.Generator().manual_seed(2)),
+        image_embeds,
+        torch.zeros(32),
+        torch.arange(n) % 2,
+        torch.zeros(1, tiny_flux_digits.TEXT_TOKENS, 32),
+        torch.zeros(1, 32),
+        FluxBatchInputs(torch.zeros(16, 3), torch.zeros(tiny_flux_digits.TEXT_TOKENS, 3)),
+        steps=2,
+        batch_size=4,
+        lr=1e-2,
+        seed=3,
+        progress=False,
+        **options,
+    )[0]
+    after = model.state_dict()
+    return losses, before, {key: after[key] for key in before}
 
-    plain = losses(embeds)
-    assert losses(embeds[:, None]) == plain
-    assert losses(embeds, embed_noise=0.5) != plain
-    assert losses(torch.stack([embeds, -embeds], dim=1)) != plain
+
+def test_embed_noise_and_views_change_the_adapter_training_and_bad_noise_is_refused():
+    """Noise on the embeddings, or several views of each, change the losses of the same seeded run;
+    one view without noise is the plain ``(N, 32)`` run bit for bit."""
+    embeds = torch.randn(12, 32, generator=torch.Generator().manual_seed(4))
+    plain = _train_adapter(embeds)[0]
+    assert _train_adapter(embeds[:, None])[0] == plain
+    assert _train_adapter(embeds, embed_noise=0.5)[0] != plain
+    assert _train_adapter(torch.stack([embeds, -embeds], dim=1))[0] != plain
     with pytest.raises(ValueError, match="embed_noise must be >= 0, got -0.1"):
-        losses(embeds, embed_noise=-0.1)
+        _train_adapter(embeds, embed_noise=-0.1)
+
+
+def test_transformer_lr_trains_the_transformer_with_the_adapter_and_zero_leaves_it_bit_identical():
+    embeds = torch.randn(12, 32, generator=torch.Generator().manual_seed(4))
+    plain, before, after = _train_adapter(embeds)
+    assert all(torch.equal(after[key], before[key]) for key in before)  # frozen: bit for bit
+    assert _train_adapter(embeds, transformer_lr=0.0)[0] == plain
+    joint, before, after = _train_adapter(embeds, transformer_lr=1e-3)
+    assert joint[0] == plain[0] and joint[1] != plain[1]  # the same first batch, then another model
+    unchanged = {key for key in before if torch.equal(after[key], before[key])}
+    # every transformer tensor is trained but the weights that read the text, all zeros here
+    assert unchanged == {"context_embedder.weight", "time_text_embed.text_embedder.linear_1.weight"}
+    with pytest.raises(ValueError, match="transformer_lr must be >= 0, got -0.1"):
+        _train_adapter(embeds, transformer_lr=-0.1)
+
+
+def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_folder_holds_it(
+    single_run, tmp_path
+):
+    """A default run (the shipped recipe) trains the transformer with the adapter: the adapter stage
+    records the learning rate, writes the tuned transformer beside the adapter (every tensor changed)
+    and the model folder holds it; ``--adapter-transformer-lr 0`` retrains the adapter stage alone and
+    keeps the stage-1 transformer bit for bit; each refuses the other's adapter stage."""
+    joint = _copy(single_run, tmp_path / "joint")
+    stage1 = load_file(joint / "stages" / "transformer" / "diffusion_pytorch_model.safetensors")
+    record = json.loads((joint / "stages" / "adapter" / "stage.json").read_text())
+    assert record["settings"]["adapter_transformer_lr"] == FluxTrainingConfig().adapter_transformer_lr > 0
+    tuned = load_file(joint / "stages" / "adapter" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert tuned.keys() == stage1.keys()  # the transformer's own weights, no adapter layers
+    config = (joint / "stages" / "adapter" / "transformer" / "config.json").read_text()
+    assert config == (joint / "stages" / "transformer" / "config.json").read_text()  # no run path in it
+    assert all(not torch.equal(tuned[key], stage1[key]) for key in stage1)
+    folder = load_file(joint / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(folder[key], tuned[key].half()) for key in tuned)
+    with pytest.raises(
+        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 0.001 on disk, 0.0 asked"
+    ):
+        run_flux_training(joint, replace(QUICK, single_share=1.0, adapter_transformer_lr=0.0), progress=False)
+
+    run = _copy(single_run, tmp_path / "frozen")
+    transformer = {
+        path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()
+    }
+    shutil.rmtree(run / "stages" / "adapter")
+    shutil.rmtree(run / "tiny_flux_digits")
+    result = run_script(
+        "train_tiny_flow.py",
+        "--out",
+        str(run),
+        "--quick",
+        "--no-progress",
+        "--single-share",
+        "1",
+        "--adapter-transformer-lr",
+        "0",
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
+    assert record["settings"]["adapter_transformer_lr"] == 0.0
+    assert {path: time for path, time in _weights(run).items() if path in transformer} == transformer
+    assert not (run / "stages" / "adapter" / "transformer").exists()
+    folder = load_file(run / "tiny_flux_digits" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert folder.keys() == stage1.keys()
+    assert all(torch.equal(folder[key], stage1[key].half()) for key in stage1)
+    with pytest.raises(
+        StageMismatchError, match=r"stages/adapter.*adapter_transformer_lr: 0.0 on disk, 0.001 asked"
+    ):
+        run_flux_training(run, replace(QUICK, single_share=1.0), progress=False)
 
 
 def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_layer_pair_per_block(
@@ -300,3 +381,31 @@ def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_lay
     assert len(pipe.transformer.transformer_blocks) == 3
     with pytest.raises(ValueError, match="double_blocks must be >= 1, got 0"):
         tiny_flux_digits.build_transformer(0)
+
+
+def test_the_cards_stage_table_says_what_each_stage_trained():
+    """The model card's stage table follows the training record: stage 1's caption drop, and whether
+    stage 2 trained the transformer with the adapter (and at which learning rate)."""
+    import importlib.util
+    from dataclasses import asdict
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "evaluate_tiny_flow.py"
+    spec = importlib.util.spec_from_file_location("evaluate_tiny_flow", path)
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+
+    stage1, stage2 = evaluate.stage_rows(asdict(FluxTrainingConfig()))  # the shipped recipe
+    assert '"a photograph"' in stage1[2] and stage1[3] == "2500 x 32, 0.001"
+    assert (
+        stage2[1] == "IP-Adapter and transformer (stage 2)"
+        and stage2[3] == "5000 x 32, 0.005 (transformer 0.001)"
+    )
+    first = replace(
+        FluxTrainingConfig(),
+        transformer_class_free_drop=False,
+        adapter_transformer_lr=0.0,
+        adapter_steps=2500,
+    )
+    stage1, stage2 = evaluate.stage_rows(asdict(first))  # the first shipped weights' recipe
+    assert stage1[2].endswith("15% empty prompt") and '"a photograph"' not in stage1[2]
+    assert stage2[1] == "IP-Adapter only (stage 2)" and stage2[3] == "2500 x 32, 0.005"

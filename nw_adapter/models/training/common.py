@@ -13,7 +13,7 @@ CAPTION_DROPOUT = 0.15
 
 
 def train_loop(
-    parameters: Iterable[torch.nn.Parameter],
+    parameters: Iterable[torch.nn.Parameter] | Iterable[dict],
     loss_fn: Callable[[int], torch.Tensor],
     *,
     steps: int,
@@ -25,7 +25,9 @@ def train_loop(
     """Minimise ``loss_fn(step)`` with AdamW and a cosine learning-rate decay.
 
     Args:
-        parameters: The trained parameters (all others must be frozen by the caller).
+        parameters: The trained parameters (all others must be frozen by the caller), or torch's
+            parameter groups (dicts with ``"params"`` and an optional own ``"lr"``, the peak of that
+            group; the schedule scales every group alike; gradients are clipped over all of them).
         loss_fn: Builds the scalar loss of one step from its index (it samples its own batch).
         steps: Number of optimiser steps.
         lr: Peak learning rate (100 warm-up steps at most, then cosine decay to 0).
@@ -40,6 +42,8 @@ def train_loop(
 
     parameters = list(parameters)
     optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+    if parameters and isinstance(parameters[0], dict):  # parameter groups: clip over their union
+        parameters = [parameter for group in parameters for parameter in group["params"]]
     warmup = min(100, max(steps // 10, 1))
 
     def schedule(step: int) -> float:

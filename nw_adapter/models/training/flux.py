@@ -11,8 +11,9 @@ receives ``timestep = s`` as ``FluxPipeline`` passes it, and ``FlowMatchEulerDis
 integrates ``dz/ds = v`` at sampling time.
 
 Stage 1 trains the transformer on captions that name the digit (15% replaced by ``""``), through
-the frozen CLIP text encoder's pooled output and the frozen T5's states. Stage 2 trains only the
-adapter (image projection and every double block's ``to_k_ip`` / ``to_v_ip``) on *support sets*:
+the frozen CLIP text encoder's pooled output and the frozen T5's states. Stage 2 trains the
+adapter (image projection and every double block's ``to_k_ip`` / ``to_v_ip``; optionally the
+transformer with it, at its own learning rate) on *support sets*:
 each step draws a support size ``m`` from 1..4 and, for every target, ``m`` other training images
 of its class; their embeddings go in as one adapter's ``(batch, m, 32)`` image embeds, the
 list-per-adapter convention of diffusers, so the keys are ``m x 4`` image tokens.
@@ -261,11 +262,12 @@ def train_flux_adapter(
     image_dropout: float = IMAGE_DROPOUT,
     single_share: float | None = None,
     embed_noise: float = 0.0,
+    transformer_lr: float = 0.0,
 ) -> tuple[list[float], list[int]]:
-    """Stage 2: train only the adapter on (support set, target) pairs of one class.
+    """Stage 2: train the adapter (alone or with the transformer) on one class's (support set, target) pairs.
 
     Args:
-        transformer: The frozen stage-1 transformer with the adapter loaded.
+        transformer: The stage-1 transformer with the adapter loaded (frozen unless ``transformer_lr``).
         parameters: The adapter's parameters (:func:`load_adapter_for_training`).
         latents: ``(N, 16, 16)`` packed latents of the training images (targets).
         image_embeds: ``(N, 32)`` frozen image-encoder embeddings of the same images (references),
@@ -284,12 +286,25 @@ def train_flux_adapter(
         embed_noise: Standard deviation of Gaussian noise added to every reference embedding, as a
             multiple of the embeddings' per-dimension standard deviation over ``image_embeds``
             (0: none); a dropped support's black embedding gets none.
+        transformer_lr: 0: the transformer stays frozen; otherwise every transformer parameter
+            outside the adapter is trained too, as a second AdamW group with this peak learning rate
+            (same schedule; gradients clipped over both groups): full weights, where h94's
+            IP-Adapter-FaceID trains a LoRA of the base model with its adapter. Changed in place.
 
     Returns:
         ``(losses, sizes)``: the per-step loss and support size ``m``.
     """
     if embed_noise < 0:
         raise ValueError(f"embed_noise must be >= 0, got {embed_noise}")
+    if transformer_lr < 0:
+        raise ValueError(f"transformer_lr must be >= 0, got {transformer_lr}")
+    trained: list[torch.nn.Parameter] | list[dict] = parameters
+    if transformer_lr > 0:
+        adapter = {id(parameter) for parameter in parameters}
+        base = [parameter for parameter in transformer.parameters() if id(parameter) not in adapter]
+        for parameter in base:
+            parameter.requires_grad_(True)
+        trained = [{"params": list(parameters)}, {"params": base, "lr": transformer_lr}]
     views = image_embeds if image_embeds.ndim == 3 else image_embeds[:, None]  # (N, V, 32)
     noise_std = embed_noise * views.flatten(0, 1).std(dim=0)  # (32,)
     generator = torch.Generator().manual_seed(seed)
@@ -331,7 +346,7 @@ def train_flux_adapter(
 
     transformer.train()
     losses = train_loop(
-        parameters, loss_fn, steps=steps, lr=lr, description="adapter (stage 2)", progress=progress
+        trained, loss_fn, steps=steps, lr=lr, description="adapter (stage 2)", progress=progress
     )
     transformer.eval()
     return losses, sizes

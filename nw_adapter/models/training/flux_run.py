@@ -5,7 +5,9 @@
     out/stages/parts/         the reused frozen parts (VAE, CLIP text and image encoders, from the
                               shipped tiny SD 1.5 digits model) and the random frozen T5
     out/stages/transformer/   stage 1 (float32)
-    out/stages/adapter/       stage 2: ip_adapter.safetensors (float32, XLabs keys)
+    out/stages/adapter/       stage 2: ip_adapter.safetensors (float32, XLabs keys); with
+                              adapter_transformer_lr > 0 also transformer/, the transformer
+                              trained with it (float32), which the model folder then holds
     out/stages/log.json       losses and wall-clock time of each stage
     out/tiny_flux_digits/     the model folder, as shipped
 
@@ -55,14 +57,15 @@ class FluxTrainingConfig:
     seed: int = 0
     transformer_steps: int = 2500
     transformer_lr: float = 1e-3
-    adapter_steps: int = 2500
+    adapter_steps: int = 5000
     adapter_lr: float = 5e-3
     batch_size: int = 32
     threads: int = 1
     max_train_images: int | None = None
-    transformer_class_free_drop: bool = False
+    transformer_class_free_drop: bool = True
     """Stage 1: a dropped caption becomes one of :data:`STAGE2_PROMPTS` (drawn uniformly), not only
-    ``""``, so the class-free prompts mean "any digit" to the transformer (off for the shipped weights)."""
+    ``""``, so the class-free prompts mean "any digit" to the transformer (False: ``""`` only, as the
+    first shipped weights were trained)."""
     transformer_double_blocks: int = 2
     """Stage 1: double-stream blocks of the transformer (each gets the adapter's ``to_k_ip`` /
     ``to_v_ip``; :func:`~nw_adapter.models.tiny_flux_digits.build_transformer`)."""
@@ -77,6 +80,12 @@ class FluxTrainingConfig:
     """Stage 2: each reference is one of its image's translations by up to this many pixels in x and
     y (drawn per reference and step; :func:`~nw_adapter.models.training.flux.shifted_images`),
     encoded by the frozen image encoder (0: the image itself)."""
+    adapter_transformer_lr: float = 1e-3
+    """Stage 2: the transformer is trained with the adapter, as a second AdamW group at this peak
+    learning rate (the adapter keeps ``adapter_lr``), saved in the adapter stage's ``transformer/``
+    and assembled into the model folder in place of stage 1's; 0 keeps the stage-1 transformer
+    frozen (the adapter alone is trained, as h94's IP-Adapter training does and as the first shipped
+    weights were trained)."""
 
     @classmethod
     def quick(cls, seed: int = 0) -> FluxTrainingConfig:
@@ -86,19 +95,24 @@ class FluxTrainingConfig:
 
 SETTINGS_OF = {
     "parts": ("seed",),
-    "transformer": ("seed", "transformer_steps", "transformer_lr", "batch_size", "max_train_images"),
-    "adapter": ("seed", "adapter_steps", "adapter_lr", "batch_size", "max_train_images"),
+    "transformer": (
+        "seed", "transformer_steps", "transformer_lr", "batch_size", "max_train_images",
+        "transformer_class_free_drop",
+    ),
+    "adapter": (
+        "seed", "adapter_steps", "adapter_lr", "batch_size", "max_train_images", "adapter_transformer_lr",
+    ),
     FINAL: (),
-}
+}  # fmt: skip
 """The config fields each stage's result depends on (besides the stages it is trained on)."""
 
 VARIANT_SETTINGS_OF = {
-    "transformer": ("transformer_class_free_drop", "transformer_double_blocks"),
+    "transformer": ("transformer_double_blocks",),
     "adapter": ("image_dropout", "single_share", "embed_noise", "shift_augment"),
 }
-"""Fields added after the shipped weights were trained: a stage's record holds one only when it
-differs from its default, so a default run writes the shipped ``stage.json`` records unchanged and a
-variant's stage is never mistaken for the default's (:func:`settings_of`)."""
+"""Fields of the variants tried (model card): a stage's record holds one only when it differs from
+its default, so a default run writes the shipped ``stage.json`` records unchanged and a variant's
+stage is never mistaken for the default's (:func:`settings_of`)."""
 
 
 def settings_of(config: FluxTrainingConfig) -> dict[str, tuple[str, ...]]:
@@ -325,12 +339,20 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
             image_dropout=config.image_dropout,
             single_share=config.single_share,
             embed_noise=config.embed_noise,
+            transformer_lr=config.adapter_transformer_lr,
         )
         path.mkdir(parents=True)
         save_file(
             flux_model.adapter_state_dict_from_transformer(pipe.transformer),
             path / flux_model.ADAPTER_WEIGHT_NAME,
         )
+        if config.adapter_transformer_lr > 0:  # the fine-tuned transformer, without the adapter's layers
+            # built from stage 1's config file, not from_pretrained: its config would record the run's
+            # path (_name_or_path), and the stage's files would then depend on where the run is
+            tuned = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(transformer_dir))
+            state = pipe.transformer.state_dict()
+            tuned.load_state_dict({key: state[key] for key in tuned.state_dict()})
+            tuned.save_pretrained(path / "transformer", safe_serialization=True)
         record("adapter", started, losses, support_sizes={m: sizes.count(m) for m in sorted(set(sizes))})
 
     adapter_dir = stage("adapter", adapter_stage)
@@ -339,7 +361,8 @@ def _run(out: Path, config: FluxTrainingConfig, *, progress: bool) -> Path:
         # float16 for the diffusers models (diffusers loads them as float32 unless told otherwise);
         # the transformers encoders stay float32 (transformers 5 would load float16 as float16).
         # Fresh tokenizers: a used one saves its last padding / truncation state.
-        pipe = _pipeline(parts, FluxTransformer2DModel.from_pretrained(transformer_dir), image_encoder=False)
+        tuned = adapter_dir / "transformer" if config.adapter_transformer_lr > 0 else transformer_dir
+        pipe = _pipeline(parts, FluxTransformer2DModel.from_pretrained(tuned), image_encoder=False)
         pipe.transformer.to(torch.float16)
         pipe.vae.to(torch.float16)
         pipe.save_pretrained(path, safe_serialization=True)
