@@ -38,6 +38,13 @@ def _weights(run: Path) -> dict[Path, int]:
     return {path: path.stat().st_mtime_ns for path in (run / "stages").rglob("*.safetensors")}
 
 
+def _train_quick(run: Path, *flags: str):
+    """``train_tiny_flow.py --quick`` into ``run`` with m = 1 in every stage-2 step and ``flags``."""
+    return run_script(
+        "train_tiny_flow.py", "--out", str(run), "--quick", "--no-progress", "--single-share", "1", *flags
+    )
+
+
 def test_quick_training_runs_every_stage_and_loads_the_standard_way(quick_run):
     log = json.loads((quick_run / "stages" / "log.json").read_text())
     assert [log[stage]["steps"] for stage in ("transformer", "adapter")] == [2, 2]
@@ -211,9 +218,7 @@ def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
     baseline = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
-    result = run_script(
-        "train_tiny_flow.py", "--out", str(run), "--quick", "--no-progress", "--single-share", "1", *flags
-    )
+    result = _train_quick(run, *flags)
     assert result.returncode == 0, result.stderr
     record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
     assert {key: record["settings"][key] for key in settings} == settings
@@ -325,17 +330,7 @@ def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_
     }
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
-    result = run_script(
-        "train_tiny_flow.py",
-        "--out",
-        str(run),
-        "--quick",
-        "--no-progress",
-        "--single-share",
-        "1",
-        "--adapter-transformer-lr",
-        "0",
-    )
+    result = _train_quick(run, "--adapter-transformer-lr", "0")
     assert result.returncode == 0, result.stderr
     record = json.loads((run / "stages" / "adapter" / "stage.json").read_text())
     assert record["settings"]["adapter_transformer_lr"] == 0.0
@@ -359,17 +354,7 @@ def test_double_blocks_reaches_the_transformer_record_and_the_adapter_gets_a_lay
     for folder in ("transformer", "adapter"):
         shutil.rmtree(run / "stages" / folder)
     shutil.rmtree(run / "tiny_flux_digits")
-    result = run_script(
-        "train_tiny_flow.py",
-        "--out",
-        str(run),
-        "--quick",
-        "--no-progress",
-        "--single-share",
-        "1",
-        "--double-blocks",
-        "3",
-    )
+    result = _train_quick(run, "--double-blocks", "3")
     assert result.returncode == 0, result.stderr
     record = json.loads((run / "stages" / "transformer" / "stage.json").read_text())
     assert record["settings"]["transformer_double_blocks"] == 3
