@@ -10,12 +10,13 @@ timestep density of the SD3 paper, which XLabs' x-flux training scripts use); th
 receives ``timestep = s`` as ``FluxPipeline`` passes it, and ``FlowMatchEulerDiscreteScheduler``
 integrates ``dz/ds = v`` at sampling time.
 
-Stage 1 trains the transformer on captions that name the digit (15% replaced by ``""``), through
-the frozen CLIP text encoder's pooled output and the frozen T5's states. Stage 2 trains the
-adapter (image projection and every double block's ``to_k_ip`` / ``to_v_ip``; optionally the
-transformer with it, at its own learning rate) on *support sets*:
-each step draws a support size ``m`` from 1..4 and, for every target, ``m`` other training images
-of its class; their embeddings go in as one adapter's ``(batch, m, 32)`` image embeds, the
+Stage 1 trains the transformer on captions that name the digit (15% dropped, each replaced by one
+of the null prompts it is given: ``""`` alone, or the class-free prompts of stage 2 as the shipped
+weights' run gives), through the frozen CLIP text encoder's pooled output and the frozen T5's
+states. Stage 2 trains the adapter (image projection and every double block's ``to_k_ip`` /
+``to_v_ip``; the shipped run also the transformer with it, at its own learning rate) on *support
+sets*: each step draws a support size ``m`` from 1..4 and, for every target, ``m`` other training
+images of its class; their embeddings go in as one adapter's ``(batch, m, 32)`` image embeds, the
 list-per-adapter convention of diffusers, so the keys are ``m x 4`` image tokens.
 """
 
