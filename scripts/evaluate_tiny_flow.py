@@ -160,9 +160,6 @@ def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | N
     )
 
 
-STAGE_KEYS = ("transformer", "adapter")
-
-
 def stage_rows(config: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """Per stage of the training record ``config``: (stage, what is trained, data and objective,
     "steps x batch, lr"), the text following the settings (the caption drop of stage 1, the
@@ -199,14 +196,14 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
 
     log = json.loads((run_dir / "stages" / "log.json").read_text())
     config = log["config"]
-    rows = list(STAGE_TABLE_HEADER)
-    for key, name, objective, steps in stage_rows(config):
+    rows, stages = list(STAGE_TABLE_HEADER), stage_rows(config)
+    for key, name, objective, steps in stages:
         entry = log[key]
         rows.append(
             f"| {key} | {name} | {objective} | {steps} "
             f"| {entry['seconds'] / 60:.1f} min | {entry['mean_last_50']:.4f} |"
         )
-    rows.append(total_line(log, list(STAGE_KEYS)))
+    rows.append(total_line(log, [key for key, *_ in stages]))
     return "\n".join(rows), file_table(model_dir, model_dir / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
 
 

@@ -49,6 +49,7 @@ def _positive(text: str) -> float:
 #: The command-line options that set one training setting each (``None``: the default).
 OPTION_SETTINGS = {
     "threads": "threads",
+    "class_free_drop": "transformer_class_free_drop",
     "double_blocks": "transformer_double_blocks",
     "image_dropout": "image_dropout",
     "single_share": "single_share",
@@ -121,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     config = FluxTrainingConfig.quick(args.seed) if args.quick else FluxTrainingConfig(seed=args.seed)
     if args.steps is not None:
         config = replace(config, transformer_steps=args.steps, adapter_steps=args.steps)
-    if args.class_free_drop is not None:
-        config = replace(config, transformer_class_free_drop=args.class_free_drop)
     for option, setting in OPTION_SETTINGS.items():  # the options given, each to its setting
         if getattr(args, option) is not None:
             config = replace(config, **{setting: getattr(args, option)})

@@ -38,6 +38,11 @@ def _weights(run: Path) -> dict[Path, int]:
     return {path: path.stat().st_mtime_ns for path in (run / "stages").rglob("*.safetensors")}
 
 
+def _stage1_weights(run: Path) -> dict[Path, int]:
+    """:func:`_weights` of the transformer stage (stage 1) only."""
+    return {path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()}
+
+
 def _train_quick(run: Path, *flags: str):
     """``train_tiny_flow.py --quick`` into ``run`` with m = 1 in every stage-2 step and ``flags``."""
     return run_script(
@@ -212,9 +217,7 @@ def test_each_stage2_flag_reaches_the_adapter_record_and_changes_the_adapter(
     """The script's stage-2 options retrain the adapter only (the transformer stage is reused), are
     recorded in the adapter's stage.json, and give other adapter weights than the run without them."""
     run = _copy(single_run, tmp_path)
-    transformer = {
-        path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()
-    }
+    transformer = _stage1_weights(run)
     baseline = load_file(run / "stages" / "adapter" / tiny_flux_digits.ADAPTER_WEIGHT_NAME)
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
@@ -325,9 +328,7 @@ def test_adapter_transformer_lr_is_recorded_saves_the_tuned_transformer_and_the_
         run_flux_training(joint, replace(QUICK, single_share=1.0, adapter_transformer_lr=0.0), progress=False)
 
     run = _copy(single_run, tmp_path / "frozen")
-    transformer = {
-        path: time for path, time in _weights(run).items() if "stages/transformer" in path.as_posix()
-    }
+    transformer = _stage1_weights(run)
     shutil.rmtree(run / "stages" / "adapter")
     shutil.rmtree(run / "tiny_flux_digits")
     result = _train_quick(run, "--adapter-transformer-lr", "0")
