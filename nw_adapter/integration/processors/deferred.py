@@ -74,8 +74,11 @@ class Capture:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.q, self.k, *self.control_keys)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        q, k = self.q, self.k
+        size = q.numel() * q.element_size() + k.numel() * k.element_size()
+        if self.control_keys:
+            size += sum(k0.numel() * k0.element_size() for k0 in self.control_keys)
+        return size
 
 
 @dataclass

@@ -23,7 +23,7 @@ row dimension; over a last dimension of 4-16 keys the same CPU ops are several t
    0/1 segment matrix: ``rho = sum rho_r / sum c_r`` per segment (observed, each null) and CFG half.
 3. **Weights** of the observed rows, ``Z [B, H, M, 7, N]`` with rows (a, b, c_A, c_B, l_A,
    l_W, l_AW): the weights, the centred weights ``c = w - 1/M`` (Pearson), the log-weights and
-   ``log(a + b)``. Three grouped products over the keys (:data:`PRODUCT_GROUPS`) give per row
+   ``log(a + b)``. Three products over the keys (:data:`PRODUCT_GROUPS`) give per row
    every inner product the divergences need (KL = a.l_A - a.l_W, JS = (a.l_A + b.l_W - a.l_AW -
    b.l_AW) / 2 + log 2, n_eff = 1 / a.a), and one product with the row-mean matrix averages the
    per-row features ``[B, H, F, N]`` into the statistics (:class:`~.layout.RowMean`). The
@@ -79,11 +79,22 @@ KEY = Columns(("norm", "sq_norm"))
 GRAM = Columns(("aa", "ab", "bb", "aa*bb"))
 #: The rows of Z (pass 3): weights, centred weights, log-weights, ``log(a + b)``.
 Z = Columns(("a", "b", "cA", "cB", "lA", "lW", "lAW"))
-#: The per-row inner products over the keys (pass 3): every product of a left row of Z with a right
-#: row, group by group (one product per group; a few are not read, e.g. ``a.b``).
-PRODUCT_GROUPS = ((("a", "b"), ("lA", "lW", "lAW")), (("a", "b"), ("a", "b")), (("cA", "cB"), ("cA", "cB")))
+#: The per-row inner products over the keys (pass 3), one product per group ``(left, right,
+#: outer)``: with ``outer`` every left row of Z times every right row (``b.lA`` is not read), else
+#: the left and right rows taken pairwise (the squares ``a.a, b.b, cA.cA, cB.cB``, then ``cA.cB``):
+#: the 11 products of 3 groups, where an outer product of the weights with themselves computed 14.
+PRODUCT_GROUPS = (
+    (("a", "b", "cA", "cB"), ("a", "b", "cA", "cB"), False),
+    (("a", "b"), ("lA", "lW", "lAW"), True),
+    (("cA",), ("cB",), False),
+)
 #: The feature names of each group's products, left-major.
-GROUP_NAMES = tuple(tuple(f"{x}.{y}" for x in left for y in right) for left, right in PRODUCT_GROUPS)
+GROUP_NAMES = tuple(
+    tuple(f"{x}.{y}" for x in left for y in right)
+    if outer
+    else tuple(f"{x}.{y}" for x, y in zip(left, right, strict=True))
+    for left, right, outer in PRODUCT_GROUPS
+)
 PRODUCTS = tuple(name for names in GROUP_NAMES for name in names)
 #: Per-row features, stored feature-major ``[B, H, F, N]`` (pass 3).
 ROW = Columns((*PRODUCTS, "1/a.a", "1/b.b", "top1", "q_norm", "qk_std", "qk_var"))
@@ -427,9 +438,11 @@ def _weights_and_row_features(
         w.write(centred, torch.sub, weights, inv_count).mul_(weight)
     top = _first_peak(w, observed)  # [B, H, 2, N]
     w.write(feats[:, :, ROW["top1"]], torch.eq, top[:, :, PAIR["attn"]], top[:, :, PAIR["nw"]])
-    for (left, right), names in zip(PRODUCT_GROUPS, GROUP_NAMES, strict=True):  # sums over the keys, per row
-        x, y = z[:, :, :, Z.slice(*left), None], z[:, :, :, None, Z.slice(*right)]  # [B, H, M, P, Q, N]
-        out = feats[:, :, ROW.slice(*names)].unflatten(2, (len(left), len(right)))
+    for (left, right, outer), names in zip(PRODUCT_GROUPS, GROUP_NAMES, strict=True):  # sums over the keys
+        x, y = z[:, :, :, Z.slice(*left)], z[:, :, :, Z.slice(*right)]  # [B, H, M, P, N], [B, H, M, Q, N]
+        out = feats[:, :, ROW.slice(*names)]  # [B, H, P Q, N] (outer) or [B, H, P, N]
+        if outer:
+            x, y, out = x[:, :, :, :, None], y[:, :, :, None], out.unflatten(2, (len(left), len(right)))
         w.write(out, torch.linalg.vecdot, x, y, dim=2)
     w.write(feats[:, :, ROW.slice("1/a.a", "1/b.b")], torch.reciprocal, feats[:, :, ROW.slice("a.a", "b.b")])
     if valid_keys is None:  # the mean square of the centred row (torch.std over 4-16 keys is slower)
