@@ -32,17 +32,17 @@ EAGER_CASES = list(
         (4, 16),  # keys: pairwise ranks (base adapter) and sorted ranks (Plus)
         (False, True),  # key mask
         (1, 2),  # CFG halves
-        (True, False),  # nulls
+        (NULL_ROWS, ROWS, 0),  # the nulls' rows: a subset, every row (drawn in a random order), none
         ("float", "tensor"),  # bandwidth
         (None, 10),  # the readings' bandwidth fit: all 24 rows (SE 0) or 10 evenly spaced rows
     )
 )
 #: Compiling costs minutes per graph on 2 shared cores: one graph, the options that
 #: tests/integration/test_compile.py does not compile (it has 4 keys, no mask, 2 halves, nulls, 0-d h).
-COMPILED_CASES = [(16, True, 1, False, "tensor", 10)]
+COMPILED_CASES = [(16, True, 1, 0, "tensor", 10)]
 
 
-def _inputs(keys: int, masked: bool, nulls: bool, bandwidth: str, seed: int = 0):
+def _inputs(keys: int, masked: bool, null_rows: int, bandwidth: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(BATCH, HEADS, ROWS, DIM, generator=g) * 1.5
     norms = 1.0 + torch.rand(BATCH, HEADS, keys, 1, generator=g)  # key norms that vary: W differs from A
@@ -52,13 +52,13 @@ def _inputs(keys: int, masked: bool, nulls: bool, bandwidth: str, seed: int = 0)
         valid = torch.rand(BATCH, keys, generator=g) < 0.6
         valid[:, :3] = True
         valid = valid[:, torch.randperm(keys, generator=g)]
-    draws = draw_nulls(q, keys, NULL_ROWS, g) if nulls else None
+    draws = draw_nulls(q, keys, null_rows, g) if null_rows else None
     h = 1.3 if bandwidth == "float" else 0.8 + torch.rand(BATCH, HEADS, generator=g)
     return q, k, valid, draws, h
 
 
-def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows, compile):
-    q, k, valid, draws, h = _inputs(keys, masked, nulls, bandwidth)
+def _assert_equal_to_reference(keys, masked, halves, null_rows, bandwidth, fit_rows, compile):
+    q, k, valid, draws, h = _inputs(keys, masked, null_rows, bandwidth)
     scale = 1 / math.sqrt(DIM)
     got, attn, nw = softmax_statistics(
         q, k, scale=scale, h=h, draws=draws, valid=valid, halves=halves, compile=compile, fit_rows=fit_rows
@@ -81,7 +81,7 @@ def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows,
         torch.testing.assert_close(
             got[i].double(), want[i], rtol=1e-4, atol=2e-5, equal_nan=True, msg=message
         )
-    assert bool(got[STAT_NAMES.index("rho_spread_null")].isnan().all()) != nulls
+    assert bool(got[STAT_NAMES.index("rho_spread_null")].isnan().all()) != bool(null_rows)
     for name in READING_STATS:  # every reading is defined here (3+ valid keys, rows that differ)
         assert bool(got[STAT_NAMES.index(name)].isfinite().all()), name
     se = got[STAT_NAMES.index("h_eff_se")]
@@ -95,17 +95,19 @@ def _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows,
     assert nw.shape == attn.shape
 
 
-CASE_NAMES = ("keys", "masked", "halves", "nulls", "bandwidth", "fit_rows")
+CASE_NAMES = ("keys", "masked", "halves", "null_rows", "bandwidth", "fit_rows")
 
 
 @pytest.mark.parametrize(CASE_NAMES, EAGER_CASES)
-def test_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth, fit_rows):
-    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows, compile=False)
+def test_fast_path_equals_the_reference(keys, masked, halves, null_rows, bandwidth, fit_rows):
+    _assert_equal_to_reference(keys, masked, halves, null_rows, bandwidth, fit_rows, compile=False)
 
 
 @pytest.mark.parametrize(CASE_NAMES, COMPILED_CASES)
-def test_compiled_fast_path_equals_the_reference(keys, masked, halves, nulls, bandwidth, fit_rows, recwarn):
-    _assert_equal_to_reference(keys, masked, halves, nulls, bandwidth, fit_rows, compile=True)
+def test_compiled_fast_path_equals_the_reference(
+    keys, masked, halves, null_rows, bandwidth, fit_rows, recwarn
+):
+    _assert_equal_to_reference(keys, masked, halves, null_rows, bandwidth, fit_rows, compile=True)
     # a fallback to eager (one warning) would test the eager path twice
     assert not [w for w in recwarn if "torch.compile is unavailable" in str(w.message)]
 

@@ -9,16 +9,18 @@ row dimension; over a last dimension of 4-16 keys the same CPU ops are several t
 (measured 1.7-1.9x less CPU time for the whole statistics of the host-cost proxy's largest group,
 ``benchmarks/README.md``).
 
-1. **Pairs** ``P [B, H, M, 2, R]``: for each compared pair of key rankings, the (attention,
-   NW) scores ``(q.k_i, q.k_i - ||k_i||^2 / 2)``; rows: the N observed queries, the n0
-   norm-matched queries ``q' = ||q|| z / ||z||`` (one product of the stacked queries ``[q; q']``
-   with the keys), then a block of n0 rows of the q.k-spread null ``(q.k_i, q.k_i -
-   ||k_pi(i)||^2 / 2)`` and one of the permutation null ``(q.k_pi(i), q.k_i - ||k_i||^2 / 2)``
-   (R = N + 3 n0).
-2. **Ranks** of every row at once (sign sums over the keys), their per-row 2 x 2 Gram matrix,
-   per row ``(rho_r, c_r) = (G_ab / sqrt(G_aa G_bb), 1)`` (``(0, 0)`` for a constant row, left
-   out), summed over the batch rows of each CFG half and one product with a 0/1 segment matrix:
-   ``rho = sum rho_r / sum c_r`` per segment and CFG half.
+1. **Scores** (:class:`Scores`): the pairs ``P [B, H, M, 2, R]``, for each compared pair of key
+   rankings the (attention, NW) scores ``(q.k_i, q.k_i - ||k_i||^2 / 2)`` of the N observed
+   queries and the n0 norm-matched queries ``q' = ||q|| z / ||z||`` (one product of the stacked
+   queries ``[q; q']`` with the keys; R = N + n0), then the q.k-spread null's NW scores
+   ``q_r.k_i - ||k_pi(i)||^2 / 2`` (n0 rows). The spread null's attention scores and both scores
+   of the permutation null ``(q_r.k_pi(i), q_r.k_i - ||k_i||^2 / 2)`` are those of the observed
+   row r, permuted for the latter: their ranks are the observed ranks (permuted), not recomputed.
+2. **Ranks** of every scored row at once (sign sums over the keys), the per-row 2 x 2 Gram
+   matrix of each compared pair (the nulls' from the observed rows' ranks and Gram entries where
+   they are the same), per row ``(rho_r, c_r) = (G_ab / sqrt(G_aa G_bb), 1)`` (``(0, 0)`` for a
+   constant row, left out), summed over the batch rows of each CFG half and one product with a
+   0/1 segment matrix: ``rho = sum rho_r / sum c_r`` per segment (observed, each null) and CFG half.
 3. **Weights** of the observed rows, ``Z [B, H, M, 7, N]`` with rows (a, b, c_A, c_B, l_A,
    l_W, l_AW): the weights, the centred weights ``c = w - 1/M`` (Pearson), the log-weights and
    ``log(a + b)``. Three grouped products over the keys (:data:`PRODUCT_GROUPS`) give per row
@@ -233,13 +235,13 @@ def layer_statistics(
     w = writer()
     k = k.to(torch.float32, memory_format=torch.contiguous_format)
     n = q.shape[2]
-    n0 = 0 if draws is None else draws.rows.shape[0]
     b, nh, m = k.shape[0], k.shape[1], k.shape[2]
     valid_keys = None if valid is None else valid.view(b, 1, m, 1, 1)  # keys-major mask [B, 1, M, 1, 1]
     keys = _key_norms(w, k, valid)
     feats = w.workspace("row features", (b, nh, len(ROW), n), q.device)
-    pairs = _pairs(w, q, k, keys, feats, draws, valid)
-    rho_sums = _pooled_rank_correlations(w, pairs, valid_keys, halves, n, n0)
+    scores = _scores(w, q, k, keys, feats, draws, valid)
+    rho_sums = _pooled_rank_correlations(w, scores, None if valid is None else valid_keys[..., 0], halves, n)
+    pairs = scores.pairs
     z, masked, inv_count = _weights_and_row_features(w, pairs[..., :n], scale, h, valid_keys, feats)
     head = _per_head(w, feats, keys, h)
     if readings:
@@ -269,7 +271,22 @@ def _key_norms(w: EagerWriter, k: torch.Tensor, valid: torch.Tensor | None) -> K
     return KeyNorms(norms[KEY["sq_norm"]], std, mean)
 
 
-def _pairs(
+class Scores(NamedTuple):
+    """Pass 1's scores, keys-major (see :func:`_scores`).
+
+    ``ranked [B, H, M, 2 R + n0]`` is everything pass 2 ranks in one call: the pairs ``[B, H, M, 2,
+    R]`` (``R = N + n0``: the N observed rows and the n0 norm-matched rows; a view of its first 2 R
+    columns), then the q.k-spread null's NW scores ``q_r.k_i - ||k_pi(i)||^2 / 2`` (n0 columns).
+    ``perm [B, H, M, n0]``: the keys' permutation of each null row; ``rows``: the nulls' query rows,
+    None when they are the N observed rows in order (the key noise reordered to match)."""
+
+    ranked: torch.Tensor
+    pairs: torch.Tensor
+    perm: torch.Tensor | None
+    rows: torch.Tensor | None
+
+
+def _scores(
     w: EagerWriter,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -277,70 +294,104 @@ def _pairs(
     feats: torch.Tensor,
     draws: NullDraws | None,
     valid: torch.Tensor | None,
-) -> torch.Tensor:
-    """Pass 1: the pairs keys-major ``[B, H, M, 2, N + 3 n0]`` (last dim: the N observed rows, the
-    n0 norm-matched rows, then one block of n0 rows per :data:`NULL_PAIR_ROWS`); writes ``||q||``
-    into the row features.
+) -> Scores:
+    """Pass 1: the pairs of the observed and norm-matched rows and the spread null's NW scores
+    (:class:`Scores`); writes ``||q||`` into the row features.
 
-    Keys-major: every later op over the keys runs along the long contiguous row dimension."""
+    The two other nulls need no scores of their own: the q.k-spread null's attention scores are
+    the observed ``q_r.k``, whose ranks pass 2 already has, and the permutation null's pair
+    ``(q_r.k_pi(i), G_ri)`` has the ranks of row r with the attention's permuted (the ranks of
+    permuted values are the permuted ranks). When the nulls use every row (n0 = N, rows drawn in
+    a random order), the permutation noise is reordered by the rows instead (null row j of the draws
+    goes with observed row ``rows[j]``, as before), so that null row i is observed row i: nothing
+    is selected from the pairs. The norm-matched rows keep the draws' order (``||q_rows[j]||``).
+    Keys-major: every later op over the keys runs along the long contiguous rows."""
     b, nh, n, d = q.shape
     m = k.shape[-2]
-    n0 = 0 if draws is None else draws.rows.shape[0]
-    # the stacked queries [q; q'; q_r]: the observed rows, the norm-matched rows and the nulls' rows
-    # r of q (selected as query rows of d values, not as scattered columns of the keys-major pairs)
-    queries = w.workspace("queries", (b, nh, n + 2 * n0, d), q.device)
+    rows, noise, n0 = None, None, 0
+    if draws is not None:
+        n0, noise, rows = draws.noise.shape[2], draws.noise, draws.rows
+        if n0 == n and w.eager:  # null row j is observed row rows[j]: its key noise goes to rows[j]
+            # (compiled, the selection of the rows fuses into the kernels that read them instead)
+            flat = noise.flatten(0, 1).index_select(1, rows.argsort())  # [B H, n0, M]: 4x less CPU
+            noise, rows = flat.view(noise.shape), None
+    selected = 0 if rows is None else n0
+    # the stacked queries [q; q'; q_r]: the observed rows, the norm-matched rows and, for a subset
+    # of rows, the nulls' rows of q (selected as rows of d values, not as columns of the pairs)
+    queries = w.workspace("queries", (b, nh, n + n0 + selected, d), q.device)
     queries[:, :, :n].copy_(q)
     q_norm = w.write(feats[:, :, ROW["q_norm"]], torch.linalg.vector_norm, queries[:, :, :n], dim=-1)
-    if draws is not None:
+    if draws is not None:  # the norm-matched rows, in the draws' order (their own ranks only)
         ratio = q_norm.index_select(-1, draws.rows) / torch.linalg.vector_norm(draws.directions, dim=-1)
         w.write(queries[:, :, n : n + n0], torch.mul, draws.directions, ratio[..., None])
-        w.write(queries[:, :, n + n0 :], torch.index_select, queries[:, :, :n], 2, draws.rows)
-    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + 2 n0]: q.k of [q; q'; q_r]
-    pairs = w.workspace("pairs", (b, nh, m, len(PAIR), n + 3 * n0), q.device)
+    if rows is not None:
+        w.write(queries[:, :, n + n0 :], torch.index_select, queries[:, :, :n], 2, rows)
+    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + n0 (+ n0)]
+    r = n + n0
+    ranked = w.workspace("scores", (b, nh, m, len(PAIR) * r + n0), q.device)
+    pairs = ranked[..., : len(PAIR) * r].view(b, nh, m, len(PAIR), r)
     shift = w.constant(("pair shift", q.device), lambda: f32([[0.0], [-0.5]], q.device))  # PAIR order
-    sq = keys.sq[..., None, None]  # [B, H, M, 1, 1]
-    w.write(pairs[..., : n + n0], torch.addcmul, logits[:, :, :, None, : n + n0], shift, sq)
-    if draws is None:
-        return pairs
-    attn, nw = pairs[:, :, :, PAIR["attn"]], pairs[:, :, :, PAIR["nw"]]  # [B, H, M, R]
-    spread, perm_block = slice(n + n0, n + 2 * n0), slice(n + 2 * n0, n + 3 * n0)
-    # the nulls' rows r of the observed pair (q.k_r, q.k_r - ||k||^2 / 2) give the spread null's
-    # attention scores and the permutation null's NW scores
-    spread_qk = attn[..., spread].copy_(logits[..., n + n0 :])
-    w.write(nw[..., perm_block], torch.sub, spread_qk, keys.sq[..., None], alpha=0.5)
+    w.write(pairs, torch.addcmul, logits[:, :, :, None, :r], shift, keys.sq[..., None, None])
+    if noise is None:
+        return Scores(ranked, pairs, None, None)
     valid_rows = None if valid is None else valid[:, None, None, :]  # [B, 1, 1, M]
-    perm = metrics.valid_permutation(draws.noise, valid_rows).transpose(-1, -2)  # [B, H, M, n0]
-    w.write(attn[..., perm_block], torch.gather, spread_qk, 2, perm)
+    perm = metrics.valid_permutation(noise, valid_rows).transpose(-1, -2)  # [B, H, M, n0]
+    spread_qk = logits[..., :n] if rows is None else logits[..., r:]  # q_r.k
     shuffled_sq = torch.gather(keys.sq[..., None].expand(b, nh, m, n0), 2, perm)
-    w.write(nw[..., spread], torch.sub, spread_qk, shuffled_sq, alpha=0.5)
-    return pairs
+    w.write(ranked[..., len(PAIR) * r :], torch.sub, spread_qk, shuffled_sq, alpha=0.5)
+    return Scores(ranked, pairs, perm, rows)
 
 
 def _pooled_rank_correlations(
-    w: EagerWriter, pairs: torch.Tensor, valid_keys: torch.Tensor | None, halves: int, n: int, n0: int
+    w: EagerWriter, scores: Scores, valid_keys: torch.Tensor | None, halves: int, n: int
 ) -> torch.Tensor:
     """Pass 2: ``[H, halves * segments, 2]`` = (sum of per-row Spearman, non-constant rows) of the
-    keys-major pairs ``[B, H, M, 2, R]`` (the rank comparisons and the per-row products over the
-    keys run along the long contiguous ``2 R``)."""
-    b, nh, m, _, rows = pairs.shape
-    ranks = w.ranks(pairs, valid_keys, w.workspace("ranks", tuple(pairs.shape), pairs.device), dim=2)
-    gram = w.workspace("rank gram", (b, nh, len(GRAM), rows), pairs.device)
-    # its three distinct entries: (a.a, a.b) in one product, b.b in another
-    w.write(gram[:, :, GRAM.slice("aa", "ab")], torch.linalg.vecdot, ranks, ranks[:, :, :, :1], dim=2)
-    w.write(gram[:, :, GRAM["bb"]], torch.linalg.vecdot, ranks[:, :, :, 1], ranks[:, :, :, 1], dim=2)
+    observed rows and each null (the rank comparisons and the per-row products over the keys run
+    along the long contiguous rows).
+
+    One rank call over :attr:`Scores.ranked`; the per-row 2 x 2 Gram of ranks ``(G_aa, G_ab,
+    G_bb)``: three products for the observed and norm-matched rows; for the q.k-spread null
+    (attention ranks: the observed row's) its ``G_aa`` is the row's, ``G_ab`` and ``G_bb`` two
+    products; for the permutation null ``G_aa`` and ``G_bb`` are the row's (a permutation keeps a
+    sum of squares), ``G_ab`` one product of the permuted attention ranks with the NW ranks."""
+    b, nh, m, _ = scores.ranked.shape
+    r, n0 = scores.pairs.shape[-1], scores.ranked.shape[-1] - len(PAIR) * scores.pairs.shape[-1]
+    rows = n + 3 * n0
+    device = scores.ranked.device
+    out = w.workspace("ranks", tuple(scores.ranked.shape), device)
+    ranked = w.ranks(scores.ranked, valid_keys, out, dim=2)
+    ranks = ranked[..., : len(PAIR) * r].view(b, nh, m, len(PAIR), r)
+    gram = w.workspace("rank gram", (b, nh, len(GRAM), rows), device)
+    # the observed and norm-matched rows: (a.a, a.b) in one product, b.b in another
+    w.write(gram[:, :, GRAM.slice("aa", "ab"), :r], torch.linalg.vecdot, ranks, ranks[:, :, :, :1], dim=2)
+    w.write(gram[:, :, GRAM["bb"], :r], torch.linalg.vecdot, ranks[:, :, :, 1], ranks[:, :, :, 1], dim=2)
+    if n0:
+        observed, row_gram = ranks[..., :n], gram[..., :n]  # the nulls' rows: [B, H, M, 2, n0], [B, H, 4, n0]
+        if scores.rows is not None:
+            observed, row_gram = (x.index_select(-1, scores.rows) for x in (observed, row_gram))
+        attn, nw = observed[:, :, :, PAIR["attn"]], observed[:, :, :, PAIR["nw"]]
+        spread_nw = ranked[..., len(PAIR) * r :]  # [B, H, M, n0]
+        spread, perm_block = slice(r, r + n0), slice(r + n0, r + 2 * n0)
+        nulls_aa = gram[:, :, GRAM["aa"], r:].view(b, nh, 2, n0)  # both null blocks: the row's G_aa
+        nulls_aa.copy_(row_gram[:, :, GRAM["aa"], None])
+        w.write(gram[:, :, GRAM["ab"], spread], torch.linalg.vecdot, attn, spread_nw, dim=2)
+        w.write(gram[:, :, GRAM["bb"], spread], torch.linalg.vecdot, spread_nw, spread_nw, dim=2)
+        permuted = torch.gather(attn, 2, scores.perm)
+        w.write(gram[:, :, GRAM["ab"], perm_block], torch.linalg.vecdot, permuted, nw, dim=2)
+        gram[:, :, GRAM["bb"], perm_block].copy_(row_gram[:, :, GRAM["bb"]])
     aa, bb = gram[:, :, GRAM["aa"]], gram[:, :, GRAM["bb"]]
     w.write(gram[:, :, GRAM["aa*bb"]], torch.mul, aa, bb)  # 0: a constant row
     num_den = gram[:, :, GRAM.slice("ab", "aa*bb")]  # per row: (G_ab, G_aa G_bb) [B, H, 2, R]
     # (rho_r, c_r) = (G_ab, G_aa G_bb) / (sqrt(D), D), D = max(G_aa G_bb, 1/2): (0, 0) for a constant
     # row (sign sums are integers, so a non-constant row has G_aa G_bb >= 1)
-    denominator = w.workspace("rho denominators", (b, nh, 2, rows), pairs.device)
+    denominator = w.workspace("rho denominators", (b, nh, 2, rows), device)
     clamped = w.write(denominator[:, :, 1], torch.clamp_min, num_den[:, :, 1], 0.5)
     w.write(denominator[:, :, 0], torch.sqrt, clamped)
-    per_row = w.workspace("rho rows", (nh, b, 2, rows), pairs.device)  # head-major: one pooling product
+    per_row = w.workspace("rho rows", (nh, b, 2, rows), device)  # head-major: one pooling product
     w.write(per_row.transpose(0, 1), torch.div, num_den, denominator)
     within = per_row.view(nh, halves, b // halves, 2, rows).sum(2)  # [H, halves, 2, R]: the half's rows
-    key = ("segments", n, n0, pairs.device)
-    segments = w.constant(key, lambda: _segment_matrix(n, n0, pairs.device))  # [segments, R]
+    key = ("segments", n, n0, device)
+    segments = w.constant(key, lambda: _segment_matrix(n, n0, device))  # [segments, R]
     return (within @ segments.T).transpose(-1, -2).reshape(nh, -1, 2)
 
 

@@ -30,6 +30,10 @@ def f32(values: Any, device: torch.device | None) -> torch.Tensor:
 class EagerWriter:
     """Eager mode: results written with ``out=``, workspaces and constants cached."""
 
+    #: whether ops run one at a time (eager: each op's cost is its own, so the statistics may pick
+    #: the cheaper of two equal computations at run time); False under the compiler, which fuses
+    eager = True
+
     def write(
         self, out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
     ) -> torch.Tensor:
@@ -113,6 +117,8 @@ class EagerWriter:
 
 class CompiledWriter(EagerWriter):
     """Under :func:`torch.compile`: plain operations, fresh tensors, constants made in the graph."""
+
+    eager = False
 
     def write(
         self, out: torch.Tensor, op: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
