@@ -62,6 +62,9 @@ from nw_adapter.integration.processors.base import BranchSpec, NWProcessorBase, 
 from nw_adapter.integration.recorder import NWRecorder
 from nw_adapter.integration.steps import StepContext
 
+#: The taps' names of the adapters' key projections (:meth:`~.base.NWProcessorBase._tap_modules`).
+_K_IP_TAPS = tuple(f"to_k_ip.{j}" for j in range(8))
+
 
 def _is_zero(scale: float | Sequence[float]) -> bool:
     if isinstance(scale, (list, tuple)):
@@ -70,9 +73,15 @@ def _is_zero(scale: float | Sequence[float]) -> bool:
 
 
 class _Group:
-    """One softmax of the image branch: adapter j, image i (or all images pooled, i = 0)."""
+    """One softmax of the image branch: adapter j, image i (or all images pooled, i = 0).
 
-    __slots__ = ("adapter", "image", "states", "scale", "mask", "key", "value", "references")
+    ``states`` ``[batch, M, D]``: the image states folded to the latent batch, made from the raw
+    ``[B', (images,) T, D]`` states when first read (observe reads the keys its taps captured and
+    never needs them)."""
+
+    __slots__ = (
+        "adapter", "image", "_raw", "_batch", "_states", "scale", "mask", "key", "value", "references",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -82,11 +91,20 @@ class _Group:
         scale: float,
         mask: torch.Tensor | None,
         references: int = 1,
+        batch: int | None = None,
     ):
-        self.adapter, self.image, self.states, self.scale, self.mask = adapter, image, states, scale, mask
+        self.adapter, self.image, self.scale, self.mask = adapter, image, scale, mask
+        # folded on first read when ``batch`` is given, else already [batch, M, D]
+        self._raw, self._batch, self._states = states, batch, None if batch is not None else states
         self.references = references  # reference images whose tokens are the keys (a support set)
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
+
+    @property
+    def states(self) -> torch.Tensor:
+        if self._states is None:
+            self._states = self._raw.reshape(self._batch, -1, self._raw.shape[-1])
+        return self._states
 
 
 class UNetInputs(NamedTuple):
@@ -202,7 +220,7 @@ class _UNetNWProcessor(NWProcessorBase):
         softmaxes = []
         for gi, g in enumerate(groups):
             k = self._pick(self._image_key(attn, g, captured, batch), heads, attn.heads)
-            keys0 = tuple(
+            keys0 = () if not per_draw else tuple(
                 self._pick(control.keys(self.layer_name, draw[gi].states, adapter=draw[gi].adapter, draw=d),
                            heads, attn.heads)
                 for d, draw in enumerate(per_draw)
@@ -242,11 +260,11 @@ class _UNetNWProcessor(NWProcessorBase):
                     image_states = states[:, i].reshape(batch, -1, states.shape[-1])
                     groups.append(_Group(j, i, image_states, per_image[i], mask[:, i]))
             else:
-                pooled = states.reshape(batch, -1, states.shape[-1])
                 # m images of T tokens, reference-major; a folded extra embeds batch (see above)
                 # adds its rows as further references of T tokens each
-                tokens = states.shape[-2] if states.dim() == 4 else pooled.shape[1]
-                groups.append(_Group(j, 0, pooled, scale, None, references=pooled.shape[1] // tokens))
+                pooled = states.numel() // (batch * states.shape[-1])  # the folded states' M
+                tokens = states.shape[-2] if states.dim() == 4 else pooled
+                groups.append(_Group(j, 0, states, scale, None, references=pooled // tokens, batch=batch))
         return groups
 
     def _mask_factor(self, mask: torch.Tensor, batch: int, rows: int, inner: int, like: torch.Tensor):
@@ -258,10 +276,13 @@ class _UNetNWProcessor(NWProcessorBase):
         captured by the taps), the swap branch's, or ``to_k_ip`` applied here."""
         if g.key is not None:
             return g.key
-        outputs = captured.get(f"to_k_ip.{g.adapter}", ())
+        tap = _K_IP_TAPS[g.adapter] if g.adapter < len(_K_IP_TAPS) else f"to_k_ip.{g.adapter}"
+        outputs = captured.get(tap, ())
         position = g.image if g.mask is not None else 0
         if position < len(outputs):
-            return split_heads(outputs[position].view(batch, -1, outputs[position].shape[-1]), attn.heads)
+            key = outputs[position]  # [B', (images,) M', H*d]: folded to [batch, M, H*d]
+            folded = key if key.dim() == 3 and key.shape[0] == batch else key.view(batch, -1, key.shape[-1])
+            return split_heads(folded, attn.heads)
         return split_heads(self.to_k_ip[g.adapter](g.states), attn.heads)
 
 

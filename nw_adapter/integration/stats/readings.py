@@ -110,10 +110,10 @@ def write_readings(
     if count < n:
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
     valid = None if valid_keys is None else valid_keys[..., 0]  # [B, 1, M, 1]
-    beta, moments = _fit(w, shifted, valid, rows, scale, slope)
+    beta, moments = _fit(w, shifted, valid, rows, scale, slope, moments_at_beta=count < n)
     unidentified = _write_reason(w, out, beta, inv_count, scale)
     w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
-    if count == n:
+    if moments is None:  # every row fitted: no sampling error
         out["h_eff_se"].fill_(0.0)
     else:
         _write_standard_error(w, out["h_eff_se"], beta, moments, count, n)
@@ -190,10 +190,12 @@ def _fit(
     rows: torch.Tensor | None,
     scale: float,
     slope: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta,
-    from ``beta = s slope`` (``slope [B, H]``: ``<L~, G~> / <G~, G~>`` over all rows; ``s`` where it
-    is not positive) inside the bracket.
+    moments_at_beta: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """beta ``[B, H]`` and the per-row moments ``[B, H, 2, n]`` (``psi_j``, ``E_p[G'^2]_j``) at beta
+    (None unless ``moments_at_beta``: only the standard error of a fit on a subset of the rows reads
+    them, and they cost one more softmax), from ``beta = s slope`` (``slope [B, H]``: ``<L~, G~> /
+    <G~, G~>`` over all rows; ``s`` where it is not positive) inside the bracket.
 
     Keys-major (``shifted [B, H, M, N]``, ``valid [B, 1, M, 1]``): every softmax over the M keys
     runs along a non-last dimension, vectorised across the rows. Per Newton step
@@ -233,6 +235,8 @@ def _fit(
         beta, previous = torch.where(inside, newton, bracket.prod(-1).sqrt()), beta
         if w.settled(beta, previous, FIT_SETTLED):  # eager on the CPU only (FIT_SETTLED)
             break
+    if not moments_at_beta:
+        return beta, None
     return beta, _moments(w, moments, logits, powers, beta)[:, :, 1:]
 
 
