@@ -46,21 +46,23 @@ SD15_STRUCTURE = {
 #: Newton step counted as a GPU runs them (:class:`~benchmarks.op_count.OpCounter` turns the CPU's
 #: early stop off). Then the spread and permutation nulls ranked from the observed rows' ranks
 #: (their rows are no longer scored and ranked twice; 3 small Gram products, a gather and the
-#: row order of the key noise: +7 ops, ~10% less CPU time for the largest proxy group): measured
-#: 331 / 310 / 86 / 65 (Plus: 329 / 308 / 84 / 63); ceilings ~3% above.
+#: row order of the key noise: +7 ops, ~10% less CPU time for the largest proxy group), the key
+#: norms' spread as a two-pass mean square (+4: ``std_mean`` over 4 keys costs ~8x the CPU), the
+#: fit's moments at the final beta only for the standard error of a subset fit (-4 here, all rows
+#: fitted): measured 331 / 310 / 90 / 69 (Plus: 329 / 308 / 88 / 67); ceilings ~3% above.
 MAX_EXTRA_PER_LAYER = {
     "observe": 341,
     "observe_no_nulls": 320,
-    "observe_no_readings": 89,
-    "observe_no_nulls_no_readings": 67,
+    "observe_no_readings": 93,
+    "observe_no_nulls_no_readings": 71,
     "swap": 0,
 }
 #: The same with the Plus adapter's 16 image tokens (ranks by one sort).
 MAX_EXTRA_PER_LAYER_PLUS = {
     "observe": 339,
     "observe_no_nulls": 318,
-    "observe_no_readings": 87,
-    "observe_no_nulls_no_readings": 65,
+    "observe_no_readings": 91,
+    "observe_no_nulls_no_readings": 69,
 }
 #: Forwards of one counted call for the per-forward ratios (the issue's proxy: 10 timesteps).
 FORWARDS = 10

@@ -273,8 +273,9 @@ def _key_norms(w: EagerWriter, k: torch.Tensor, valid: torch.Tensor | None) -> K
     """``||k||^2`` and the spreads of ``||k||`` and ``||k||^2`` over the valid keys."""
     powers = w.constant(("key powers", k.device), lambda: f32([[[[1.0]]], [[[2.0]]]], k.device))
     norms = torch.pow(torch.linalg.vector_norm(k, dim=-1), powers)  # [2, B, H, M]
-    if valid is None:
-        std, mean = torch.std_mean(norms, dim=-1, correction=0)
+    if valid is None:  # two passes: torch.std_mean over a last dim of 4-16 keys costs ~8x as much
+        mean = norms.mean(-1)
+        std = torch.sub(norms, mean[..., None]).square_().mean(-1).sqrt_()
     else:
         weight = valid[:, None, :].to(torch.float32)
         mean = (norms * weight).sum(-1) / weight.sum(-1)
