@@ -223,7 +223,7 @@ def _fit_steps(monkeypatch, q, k, scale, settled=None):
         monkeypatch.setattr(EagerWriter, "settled", settled)
     h_eff = _readings(q, k, scale, fit_rows=None)["h_eff"]
     monkeypatch.undo()
-    return h_eff, len(calls) - 1  # the last call evaluates the moments at the fitted beta
+    return h_eff, len(calls)  # fit on every row: no evaluation at the fitted beta (only the SE reads it)
 
 
 def test_the_cpu_fit_stops_once_settled_at_the_fixed_step_answer(monkeypatch):
@@ -240,7 +240,7 @@ def test_the_cpu_fit_stops_once_settled_at_the_fixed_step_answer(monkeypatch):
         full, all_steps = _fit_steps(monkeypatch, q, k, scale, settled=lambda *a: False)
         assert all_steps == FIT_STEPS
         assert 2 <= steps < FIT_STEPS  # stopped early ...
-        torch.testing.assert_close(early, full, rtol=1e-6, atol=0.0)  # ... at the same answer
+        torch.testing.assert_close(early, full, rtol=2e-5, atol=0.0)  # ... at the same answer (FIT_SETTLED)
     q, k = _augmented_nw_head(0.7)
     nw, steps = _fit_steps(monkeypatch, q, k, 1.0 / 0.7**2)
     assert steps <= 2 and float(nw) == pytest.approx(0.7, rel=1e-3)  # starts at its answer

@@ -319,14 +319,14 @@ class NWProcessorBase:
         captured = taps.arm(branch)  # what the call's tapped modules output, in order
         muted, original = None, self.__dict__["_nw_original"]
         try:
-            if swap and spec.mute_by == "scale":
+            if swap and spec.mute_by == "scale":  # the plain attribute set directly (no Module.__setattr__)
                 muted = original.scale
-                original.scale = zero_scales(muted)  # diffusers skips every adapter's branch
+                object.__setattr__(original, "scale", zero_scales(muted))  # diffusers skips every branch
             out = stock(attn, *stock_args)
         finally:
             taps.disarm()
             if muted is not None:
-                original.scale = muted
+                object.__setattr__(original, "scale", muted)
         if swap and spec.swap_site == "output":
             out = self._swap_safely(ctx, attn, inputs, captured, out)
         if record:
