@@ -461,13 +461,15 @@ class NWRecorder:
         key_set: str = "ip",
         ip_mass: torch.Tensor | None = None,
         support: torch.Tensor | None = None,
+        state: StepState | None = None,
     ) -> _Entry:
-        """The entry of one softmax at the current (call, step), in recording order, its statistics
-        still to come (``stats`` None): whoever computes them (:meth:`add`, or the processors'
-        deferred statistics through :attr:`pending`) sets ``entry.stats`` and ``entry.control``.
-        ``support`` (see :meth:`add`) is stored as given: a support set's columns are not deferred."""
+        """The entry of one softmax at the (call, step) of ``state`` (default: the current one), in
+        recording order, its statistics still to come (``stats`` None): whoever computes them
+        (:meth:`add`, or the processors' deferred statistics through :attr:`pending`) sets
+        ``entry.stats`` and ``entry.control``. ``support`` (see :meth:`add`) is stored as given: a
+        support set's columns are not deferred."""
         mass = None if ip_mass is None else ip_mass.detach()
-        state = self.tracker.state
+        state = self.tracker.state if state is None else state
         if support is not None and (
             support.dim() != 3
             or tuple(support.shape[1:]) != (len(halves), len(heads))

@@ -147,7 +147,8 @@ def test_a_new_call_flushes_the_previous_one_with_its_own_seed():
             unet(**kwargs)
             recorder.new_call()
             unet(**kwargs)  # call 2: its first capture flushes call 1
-            assert {c.entry.call for c in recorder.pending.captures} == {2}
+            pending = recorder.pending  # call 2's layer calls, queued to be recorded at the flush
+            assert {layer.ctx.state.call for layer in pending.layers} == {2} and not pending.captures
         records = recorder.to_records()
     finally:
         remove_nw_processor(unet)

@@ -59,6 +59,7 @@ from nw_adapter.integration.maps import reduce_maps
 from nw_adapter.integration.processors.deferred import (
     Capture,
     DeferredStatistics,
+    LayerCall,
     control_statistics,
     statistics_options,
 )
@@ -330,7 +331,10 @@ class NWProcessorBase:
         if swap and spec.swap_site == "output":
             out = self._swap_safely(ctx, attn, inputs, captured, out)
         if record:
-            self._record_safely(ctx, lambda: self._record(ctx, attn, inputs, captured))
+            if self._queues_calls():  # recorded at the flush (one append here)
+                self._queue(ctx, attn, inputs, captured)
+            else:
+                self._record_safely(ctx, lambda: self._record(ctx, attn, inputs, captured))
         return out
 
     def _image_inputs(self, args: tuple) -> Any | None:
@@ -563,6 +567,36 @@ class NWProcessorBase:
         except Exception as error:
             rec.skip(self.layer_name, error, rollback=mark)
 
+    def _queues_calls(self) -> bool:
+        """Whether this processor's layer calls are recorded at the flush rather than in the layer
+        (:meth:`~.deferred.DeferredStatistics.queue`): with deferred statistics, no maps to store
+        (a step's maps are chosen in the layer) and no untrained-adapter control (its keys belong
+        to the call being run)."""
+        cfg = self.nw_config
+        return cfg.deferred_mb > 0 and not cfg.store_maps and self._untrained_wanted() is None
+
+    def _queue(self, ctx: StepContext, attn: torch.nn.Module, inputs: Any, captured: dict) -> None:
+        """Queue this layer call for the flush; pending work that is due (over ``config.deferred_mb``,
+        or of an earlier call) is done first, as :meth:`_record_safely` does."""
+        rec = self.recorder
+        pending = rec.pending
+        if pending is None:
+            pending = rec.pending = DeferredStatistics(self.nw_config)
+        elif pending.due(ctx.state.call):
+            rec.settle()
+        pending.queue(self, ctx, attn, inputs, captured)
+
+    def _record_queued(self, layer: LayerCall) -> None:
+        """Record a queued layer call at the flush, as :meth:`_record_safely` does in the layer, from
+        its pass's context: a failure drops the entries it reserved and is counted as a skipped pair
+        of its (call, step)."""
+        rec, state = self.recorder, layer.ctx.state
+        mark = rec.mark()
+        try:
+            self._record(layer.ctx, layer.attn, layer.inputs, layer.captured)
+        except Exception as error:
+            rec.skip(self.layer_name, error, rollback=mark, call=state.call, step=state.step)
+
     def _record_softmax(
         self, softmax: Softmax, ctx: StepContext, *, halves: tuple[str, ...], heads: tuple[int, ...]
     ) -> None:
@@ -612,7 +646,7 @@ class NWProcessorBase:
         entry = rec.reserve(
             layer=self.layer_name, adapter=softmax.adapter, image=softmax.image, halves=halves, heads=heads,
             scale=math.nan if isinstance(softmax.adapter_scale, (list, tuple)) else softmax.adapter_scale,
-            num_keys=k.shape[-2], key_set=softmax.key_set, ip_mass=mass, support=support,
+            num_keys=k.shape[-2], key_set=softmax.key_set, ip_mass=mass, support=support, state=state,
         )  # fmt: skip
         h = None if rule == "median" or rule == "fitted" else self._bandwidth(q, k, scale, ctx)
         capture = Capture(entry, q, k, scale, h, n, softmax.control_keys)

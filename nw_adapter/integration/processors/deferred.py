@@ -81,17 +81,32 @@ class Capture:
         return size
 
 
+@dataclass(eq=False)
+class LayerCall:
+    """One observed layer call whose recording itself is deferred (:meth:`DeferredStatistics.queue`):
+    the processor, the pass's context, the attention module, the call's image inputs and what its
+    taps captured (the tensors diffusers computed; kept by reference)."""
+
+    processor: Any
+    ctx: Any
+    attn: Any
+    inputs: Any
+    captured: dict
+    nbytes: int
+
+
 @dataclass
 class DeferredStatistics:
-    """The pending captures of one recorder (see the module docstring)."""
+    """The pending captures and queued layer calls of one recorder (see the module docstring)."""
 
     config: NWProcessorConfig
     captures: list[Capture] = field(default_factory=list)
+    layers: list[LayerCall] = field(default_factory=list)
     nbytes: int = 0
     call: int | None = None
 
     def __len__(self) -> int:
-        return len(self.captures)
+        return len(self.captures) + len(self.layers)
 
     def add(self, capture: Capture) -> None:
         """Keep ``capture`` until the next flush."""
@@ -99,16 +114,38 @@ class DeferredStatistics:
         self.nbytes += capture.nbytes
         self.call = capture.entry.call
 
+    def queue(self, processor: Any, ctx: Any, attn: Any, inputs: Any, captured: dict) -> None:
+        """Keep one layer call to record at the next flush: in the layer only one append (its
+        softmaxes are found, reserved and captured at the flush, in queue order, from the pass's
+        context; Python run there in one loop costs a fraction of the same run between a UNet's
+        layers, measured 216 against 226 ms per proxy call)."""
+        size = sum(
+            t.numel() * t.element_size()
+            for outputs in captured.values()
+            for t in outputs
+            if isinstance(t, torch.Tensor)  # what the taps captured (swap's groups are not)
+        )
+        self.layers.append(LayerCall(processor, ctx, attn, inputs, captured, size))
+        self.nbytes += size
+        self.call = ctx.state.call
+
     def due(self, call: int) -> bool:
         """Whether to flush before a capture of ``call``: over the memory bound, or a new call."""
-        return bool(self.captures) and (self.nbytes > self.config.deferred_mb * MIB or call != self.call)
+        return bool(self.captures or self.layers) and (
+            self.nbytes > self.config.deferred_mb * MIB or call != self.call
+        )
 
     def clear(self) -> None:
-        """Drop every pending capture (their entries are dropped by the recorder)."""
-        self.captures, self.nbytes = [], 0
+        """Drop every pending capture and queued layer call (their entries are dropped by the recorder)."""
+        self.captures, self.layers, self.nbytes = [], [], 0
 
     def flush(self, recorder: Any) -> None:
-        """Compute every pending capture's statistics into its entry, grouped by shape."""
+        """Record the queued layer calls (their captures join the pending ones), then compute every
+        pending capture's statistics into its entry, grouped by shape."""
+        layers, self.layers = self.layers, []
+        with torch.no_grad():
+            for layer in layers:  # reserves entries in queue order and adds their captures
+                layer.processor._record_queued(layer)
         captures, live = self.captures, {id(e) for e in recorder._entries}
         self.clear()
         groups: dict[tuple, list[Capture]] = {}
