@@ -21,9 +21,9 @@ row dimension; over a last dimension of 4-16 keys the same CPU ops are several t
    they are the same), per row ``(rho_r, c_r) = (G_ab / sqrt(G_aa G_bb), 1)`` (``(0, 0)`` for a
    constant row, left out), summed over the batch rows of each CFG half and one product with a
    0/1 segment matrix: ``rho = sum rho_r / sum c_r`` per segment (observed, each null) and CFG half.
-3. **Weights** of the observed rows, ``Z [B, H, M, 7, N]`` with rows (a, b, c_A, c_B, l_A,
-   l_W, l_AW): the weights, the centred weights ``c = w - 1/M`` (Pearson), the log-weights and
-   ``log(a + b)``. Three products over the keys (:data:`PRODUCT_GROUPS`) give per row
+3. **Weights** of the observed rows, ``Z [B, H, M, 4, N]`` with rows (a, b, c_A, c_B): the
+   weights and the centred weights ``c = w - 1/M`` (Pearson), with the log-weights (l_A, l_W)
+   and ``l_AW = log(a + b)``. Four products over the keys (:data:`PRODUCT_GROUPS`) give per row
    every inner product the divergences need (KL = a.l_A - a.l_W, JS = (a.l_A + b.l_W - a.l_AW -
    b.l_AW) / 2 + log 2, n_eff = 1 / a.a), and one product with the row-mean matrix averages the
    per-row features ``[B, H, F, N]`` into the statistics (:class:`~.layout.RowMean`). The
@@ -77,15 +77,19 @@ NULL_PAIR_ROWS = ("rho_spread_null", "rho_perm_null")
 KEY = Columns(("norm", "sq_norm"))
 #: The per-row rank Gram matrix (pass 2) and the product of its diagonal.
 GRAM = Columns(("aa", "ab", "bb", "aa*bb"))
-#: The rows of Z (pass 3): weights, centred weights, log-weights, ``log(a + b)``.
-Z = Columns(("a", "b", "cA", "cB", "lA", "lW", "lAW"))
+#: The rows of Z (pass 3): weights, centred weights; A and W are returned as views of it.
+Z = Columns(("a", "b", "cA", "cB"))
+#: The rows of the log-weights (pass 3): the log-softmax's own output, not copied into Z.
+LOG = Columns(("lA", "lW"))
 #: The per-row inner products over the keys (pass 3), one product per group ``(left, right,
-#: outer)``: with ``outer`` every left row of Z times every right row (``b.lA`` is not read), else
-#: the left and right rows taken pairwise (the squares ``a.a, b.b, cA.cA, cB.cB``, then ``cA.cB``):
-#: the 11 products of 3 groups, where an outer product of the weights with themselves computed 14.
+#: outer)`` of rows of Z, of the log-weights or ``lAW = log(a + b)``: with ``outer`` every left row
+#: times every right row (``b.lA`` is not read), else the left and right rows taken pairwise (the
+#: squares ``a.a, b.b, cA.cA, cB.cB``, then ``cA.cB``): 12 products, where an outer product of the
+#: weights with themselves and all log-weights computed 14.
 PRODUCT_GROUPS = (
     (("a", "b", "cA", "cB"), ("a", "b", "cA", "cB"), False),
-    (("a", "b"), ("lA", "lW", "lAW"), True),
+    (("a", "b"), ("lA", "lW"), True),
+    (("a", "b"), ("lAW",), True),
     (("cA",), ("cB",), False),
 )
 #: The feature names of each group's products, left-major.
@@ -338,7 +342,7 @@ def _scores(
         w.write(queries[:, :, n : n + n0], torch.mul, draws.directions, ratio[..., None])
     if rows is not None:
         w.write(queries[:, :, n + n0 :], torch.index_select, queries[:, :, :n], 2, rows)
-    logits = (queries @ k.transpose(-1, -2)).transpose(-1, -2)  # [B, H, M, N + n0 (+ n0)]
+    logits = k @ queries.transpose(-1, -2)  # [B, H, M, N + n0 (+ n0)], keys-major and contiguous
     r = n + n0
     ranked = w.workspace("scores", (b, nh, m, len(PAIR) * r + n0), q.device)
     pairs = ranked[..., : len(PAIR) * r].view(b, nh, m, len(PAIR), r)
@@ -416,7 +420,7 @@ def _weights_and_row_features(
     feats: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
     """Pass 3: Z of the observed pairs ``[B, H, M, 2, N]`` (keys-major) and the per-row features;
-    returns Z ``[B, H, M, 7, N]`` (a fresh tensor: A and W are views of it), the observed pairs
+    returns Z ``[B, H, M, 4, N]`` (a fresh tensor: A and W are views of it), the observed pairs
     with a large negative logit at padding keys, and 1 / the number of valid keys."""
     b, nh, m, _, n = observed.shape
     qk = observed[:, :, :, PAIR["attn"]]  # [B, H, M, N]
@@ -424,11 +428,12 @@ def _weights_and_row_features(
         observed = observed.masked_fill(~valid_keys, MASKED_LOGIT)
     z = torch.empty((b, nh, m, len(Z), n), dtype=torch.float32, device=observed.device)  # fresh: returned
     coefficients = _logit_coefficients(w, scale, h, observed)  # s, 1/h^2
-    # the log-weights: one log-softmax over the keys (a CPU log-sum-exp over a non-last dimension
-    # and a subtraction cost ~2x as much)
-    log_w = z[:, :, :, Z.slice("lA", "lW")].copy_(torch.log_softmax(torch.mul(observed, coefficients), 2))
+    # the log-weights [B, H, M, 2, N] (LOG): one log-softmax over the keys (a CPU log-sum-exp over
+    # a non-last dimension and a subtraction cost ~2x as much), kept as it comes (a copy into a
+    # slice of Z cost ~1-2 ms on the proxy's largest group)
+    log_w = torch.log_softmax(torch.mul(observed, coefficients), 2)
     weights = w.write(z[:, :, :, Z.slice("a", "b")], torch.exp, log_w)
-    w.write(z[:, :, :, Z["lAW"]], torch.logaddexp, log_w[:, :, :, 0], log_w[:, :, :, 1])
+    l_aw = torch.logaddexp(log_w[:, :, :, LOG["lA"]], log_w[:, :, :, LOG["lW"]])  # [B, H, M, N]
     centred = z[:, :, :, Z.slice("cA", "cB")]
     if valid_keys is None:
         inv_count: torch.Tensor | float = 1.0 / m
@@ -439,8 +444,13 @@ def _weights_and_row_features(
         w.write(centred, torch.sub, weights, inv_count).mul_(weight)
     top = _first_peak(w, observed)  # [B, H, 2, N]
     w.write(feats[:, :, ROW["top1"]], torch.eq, top[:, :, PAIR["attn"]], top[:, :, PAIR["nw"]])
+    def rows(names: tuple[str, ...]) -> torch.Tensor:  # [B, H, M, P, N]: the named rows, a view
+        if names == ("lAW",):
+            return l_aw[:, :, :, None]
+        return log_w[:, :, :, LOG.slice(*names)] if names[0] in LOG else z[:, :, :, Z.slice(*names)]
+
     for (left, right, outer), names in zip(PRODUCT_GROUPS, GROUP_NAMES, strict=True):  # sums over the keys
-        x, y = z[:, :, :, Z.slice(*left)], z[:, :, :, Z.slice(*right)]  # [B, H, M, P, N], [B, H, M, Q, N]
+        x, y = rows(left), rows(right)  # [B, H, M, P, N], [B, H, M, Q, N]
         out = feats[:, :, ROW.slice(*names)]  # [B, H, P Q, N] (outer) or [B, H, P, N]
         if outer:
             x, y, out = x[:, :, :, :, None], y[:, :, :, None], out.unflatten(2, (len(left), len(right)))
@@ -467,7 +477,8 @@ def _first_peak(w: EagerWriter, scores: torch.Tensor) -> torch.Tensor:
         lambda: f32(range(m, 0, -1), scores.device).view(1, 1, m, *[1] * (scores.dim() - 3)),
     )
     at_peak = torch.eq(scores, scores.amax(2, keepdim=True))
-    return (at_peak * countdown).amax(2)
+    zero = w.constant(("zero", scores.device), lambda: f32(0.0, scores.device))
+    return torch.where(at_peak, countdown, zero).amax(2)  # (bool * float would convert a copy first)
 
 
 def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float) -> torch.Tensor:
