@@ -298,8 +298,10 @@ class NWProcessorBase:
            muted scales restored in ``finally``, whatever the call raises.
         4. Swap at ``spec.swap_site="output"``: :meth:`_swap` on the processor's output. A swap
            failure raises a RuntimeError naming the layer and step (:meth:`_swap_error`).
-        5. Record: every softmax of :meth:`_softmaxes`, safely (:meth:`_record_safely`: a failure
-           rolls the layer back and is counted; the output stands).
+        5. Record: queued for the flush (:meth:`_queue`, recorded there by :meth:`_record_queued`),
+           or in the layer when maps are stored or the untrained control is on: every softmax of
+           :meth:`_softmaxes`, safely (:meth:`_record_safely`: a failure rolls the layer back and
+           is counted; the output stands).
         """
         stock = super().__call__  # type: ignore[misc]  # diffusers' processor, next in the MRO
         ctx = self.recorder.context  # this pass: its state, CFG layout, step selection, memo

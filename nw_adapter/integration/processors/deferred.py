@@ -1,10 +1,16 @@
 """Deferred statistics: an observed layer captures its softmax, the statistics run later, in bulk.
 
 On a GPU the stock step is launch- and host-bound, so what observe adds per layer is paid one
-aten op and one Python call at a time. An observed layer therefore only *captures*: it reserves
-its record (:meth:`~nw_adapter.integration.recorder.NWRecorder.reserve`, in recording order) and
-keeps references to its float32 queries ``q [B, H, N, d]`` and image keys ``k [B, H, M, d]``
-(the tensors diffusers computed anyway: no copy, no aten op), with the bandwidth of its step.
+aten op and one Python call at a time. An observed layer therefore only *queues* its call
+(:meth:`DeferredStatistics.queue`: the pass's context, the call's image inputs and what its taps
+captured, by reference; one append). At the flush each queued call is recorded in queue order, as
+the layer would have: its softmaxes are found, their records reserved
+(:meth:`~nw_adapter.integration.recorder.NWRecorder.reserve`, at the call's own step) and
+*captured*: references to the float32 queries ``q [B, H, N, d]`` and image keys ``k [B, H, M,
+d]`` (the tensors diffusers computed anyway: no copy, no aten op), with the bandwidth of the step.
+Python run there, in one loop, costs a fraction of the same run between the denoiser's layers.
+Layers whose maps are stored and installations with the untrained control record (capture) in
+the layer instead.
 
 :meth:`DeferredStatistics.flush` then computes every captured softmax's statistics at once,
 **grouped by shape**: the captures of one group (same shapes, CFG halves, scale and bandwidth)
