@@ -199,3 +199,47 @@ def test_deferred_mb_is_validated(bad):
     with pytest.raises(NWConfigError, match="deferred_mb"):
         NWProcessorConfig(deferred_mb=bad)
     assert NWProcessorConfig(deferred_mb=0).deferred_mb == 0
+
+
+def test_queued_layer_calls_are_recorded_at_the_flush_for_their_own_step(monkeypatch):
+    """An observed layer call is only queued; recorded at the flush, a call that fails there is
+    skipped for its own (call, step), its layer's other steps recorded; the control: with maps
+    stored the same layers record (capture) in the layer and queue nothing."""
+    unet, kwargs = _unet()
+    layers = [n for n in unet.attn_processors if "attn2" in n]
+    recorder = apply_nw_processor(unet, mode="observe", cfg=True, nulls=False)
+    processor = unet.attn_processors[layers[0]]
+    family_softmaxes = type(processor)._softmaxes
+    try:
+        with torch.no_grad():
+            for t in range(3):
+                unet(**{**kwargs, "timestep": torch.tensor(900 - 200 * t)})
+                assert not recorder.pending.captures  # nothing captured yet: only queued
+        queued = [c for c in recorder.pending.layers if c.processor is processor]
+        assert len(recorder.pending.layers) == 3 * len(layers) and len(queued) == 3
+        steps = [c.ctx.state.step for c in queued]
+        failing = queued[1].captured  # the first layer's call at the second step
+
+        def fails_once(self, attn, inputs, captured, heads):
+            if captured is failing:
+                raise FloatingPointError("injected")
+            return family_softmaxes(self, attn, inputs, captured, heads)
+
+        monkeypatch.setattr(type(processor), "_softmaxes", fails_once)
+        with pytest.warns(RuntimeWarning, match="injected"):
+            records = recorder.to_records()
+    finally:
+        remove_nw_processor(unet)
+    pairs = recorder.skipped()["pairs"]
+    assert [(p["layer"], p["step"]) for p in pairs] == [(layers[0], steps[1])]
+    assert sorted({r["step"] for r in records if r["layer"] == layers[0]}) == [steps[0], steps[2]]
+    assert {r["layer"] for r in records} == set(layers)
+    unet, kwargs = _unet()
+    recorder = apply_nw_processor(unet, mode="observe", cfg=True, nulls=False, store_maps=True)
+    try:
+        with torch.no_grad():
+            unet(**kwargs)
+        assert recorder.pending is None or not recorder.pending.layers  # recorded in the layer
+        assert {r["layer"] for r in recorder.to_records()} == set(layers)
+    finally:
+        remove_nw_processor(unet)
