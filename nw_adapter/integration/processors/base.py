@@ -556,9 +556,7 @@ class NWProcessorBase:
         Pending statistics that are due (over ``config.deferred_mb``, or of an earlier call) are
         computed first, outside the rollback window."""
         rec = self.recorder
-        pending = rec.pending
-        if pending is not None and pending.due(ctx.state.call):
-            rec.settle()
+        self._settle_due(ctx)
         mark = rec.mark()
         try:
             if torch.is_grad_enabled():  # pipelines call the denoiser under no_grad already
@@ -581,12 +579,17 @@ class NWProcessorBase:
         """Queue this layer call for the flush; pending work that is due (over ``config.deferred_mb``,
         or of an earlier call) is done first, as :meth:`_record_safely` does."""
         rec = self.recorder
-        pending = rec.pending
-        if pending is None:
-            pending = rec.pending = DeferredStatistics(self.nw_config)
-        elif pending.due(ctx.state.call):
-            rec.settle()
-        pending.queue(self, ctx, attn, inputs, captured)
+        if rec.pending is None:
+            rec.pending = DeferredStatistics(self.nw_config)
+        self._settle_due(ctx)
+        rec.pending.queue(self, ctx, attn, inputs, captured)
+
+    def _settle_due(self, ctx: StepContext) -> None:
+        """Compute the pending work first when it is due: over ``config.deferred_mb``, or of a call
+        before the pass ``ctx``'s."""
+        pending = self.recorder.pending
+        if pending is not None and pending.due(ctx.state.call):
+            self.recorder.settle()
 
     def _record_queued(self, layer: LayerCall) -> None:
         """Record a queued layer call at the flush, as :meth:`_record_safely` does in the layer, from
