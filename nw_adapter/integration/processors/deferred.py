@@ -98,7 +98,6 @@ class LayerCall:
     attn: Any
     inputs: Any
     captured: dict
-    nbytes: int
 
 
 @dataclass
@@ -131,7 +130,7 @@ class DeferredStatistics:
             for t in outputs
             if isinstance(t, torch.Tensor)  # what the taps captured (swap's groups are not)
         )
-        self.layers.append(LayerCall(processor, ctx, attn, inputs, captured, size))
+        self.layers.append(LayerCall(processor, ctx, attn, inputs, captured))
         self.nbytes += size
         self.call = ctx.state.call
 
