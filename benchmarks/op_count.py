@@ -66,13 +66,20 @@ def _never_settled(writer: EagerWriter, new: torch.Tensor, old: torch.Tensor, to
     return False
 
 
+def _never_accumulates(writer: EagerWriter, x: torch.Tensor, size: int) -> bool:
+    """``EagerWriter.accumulates`` as on a GPU: never (a sum over the keys is one ``vecdot``)."""
+    return False
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten operations dispatched while active; views and metadata-only ops excluded.
 
     It counts what a GPU dispatches (``as_gpu``, the default): while active, the statistics'
-    CPU-only early stop of the bandwidth fit (``EagerWriter.settled``, a host read that costs
-    nothing on the CPU) is off, so every Newton step is counted, as on a device, and the count does
-    not depend on the data. ``as_gpu=False`` counts what the CPU dispatches.
+    CPU-only choices are off: the early stop of the bandwidth fit (``EagerWriter.settled``, a host
+    read that costs nothing on the CPU), so every Newton step is counted, as on a device, and the
+    count does not depend on the data; and the sums over a few keys accumulated key by key
+    (``EagerWriter.accumulates``: less memory traffic on a CPU, more launches on a GPU), so each is
+    one ``vecdot``. ``as_gpu=False`` counts what the CPU dispatches.
     """
 
     def __init__(self, as_gpu: bool = True) -> None:
@@ -83,8 +90,9 @@ class OpCounter(TorchDispatchMode):
 
     def __enter__(self) -> OpCounter:
         if self.as_gpu:
-            self._settled = EagerWriter.__dict__["settled"]
+            self._settled = EagerWriter.__dict__["settled"], EagerWriter.__dict__["accumulates"]
             EagerWriter.settled = _never_settled  # type: ignore[method-assign]
+            EagerWriter.accumulates = _never_accumulates  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -92,7 +100,7 @@ class OpCounter(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             if self._settled is not None:
-                EagerWriter.settled = self._settled  # type: ignore[method-assign]
+                EagerWriter.settled, EagerWriter.accumulates = self._settled  # type: ignore[method-assign]
                 self._settled = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204

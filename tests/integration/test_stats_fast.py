@@ -118,3 +118,24 @@ def test_statistics_run_with_full_float32_matmuls_and_restore_the_setting(monkey
     assert seen == ["highest", "highest"]
 
 
+def test_sums_over_the_keys_accumulated_on_a_cpu_equal_one_vecdot_each(monkeypatch):
+    """On a CPU the sums over a few keys are accumulated key by key (less memory traffic); a GPU
+    takes one ``vecdot`` each. Both give the same statistics; the control: every sum through the
+    accumulation with one key left out changes them."""
+    from nw_adapter.integration.stats import workspace
+
+    q, k, draws = _data(3)
+    accumulated, _ = layer_statistics(q, k, 1.2, 0.25, None, draws, halves=2)
+    monkeypatch.setattr(workspace.EagerWriter, "accumulates", lambda self, x, size: False)
+    one_vecdot, _ = layer_statistics(q, k, 1.2, 0.25, None, draws, halves=2)
+    torch.testing.assert_close(accumulated, one_vecdot, rtol=1e-5, atol=1e-6, equal_nan=True)
+    monkeypatch.setattr(workspace.EagerWriter, "accumulates", lambda self, x, size: True)
+    original = workspace.EagerWriter.vecdot
+
+    def short(self, out, x, y, dim):  # the last key left out of every sum
+        size = x.shape[dim] - 1
+        return original(self, out, x.narrow(dim, 0, size), y.narrow(dim, 0, size), dim)
+
+    monkeypatch.setattr(workspace.EagerWriter, "vecdot", short)
+    broken, _ = layer_statistics(q, k, 1.2, 0.25, None, draws, halves=2)
+    assert not torch.allclose(broken, accumulated, equal_nan=True)

@@ -379,8 +379,8 @@ def _pooled_rank_correlations(
     ranks = ranked[..., : len(PAIR) * r].view(b, nh, m, len(PAIR), r)
     gram = w.workspace("rank gram", (b, nh, len(GRAM), rows), device)
     # the observed and norm-matched rows: (a.a, a.b) in one product, b.b in another
-    w.write(gram[:, :, GRAM.slice("aa", "ab"), :r], torch.linalg.vecdot, ranks, ranks[:, :, :, :1], dim=2)
-    w.write(gram[:, :, GRAM["bb"], :r], torch.linalg.vecdot, ranks[:, :, :, 1], ranks[:, :, :, 1], dim=2)
+    w.vecdot(gram[:, :, GRAM.slice("aa", "ab"), :r], ranks, ranks[:, :, :, :1], dim=2)
+    w.vecdot(gram[:, :, GRAM["bb"], :r], ranks[:, :, :, 1], ranks[:, :, :, 1], dim=2)
     if n0:
         observed, row_gram = ranks[..., :n], gram[..., :n]  # the nulls' rows: [B, H, M, 2, n0], [B, H, 4, n0]
         if scores.rows is not None:
@@ -390,10 +390,10 @@ def _pooled_rank_correlations(
         spread, perm_block = slice(r, r + n0), slice(r + n0, r + 2 * n0)
         nulls_aa = gram[:, :, GRAM["aa"], r:].view(b, nh, 2, n0)  # both null blocks: the row's G_aa
         nulls_aa.copy_(row_gram[:, :, GRAM["aa"], None])
-        w.write(gram[:, :, GRAM["ab"], spread], torch.linalg.vecdot, attn, spread_nw, dim=2)
-        w.write(gram[:, :, GRAM["bb"], spread], torch.linalg.vecdot, spread_nw, spread_nw, dim=2)
+        w.vecdot(gram[:, :, GRAM["ab"], spread], attn, spread_nw, dim=2)
+        w.vecdot(gram[:, :, GRAM["bb"], spread], spread_nw, spread_nw, dim=2)
         permuted = torch.gather(attn, 2, scores.perm)
-        w.write(gram[:, :, GRAM["ab"], perm_block], torch.linalg.vecdot, permuted, nw, dim=2)
+        w.vecdot(gram[:, :, GRAM["ab"], perm_block], permuted, nw, dim=2)
         gram[:, :, GRAM["bb"], perm_block].copy_(row_gram[:, :, GRAM["bb"]])
     aa, bb = gram[:, :, GRAM["aa"]], gram[:, :, GRAM["bb"]]
     w.write(gram[:, :, GRAM["aa*bb"]], torch.mul, aa, bb)  # 0: a constant row
@@ -444,6 +444,7 @@ def _weights_and_row_features(
         w.write(centred, torch.sub, weights, inv_count).mul_(weight)
     top = _first_peak(w, observed)  # [B, H, 2, N]
     w.write(feats[:, :, ROW["top1"]], torch.eq, top[:, :, PAIR["attn"]], top[:, :, PAIR["nw"]])
+
     def rows(names: tuple[str, ...]) -> torch.Tensor:  # [B, H, M, P, N]: the named rows, a view
         if names == ("lAW",):
             return l_aw[:, :, :, None]
@@ -454,7 +455,7 @@ def _weights_and_row_features(
         out = feats[:, :, ROW.slice(*names)]  # [B, H, P Q, N] (outer) or [B, H, P, N]
         if outer:
             x, y, out = x[:, :, :, :, None], y[:, :, :, None], out.unflatten(2, (len(left), len(right)))
-        w.write(out, torch.linalg.vecdot, x, y, dim=2)
+        w.vecdot(out, x, y, dim=2)
     w.write(feats[:, :, ROW.slice("1/a.a", "1/b.b")], torch.reciprocal, feats[:, :, ROW.slice("a.a", "b.b")])
     if valid_keys is None:  # the mean square of the centred row (torch.std over 4-16 keys is slower)
         centred_qk = torch.sub(qk, qk.mean(2, keepdim=True)).square_()
@@ -470,15 +471,15 @@ def _weights_and_row_features(
 def _first_peak(w: EagerWriter, scores: torch.Tensor) -> torch.Tensor:
     """``M - argmax`` over the keys (dim 2) of ``scores [B, H, M, ...]``: M minus the index of the first
     key at the maximum, from two ``amax`` reductions (an ``argmax`` over a non-last dimension is
-    several times slower on a CPU); 0 where the keys hold a NaN (no maximum)."""
+    several times slower on a CPU): ``max_i (M - i) [x_i = max x]``; 0 where the keys hold a NaN
+    (no maximum)."""
     m = scores.shape[2]
     countdown = w.constant(
         ("countdown", m, scores.dim(), scores.device),
         lambda: f32(range(m, 0, -1), scores.device).view(1, 1, m, *[1] * (scores.dim() - 3)),
     )
     at_peak = torch.eq(scores, scores.amax(2, keepdim=True))
-    zero = w.constant(("zero", scores.device), lambda: f32(0.0, scores.device))
-    return torch.where(at_peak, countdown, zero).amax(2)  # (bool * float would convert a copy first)
+    return torch.mul(at_peak, countdown).amax(2)  # 1/3 of the CPU time of where(at_peak, countdown, 0)
 
 
 def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float) -> torch.Tensor:

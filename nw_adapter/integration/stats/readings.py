@@ -106,7 +106,8 @@ def write_readings(
     w.write(out["kl_key_prior"], torch.sub, mean_neg_entropy, prior).clamp_min_(0.0)
 
     g = masked[:, :, :, 1]  # [B, H, M, N], padding keys very negative
-    target = torch.linalg.vecdot(attn, g, dim=2)  # E_A[G] per row [B, H, N]
+    targets = w.workspace("fit targets", tuple(neg_entropy.shape), g.device)
+    target = w.vecdot(targets, attn, g, dim=2)  # E_A[G] per row [B, H, N]
     shifted = g - target[:, :, None]  # G'_j = G_j - t_j (padding keys stay very negative)
     count = fit_count(n, fit_rows)
     rows = None
@@ -262,7 +263,7 @@ def _moments(
     ones), ``p = softmax(beta G')`` over the keys of the keys-major ``logits [B, H, M, n]``;
     ``powers [B, H, 2, M, n]``. Returns ``out``."""
     p = torch.softmax(logits * beta[..., None, None], -2)  # [B, H, M, n]
-    w.write(out[:, :, 1:], torch.linalg.vecdot, powers, p[:, :, None], dim=-2)
+    w.vecdot(out[:, :, 1:], powers, p[:, :, None], dim=-2)
     return out
 
 
