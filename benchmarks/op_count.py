@@ -66,8 +66,9 @@ def _never_settled(writer: EagerWriter, new: torch.Tensor, old: torch.Tensor, to
     return False
 
 
-def _never_accumulates(writer: EagerWriter, x: torch.Tensor, size: int) -> bool:
-    """``EagerWriter.accumulates`` as on a GPU: never (a sum over the keys is one ``vecdot``)."""
+def _never_on_cpu(writer: EagerWriter, x: torch.Tensor) -> bool:
+    """``EagerWriter.on_cpu`` as on a GPU: never (a sum over the keys is one ``vecdot``, the keys
+    are shuffled by the argsort of their noise)."""
     return False
 
 
@@ -77,9 +78,10 @@ class OpCounter(TorchDispatchMode):
     It counts what a GPU dispatches (``as_gpu``, the default): while active, the statistics'
     CPU-only choices are off: the early stop of the bandwidth fit (``EagerWriter.settled``, a host
     read that costs nothing on the CPU), so every Newton step is counted, as on a device, and the
-    count does not depend on the data; and the sums over a few keys accumulated key by key
-    (``EagerWriter.accumulates``: less memory traffic on a CPU, more launches on a GPU), so each is
-    one ``vecdot``. ``as_gpu=False`` counts what the CPU dispatches.
+    count does not depend on the data; and the ops chosen for a CPU (``EagerWriter.on_cpu``: the
+    sums over a few keys accumulated key by key, the permutation null's keys shuffled by their
+    noise's places; less memory traffic and CPU time, more launches on a GPU), so a sum over the keys is
+    one ``vecdot`` and the shuffle an argsort. ``as_gpu=False`` counts what the CPU dispatches.
     """
 
     def __init__(self, as_gpu: bool = True) -> None:
@@ -90,9 +92,9 @@ class OpCounter(TorchDispatchMode):
 
     def __enter__(self) -> OpCounter:
         if self.as_gpu:
-            self._settled = EagerWriter.__dict__["settled"], EagerWriter.__dict__["accumulates"]
+            self._settled = EagerWriter.__dict__["settled"], EagerWriter.__dict__["on_cpu"]
             EagerWriter.settled = _never_settled  # type: ignore[method-assign]
-            EagerWriter.accumulates = _never_accumulates  # type: ignore[method-assign]
+            EagerWriter.on_cpu = _never_on_cpu  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -100,7 +102,7 @@ class OpCounter(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             if self._settled is not None:
-                EagerWriter.settled, EagerWriter.accumulates = self._settled  # type: ignore[method-assign]
+                EagerWriter.settled, EagerWriter.on_cpu = self._settled  # type: ignore[method-assign]
                 self._settled = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204

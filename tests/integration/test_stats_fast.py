@@ -118,18 +118,19 @@ def test_statistics_run_with_full_float32_matmuls_and_restore_the_setting(monkey
     assert seen == ["highest", "highest"]
 
 
-def test_sums_over_the_keys_accumulated_on_a_cpu_equal_one_vecdot_each(monkeypatch):
-    """On a CPU the sums over a few keys are accumulated key by key (less memory traffic); a GPU
-    takes one ``vecdot`` each. Both give the same statistics; the control: every sum through the
+def test_the_cpu_choices_give_the_statistics_of_the_gpu_ones(monkeypatch):
+    """On a CPU the sums over a few keys are accumulated key by key (less memory traffic) and the
+    permutation null's keys are shuffled by their noise's places; a GPU takes one ``vecdot`` each
+    and the argsort. Both give the same statistics; the control: every sum through the
     accumulation with one key left out changes them."""
     from nw_adapter.integration.stats import workspace
 
     q, k, draws = _data(3)
     accumulated, _ = layer_statistics(q, k, 1.2, 0.25, None, draws, halves=2)
-    monkeypatch.setattr(workspace.EagerWriter, "accumulates", lambda self, x, size: False)
+    monkeypatch.setattr(workspace.EagerWriter, "on_cpu", lambda self, x: False)  # as on a GPU
     one_vecdot, _ = layer_statistics(q, k, 1.2, 0.25, None, draws, halves=2)
     torch.testing.assert_close(accumulated, one_vecdot, rtol=1e-5, atol=1e-6, equal_nan=True)
-    monkeypatch.setattr(workspace.EagerWriter, "accumulates", lambda self, x, size: True)
+    monkeypatch.setattr(workspace.EagerWriter, "on_cpu", lambda self, x: True)
     original = workspace.EagerWriter.vecdot
 
     def short(self, out, x, y, dim):  # the last key left out of every sum
@@ -139,3 +140,25 @@ def test_sums_over_the_keys_accumulated_on_a_cpu_equal_one_vecdot_each(monkeypat
     monkeypatch.setattr(workspace.EagerWriter, "vecdot", short)
     broken, _ = layer_statistics(q, k, 1.2, 0.25, None, draws, halves=2)
     assert not torch.allclose(broken, accumulated, equal_nan=True)
+
+
+def test_the_key_shuffle_by_noise_places_is_the_argsort_permutation_ties_included():
+    """The permutation null's shuffle by each key's place in the noise order (eager, no mask) moves
+    every key where the argsort of the noise sends it; tied noise (which a float draw can give)
+    still makes a permutation, the stable argsort's. The control: the places read in the wrong
+    direction (descending) do not."""
+    from nw_adapter.integration.stats.fast import KeyShuffle, _noise_places
+    from nw_adapter.integration.stats.workspace import EagerWriter
+
+    g = torch.Generator().manual_seed(5)
+    noise = torch.randn(3, 2, 50, 6, generator=g)  # [B, H, n0, M]
+    noise[0, 0, :10, 3] = noise[0, 0, :10, 1]  # ties
+    noise[1, 1, :5, :] = 0.25  # a row of equal noise
+    x = torch.randn(3, 2, 6, 50, generator=g)  # keys-major [B, H, M, n0]
+    places = _noise_places(EagerWriter(), noise.transpose(-1, -2).contiguous())
+    by_places = KeyShuffle(places, slots=True).apply(x)
+    by_argsort = KeyShuffle(noise.argsort(dim=-1, stable=True).transpose(-1, -2), slots=False).apply(x)
+    assert torch.equal(by_places, by_argsort)
+    assert torch.equal(by_places.sort(2).values, x.sort(2).values)  # a permutation of each row's keys
+    reversed_places = KeyShuffle(places.shape[2] - 1 - places, slots=True).apply(x)
+    assert not torch.equal(reversed_places, by_argsort)

@@ -115,10 +115,15 @@ class EagerWriter:
             out.addcmul_(xs[i if len(xs) > 1 else 0], ys[i if len(ys) > 1 else 0])
         return out
 
+    def on_cpu(self, x: torch.Tensor) -> bool:
+        """Whether the CPU's choices apply to ``x``: more, cheaper ops where a GPU, launch-bound,
+        takes fewer (:meth:`vecdot`, the permutation null's key shuffle)."""
+        return x.device.type == "cpu"
+
     def accumulates(self, x: torch.Tensor, size: int) -> bool:
         """Whether :meth:`vecdot` accumulates a sum over ``size`` entries of ``x`` entry by entry: on
         a CPU, up to :data:`ACCUMULATE_UP_TO` entries (a GPU is launch-bound: one ``vecdot``)."""
-        return x.device.type == "cpu" and size <= ACCUMULATE_UP_TO
+        return self.on_cpu(x) and size <= ACCUMULATE_UP_TO
 
     def settled(self, new: torch.Tensor, old: torch.Tensor, tolerance: float) -> bool:
         """Whether every element of an iteration moved by at most ``tolerance`` relative,
