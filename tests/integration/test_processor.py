@@ -265,7 +265,14 @@ def test_statistics_match_brute_force(rule):
     attn, stock = _attention(), _stock()
     x, text, ip = _inputs()
     rec = _install(
-        attn, stock, bandwidth=rule, cfg=True, store_maps=True, map_dtype="float32", seed=3, schedule_c=0.5,
+        attn,
+        stock,
+        bandwidth=rule,
+        cfg=True,
+        store_maps=True,
+        map_dtype="float32",
+        seed=3,
+        schedule_c=0.5,
         null_rows=10,
     )
     rec.begin_step(call=0, step=0, timestep=torch.tensor(500), alpha=0.6, sigma=0.8)
@@ -380,6 +387,38 @@ def test_statistics_option():
     rec = _install(attn, stock, mode="swap", statistics=True)
     attn(x, (text, ip))
     assert len(rec.to_records()) == 2 * HEADS
+
+
+def test_swap_records_the_statistics_of_its_own_keys_as_observe_does(monkeypatch):
+    """Swap with statistics=True records every adapter's softmax from the keys its NW branch
+    projected (no IP mask: no group objects, the keys kept per adapter), equal to observe's of the
+    same call (same queries, same key projections). The control: swap's kept keys scaled by 2 (a
+    change of key scale) change what it records."""
+    from nw_adapter.integration.processors import unet
+
+    attn, stock = _attention(), _stock()
+    x, text, ip = _inputs()
+    names = [n for n in STAT_NAMES if n not in NULL_STATS]
+
+    def records(mode):
+        rec = _install(attn, stock, mode=mode, statistics=True, nulls=False, bandwidth=1.5)
+        with torch.no_grad():
+            attn(x, (text, ip))
+        return [[r[n] for n in names] for r in rec.to_records()]
+
+    observed, swapped = records("observe"), records("swap")
+    assert len(swapped) == len(observed) == 2 * HEADS  # two adapters, one (pooled) half
+    torch.testing.assert_close(
+        torch.tensor(swapped), torch.tensor(observed), rtol=1e-4, atol=1e-5, equal_nan=True
+    )
+    original = unet._UNetNWProcessor._image_key
+
+    def scaled(self, attn, g, captured, batch):
+        key = original(self, attn, g, captured, batch)
+        return key * 2.0 if "swap keys" in captured else key
+
+    monkeypatch.setattr(unet._UNetNWProcessor, "_image_key", scaled)
+    assert not torch.allclose(torch.tensor(records("swap")), torch.tensor(observed), equal_nan=True)
 
 
 def test_nulls_and_seed_options():
