@@ -411,13 +411,14 @@ def test_swap_records_the_statistics_of_its_own_keys_as_observe_does(monkeypatch
     torch.testing.assert_close(
         torch.tensor(swapped), torch.tensor(observed), rtol=1e-4, atol=1e-5, equal_nan=True
     )
-    original = unet._UNetNWProcessor._image_key
+    original = unet._UNetNWProcessor._swap
 
-    def scaled(self, attn, g, captured, batch):
-        key = original(self, attn, g, captured, batch)
-        return key * 2.0 if "swap keys" in captured else key
+    def scaled(self, ctx, attn, inputs, captured, hidden):  # the kept keys scaled after the branch
+        out = original(self, ctx, attn, inputs, captured, hidden)
+        captured["swap keys"] = {j: k * 2.0 for j, k in captured["swap keys"].items()}
+        return out
 
-    monkeypatch.setattr(unet._UNetNWProcessor, "_image_key", scaled)
+    monkeypatch.setattr(unet._UNetNWProcessor, "_swap", scaled)
     assert not torch.allclose(torch.tensor(records("swap")), torch.tensor(observed), equal_nan=True)
 
 

@@ -579,10 +579,12 @@ class NWProcessorBase:
         """Queue this layer call for the flush; pending work that is due (over ``config.deferred_mb``,
         or of an earlier call) is done first, as :meth:`_record_safely` does."""
         rec = self.recorder
-        if rec.pending is None:
-            rec.pending = DeferredStatistics(self.nw_config)
-        self._settle_due(ctx)
-        rec.pending.queue(self, ctx, attn, inputs, captured)
+        pending = rec.pending
+        if pending is None:
+            pending = rec.pending = DeferredStatistics(self.nw_config)
+        elif pending.due(ctx.state.call):  # as _settle_due
+            rec.settle()
+        pending.queue(self, ctx, attn, inputs, captured)
 
     def _settle_due(self, ctx: StepContext) -> None:
         """Compute the pending work first when it is due: over ``config.deferred_mb``, or of a call

@@ -226,8 +226,10 @@ class _UNetNWProcessor(NWProcessorBase):
         q = self._pick(split_heads(q_raw, attn.heads), heads, attn.heads)
         s = self.attention_scale(attn, q.shape[-1])
         masks, scales = inputs.masks, inputs.scales
-        groups = captured.get("groups") or self._groups(inputs.ip_hidden_states, masks, scales, batch)
         control = self._untrained_wanted()
+        if control is None and "groups" not in captured and not any(m is not None for m in masks):
+            return self._unmasked_softmaxes(attn, inputs, captured, q, s, heads)
+        groups = captured.get("groups") or self._groups(inputs.ip_hidden_states, masks, scales, batch)
         # per draw, the untrained states grouped as the trained branch groups its own
         per_draw = [] if control is None else [
             self._groups(control.projected(d).states, masks, scales, batch) for d in range(control.draws)
@@ -243,6 +245,33 @@ class _UNetNWProcessor(NWProcessorBase):
             softmaxes.append(Softmax(
                 q, k, s, g.scale, adapter=g.adapter, image=g.image, maps=True, control_keys=keys0,
                 references=g.references,
+            ))  # fmt: skip
+        return softmaxes
+
+    def _unmasked_softmaxes(
+        self, attn: Attention, inputs: UNetInputs, captured: dict, q: torch.Tensor, s: float,
+        heads: tuple[int, ...],
+    ) -> list[Softmax]:  # fmt: skip
+        """:meth:`_softmaxes` without IP masks and without the control: one softmax per adapter, its
+        keys swap's or the stock branch's (the taps'), else (the stock branch skipped an adapter of
+        scale 0) projected here; no group objects (the common case, per layer call at the flush)."""
+        batch, softmaxes = q.shape[0], []
+        swapped = captured.get("swap keys", {})
+        for j, (states, scale) in enumerate(zip(inputs.ip_hidden_states, inputs.scales, strict=False)):
+            outputs = captured.get(_K_IP_TAPS[j] if j < len(_K_IP_TAPS) else f"to_k_ip.{j}", ())
+            if j in swapped:
+                k = swapped[j]
+            elif outputs:  # [B', (images,) M', H*d]: folded to [batch, M, H*d]
+                key = outputs[0]
+                key = key if key.dim() == 3 and key.shape[0] == batch else key.view(batch, -1, key.shape[-1])
+                k = split_heads(key, attn.heads)
+            else:  # the stock branch skipped this adapter (scale 0): projected here
+                k = split_heads(self.to_k_ip[j](states.reshape(batch, -1, states.shape[-1])), attn.heads)
+            pooled = states.numel() // (batch * states.shape[-1])  # the folded states' M
+            tokens = states.shape[-2] if states.dim() == 4 else pooled
+            softmaxes.append(Softmax(
+                q, self._pick(k, heads, attn.heads), s, scale, adapter=j, image=0, maps=True,
+                references=pooled // tokens,
             ))  # fmt: skip
         return softmaxes
 
