@@ -91,9 +91,12 @@ def test_head_agrees_with_the_general_attention_and_broadcasts() -> None:
     q, k, v, h = make_case("standard")
     torch.testing.assert_close(gaussian_kernel_head(q, k, v, h), gaussian_kernel_attention(q, k, v, h))
     # shared keys [m, d] against [B, H, n, d] queries; bandwidth per (batch, head)
-    h_bh = torch.rand(2, 3) + 0.5
+    h_bh = torch.rand(2, 3, generator=torch.Generator().manual_seed(0)) + 0.5
     out = gaussian_kernel_head(q, k[0, 0], v[0, 0], h_bh)
-    torch.testing.assert_close(out[1, 2], gaussian_kernel_head(q[1, 2], k[0, 0], v[0, 0], float(h_bh[1, 2])))
+    # a tensor h and a float h take float32 paths of different op order: over 300 draws of h_bh the
+    # difference reached 2.7e-5 at values up to 3 (the default atol 1e-5 failed for some global seeds)
+    single = gaussian_kernel_head(q[1, 2], k[0, 0], v[0, 0], float(h_bh[1, 2]))
+    torch.testing.assert_close(out[1, 2], single, rtol=1.3e-6, atol=5e-5)
     # 2-D inputs, half-precision queries are upcast and the result is float32
     out = gaussian_kernel_head(q[0, 0].half(), k[0, 0], v[0, 0], 1.0)
     assert out.shape == (37, 5) and out.dtype == torch.float32
