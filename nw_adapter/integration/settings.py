@@ -43,6 +43,9 @@ SETTINGS: dict[str, str] = {
     "control": "the scale-matched control: on or off, its draws K and their seed (draw k is one "
     "untrained adapter for every reference only with the same seed)",
     "num_inference_steps": "the number of denoising steps: the noise level of each step index",
+    "start_step": "the step the call's loop began at (img2img and inpainting strength, SDXL "
+    "denoising_start): the latents of every later step come from a noised input, not pure noise, "
+    "and the means over steps average the steps from there",
     "scheduler": "the scheduler's class and configuration: its timesteps and noise levels",
     "guidance_scale": "the classifier-free guidance scale: the latents the queries come from",
     "ip_adapter_scale": "the IP-Adapter scale(s) of the recorded layers: the image branch's weight",
@@ -133,7 +136,8 @@ def call_settings(pipe: Any, latent_hw: Sequence[int] | None) -> dict[str, Any]:
     Returns:
         ``num_inference_steps`` (the scheduler's, else the length of its timesteps),
         ``scheduler`` (class name and public configuration), ``guidance_scale`` and
-        ``resolution``; each None where the pipeline does not say.
+        ``resolution``; each None where the pipeline does not say (``start_step`` is the step
+        tracker's: :meth:`~nw_adapter.integration.steps.StepTracker.call_settings_of`).
     """
     scheduler = getattr(pipe, "scheduler", None)
     steps = _number(getattr(scheduler, "num_inference_steps", None))

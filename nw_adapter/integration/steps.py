@@ -34,9 +34,10 @@ How (see :meth:`StepTracker.attach`):
   when the records are read after the call (no host copy during a call):
   :meth:`StepTracker.input_digest_of`, the records'
   ``input_digest``, by which the verdict counts one reference content once.
-- **Call settings.** At the same forward, the call's number of steps, scheduler, guidance scale
-  and latent size are read (:func:`~nw_adapter.integration.settings.call_settings`,
-  :meth:`StepTracker.call_settings_of`): part of the records' settings digest.
+- **Call settings.** At the same forward, the call's number of steps, scheduler, guidance scale,
+  latent size and first step (its step index: > 0 for ``strength < 1``) are read
+  (:func:`~nw_adapter.integration.settings.call_settings`, :meth:`StepTracker.call_settings_of`):
+  part of the records' settings digest.
 - **Timestep conventions.** The timestep is read from the keyword ``timestep`` or the
   forward's positional parameter of that name, times ``timestep_scale`` (1000 for Flux, whose
   pipeline passes ``timestep / 1000``), so labels are in ``scheduler.timesteps`` units.
@@ -311,7 +312,10 @@ class StepTracker:
         )
         if new_call:  # once per call: the settings that change what its readings mean
             try:
-                self._call_settings[self.state.call] = call_settings(self.pipe, hw)
+                settings = call_settings(self.pipe, hw)
+                # the step the loop began at, where the scheduler's table tells it (strength < 1)
+                settings["start_step"] = self.state.step if index is not None else None
+                self._call_settings[self.state.call] = settings
             except Exception:  # noqa: BLE001 - an unreadable setting only means "settings unknown"
                 self._call_settings.pop(self.state.call, None)
         if new_call:  # once per call: the reference's content, for the verdict's units (hashed later)
@@ -327,7 +331,9 @@ class StepTracker:
 
     def call_settings_of(self, call: int) -> dict[str, Any]:
         """The settings ``call`` began with (:func:`~nw_adapter.integration.settings.call_settings`:
-        steps, scheduler, guidance, resolution); empty when the call was not tracked (no pipeline)."""
+        steps, scheduler, guidance, resolution; and ``start_step``, the step index of its first
+        forward where the scheduler's table gives it, else None); empty when the call was not
+        tracked (no pipeline)."""
         return dict(self._call_settings.get(call, {}))
 
     def input_digest_of(self, call: int) -> str | None:

@@ -99,6 +99,30 @@ def test_img2img(sd15):
     assert min(r["step"] for r in rec.to_records()) == 2
 
 
+def test_img2img_strength_is_a_setting_of_the_records(sd15):
+    """Two img2img calls of another strength (4 steps: the loop begins at step 2 or at step 0) are
+    different settings, named ``start_step`` and nothing else; two calls of the same strength over
+    different input images are one setting."""
+    from nw_adapter.integration.settings import SETTINGS_FIELD, differing_settings
+
+    pipe = StableDiffusionImg2ImgPipeline.from_pipe(sd15)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    digests = []
+    with nw_processor(pipe, mode="observe", nulls=False, readings=False) as rec:
+        for image, strength in ((7, 0.5), (8, 0.5), (7, 1.0)):
+            _call(pipe, image=random_image(image), strength=strength, num_inference_steps=4)
+        records = rec.to_records()
+    for call in range(3):
+        of_call = {r[SETTINGS_FIELD] for r in records if r["call"] == call}
+        assert len(of_call) == 1
+        digests.append(of_call.pop())
+    assert [min(r["step"] for r in records if r["call"] == c) for c in range(3)] == [2, 2, 0]
+    assert digests[0] == digests[1]
+    assert differing_settings([digests[0], digests[2]]) == ["start_step"]
+    assert rec.tracker.call_settings_of(0)["start_step"] == 2
+    assert rec.tracker.call_settings_of(2)["start_step"] == 0
+
+
 def test_inpainting(sd15):
     pipe = StableDiffusionInpaintPipeline.from_pipe(sd15)
     mask = np.zeros((SIZE, SIZE), dtype="uint8")
