@@ -125,19 +125,22 @@ def _number(value: Any) -> float | int | None:
     return number if isinstance(number, int | float) and not isinstance(number, bool) else None
 
 
-def call_settings(pipe: Any, latent_hw: Sequence[int] | None) -> dict[str, Any]:
+def call_settings(
+    pipe: Any, latent_hw: Sequence[int] | None, start_step: int | None = None
+) -> dict[str, Any]:
     """The settings of :data:`SETTINGS` a pipeline call fixes, read once when the call begins.
 
     Args:
         pipe: the pipeline (its ``scheduler`` after ``set_timesteps``, its ``guidance_scale``
             while the call runs); None: nothing is known.
         latent_hw: the latents' height and width at the call's first denoiser forward.
+        start_step: the step index of that forward in ``scheduler.timesteps`` (> 0 for
+            ``strength < 1``); None where the scheduler's table does not give it.
 
     Returns:
         ``num_inference_steps`` (the scheduler's, else the length of its timesteps),
         ``scheduler`` (class name and public configuration), ``guidance_scale`` and
-        ``resolution``; each None where the pipeline does not say (``start_step`` is the step
-        tracker's: :meth:`~nw_adapter.integration.steps.StepTracker.call_settings_of`).
+        ``resolution`` and ``start_step``; each None where the pipeline does not say.
     """
     scheduler = getattr(pipe, "scheduler", None)
     steps = _number(getattr(scheduler, "num_inference_steps", None))
@@ -160,6 +163,7 @@ def call_settings(pipe: Any, latent_hw: Sequence[int] | None) -> dict[str, Any]:
         "scheduler": described,
         "guidance_scale": guidance,
         "resolution": None if latent_hw is None else [int(x) for x in latent_hw],
+        "start_step": start_step,
     }
 
 

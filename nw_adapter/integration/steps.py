@@ -312,10 +312,8 @@ class StepTracker:
         )
         if new_call:  # once per call: the settings that change what its readings mean
             try:
-                settings = call_settings(self.pipe, hw)
-                # the step the loop began at, where the scheduler's table tells it (strength < 1)
-                settings["start_step"] = self.state.step if index is not None else None
-                self._call_settings[self.state.call] = settings
+                start = self.state.step if index is not None else None  # from the scheduler's table
+                self._call_settings[self.state.call] = call_settings(self.pipe, hw, start)
             except Exception:  # noqa: BLE001 - an unreadable setting only means "settings unknown"
                 self._call_settings.pop(self.state.call, None)
         if new_call:  # once per call: the reference's content, for the verdict's units (hashed later)
