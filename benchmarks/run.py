@@ -320,9 +320,8 @@ def floor_verdict(cases: Sequence[dict[str, Any]], target: float) -> str:
     basis = "CPU time" if key == "x_floor_cpu" else "time"
     if not missed:
         return f"target: nw_mean <= {target}x the roofline floor ({basis}); measured: within it at every size"
-    return (
-        f"target: nw_mean <= {target}x the roofline floor ({basis}); measured above it at "
-        + ", ".join(missed)
+    return f"target: nw_mean <= {target}x the roofline floor ({basis}); measured above it at " + ", ".join(
+        missed
     )
 
 

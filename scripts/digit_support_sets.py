@@ -1,7 +1,7 @@
 """Write support sets of held-out digits, one subfolder per set, for ``correlate.py --support-dir``.
 
-    $ python scripts/digit_support_sets.py sets/ --sizes 1,2,4 --per-group 10
-    $ python scripts/correlate.py --model tiny --support-dir sets/ --steps 20 --out support_out
+$ python scripts/digit_support_sets.py sets/ --sizes 1,2,4 --per-group 10
+$ python scripts/correlate.py --model tiny --support-dir sets/ --steps 20 --out support_out
 """
 
 from __future__ import annotations

@@ -119,7 +119,13 @@ def quality(model_dir: Path, out: Path, *, true_cfg_scale: float, limit: int | N
         for ip_scale in IP_SCALES:
             result, row = _timed(
                 lambda size=size, ip_scale=ip_scale: measure_support_agreement(
-                    pipe, judge, references, size, ip_scale=ip_scale, steps=STEPS, call_kwargs=call,
+                    pipe,
+                    judge,
+                    references,
+                    size,
+                    ip_scale=ip_scale,
+                    steps=STEPS,
+                    call_kwargs=call,
                     limit=limit,
                 )
             )

@@ -30,15 +30,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     return run_experiments(
         [
-            "--out", args.out,
-            "--scale", "paper",
-            "--device", args.device,
-            "--regimes", "dims",
-            "--dims", "2,16",
-            "--seeds", "1",
-            "--steps", args.steps,
-            "--workers", args.workers,
-            "--threads", "4",
+            "--out",
+            args.out,
+            "--scale",
+            "paper",
+            "--device",
+            args.device,
+            "--regimes",
+            "dims",
+            "--dims",
+            "2,16",
+            "--seeds",
+            "1",
+            "--steps",
+            args.steps,
+            "--workers",
+            args.workers,
+            "--threads",
+            "4",
             "--no-progress",
         ]  # fmt: skip
     )

@@ -281,8 +281,15 @@ def head_sets(seeds: int = 2) -> list[tuple[str, list[dict]]]:
     for i, label in enumerate(("dims d=2", "dims d=16", "shells d=8", "shells d=32")):
         means = {"rho_head": 0.8, "rho_data": 0.6 + 0.1 * i}
         means |= {"untrained_rho_head": 0.7, "untrained_rho_data": 0.01}
-        rows.append((label, [{"t": t, "seeds": seeds, **means, **{f"{k}_ci": ci(v) for k, v in means.items()}}
-                             for t in ts]))
+        rows.append(
+            (
+                label,
+                [
+                    {"t": t, "seeds": seeds, **means, **{f"{k}_ci": ci(v) for k, v in means.items()}}
+                    for t in ts
+                ],
+            )
+        )
     return rows  # fmt: skip
 
 

@@ -460,8 +460,14 @@ class NWVelocityField:
             )
         if not per_sample:
             return nw_mean(
-                x, a * s, b, values=s, support_mask=self.support_mask,
-                form=self.form, chunk_size=self.chunk_size, validate=validate,
+                x,
+                a * s,
+                b,
+                values=s,
+                support_mask=self.support_mask,
+                form=self.form,
+                chunk_size=self.chunk_size,
+                validate=validate,
             )
         if t.shape != x.shape[:-1]:
             try:
@@ -474,8 +480,14 @@ class NWVelocityField:
         sup = a[..., None, None] * s[..., None, :, :]  # [..., n, m, d]
         mask = None if self.support_mask is None else self.support_mask[..., None, :]
         out = nw_mean(
-            x[..., None, :], sup, b, values=s[..., None, :, :], support_mask=mask,
-            form=self.form, chunk_size=self.chunk_size, validate=validate,
+            x[..., None, :],
+            sup,
+            b,
+            values=s[..., None, :, :],
+            support_mask=mask,
+            form=self.form,
+            chunk_size=self.chunk_size,
+            validate=validate,
         )
         return out[..., 0, :]
 

@@ -101,6 +101,7 @@ OFFLINE_MODELS: dict[str, str] = {
 """``--model`` names that need no download -> what they are: the trained tiny digits model
 (``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
 
+
 def _is_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 

@@ -61,4 +61,3 @@ def load_maps(path: str | os.PathLike) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return {name: np.asarray(array, dtype=np.float32) for name, array in load_file(str(path)).items()}
-

@@ -275,6 +275,7 @@ def is_image_output(name: str) -> bool:
     """Whether ``name`` is one of :data:`IMAGE_OUTPUT`'s."""
     return bool(IMAGE_OUTPUT.match(name))
 
+
 _PROBE = re.compile(rf"^{re.escape(PROBE_PREFIX)}[a-z0-9_]{{8}}$")
 
 

@@ -191,10 +191,11 @@ def attention_maps_figure(
     spread = max(float(np.abs(m - uniform).max()) for p in panels for m in (p.attn, p.nw)) or 1e-12
     diff_spread = max(float(np.abs(p.attn - p.nw).max()) for p in panels) or 1e-12
     title = (
-        f"reference {reference}: " if reference else ""
-    ) + f"image-branch attention A and NW weights W per image token, mean over " \
-        f"{counted(len(panels[0].layers), 'layer')} and the stored heads; one colour scale for every A and " \
+        (f"reference {reference}: " if reference else "")
+        + f"image-branch attention A and NW weights W per image token, mean over "
+        f"{counted(len(panels[0].layers), 'layer')} and the stored heads; one colour scale for every A and "
         "W panel, one for every A - NW"
+    )
     title = wrap_title(title, width - 0.2, 8)
     height = cell * len(steps) + 0.45 + 0.13 * title.count("\n") + 0.75
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -234,8 +235,13 @@ def attention_maps_figure(
     tokens = round(1 / uniform)
     middle_col = 1 + 2 * shown
     for mappable, where, centre, half_width, label in (
-        (weight_shown, grid[-1, 1:middle_col], uniform, spread,
-         f"A, NW: weight on the token\n(white = 1/{tokens}, an even share)"),
+        (
+            weight_shown,
+            grid[-1, 1:middle_col],
+            uniform,
+            spread,
+            f"A, NW: weight on the token\n(white = 1/{tokens}, an even share)",
+        ),
         (diff_shown, grid[-1, middle_col:], 0.0, diff_spread, "A - NW\n(white = 0, red: A above NW)"),
     ):
         bar = fig.colorbar(mappable, cax=fig.add_subplot(where), orientation="horizontal")
@@ -332,15 +338,31 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
         errors = None
         if n >= 2:
             errors = np.vstack([y - np.exp(stats[:, 1]), np.exp(stats[:, 2]) - y])
-        ax.errorbar(np.exp(xs), y, yerr=errors, color=color, marker=marker, markersize=2.5, linewidth=1.0,
-                    elinewidth=0.7, capsize=1.5, label=f"{label}: {counted(n, 'image')}{slope}")
+        ax.errorbar(
+            np.exp(xs),
+            y,
+            yerr=errors,
+            color=color,
+            marker=marker,
+            markersize=2.5,
+            linewidth=1.0,
+            elinewidth=0.7,
+            capsize=1.5,
+            label=f"{label}: {counted(n, 'image')}{slope}",
+        )
         if key == "log_logit_scale":
             centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
     if centre is not None:
         h_all = [x for rows in by_image.values() for _, x, _ in points(rows, "log_logit_scale")]
         grid = np.linspace(min(h_all), max(h_all), 50)
-        ax.plot(np.exp(grid), np.exp(centre[1] - 2.0 * (grid - centre[0])), color="0.3", linestyle=":",
-                linewidth=1.0, label="slope -2: an exact NW head (c / h^2)")
+        ax.plot(
+            np.exp(grid),
+            np.exp(centre[1] - 2.0 * (grid - centre[0])),
+            color="0.3",
+            linestyle=":",
+            linewidth=1.0,
+            label="slope -2: an exact NW head (c / h^2)",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=8)

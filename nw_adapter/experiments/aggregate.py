@@ -383,7 +383,9 @@ def paper_table(summary: dict) -> list[dict]:
                 "claim": f"exact-head benefit at d = {r['d']}",
                 "paper": f"{100 * paper:+.0f}%",
                 "project": _pct_ci_text(r["benefit"], r["benefit_ci"]),
-                "same": "yes" if fair else "no: OFF is not a fair baseline "
+                "same": "yes"
+                if fair
+                else "no: OFF is not a fair baseline "
                 f"(excess over plug-in {100 * r['fair']['excess']:+.0f}%)",
                 "reproduces": ("yes" if ok else "no") if fair else "no conclusion",
             }
@@ -413,9 +415,9 @@ def paper_table(summary: dict) -> list[dict]:
                 "same": "yes (our shell generator is a reconstruction)"
                 if r["fair"]["fair"]
                 else "no: learned is not a fair baseline",
-                "reproduces": "yes" if _inside(r["paper_ratio"], r["ratio_ci"]) else (
-                    "direction only" if lo > 1 else "no"
-                ),
+                "reproduces": "yes"
+                if _inside(r["paper_ratio"], r["ratio_ci"])
+                else ("direction only" if lo > 1 else "no"),
             }
         )
     shells = summary.get("shells", {}).get("rows", [])

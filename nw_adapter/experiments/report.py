@@ -66,8 +66,10 @@ def paper_lines(summary: dict) -> list[str]:
             "| paper | claim | project (95% interval) | same quantity? | reproduces? |",
             "|---|---|---|---|---|",
         ]
-        lines += [f"| {r['paper']} | {r['claim']} | {r['project']} | {r['same']} | {r['reproduces']} |"
-                  for r in rows]
+        lines += [
+            f"| {r['paper']} | {r['claim']} | {r['project']} | {r['same']} | {r['reproduces']} |"
+            for r in rows
+        ]
         lines.append("")
     cov = summary.get("coverage") or []
     if cov:
@@ -486,8 +488,16 @@ def _paper_points(ax, xs, values: dict, *, scale: float = 1.0, offset: float = 1
     """The paper's numbers as open squares at the same x (no line: they are not a series)."""
     kept = [(x, values[x]) for x in xs if values.get(x) is not None]
     if kept:
-        ax.plot([x * offset for x, _ in kept], [scale * v for _, v in kept], "s", mfc="none", color="k",
-                markersize=4, linestyle="None", label="paper")
+        ax.plot(
+            [x * offset for x, _ in kept],
+            [scale * v for _, v in kept],
+            "s",
+            mfc="none",
+            color="k",
+            markersize=4,
+            linestyle="None",
+            label="paper",
+        )
 
 
 def _legend_below(ax) -> None:
@@ -518,22 +528,43 @@ def dims_figure(rows: list[dict]):
     ds = [r["d"] for r in rows]
     fig = Figure(figsize=(PAGE, 3.0), layout="constrained")
     left, right = fig.subplots(1, 2)
-    left.errorbar(ds, [r["neff"] for r in rows], yerr=_errors([r["neff"] for r in rows],
-                  [r.get("neff_ci") for r in rows]), fmt="o", color="C0", capsize=3, markersize=4,
-                  label="ours (plug-in, 95% t interval over tasks)")
+    left.errorbar(
+        ds,
+        [r["neff"] for r in rows],
+        yerr=_errors([r["neff"] for r in rows], [r.get("neff_ci") for r in rows]),
+        fmt="o",
+        color="C0",
+        capsize=3,
+        markersize=4,
+        label="ours (plug-in, 95% t interval over tasks)",
+    )
     _paper_points(left, ds, PAPER["dims"]["neff"], offset=1.12)
     _style(left, xlabel="dimension d", ylabel="n_eff at t = 0.56", title="nearest-neighbour collapse")
     seeds = max((r.get("seeds", 0) for r in rows), default=0)
-    right.errorbar(ds, [100 * r["benefit"] for r in rows],
-                   yerr=_errors([r["benefit"] for r in rows], [r.get("benefit_ci") for r in rows], 100),
-                   fmt="o", color="C0", capsize=3, markersize=4,
-                   label=f"ours, median sigma (95% Fieller interval over tasks; seeds averaged: {seeds})")
-    right.plot([d / 1.12 for d in ds], [100 * r["benefit_fixed"] for r in rows], "^", color="C1",
-               markersize=4, linestyle="None", label="ours, fixed sigma")
+    right.errorbar(
+        ds,
+        [100 * r["benefit"] for r in rows],
+        yerr=_errors([r["benefit"] for r in rows], [r.get("benefit_ci") for r in rows], 100),
+        fmt="o",
+        color="C0",
+        capsize=3,
+        markersize=4,
+        label=f"ours, median sigma (95% Fieller interval over tasks; seeds averaged: {seeds})",
+    )
+    right.plot(
+        [d / 1.12 for d in ds],
+        [100 * r["benefit_fixed"] for r in rows],
+        "^",
+        color="C1",
+        markersize=4,
+        linestyle="None",
+        label="ours, fixed sigma",
+    )
     _paper_points(right, ds, PAPER["dims"]["benefit"], scale=100, offset=1.12)
     right.axhline(0, color="0.4", lw=0.6)
-    _style(right, xlabel="dimension d", ylabel="benefit of the exact head (%)",
-           title="benefit of the NW head")
+    _style(
+        right, xlabel="dimension d", ylabel="benefit of the exact head (%)", title="benefit of the NW head"
+    )
     for ax in (left, right):
         _log2_ticks(ax, ds)
         _legend_below(ax)
@@ -550,15 +581,26 @@ def shells_figure(rows: list[dict]):
     fig = Figure(figsize=(COLUMN, 3.0), layout="constrained")
     ax = fig.subplots()
     seeds = max((r.get("seeds", 0) for r in rows), default=0)
-    ax.errorbar(ds, [r["ratio"] for r in rows], yerr=_errors([r["ratio"] for r in rows],
-                [r.get("ratio_ci") for r in rows]), fmt="o", color="C0", capsize=3, markersize=4,
-                label=f"ours (95% Fieller interval over tasks; seeds averaged: {seeds})")
+    ax.errorbar(
+        ds,
+        [r["ratio"] for r in rows],
+        yerr=_errors([r["ratio"] for r in rows], [r.get("ratio_ci") for r in rows]),
+        fmt="o",
+        color="C0",
+        capsize=3,
+        markersize=4,
+        label=f"ours (95% Fieller interval over tasks; seeds averaged: {seeds})",
+    )
     _paper_points(ax, ds, PAPER["shells"]["ratio"], offset=1.12)
     ax.axhline(1.0, color="0.4", lw=0.6)
     ax.set_yscale("log")
     _log2_ticks(ax, ds)
-    _style(ax, xlabel="dimension d", ylabel="MMD^2 plug-in / MMD^2 learned",
-           title="shells: geometry mismatch (> 1: learned better)")
+    _style(
+        ax,
+        xlabel="dimension d",
+        ylabel="MMD^2 plug-in / MMD^2 learned",
+        title="shells: geometry mismatch (> 1: learned better)",
+    )
     _legend_below(ax)
     return fig
 
@@ -586,27 +628,54 @@ def digits_figure(rows: list[dict]):
             classes = len(per_class[0])
             # on log MMD^2 (a positive quantity on a log axis): a geometric interval that stays above 0
             cis = [tuple(np.exp(t_interval(np.log(v))[1:])) for v in per_class]
-        left.errorbar([m * offset for m in ms], means, yerr=_errors(means, cis), fmt=marker, color=colour,
-                      capsize=2, markersize=3, linestyle="None",
-                      label=f"{label} (95% t interval, {classes} classes, log)" if classes else label)
+        left.errorbar(
+            [m * offset for m in ms],
+            means,
+            yerr=_errors(means, cis),
+            fmt=marker,
+            color=colour,
+            capsize=2,
+            markersize=3,
+            linestyle="None",
+            label=f"{label} (95% t interval, {classes} classes, log)" if classes else label,
+        )
     left.set_xscale("log")
     left.set_yscale("log")
     _style(left, xlabel="support size m", ylabel="MMD^2", title="support scarcity: MMD^2 per method")
     adv = np.array([r["advantage"] for r in rows])
     cis = [r.get("advantage_ci") for r in rows]
     bounded = np.array([c is not None and all(math.isfinite(v) for v in c) for c in cis])
-    right.errorbar(np.array(ms)[bounded], 100 * adv[bounded],
-                   yerr=_errors(adv[bounded], [c for c, b in zip(cis, bounded, strict=True) if b], 100),
-                   fmt="o", color="C0", capsize=3, markersize=4, linestyle="None",
-                   label="ours (95% Fieller interval over classes)")
+    right.errorbar(
+        np.array(ms)[bounded],
+        100 * adv[bounded],
+        yerr=_errors(adv[bounded], [c for c, b in zip(cis, bounded, strict=True) if b], 100),
+        fmt="o",
+        color="C0",
+        capsize=3,
+        markersize=4,
+        linestyle="None",
+        label="ours (95% Fieller interval over classes)",
+    )
     if (~bounded).any():
-        right.plot(np.array(ms)[~bounded], 100 * adv[~bounded], "o", mfc="none", color="C0", markersize=4,
-                   linestyle="None", label="ours, interval unbounded")
+        right.plot(
+            np.array(ms)[~bounded],
+            100 * adv[~bounded],
+            "o",
+            mfc="none",
+            color="C0",
+            markersize=4,
+            linestyle="None",
+            label="ours, interval unbounded",
+        )
     _paper_points(right, ms, PAPER["digits"]["advantage"], scale=100, offset=1.12)
     right.axhline(0, color="0.4", lw=0.6)
     right.set_xscale("log")
-    _style(right, xlabel="support size m", ylabel="advantage of learned (%)",
-           title="learned vs plug-in: relative advantage")
+    _style(
+        right,
+        xlabel="support size m",
+        ylabel="advantage of learned (%)",
+        title="learned vs plug-in: relative advantage",
+    )
     for ax in (left, right):
         from matplotlib.ticker import NullFormatter
 
@@ -644,9 +713,17 @@ def heads_figure(head_sets: list[tuple[str, list[dict]]]):
             for j, (name, marker) in enumerate(((key, "o"), (f"untrained_{key}", "x"))):
                 means = [h[name] for h in rows]
                 yerr = _errors(means, [h.get(f"{name}_ci") for h in rows])
-                bars = ax.errorbar(ts + shifts[2 * i + j], means, yerr=yerr,
-                                   fmt=marker, color=colour, markersize=3, capsize=1.5, elinewidth=0.7,
-                                   linestyle="None")
+                bars = ax.errorbar(
+                    ts + shifts[2 * i + j],
+                    means,
+                    yerr=yerr,
+                    fmt=marker,
+                    color=colour,
+                    markersize=3,
+                    capsize=1.5,
+                    elinewidth=0.7,
+                    linestyle="None",
+                )
                 drawn.append(bars[0])
         handles.append(tuple(drawn))
         labels.append(label)
@@ -657,11 +734,18 @@ def heads_figure(head_sets: list[tuple[str, list[dict]]]):
         if seeds >= 2
         else "one training seed: no interval (not identified)"
     )
-    fig.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=None, pad=0.6)},
-               loc="outside lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False,
-               title=f"each colour: trained (o) | untrained baseline (x); {interval}\n"
-               f"(points spread over +-{HEAD_DODGE} in t around the measured t)",
-               title_fontsize=6)
+    fig.legend(
+        handles,
+        labels,
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0.6)},
+        loc="outside lower center",
+        ncol=min(4, len(labels)),
+        fontsize=7,
+        frameon=False,
+        title=f"each colour: trained (o) | untrained baseline (x); {interval}\n"
+        f"(points spread over +-{HEAD_DODGE} in t around the measured t)",
+        title_fontsize=6,
+    )
     return fig
 
 

@@ -209,9 +209,7 @@ def _train_unit(
     return result.model, info
 
 
-def run_unit(
-    unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False, device: str = "cpu"
-) -> dict:
+def run_unit(unit: dict, scale: Scale, out_dir: Path, *, progress: bool = False, device: str = "cpu") -> dict:
     """Run one unit (train if learned, evaluate, analyse heads) and write its result JSON.
 
     Args:

@@ -18,7 +18,9 @@ def recorded():
     reference = tiny_digit_image(3)
     with nw_processor(pipe, store_maps=True, map_steps=[0, 2], map_head_mean=False) as rec:
         image = pipe(
-            "a photograph", ip_adapter_image=reference, num_inference_steps=3,
+            "a photograph",
+            ip_adapter_image=reference,
+            num_inference_steps=3,
             generator=torch.Generator().manual_seed(0),
         ).images[0]
     return rec, image
@@ -87,8 +89,11 @@ def synthetic_maps(heads: int = 2, rows: int = 2) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize(
     ("selection", "message"),
     [
-        ({"heads": [5]}, r"heads=\[5\]: 5 is not a stored head; the stored maps have 2 head\(s\), "
-         r"positions 0\.\.1"),
+        (
+            {"heads": [5]},
+            r"heads=\[5\]: 5 is not a stored head; the stored maps have 2 head\(s\), "
+            r"positions 0\.\.1",
+        ),
         ({"heads": [-1]}, r"heads=\[-1\]: -1 is not a stored head.*positions 0\.\.1"),  # was the last head
         ({"heads": []}, r"heads=\[\] selects no head; pass positions in 0\.\.1"),  # was NaN maps
         ({"batch_row": 2}, r"batch_row=2 is out of range: the stored maps have 2 batch row\(s\)"),

@@ -212,8 +212,18 @@ def test_non_finite_values_are_counted_not_silently_dropped() -> None:
     rows = aggregate([{**base, "kl": 0.1}, {**base, "kl": math.inf}])
     assert rows[0]["kl"] == pytest.approx(0.1) and rows[0]["nonfinite"]["kl"] == 1
     summary = NWRecorder().summary(
-        [{**base, "call": 0, "alpha": 1.0, "sigma": 0.0, "h_schedule": 0.0, **dict.fromkeys(STAT_FIELDS, 0.2),
-          "kl": k} for k in (0.1, math.inf)]
+        [
+            {
+                **base,
+                "call": 0,
+                "alpha": 1.0,
+                "sigma": 0.0,
+                "h_schedule": 0.0,
+                **dict.fromkeys(STAT_FIELDS, 0.2),
+                "kl": k,
+            }
+            for k in (0.1, math.inf)
+        ]
     )
     assert summary[0]["kl"] == pytest.approx(0.1) and summary[0]["nonfinite"] == {"kl": 1}
 

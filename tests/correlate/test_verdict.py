@@ -182,8 +182,9 @@ def test_the_exponent_and_the_rise_are_ols_slopes_on_log_h_minus_the_controls() 
     assert image["exponent_minus_control_draws"][1] == pytest.approx(exponent)
     slope = -np.polyfit(x, rise.groupby(frame["step"]).mean(), 1)[0]
     assert image["rise_minus_control_draws"][1] == pytest.approx(slope)
-    assert image["exponent"] == pytest.approx(-np.polyfit(x, np.log(frame["logit_scale"]).groupby(
-        frame["step"]).mean(), 1)[0])
+    assert image["exponent"] == pytest.approx(
+        -np.polyfit(x, np.log(frame["logit_scale"]).groupby(frame["step"]).mean(), 1)[0]
+    )
 
 
 def test_bandwidths_are_averaged_as_logarithms() -> None:

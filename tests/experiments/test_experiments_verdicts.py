@@ -154,7 +154,6 @@ def test_cluster_means():
     assert np.allclose(cluster_means(tasks, clusters), [1.0, 2.0, 3.0])
 
 
-
 def test_with_ten_classes_a_moderate_win_and_a_catch_up_appear_and_none_without_them():
     """Issue 29: the ten digits (cross-validated class folds) carry the class-level tests. A +30%
     win at small m that turns into -30% at m >= 25, with class-to-class spread 15%, is found; the

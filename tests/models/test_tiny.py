@@ -36,8 +36,9 @@ def test_public_layout_and_original_key_names(tiny_ip_adapter_dir):
 
 
 @pytest.mark.parametrize("variant, tokens", [("base", 4), ("plus", 16)])
-def test_sd15_loads_adapter_and_image_branch_matters(tiny_sd15_dir, tiny_ip_adapter_dir, reference_image,
-                                                     variant, tokens):
+def test_sd15_loads_adapter_and_image_branch_matters(
+    tiny_sd15_dir, tiny_ip_adapter_dir, reference_image, variant, tokens
+):
     pipe = StableDiffusionPipeline.from_pretrained(tiny_sd15_dir)
     pipe.load_ip_adapter(tiny_ip_adapter_dir, subfolder="models", weight_name=ip_adapter_weight_name(variant))
     ip_layers = [p for p in pipe.unet.attn_processors.values() if hasattr(p, "to_k_ip")]
@@ -53,8 +54,9 @@ def test_sd15_loads_adapter_and_image_branch_matters(tiny_sd15_dir, tiny_ip_adap
 
 def test_sdxl_loads_adapter(tiny_sdxl_dir, tiny_ip_adapter_dir, reference_image):
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
-    pipe.load_ip_adapter(tiny_ip_adapter_dir, subfolder="sdxl_models",
-                         weight_name=ip_adapter_weight_name("base", sdxl=True))
+    pipe.load_ip_adapter(
+        tiny_ip_adapter_dir, subfolder="sdxl_models", weight_name=ip_adapter_weight_name("base", sdxl=True)
+    )
     images = generate(pipe, ip_adapter_image=reference_image)
     assert images.shape == (1, TINY_IMAGE_SIZE, TINY_IMAGE_SIZE, 3)
     assert np.isfinite(images).all()
