@@ -238,6 +238,11 @@ def zero_scales(scales: Sequence[Any]) -> list[Any]:
     return [[0.0] * len(s) if isinstance(s, (list, tuple)) else 0.0 for s in scales]
 
 
+def element_tap(path: str, j: int) -> str:
+    """The tap name of element ``j`` of a ModuleList tapped at ``path`` (e.g. ``"to_k_ip.0"``)."""
+    return f"{path}.{j}"
+
+
 class NWProcessorBase:
     """Mixin placed before a diffusers IP-Adapter processor class (see the module docstring).
 
@@ -476,7 +481,7 @@ class NWProcessorBase:
             owner, _, name = path.rpartition(".")
             module = getattr(attn if owner == "attn" else self, name)
             if isinstance(module, torch.nn.ModuleList):
-                modules.extend((f"{path}.{j}", m) for j, m in enumerate(module))
+                modules.extend((element_tap(path, j), m) for j, m in enumerate(module))
             else:
                 modules.append((path, module))
         return modules

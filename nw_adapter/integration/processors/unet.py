@@ -58,12 +58,19 @@ from diffusers.models.attention_processor import (
 )
 
 from nw_adapter.integration.config import NWProcessorConfig
-from nw_adapter.integration.processors.base import BranchSpec, NWProcessorBase, Softmax, split_heads
+from nw_adapter.integration.processors.base import (
+    BranchSpec,
+    NWProcessorBase,
+    Softmax,
+    element_tap,
+    split_heads,
+)
 from nw_adapter.integration.recorder import NWRecorder
 from nw_adapter.integration.steps import StepContext
 
-#: The taps' names of the adapters' key projections (:meth:`~.base.NWProcessorBase._tap_modules`).
-_K_IP_TAPS = tuple(f"to_k_ip.{j}" for j in range(8))
+#: The taps' names of the first adapters' key projections (:meth:`~.base.NWProcessorBase._tap_modules`),
+#: made once for the hot path (:func:`~.base.element_tap` for more adapters).
+_K_IP_TAPS = tuple(element_tap("to_k_ip", j) for j in range(8))
 
 
 def _is_zero(scale: float | Sequence[float]) -> bool:
@@ -258,7 +265,7 @@ class _UNetNWProcessor(NWProcessorBase):
         batch, softmaxes = q.shape[0], []
         swapped = captured.get("swap keys", {})
         for j, (states, scale) in enumerate(zip(inputs.ip_hidden_states, inputs.scales, strict=False)):
-            outputs = captured.get(_K_IP_TAPS[j] if j < len(_K_IP_TAPS) else f"to_k_ip.{j}", ())
+            outputs = captured.get(_K_IP_TAPS[j] if j < len(_K_IP_TAPS) else element_tap("to_k_ip", j), ())
             if j in swapped:
                 k = swapped[j]
             elif outputs:  # [B', (images,) M', H*d]: folded to [batch, M, H*d]
@@ -323,7 +330,7 @@ class _UNetNWProcessor(NWProcessorBase):
         swapped = captured.get("swap keys", {}).get(g.adapter) if g.mask is None else None
         if swapped is not None:  # swap's own projection of this adapter (no mask: one softmax)
             return swapped
-        tap = _K_IP_TAPS[g.adapter] if g.adapter < len(_K_IP_TAPS) else f"to_k_ip.{g.adapter}"
+        tap = _K_IP_TAPS[g.adapter] if g.adapter < len(_K_IP_TAPS) else element_tap("to_k_ip", g.adapter)
         outputs = captured.get(tap, ())
         position = g.image if g.mask is not None else 0
         if position < len(outputs):
