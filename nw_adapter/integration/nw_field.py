@@ -24,17 +24,20 @@ other conditioning the pipeline passes are not read: the field has none.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from nw_adapter.core.paths import NWVelocityField, SigmaFlowPath, VPPath
 from nw_adapter.core.smoothed_fields import SmoothedSupportField
-from nw_adapter.integration.latent_support import LatentSpace, flatten_states
+from nw_adapter.integration.latent_probe import LatentSupportProbe
+from nw_adapter.integration.latent_support import LatentSpace, clipping_refusal, flatten_states, latent_space
 from nw_adapter.integration.steps import StepTracker
 
-__all__ = ["NWFieldDenoiser", "level_field"]
+__all__ = ["NWFieldDenoiser", "level_field", "plug_in_field"]
 
 
 def level_field(support: torch.Tensor, space: LatentSpace, alpha: float, sigma: float, tau: float = 0.0):
@@ -139,3 +142,40 @@ class NWFieldDenoiser(torch.nn.Module):
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         return Transformer2DModelOutput(sample=out)
+
+
+@contextlib.contextmanager
+def plug_in_field(pipe: Any, support: torch.Tensor, *, tau: float = 0.0) -> Iterator[LatentSupportProbe]:
+    """Within the block, ``pipe``'s denoiser is the plug-in NW field over ``support``.
+
+    The pipeline attribute (``unet`` / ``transformer``) is set on the instance only (its config and
+    components keep the real denoiser) and restored on exit, also after an exception or an interrupt.
+    The yielded :class:`~nw_adapter.integration.latent_probe.LatentSupportProbe` reads the posterior of
+    every step of the block's calls along their own path (its ``rows``).
+
+    Args:
+        pipe: an SD 1.5 / SDXL, SD 3 or Flux pipeline.
+        support: ``[m, *state]`` the references' latents
+            (:func:`~nw_adapter.integration.latent_support.encode_references`).
+        tau: smoothing of the support in latent units (0: the plug-in field).
+
+    Raises:
+        ValueError: a scheduler that clips or thresholds its x0 estimate
+            (:func:`~nw_adapter.integration.latent_support.clipping_refusal`).
+    """
+    refusal = clipping_refusal(pipe.scheduler)
+    if refusal:
+        raise ValueError(refusal)
+    space = latent_space(pipe)
+    real = getattr(pipe, space.denoiser)
+    field = NWFieldDenoiser(real, pipe, support.to(real.device), space, tau=tau)
+    probe = LatentSupportProbe(pipe, support, space).attach(field)
+    object.__setattr__(
+        pipe, space.denoiser, field
+    )  # the instance only: config and components keep the real one
+    try:
+        yield probe
+    finally:
+        object.__setattr__(pipe, space.denoiser, real)
+        probe.detach()
+        field.remove()

@@ -16,7 +16,8 @@ given); IP-Adapter images are refused (the references are the support). ``tau > 
 of the smoothed support ``(1/m) sum_i N(s_i, tau^2 I)`` instead (a bandwidth floor in latent units).
 The real denoiser stays the pipeline's component: ``StableDiffusionPipeline.from_pipe(field)`` gives
 the stock pipeline back. Schedulers that clip or threshold their x0 estimate are refused
-(:func:`~nw_adapter.integration.latent_support.clipping_refusal`).
+(:func:`~nw_adapter.integration.latent_support.clipping_refusal`). On a stock pipeline the same swap
+is :func:`~nw_adapter.integration.nw_field.plug_in_field` (a context manager).
 """
 
 from __future__ import annotations
@@ -34,14 +35,8 @@ from diffusers import (
     StableDiffusionXLPipeline,
 )
 
-from nw_adapter.integration.latent_probe import LatentSupportProbe
-from nw_adapter.integration.latent_support import (
-    clipping_refusal,
-    default_size,
-    encode_references,
-    latent_space,
-)
-from nw_adapter.integration.nw_field import NWFieldDenoiser
+from nw_adapter.integration.latent_support import default_size, encode_references
+from nw_adapter.integration.nw_field import plug_in_field
 
 __all__ = [
     "FluxNWFieldPipeline",
@@ -136,25 +131,11 @@ class NWFieldMixin:
             raise ValueError(
                 f"{given[0]} is not read by the NW field; the references are its support (drop it)"
             )
-        refusal = clipping_refusal(self.scheduler)
-        if refusal:
-            raise ValueError(refusal)
         if not args and kwargs.get("prompt") is None and kwargs.get("prompt_embeds") is None:
             kwargs["prompt"] = ""  # the field has no text conditioning
         support = self.reference_latents(kwargs.get("height"), kwargs.get("width"))
-        space = latent_space(self)
-        real = getattr(self, space.denoiser)
-        field = NWFieldDenoiser(real, self, support.to(real.device), space, tau=self._nw_tau)
-        probe = LatentSupportProbe(self, support, space).attach(field)
-        object.__setattr__(
-            self, space.denoiser, field
-        )  # not a component change: the config keeps the real one
-        try:
+        with plug_in_field(self, support, tau=self._nw_tau) as probe:
             output = call(*args, **kwargs)
-        finally:
-            object.__setattr__(self, space.denoiser, real)
-            probe.detach()
-            field.remove()
         self.posterior_steps = probe.rows
         return output
 

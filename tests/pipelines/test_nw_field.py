@@ -283,3 +283,20 @@ def test_custom_pipeline_files(request, file, cls, folder, tmp_path, monkeypatch
     extra = {"max_sequence_length": 16} if "flux" in file else {}
     out = pipe(num_inference_steps=2, height=32, width=32, output_type="latent", **extra).images
     assert torch.isfinite(out).all() and not math.isnan(float(out.sum()))
+
+
+def test_plug_in_field_on_a_stock_pipeline_restores_the_unet_after_an_interrupt(digits, references):
+    from nw_adapter.integration.latent_support import encode_references
+    from nw_adapter.integration.nw_field import plug_in_field
+
+    pipe = StableDiffusionPipeline.from_pipe(digits)
+    real, hooks = pipe.unet, (len(digits.unet._forward_pre_hooks), len(digits.unet._forward_hooks))
+
+    def interrupt(pipe, step, timestep, tensors):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), plug_in_field(pipe, encode_references(pipe, references)):
+        assert isinstance(pipe.unet, NWFieldDenoiser) and pipe.components["unet"] is pipe.unet
+        pipe(num_inference_steps=3, prompt="", callback_on_step_end=interrupt)
+    assert pipe.unet is real and pipe.config["unet"][1] == "UNet2DConditionModel"
+    assert (len(real._forward_pre_hooks), len(real._forward_hooks)) == hooks
