@@ -174,6 +174,7 @@ class SupportSetRun:
         latent_steps: the latent probe's rows, every CFG half
             (:attr:`~nw_adapter.integration.latent_probe.LatentSupportProbe.rows`).
         final_distances: per reference, the distance of the generated latent to its latent.
+        final_latent: ``[D]`` float64, the generated latent (flattened; None when not read).
         probe_errors: denoiser forwards the latent probe skipped (0 normally).
     """
 
@@ -185,6 +186,7 @@ class SupportSetRun:
     steps: list[dict[str, Any]] = field(default_factory=list)
     latent_steps: list[dict[str, Any]] = field(default_factory=list)
     final_distances: list[float] = field(default_factory=list)
+    final_latent: torch.Tensor | None = None
     probe_errors: int = 0
 
     @property
@@ -313,8 +315,10 @@ def observe_support_set(
     cosine = torch.nn.functional.cosine_similarity(embeddings[:1], embeddings[1:]).clamp(-1.0, 1.0)
     records = recorder.to_records()
     judged = _judged(judge, [image, *references]) if judge is not None else None
-    final = probe.final["distances"] if probe.final else []
+    final = probe.final or {"distances": [], "latent": None}
+    latent = None if final["latent"] is None else final["latent"][0]
     return SupportSetRun(
         image, records, cosine.tolist(), used, judged, support_steps(records, latent_rows=probe.rows),
-        latent_steps=probe.rows, final_distances=final, probe_errors=probe.errors,
+        latent_steps=probe.rows, final_distances=final["distances"], final_latent=latent,
+        probe_errors=probe.errors,
     )  # fmt: skip

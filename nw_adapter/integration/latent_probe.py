@@ -64,8 +64,8 @@ class LatentSupportProbe:
             ``posterior_favoured``, and from the output ``x0_nw_ratio``, ``x0_nw_distance``,
             ``x0_mean_distance``, ``x0_nearest`` (the reference nearest the model's x0); each a mean
             over the half's batch rows.
-        final: after a call with :meth:`on_step_end`: ``{"distances": [m], "nearest": r}`` of the
-            latent after the last step (the mean over batch rows of the distances).
+        final: after a call with :meth:`on_step_end`: ``{"distances": [m], "nearest": r, "latent":
+            [B, D] float64}`` of the latent after the last step (distances: the mean over batch rows).
         errors: forwards the probe skipped.
     """
 
@@ -189,7 +189,7 @@ class LatentSupportProbe:
             latents = callback_kwargs["latents"]
             z = flatten_states(latents.detach()).to(self.support.device, torch.float64)
             distances = torch.cdist(z, self.support).mean(0)
-            self.final = {"distances": distances.tolist(), "nearest": int(distances.argmin())}
+            self.final = {"distances": distances.tolist(), "nearest": int(distances.argmin()), "latent": z}
         except Exception:  # noqa: BLE001 - the probe never fails a generation
             self.errors += 1
         return {}
