@@ -411,7 +411,8 @@ def format_outcomes(document: dict[str, Any]) -> str:
         "class_kept: share of seeds whose judged class is the set's (same) or one of the set's (mixed; "
         "chance m/10); diversity: mean pairwise distance of the seeds' generated latents; nearest: distance "
         "of a generated latent to the nearest reference latent (latent units, the space of x_t); [95% t "
-        "interval over sets]; held-out data: real digits of the set's classes (judge split), not judged"
+        "interval over sets, class_kept's clipped to [0, 1]]; held-out data: real digits of the set's "
+        "classes (judge split), not judged"
     )
     return "\n".join(parts)
 

@@ -204,13 +204,17 @@ def run_set(
     }
 
 
-def _interval(values: Sequence[float]) -> dict[str, Any]:
+def _interval(values: Sequence[float], bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Mean and 95% Student t interval over sets; with ``bounds`` the interval is clipped to the
+    quantity's range (a share's t interval can pass 1)."""
     from nw_adapter.core.intervals import t_interval
 
     kept = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not kept:
         return {"mean": None, "low": None, "high": None, "n": 0}
     mean, low, high = t_interval(kept)
+    if bounds is not None and math.isfinite(low):
+        low, high = max(low, bounds[0]), min(high, bounds[1])
     return {
         "mean": mean,
         "low": low if math.isfinite(low) else None,
@@ -219,8 +223,13 @@ def _interval(values: Sequence[float]) -> dict[str, Any]:
     }
 
 
+#: The range of each metric (the class share's t interval is clipped to it).
+BOUNDS = {"class_kept": (0.0, 1.0), "diversity": None, "nearest": None}
+
+
 def summarise(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (m, kind, arm): each metric's mean and 95% t interval over sets."""
+    """Per (m, kind, arm): each metric's mean and 95% t interval over sets (class kept: clipped to
+    [0, 1])."""
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["m"], r["kind"]), []).append(r)
@@ -228,7 +237,12 @@ def summarise(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (m, kind), members in sorted(groups.items()):
         for arm in ARMS:
             row = {"m": m, "kind": kind, "arm": arm, "sets": len(members)}
-            row.update({metric: _interval([e["arms"][arm][metric] for e in members]) for metric in METRICS})
+            row.update(
+                {
+                    metric: _interval([e["arms"][arm][metric] for e in members], BOUNDS[metric])
+                    for metric in METRICS
+                }
+            )
             row["tau"] = members[0]["tau"] if arm == "plug-in, tau fitted" else None
             rows.append(row)
     return rows

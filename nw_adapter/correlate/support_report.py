@@ -169,12 +169,16 @@ def csv_rows(key: str, run: Any) -> list[dict[str, Any]]:
 
 
 def _interval(values: Sequence[Any]) -> dict[str, Any]:
+    """Mean and 95% Student t interval over sets, the interval clipped to [0, 1] (every group field is a
+    share or a progress in that range)."""
     from nw_adapter.core.intervals import t_interval
 
     kept = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not kept:
         return {"mean": None, "low": None, "high": None, "n": 0}
     mean, low, high = t_interval(kept)
+    if math.isfinite(low):
+        low, high = max(low, 0.0), min(high, 1.0)
     clean = [None if not math.isfinite(x) else x for x in (mean, low, high)]
     return {"mean": clean[0], "low": clean[1], "high": clean[2], "n": len(kept)}
 
@@ -315,9 +319,9 @@ def format_document(document: dict[str, Any]) -> str:
         )
     lines.append(
         "concentration = (largest share - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
-        "[95% t interval over sets]; CLIP=winner / latent=winner: sets whose CLIP-nearest reference / "
-        "whose generated latent's nearest reference is the attention's winner; class=winner: whose "
-        "generation the judge gives the winner's class; p: exact one-sided binomial test over sets "
+        "[95% t interval over sets, clipped to [0, 1]]; CLIP=winner / latent=winner: sets whose CLIP-nearest "
+        "reference / whose generated latent's nearest reference is the attention's winner; class=winner: "
+        "whose generation the judge gives the winner's class; p: exact one-sided binomial test over sets "
         "against chance 1/m"
     )
     return "\n".join(lines)
@@ -409,14 +413,14 @@ def sweep_figure(document: dict[str, Any], *, title: str | None = None):
             groups.setdefault((e["num_refs"], e["classes"]), []).append(e)
     if not groups:
         return None
-    fig = Figure(figsize=(3.5, 4.8), layout="constrained")
+    fig = Figure(figsize=(3.5, 5.4), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
     for g, ((m, classes), members) in enumerate(sorted(groups.items())):
         length = min(len(e["steps"]) for e in members)
         x = _progress(members[0]["steps"][:length])
         color = f"C{g}"
         label = f"m={m}, {classes} ({len(members)} set{'s' if len(members) > 1 else ''})"
-        arms = [("mass", "ref_row_entropy", "-", "attention")]
+        arms = [("mass", "ref_row_entropy", "-", "attention")]  # mass: the attention's max share
         if all("posterior" in s for e in members for s in e["steps"][:length]):
             arms.append(("posterior", "posterior_entropy_share", "--", "latent posterior"))
         for key, entropy_key, style, arm in arms:
@@ -427,8 +431,8 @@ def sweep_figure(document: dict[str, Any], *, title: str | None = None):
                 [[_number(s[entropy_key]) / scale for s in e["steps"][:length]] for e in members]
             )
             _band(bottom, x, share, color, style, f"{label}: {arm}")
-    top.set_ylabel("concentration\n(max share - 1/m) / (1 - 1/m)", fontsize=8)
-    bottom.set_ylabel("entropy over references / log m", fontsize=8)
+    top.set_ylabel("concentration\n(max share - 1/m) / (1 - 1/m)", fontsize=7)
+    bottom.set_ylabel("entropy over\nreferences / log m", fontsize=7)
     bottom.set_xlabel("denoising progress (step / last step)", fontsize=8)
     for ax in (top, bottom):
         ax.set_ylim(-0.05, 1.05)
