@@ -396,8 +396,8 @@ def support_set_entry(m: int, classes: str, seed: int, steps: int = 8) -> dict:
         nw = np.full(m, 1.0 / m) * (1 - sharp) + np.eye(m)[seed % m] * sharp
         mass = np.full(m, 1.0 / m) + rng.normal(0, 0.01, m)
         mass /= mass.sum()
-        entropy = {"ref_row_entropy": 0.98 * math.log(m), "ref_row_entropy_nw": (1 - sharp) * math.log(m)}
-        rows.append({"step": step, "mass": mass.tolist(), "mass_nw": nw.tolist(), **entropy})
+        entropy = {"ref_row_entropy": 0.98 * math.log(m), "posterior_entropy_share": 1 - sharp}
+        rows.append({"step": step, "mass": mass.tolist(), "posterior": nw.tolist(), **entropy})
     references = [{"file": f"refs/{seed}/digit_{r}.png", "clip_cosine": 0.5} for r in range(m)]
     entry = {"key": f"set{seed}", "num_refs": m, "classes": classes, "references": references}
     return {**entry, "steps": rows, "winner": 0}
@@ -410,19 +410,20 @@ def test_support_sweep_figure_fits_a_column_with_bands_over_sets() -> None:
     fig = sweep_figure({"sets": sets}, title="support sets, tiny")
     assert_printable(fig, max_width=3.5)
     top, bottom = fig.axes
-    assert len(bands(top)) == 2 and len(bands(bottom)) == 2  # attention and NW of the 3-set group only
+    assert len(bands(top)) == 2 and len(bands(bottom)) == 2  # attention and posterior of the 3-set group
     labels = top.get_legend_handles_labels()[1]
     groups = ("m=2, mixed (3 sets)", "m=4, same (1 set)")
-    assert labels == [f"{group}: {arm}" for group in groups for arm in ("attention", "NW")]
+    assert labels == [f"{group}: {arm}" for group in groups for arm in ("attention", "latent posterior")]
+    assert "(max share - 1/m) / (1 - 1/m)" in top.get_ylabel()  # the label says what is plotted
     assert sweep_figure({"sets": [support_set_entry(2, "mixed", 0) | {"num_refs": 1, "steps": []}]}) is None
 
 
 def test_support_set_figure_names_every_reference_and_fits_a_column() -> None:
     from nw_adapter.correlate.support_report import set_figure
 
-    fig = set_figure(support_set_entry(4, "mixed", 1), title="set1: attention mass per reference")
+    fig = set_figure(support_set_entry(4, "mixed", 1), title="set1: attention mass and latent posterior")
     assert_printable(fig, max_width=3.5)
     labels = fig.axes[0].get_legend_handles_labels()[1]
     named = [label for label in labels if "attention" in label]
-    assert named == [f"{r}: digit_{r}.png (attention)" for r in range(4)]
-    assert len(labels) == 8
+    assert named == [f"{r}: digit_{r}.png, attention" for r in range(4)]
+    assert len(labels) == 8 and sum("latent posterior" in label for label in labels) == 4

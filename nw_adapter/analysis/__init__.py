@@ -14,8 +14,11 @@ command line, which prints):
 - :mod:`~nw_adapter.analysis.consequence`: ``compare_swap``, stock against swap generations,
   with intervals and the conclusion.
 - :mod:`~nw_adapter.analysis.support_sets`: ``observe_support_set``, one generation on a support set
-  (several references for one adapter) observed, with its per-step masses per reference and which
-  reference the image resembles (CLIP-I, a class judge).
+  (several references for one adapter) observed, with its per-step attention masses per reference
+  beside the theory's posterior over the references' latents, and which reference the image
+  resembles (the generated latent's nearest, CLIP-I, a class judge);
+- :mod:`~nw_adapter.analysis.plug_in_outcomes`: the learned adapter against the plug-in NW field
+  (and its smoothed variant) by outcome over support sets: class kept, diversity, copy distance.
 
 May import: :mod:`nw_adapter.integration`, :mod:`nw_adapter.core`, :mod:`nw_adapter.atomic`,
 torch, numpy, scipy, PIL, pandas and matplotlib (the last five inside the functions that need

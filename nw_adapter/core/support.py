@@ -15,11 +15,13 @@ quantities are
     entropy     = -sum_r mass_r log mass_r              (of the query-averaged mass; 0 .. log m)
     row_entropy = mean_n (-sum_r p_nr log p_nr)         (each query row's spread over references)
 
-for the attention A (logits ``s q.k_i``) and for the Nadaraya-Watson weights W at a bandwidth h
-(logits ``-||q - k_i||^2 / 2h^2``, THEORY.md section 1: ``w_i = softmax_i(-||x~ - s_i||^2 / 2h^2)``).
-At h = inf the NW weights are uniform: ``p_r = T / M = 1/m`` exactly, both entropies ``log m``; as
-h -> 0 every row puts its mass on its nearest reference (``row_entropy -> 0``). ``entropy`` can stay
-high while ``row_entropy`` is 0 when different query rows pick different references.
+``entropy`` can stay high while ``row_entropy`` is 0 when different query rows pick different
+references.
+
+What the theory predicts for a support set is not a quantity of the head's q/k space: its posterior
+over the references lives in the space of x_t (THEORY.md 4b; :mod:`nw_adapter.core.latent_support`).
+NW weights over the image keys at the data-space bandwidth h have no unit (a constant gain on q and k
+moves their entropy from 0 to log m while the attention is unchanged), so none are recorded here.
 
 This module is the specification; the recorder pools it per CFG half
 (:mod:`nw_adapter.integration.support`) and the tests compare both with an own computation.
@@ -27,19 +29,15 @@ This module is the specification; the recorder pools it per CFG half
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from nw_adapter.core import kernels
-
 __all__ = [
     "SupportStatistics",
     "attention_log_mass",
     "mass_entropy",
-    "nw_log_mass",
     "reference_log_mass",
     "reference_mass",
     "row_entropy",
@@ -99,70 +97,39 @@ def attention_log_mass(q: Tensor, k: Tensor, scale: float, references: int) -> T
     return reference_log_mass(scale * (q @ k.transpose(-1, -2)), references)
 
 
-def nw_log_mass(q: Tensor, k: Tensor, h: float | Tensor, references: int) -> Tensor:
-    """Log-masses of the NW weights ``softmax(-||q - k_i||^2 / 2h^2)`` -> ``[..., N, m]``.
-
-    ``h`` a float or a tensor broadcastable as ``h[..., None, None]``; h = inf (flow matching's
-    pure-noise step) gives the exact uniform limit ``log(1/m)``; a NaN h gives NaN.
-    """
-    tokens = _check_references(k.shape[-2], references)
-    shape = (*torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], references)
-    if not isinstance(h, Tensor):
-        if math.isnan(h):
-            return torch.full(shape, math.nan, dtype=q.dtype, device=q.device)
-        if math.isinf(h):
-            return torch.full(shape, math.log(tokens / k.shape[-2]), dtype=q.dtype, device=q.device)
-    return reference_log_mass(kernels.nw_logits(q, k, h, validate=False), references)
-
-
 @dataclass(frozen=True)
 class SupportStatistics:
     """The support-set quantities of one softmax, per (batch row, head).
 
     Attributes:
         mass: ``[B, H, m]`` attention mass on each reference (query-averaged).
-        mass_nw: ``[B, H, m]`` the same under the NW weights at the bandwidth h.
-        entropy, entropy_nw: ``[B, H]`` entropy over references of ``mass`` / ``mass_nw`` (nats).
-        row_entropy, row_entropy_nw: ``[B, H]`` the query rows' mean entropy over references.
+        entropy: ``[B, H]`` entropy over references of ``mass`` (nats).
+        row_entropy: ``[B, H]`` the query rows' mean entropy over references.
     """
 
     mass: Tensor
-    mass_nw: Tensor
     entropy: Tensor
-    entropy_nw: Tensor
     row_entropy: Tensor
-    row_entropy_nw: Tensor
 
 
-def support_statistics(
-    q: Tensor, k: Tensor, *, scale: float, h: float | Tensor, references: int
-) -> SupportStatistics:
+def support_statistics(q: Tensor, k: Tensor, *, scale: float, references: int) -> SupportStatistics:
     """Every support-set quantity of one softmax (see the module docstring).
 
     Args:
         q: queries ``[B, H, N, d]``.
         k: keys ``[B, H, M, d]``, ``M = m T``, reference-major.
         scale: s, the attention's softmax scale.
-        h: the NW bandwidth (float, inf, NaN, or ``[B, H]``).
         references: m.
 
     Returns:
         :class:`SupportStatistics` in the dtype of q (float64 for float64 inputs).
 
     Example:
-        >>> q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 6, 8)
-        >>> out = support_statistics(q, k, scale=8**-0.5, h=math.inf, references=2)
-        >>> out.mass_nw[0, 0].tolist(), round(out.entropy_nw[0, 0].item(), 4)
+        >>> q, k = torch.zeros(1, 2, 5, 8), torch.randn(1, 2, 6, 8)
+        >>> out = support_statistics(q, k, scale=8**-0.5, references=2)
+        >>> out.mass[0, 0].tolist(), round(out.entropy[0, 0].item(), 4)
         ([0.5, 0.5], 0.6931)
     """
     log_a = attention_log_mass(q, k, scale, references)
-    log_w = nw_log_mass(q, k, h, references)
-    mass, mass_nw = reference_mass(log_a), reference_mass(log_w)
-    return SupportStatistics(
-        mass=mass,
-        mass_nw=mass_nw,
-        entropy=mass_entropy(mass),
-        entropy_nw=mass_entropy(mass_nw),
-        row_entropy=row_entropy(log_a),
-        row_entropy_nw=row_entropy(log_w),
-    )
+    mass = reference_mass(log_a)
+    return SupportStatistics(mass=mass, entropy=mass_entropy(mass), row_entropy=row_entropy(log_a))

@@ -12,8 +12,9 @@ one). The sets come from
   the subfolder, files in name order).
 
 Written into ``--out`` (atomically): ``sets/<key>/generated.png`` and ``sets/<key>/mass.png`` (the
-set's per-reference mass over denoising, attention beside NW at the schedule's h), ``support.csv``
-(the support-set columns of every record: step, layer, head, CFG half), ``support.json`` (schema
+set's per-reference attention mass over denoising beside the theory's posterior over the references'
+latents, in the space of x_t), ``support.csv`` (the attention's support-set columns of every record:
+step, layer, head, CFG half; and the latent posterior per step and CFG half), ``support.json`` (schema
 ``nw-adapter/support-sets``: the options, per set the references with their CLIP-I and classes,
 the winner and its step, the per-step masses, and the summary per group of sets) and
 ``support_mass.png`` (:func:`~nw_adapter.correlate.support_report.plot_sweep`). On the digits models
@@ -86,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FILES",
         help="one generation conditioned on these reference images together (comma-separated, one adapter; "
-        "repeatable: one set each); reports the attention mass per reference over denoising beside the NW "
-        "weights at the schedule's h, and which reference the image resembles; writes support.json/.csv",
+        "repeatable: one set each); reports the attention mass per reference over denoising beside the "
+        "posterior over the references' latents (in x_t's space), and which reference the image resembles",
     )
     group.add_argument(
         "--support-dir",
@@ -207,7 +208,7 @@ def run_config(args: argparse.Namespace, shown: Any, device: str, dtype: str, ju
         "height": args.height,
         "width": args.width,
         "scheduler": args.scheduler,
-        "bandwidth_of_nw_columns": "schedule_c * sigma_t / alpha_t, schedule_c = 1",
+        "posterior_space": "x_t's: w_i = softmax_i(-||x_t - a_t s_i||^2 / 2 b_t^2), s_i references' latents",
         "judge": JUDGE if judged else None,
         "device": device,
         "dtype": dtype,
@@ -257,7 +258,6 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
         from nw_adapter.analysis.support_sets import observe_support_set
         from nw_adapter.correlate.digit_sets import pixel_digest
         from nw_adapter.correlate.images import load_reference_image
-        from nw_adapter.integration.schema import SUPPORT_REFERENCES, support_columns
 
         pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
         pipe.set_progress_bar_config(disable=not bars, leave=False)
@@ -289,15 +289,9 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
             digests = [pixel_digest(image) for image in references]
             labels = [known[d] for d in digests] if judged and all(d in known for d in digests) else None
             entry = report.set_entry(s.key, files, result, f"sets/{s.key}/generated.png", labels)
-            report.plot_set(entry, folder / "mass.png", title=f"{s.key}: attention mass per reference")
+            report.plot_set(entry, folder / "mass.png", title=f"{s.key}: attention mass and latent posterior")
             entries.append(entry)
-            columns = set(support_columns(len(infos)))
-            keys = ("step", "timestep", "h_schedule", "layer", "block", "head", "half", "adapter")
-            for record in result.records:
-                if record.get(SUPPORT_REFERENCES) is not None:
-                    kept = {k: record[k] for k in keys if k in record}
-                    kept.update({k: v for k, v in record.items() if k in columns})
-                    rows.append({"set": s.key, **kept})
+            rows.extend(report.csv_rows(s.key, result))
         document = {
             "schema": report.SUPPORT_SCHEMA,
             "config": config,

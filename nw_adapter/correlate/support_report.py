@@ -1,19 +1,27 @@
-"""The support-set report: per set, which reference wins the attention and which the image resembles.
+"""The support-set report: per set, which reference wins the attention, which the theory's posterior
+favours, and which the generation resembles.
 
 Built from the per-set results of :func:`nw_adapter.analysis.support_sets.observe_support_set`
 (torch-free once built, so the files redraw without a model):
 
-- per set: the per-step masses (:func:`~nw_adapter.analysis.support_sets.support_steps`, the
-  conditional half averaged over layers and heads), the attention's winner (the reference with the
-  largest mass at the last step) and the step from which it keeps the lead, the NW weights' winner
-  at the schedule's h, the per-reference CLIP-I and the CLIP-nearest reference, and on digits the
-  judge's classes of the generation and of each reference;
-- per group of sets (m references, classes ``same`` / ``mixed`` / ``unknown``): the concentration
-  on the winner at the last step, ``(mass_winner - 1/m) / (1 - 1/m)`` (0: even shares, 1: all mass on
-  one reference), and the query rows' entropy over references as a share of ``log m``, measured and
-  NW, each with its 95% Student t interval over the sets (the unit: one support set, one generation);
-  how often the CLIP-nearest reference is the attention's winner, and on digits how often the
+- per set: the per-step readings (:func:`~nw_adapter.analysis.support_sets.support_steps`, the
+  conditional half): the attention's mass per reference (averaged over layers and heads) beside the
+  theory's posterior over the references *in latent space* (``w_i(x_t) = softmax_i(-||x_t - a_t
+  s_i||^2 / 2 b_t^2)`` over the references' VAE latents, THEORY.md 4b), its entropy share and n_eff,
+  and the learned x0's distance to the plug-in field's NW mean; the attention's winner (the largest
+  mass at the last step) and the step from which it keeps the lead; the posterior's winner and its
+  step; the reference nearest the generated latent; per-reference CLIP-I and the CLIP-nearest
+  reference; on digits the judge's classes of the generation and of each reference;
+- per group of sets (m references, classes ``same`` / ``mixed`` / ``unknown``): at the last step
+  the concentration on the winner, ``(max_r share_r - 1/m) / (1 - 1/m)`` (0: even shares, 1: all on
+  one reference), of the attention mass and of the latent posterior; the attention's query-row
+  entropy over references and the posterior's entropy, as shares of ``log m``; the progress
+  (step / last step) at which each winner is decided; each with its 95% Student t interval over the
+  sets (the unit: one support set, one generation); how often the CLIP-nearest reference and the
+  generated latent's nearest reference are the attention's winner, and on digits how often the
   generation's class is one of its references', with Clopper-Pearson 95% intervals.
+
+No NW weights of the head's q/k space appear here: at the data-space bandwidth they have no unit.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 __all__ = [
     "SUPPORT_SCHEMA",
     "concentration",
+    "csv_rows",
     "format_document",
     "group_summary",
     "plot_set",
@@ -85,10 +94,12 @@ def set_entry(
         for i, f in enumerate(files)
     ]  # fmt: skip
     winner, decided = decided_step(run.steps)
-    winner_nw, _ = decided_step(run.steps, "mass_nw")
+    posterior_winner, posterior_decided = decided_step(run.steps, "posterior")
     last = run.steps[-1] if run.steps else None
+    last_step = max(len(run.steps) - 1, 1)
     judged_generated = None if judged is None else judged[0]
     winner_class = None if classes is None or winner is None else classes[winner]
+    final_nearest = run.final_nearest
     return {
         "key": key,
         "num_refs": m,
@@ -100,28 +111,74 @@ def set_entry(
         "clip_nearest": run.clip_nearest,
         "winner": winner,
         "decided_step": decided,
-        "winner_nw": winner_nw,
+        "decided_progress": None if decided is None else _position(run.steps, decided) / last_step,
+        "posterior_winner": posterior_winner,
+        "posterior_decided_step": posterior_decided,
+        "posterior_decided_progress": None
+        if posterior_decided is None
+        else _position(run.steps, posterior_decided) / last_step,
+        "final_distances": list(run.final_distances),
+        "final_nearest": final_nearest,
         "judged_generated": judged_generated,
         "clip_nearest_is_winner": None if winner is None else run.clip_nearest == winner,
+        "final_nearest_is_winner": None
+        if winner is None or final_nearest is None
+        else final_nearest == winner,
         "class_of_winner": None
         if winner_class is None or judged is None
         else judged_generated == winner_class,
         "class_of_a_reference": None if classes is None or judged is None else judged_generated in classes,
         "final_concentration": None if last is None else concentration(last["mass"], m),
-        "final_concentration_nw": None if last is None else concentration(last["mass_nw"], m),
+        "final_posterior_concentration": None
+        if last is None
+        else concentration(last.get("posterior", []), m),
         "final_row_entropy_share": None if last is None else _entropy_share(last["ref_row_entropy"], m),
-        "final_row_entropy_share_nw": None if last is None else _entropy_share(last["ref_row_entropy_nw"], m),
+        "final_posterior_entropy_share": None if last is None else last.get("posterior_entropy_share"),
         "steps": run.steps,
     }
 
 
+def _position(steps: Sequence[dict[str, Any]], step: int) -> int:
+    """The index of ``step`` among the recorded steps (steps of a truncated schedule start above 0)."""
+    return [s["step"] for s in steps].index(step)
+
+
+def csv_rows(key: str, run: Any) -> list[dict[str, Any]]:
+    """``support.csv``'s rows of one set: per record of the attention (step, layer, head, CFG half:
+    ``ref_mass_{r}``, ``ref_entropy``, ``ref_row_entropy``; ``source = "attention"``), then per step
+    and CFG half the latent posterior (``posterior_{r}``, its entropy share, n_eff, favoured reference,
+    the x0-to-NW-mean readings; ``source = "latent posterior"``)."""
+    from nw_adapter.analysis.support_sets import LATENT_FIELDS
+    from nw_adapter.integration.schema import SUPPORT_REFERENCES, support_columns
+
+    rows = []
+    keys = ("step", "timestep", "h_schedule", "layer", "block", "head", "half", "adapter")
+    for record in run.records:
+        if record.get(SUPPORT_REFERENCES) is not None:
+            columns = set(support_columns(int(record[SUPPORT_REFERENCES])))
+            kept = {k: record[k] for k in keys if k in record}
+            kept.update({k: v for k, v in record.items() if k in columns})
+            rows.append({"set": key, "source": "attention", **kept})
+    for point in run.latent_steps:
+        row = {"set": key, "source": "latent posterior", "step": point["step"], "half": point["half"]}
+        row.update(timestep=point["timestep"], h_schedule=point["h"], num_refs=len(point["posterior"]))
+        row.update({f"posterior_{r}": w for r, w in enumerate(point["posterior"])})
+        row.update({name: point.get(name) for name in LATENT_FIELDS})
+        rows.append(row)
+    return rows
+
+
 def _interval(values: Sequence[Any]) -> dict[str, Any]:
+    """Mean and 95% Student t interval over sets, the interval clipped to [0, 1] (every group field is a
+    share or a progress in that range)."""
     from nw_adapter.core.intervals import t_interval
 
     kept = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     if not kept:
         return {"mean": None, "low": None, "high": None, "n": 0}
     mean, low, high = t_interval(kept)
+    if math.isfinite(low):
+        low, high = max(low, 0.0), min(high, 1.0)
     clean = [None if not math.isfinite(x) else x for x in (mean, low, high)]
     return {"mean": clean[0], "low": clean[1], "high": clean[2], "n": len(kept)}
 
@@ -148,14 +205,21 @@ def _proportion(flags: Sequence[Any], chance: float | None = None) -> dict[str, 
 
 GROUP_FIELDS = (
     "final_concentration",
-    "final_concentration_nw",
+    "final_posterior_concentration",
     "final_row_entropy_share",
-    "final_row_entropy_share_nw",
+    "final_posterior_entropy_share",
+    "decided_progress",
+    "posterior_decided_progress",
 )
-GROUP_COUNTS = ("clip_nearest_is_winner", "class_of_winner", "class_of_a_reference")
+GROUP_COUNTS = (
+    "clip_nearest_is_winner",
+    "final_nearest_is_winner",
+    "class_of_winner",
+    "class_of_a_reference",
+)
 #: The counts tested against the chance 1/m of picking one of m references at random (the class
 #: count on mixed-class sets only).
-CHANCE_COUNTS = ("clip_nearest_is_winner", "class_of_winner")
+CHANCE_COUNTS = ("clip_nearest_is_winner", "final_nearest_is_winner", "class_of_winner")
 
 
 def group_summary(sets: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -193,10 +257,28 @@ def _count(stat: dict[str, Any]) -> str:
     return f"{stat['count']}/{stat['n']}" + ("" if p is None else f" p{p:.2g}")
 
 
+_TABLES = (
+    (
+        "last step",
+        (
+            ("final_concentration", "concentration A"),
+            ("final_posterior_concentration", "concentration posterior"),
+            ("final_row_entropy_share", "row entropy/log m A"),
+            ("final_posterior_entropy_share", "entropy/log m posterior"),
+        ),
+    ),
+    (
+        "decided (step / last step)",
+        (("decided_progress", "winner A decided"), ("posterior_decided_progress", "posterior decided")),
+    ),
+)
+
+
 def format_document(document: dict[str, Any]) -> str:
-    """The terminal report: one line per set, then the groups' table."""
+    """The terminal report: one line per set, then the groups' tables."""
     lines = [
-        "support sets (cond half, means over layers and heads; winner = largest attention mass at the end)"
+        "support sets (cond half; A = attention mass per reference, means over layers and heads; posterior = "
+        "the theory's w_i(x_t) over the references' latents, in the space of x_t)"
     ]
     for e in document["sets"]:
         clip = ", ".join(f"{r['clip_cosine']:.3f}" for r in e["references"])
@@ -207,34 +289,40 @@ def format_document(document: dict[str, Any]) -> str:
         final = e["steps"][-1] if e["steps"] else None
         mass = ""
         if final is not None:
-            shares = [[round(x, 3) for x in final[key]] for key in ("mass", "mass_nw")]
-            mass = f"; final mass A {shares[0]} NW {shares[1]}"
+            shares = [[round(x, 3) for x in final.get(key, [])] for key in ("mass", "posterior")]
+            mass = f"; last step A {shares[0]} posterior {shares[1]}"
+        distances = ", ".join(f"{d:.2f}" for d in e.get("final_distances", []))
         lines.append(
-            f"  {e['key']} (m={e['num_refs']}, {e['classes']}): winner {e['winner']} from step "
-            f"{e['decided_step']}, NW winner {e['winner_nw']}; CLIP-I [{clip}] nearest {e['clip_nearest']}"
-            f"{mass}{classes}"
+            f"  {e['key']} (m={e['num_refs']}, {e['classes']}): winner A {e['winner']} from step "
+            f"{e['decided_step']}, posterior {e['posterior_winner']} from step "
+            f"{e['posterior_decided_step']}; "
+            f"generated latent nearest {e['final_nearest']} [{distances}]; CLIP-I [{clip}] nearest "
+            f"{e['clip_nearest']}{mass}{classes}"
         )
-    lines.append("")
-    header = (
-        f"{'m':>2} {'classes':<8} {'sets':>4}  {'concentration A':<24} {'concentration NW':<24} "
-        f"{'row entropy/log m A':<24} {'row entropy/log m NW':<24} {'CLIP=winner':>13} {'class=winner':>13} "
-        f"{'class in refs':>13}"
-    )
-    lines.append(header)
+    for title, columns in _TABLES:
+        lines += ["", f"{title}:"]
+        lines.append(
+            f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:<26}" for _, label in columns)
+        )
+        for row in document["summary"]:
+            lines.append(
+                f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
+                + " ".join(f"{_cell(row[name]):<26}" for name, _ in columns)
+            )
+    labels = ("CLIP=winner", "latent=winner", "class=winner", "class in refs")
+    lines += ["", "counts over sets:"]
+    lines.append(f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:>15}" for label in labels))
     for row in document["summary"]:
         lines.append(
             f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
-            + " ".join(f"{_cell(row[name]):<24}" for name in GROUP_FIELDS)
-            + " "
-            + " ".join(
-                f"{_count(row[name]):>{w}}" for name, w in zip(GROUP_COUNTS, (13, 13, 13), strict=True)
-            )
+            + " ".join(f"{_count(row[name]):>15}" for name in GROUP_COUNTS)
         )
     lines.append(
-        "concentration = (largest mass - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
-        "[95% t interval over sets]; CLIP=winner: sets whose CLIP-nearest reference is the attention's "
-        "winner; class=winner: whose generation the judge gives the winner's class; p: exact one-sided "
-        "binomial test over sets against chance 1/m"
+        "concentration = (largest share - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
+        "[95% t interval over sets, clipped to [0, 1]]; CLIP=winner / latent=winner: sets whose CLIP-nearest "
+        "reference / whose generated latent's nearest reference is the attention's winner; class=winner: "
+        "whose generation the judge gives the winner's class; p: exact one-sided binomial test over sets "
+        "against chance 1/m"
     )
     return "\n".join(lines)
 
@@ -256,8 +344,9 @@ def plot_set(entry: dict[str, Any], path: str | os.PathLike, *, title: str | Non
 
 
 def set_figure(entry: dict[str, Any], *, title: str | None = None):
-    """One set's per-reference mass over denoising: attention (solid) beside the NW weights at the
-    schedule's h (dashed), one colour per reference; 3.5 in wide. None for m = 1."""
+    """One set's per-reference shares over denoising: the attention's mass (solid) beside the theory's
+    posterior over the references' latents (dashed), one colour per reference; 3.5 in wide. None for
+    m = 1."""
     from matplotlib.figure import Figure
 
     from nw_adapter.analysis.records import wrap_title
@@ -265,20 +354,19 @@ def set_figure(entry: dict[str, Any], *, title: str | None = None):
     steps = entry["steps"]
     if not steps:
         return None
-    fig = Figure(figsize=(3.5, 2.6), layout="constrained")
+    fig = Figure(figsize=(3.5, 2.8), layout="constrained")
     ax = fig.subplots()
     x = _progress(steps)
-    colors = [f"C{i}" for i in range(entry["num_refs"])]
-    for r, color in enumerate(colors):
+    for r in range(entry["num_refs"]):
+        color = f"C{r}"
         name = Path(entry["references"][r]["file"]).name
-        ax.plot(
-            x, [s["mass"][r] for s in steps], color=color, linewidth=1.2, label=f"{r}: {name} (attention)"
-        )
-        ax.plot(x, [s["mass_nw"][r] for s in steps], color=color, linewidth=1.0, linestyle="--",
-                label=f"{r}: NW at schedule h")  # fmt: skip
+        ax.plot(x, [s["mass"][r] for s in steps], color=color, linewidth=1.2, label=f"{r}: {name}, attention")
+        if all("posterior" in s for s in steps):
+            ax.plot(x, [s["posterior"][r] for s in steps], color=color, linewidth=1.0, linestyle="--",
+                    label=f"{r}: latent posterior")  # fmt: skip
     ax.axhline(1.0 / entry["num_refs"], color="0.5", linestyle=":", linewidth=0.8)
     ax.set_xlabel("denoising progress (step / last step)", fontsize=8)
-    ax.set_ylabel("mass on reference", fontsize=8)
+    ax.set_ylabel("share of reference", fontsize=8)
     ax.set_ylim(-0.02, 1.02)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
@@ -311,34 +399,40 @@ def plot_sweep(document: dict[str, Any], path: str | os.PathLike, *, title: str 
 
 def sweep_figure(document: dict[str, Any], *, title: str | None = None):
     """The support-set figure: per group of sets (m, classes), over denoising, (a) the concentration
-    (:func:`concentration`, ``(max_r mass_r - 1/m) / (1 - 1/m)``) and (b) the query rows' entropy over
-    references as a share of log m; attention solid, NW at the schedule's h dashed, 95% t bands over
-    sets (two or more). 3.5 in wide. None when no set has m >= 2."""
+    on the leading reference, ``(max_r share_r - 1/m) / (1 - 1/m)`` (:func:`concentration`), and (b)
+    the entropy over references as a share of log m (the attention's query rows; the posterior's);
+    the attention mass solid, the theory's latent posterior dashed, 95% t bands over sets (two or
+    more). 3.5 in wide. None when no set has m >= 2."""
     from matplotlib.figure import Figure
 
     from nw_adapter.analysis.records import wrap_title
 
     groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for e in document["sets"]:
-        if e["num_refs"] >= 2 and e["steps"] and e["winner"] is not None:
+        if e["num_refs"] >= 2 and e["steps"]:
             groups.setdefault((e["num_refs"], e["classes"]), []).append(e)
     if not groups:
         return None
-    fig = Figure(figsize=(3.5, 4.6), layout="constrained")
+    fig = Figure(figsize=(3.5, 5.4), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
     for g, ((m, classes), members) in enumerate(sorted(groups.items())):
         length = min(len(e["steps"]) for e in members)
         x = _progress(members[0]["steps"][:length])
         color = f"C{g}"
         label = f"m={m}, {classes} ({len(members)} set{'s' if len(members) > 1 else ''})"
-        for key, style, arm in (("mass", "-", "attention"), ("mass_nw", "--", "NW")):
+        arms = [("mass", "ref_row_entropy", "-", "attention")]  # mass: the attention's max share
+        if all("posterior" in s for e in members for s in e["steps"][:length]):
+            arms.append(("posterior", "posterior_entropy_share", "--", "latent posterior"))
+        for key, entropy_key, style, arm in arms:
             conc = np.array([[concentration(s[key], m) for s in e["steps"][:length]] for e in members])
             _band(top, x, conc, color, style, f"{label}: {arm}")
-            entropy_key = "ref_row_entropy" if key == "mass" else "ref_row_entropy_nw"
-            share = np.array([[s[entropy_key] / math.log(m) for s in e["steps"][:length]] for e in members])
+            scale = math.log(m) if key == "mass" else 1.0  # the posterior's entropy is stored as a share
+            share = np.array(
+                [[_number(s[entropy_key]) / scale for s in e["steps"][:length]] for e in members]
+            )
             _band(bottom, x, share, color, style, f"{label}: {arm}")
-    top.set_ylabel("concentration (max share)", fontsize=8)
-    bottom.set_ylabel("row entropy / log m", fontsize=8)
+    top.set_ylabel("concentration\n(max share - 1/m) / (1 - 1/m)", fontsize=7)
+    bottom.set_ylabel("entropy over\nreferences / log m", fontsize=7)
     bottom.set_xlabel("denoising progress (step / last step)", fontsize=8)
     for ax in (top, bottom):
         ax.set_ylim(-0.05, 1.05)
@@ -349,3 +443,7 @@ def sweep_figure(document: dict[str, Any], *, title: str | None = None):
     if title:
         fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
     return fig
+
+
+def _number(value: Any) -> float:
+    return math.nan if value is None else float(value)

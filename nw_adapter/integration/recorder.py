@@ -50,6 +50,7 @@ from nw_adapter.integration.schema import (
 from nw_adapter.integration.settings import SETTINGS_FIELD, config_settings, scale_settings, settings_digest
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
 from nw_adapter.integration.steps import StepContext, StepState, StepTracker
+from nw_adapter.integration.support import support_references
 
 __all__ = [
     "RECORDS_SCHEMA",
@@ -121,7 +122,7 @@ def _reason(code: float) -> str | None:
 def _support_names(rows: int) -> tuple[str, ...]:
     """The record names of a support tensor's ``rows`` rows
     (:func:`~nw_adapter.integration.support.support_values`)."""
-    return support_columns((rows - 5) // 2)[1:]
+    return support_columns(support_references(rows))[1:]
 
 
 _Layout = tuple[int, int, bool, int, int]
@@ -167,7 +168,7 @@ def _row_plan(layout: _Layout) -> _RowPlan:
     if support_rows:  # the number of references (no row of its own), then the support rows
         support_names = _support_names(support_rows)
         names += support_names
-        keys[SUPPORT_REFERENCES] = (len(support_names) - 5) // 2
+        keys[SUPPORT_REFERENCES] = support_references(len(support_names))
         keys.update(dict.fromkeys(support_names))
     values = [i for i in range(len(names)) if i not in codes]
     return _RowPlan(
@@ -473,10 +474,10 @@ class NWRecorder:
         if support is not None and (
             support.dim() != 3
             or tuple(support.shape[1:]) != (len(halves), len(heads))
-            or (support.shape[0] - 5) % 2
+            or support_references(support.shape[0]) < 2
         ):
             shape = tuple(support.shape)
-            raise ValueError(f"support must have shape (5 + 2 m, {len(halves)}, {len(heads)}), got {shape}")
+            raise ValueError(f"support must have shape (m + 2, {len(halves)}, {len(heads)}), m > 1: {shape}")
         support = None if support is None else support.detach()
         entry = _Entry(state.call, state.step, layer, adapter, image, halves, heads, float(scale), num_keys,
                        None, key_set, mass, support=support)  # fmt: skip

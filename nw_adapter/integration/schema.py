@@ -245,25 +245,22 @@ def _draw(draw: int) -> int:
 
 
 #: Support sets (several reference images for one adapter, :mod:`nw_adapter.core.support`): a
-#: softmax over m > 1 references gets ``num_refs`` (m), ``ref_h_nw`` (the NW bandwidth: the
-#: config's ``schedule_c`` times ``h_schedule``; inf at flow matching's pure-noise step), per
-#: reference r ``ref_mass_{r}`` (attention mass, query-averaged) and ``ref_mass_nw_{r}`` (NW weights
-#: at ``ref_h_nw``), and the entropies over references of :data:`SUPPORT_SCALARS`.
+#: softmax over m > 1 references gets ``num_refs`` (m), per reference r ``ref_mass_{r}`` (attention
+#: mass, query-averaged), and the entropies over references of :data:`SUPPORT_SCALARS`. The theory's
+#: posterior over the references lives in latent space, not in these columns (THEORY.md 4b).
 SUPPORT_REFERENCES = "num_refs"
-SUPPORT_BANDWIDTH = "ref_h_nw"
-SUPPORT_MASS_STEMS: tuple[str, str] = ("ref_mass", "ref_mass_nw")
-SUPPORT_SCALARS: tuple[str, ...] = ("ref_entropy", "ref_entropy_nw", "ref_row_entropy", "ref_row_entropy_nw")
+SUPPORT_MASS_STEM = "ref_mass"
+SUPPORT_SCALARS: tuple[str, ...] = ("ref_entropy", "ref_row_entropy")
 
 
-def support_mass_column(reference: int, *, nw: bool = False) -> str:
-    """``ref_mass_{r}`` (attention) or ``ref_mass_nw_{r}`` (NW weights) of reference ``r``."""
-    return f"{SUPPORT_MASS_STEMS[int(nw)]}_{_draw(reference)}"
+def support_mass_column(reference: int) -> str:
+    """``ref_mass_{r}``: the attention mass on reference ``r``."""
+    return f"{SUPPORT_MASS_STEM}_{_draw(reference)}"
 
 
 def support_columns(references: int) -> tuple[str, ...]:
     """The support-set columns of a softmax over ``references`` images, in record order."""
-    masses = tuple(support_mass_column(r, nw=nw) for nw in (False, True) for r in range(references))
-    return (SUPPORT_REFERENCES, SUPPORT_BANDWIDTH, *masses, *SUPPORT_SCALARS)
+    return (SUPPORT_REFERENCES, *(support_mass_column(r) for r in range(references)), *SUPPORT_SCALARS)
 
 
 #: Statistics recorded by some runs only: SD3's joint-softmax mass on the IP keys and the old

@@ -92,7 +92,7 @@ def test_winner_and_decided_step_of_constructed_steps():
 
 
 def test_support_steps_average_layers_and_heads_of_one_half():
-    base = {"num_refs": 2, "timestep": 1.0, "h_schedule": 2.0, "ref_h_nw": 2.0}
+    base = {"num_refs": 2, "timestep": 1.0, "h_schedule": 2.0}
     records = [
         {**base, "step": 0, "half": "cond", "ref_mass_0": 0.2, "ref_mass_1": 0.8, "ref_entropy": 0.5},
         {**base, "step": 0, "half": "cond", "ref_mass_0": 0.4, "ref_mass_1": 0.6, "ref_entropy": 0.7},
@@ -109,10 +109,11 @@ def test_group_summary_intervals_are_over_sets():
     common = {
         "num_refs": 2,
         "classes": "mixed",
-        "final_concentration_nw": None,
+        "final_posterior_concentration": None,
         "final_row_entropy_share": 1.0,
     }
-    common.update(final_row_entropy_share_nw=0.0, class_of_winner=None, class_of_a_reference=True)
+    common.update(final_posterior_entropy_share=0.0, class_of_winner=None, class_of_a_reference=True)
+    common.update(decided_progress=0.5, posterior_decided_progress=0.4, final_nearest_is_winner=True)
     sets = [
         {**common, "final_concentration": c, "clip_nearest_is_winner": flag}
         for c, flag in ((0.1, True), (0.3, False))
@@ -159,9 +160,9 @@ def test_end_to_end_run_writes_the_support_columns_and_the_report(finished):
     assert {r["set"] for r in rows} == {"mixed", "twice"}
     assert {
         "ref_mass_0",
-        "ref_mass_nw_1",
+        "posterior_1",
         "ref_entropy",
-        "ref_row_entropy_nw",
+        "ref_row_entropy",
         "layer",
         "head",
         "half",
@@ -204,6 +205,6 @@ def test_a_flux_digits_support_set_run_judges_classes(capsys, tmp_path):
     (entry,) = json.loads((tmp_path / "out" / "support.json").read_text())["sets"]
     assert entry["classes"] == "mixed" and entry["class_source"] == "known"
     assert isinstance(entry["judged_generated"], int)
-    first = entry["steps"][0]  # flow matching's pure-noise step: the NW mass is exactly 1/m
-    assert first["mass_nw"] == [0.5, 0.5]
+    first = entry["steps"][0]  # flow matching's pure-noise step: the latent posterior is exactly 1/m
+    assert first["posterior"] == [0.5, 0.5]
     assert "set00 (m=2, mixed)" in printed

@@ -52,7 +52,7 @@ def _layouts(gen: torch.Generator) -> list[dict]:
                 "stats": stats,
                 "ip_mass": torch.rand(n_h, n_k, generator=gen) if mass else None,
                 "control": control,
-                "support": torch.rand(5 + 2 * refs, n_h, n_k, generator=gen) if refs else None,
+                "support": torch.rand(refs + 2, n_h, n_k, generator=gen) if refs else None,
             }
         )
     return out
@@ -77,7 +77,7 @@ def _expected(rec: NWRecorder, call: int, step: int, layer: str, a: dict) -> lis
                 r[f"{control_column('h_eff', d)}_reason"] = _text(rows[-1])
             if a["support"] is not None:
                 rows = a["support"][:, hi, ki].tolist()
-                r[SUPPORT_REFERENCES] = (len(rows) - 5) // 2
+                r[SUPPORT_REFERENCES] = len(rows) - 2
                 r.update(zip(support_columns(r[SUPPORT_REFERENCES])[1:], rows, strict=True))
             out.append(r)
     return out

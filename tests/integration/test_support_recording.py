@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,37 +12,36 @@ from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.mixin import nw_processor
 from nw_adapter.integration.recorder import NWRecorder
 from nw_adapter.integration.schema import support_columns, support_mass_column
-from nw_adapter.integration.steps import StepState
-from nw_adapter.integration.support import support_bandwidth, support_values
+from nw_adapter.integration.support import support_references, support_rows, support_values
 
 
 def test_support_values_are_the_specification_averaged_over_each_cfg_half():
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(4, 2, 9, 8, generator=gen), torch.randn(4, 2, 12, 8, generator=gen)
-    got = support_values(q, k, scale=8**-0.5, h=0.9, references=3, halves=2)
-    spec = support_statistics(q.double(), k.double(), scale=8**-0.5, h=0.9, references=3)
-    per_row = torch.cat(
-        [torch.full((4, 2, 1), 0.9, dtype=torch.float64), spec.mass, spec.mass_nw,
-         torch.stack([spec.entropy, spec.entropy_nw, spec.row_entropy, spec.row_entropy_nw], -1)], -1
-    )  # fmt: skip
+    got = support_values(q, k, scale=8**-0.5, references=3, halves=2)
+    spec = support_statistics(q.double(), k.double(), scale=8**-0.5, references=3)
+    per_row = torch.cat([spec.mass, torch.stack([spec.entropy, spec.row_entropy], -1)], -1)
     expected = per_row.view(2, 2, 2, -1).mean(1).permute(2, 0, 1)
-    assert got.shape == (len(support_columns(3)) - 1, 2, 2)
+    assert got.shape == (len(support_columns(3)) - 1, 2, 2) == (support_rows(3), 2, 2)
+    assert support_references(support_rows(3)) == 3
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
-
-
-def test_support_bandwidth_follows_the_schedule_with_its_limits():
-    config = NWProcessorConfig(schedule_c=2.0)
-    assert support_bandwidth(config, StepState(alpha=0.5, sigma=0.25)) == pytest.approx(1.0)
-    assert support_bandwidth(config, StepState(alpha=0.0, sigma=1.0)) == math.inf  # flow's pure noise
-    assert math.isnan(support_bandwidth(config, StepState()))  # outside a pipeline call
 
 
 def test_the_recorder_refuses_a_support_tensor_of_the_wrong_shape():
     rec = NWRecorder(NWProcessorConfig())
     stats = torch.zeros(len(STAT_ROWS), 1, 2)
     with pytest.raises(ValueError, match="support must have shape"):
-        rec.add(layer="l", adapter=0, image=0, halves=("all",), heads=(0, 1), scale=1.0, num_keys=8,
-                stats=stats, support=torch.zeros(8, 1, 2))  # fmt: skip
+        rec.add(
+            layer="l",
+            adapter=0,
+            image=0,
+            halves=("all",),
+            heads=(0, 1),
+            scale=1.0,
+            num_keys=8,
+            stats=stats,
+            support=torch.zeros(3, 1, 2),
+        )  # fmt: skip  (m = 1: no support set)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +70,8 @@ def test_a_support_set_run_records_the_columns_and_keeps_the_output(digits_pipe)
     assert set(support_columns(2)) <= set(records[0])
     for r in records:
         assert r["ref_mass_0"] + r["ref_mass_1"] == pytest.approx(1.0, abs=1e-5)
-        assert r["ref_mass_nw_0"] + r["ref_mass_nw_1"] == pytest.approx(1.0, abs=1e-5)
-        assert r["ref_h_nw"] == pytest.approx(r["h_schedule"])
+    ref_columns = {key for key in records[0] if key.startswith("ref_")}
+    assert ref_columns == {"ref_mass_0", "ref_mass_1", "ref_entropy", "ref_row_entropy"}  # no head-space NW
     # the unconditional half's image embeds are zeros: two identical references share the mass
     assert all(r["ref_mass_0"] == pytest.approx(0.5, abs=1e-6) for r in records if r["half"] == "uncond")
     cond = [r for r in records if r["half"] == "cond"]
@@ -85,9 +82,6 @@ def test_a_support_set_run_records_the_columns_and_keeps_the_output(digits_pipe)
     for r in cond:
         other = by_place[(r["step"], r["layer"], r["head"], r["half"])]
         assert other[support_mass_column(1)] == pytest.approx(r[support_mass_column(0)], abs=2e-3)
-        assert other[support_mass_column(1, nw=True)] == pytest.approx(
-            r[support_mass_column(0, nw=True)], abs=2e-3
-        )
 
 
 def test_one_reference_records_no_support_columns(digits_pipe):
@@ -95,26 +89,6 @@ def test_one_reference_records_no_support_columns(digits_pipe):
 
     _, records = _run(digits_pipe, tiny_digit_image(3), steps=1)
     assert records and not any("num_refs" in r or "ref_mass_0" in r for r in records)
-
-
-def test_flux_support_set_has_uniform_nw_mass_at_its_pure_noise_step(tiny_flux_dir, tiny_flux_ip_adapter_dir):
-    from diffusers import FluxPipeline
-    from flow_helpers import generate, load_flux
-    from tiny_helpers import random_image
-
-    pipe = load_flux(FluxPipeline, tiny_flux_dir, tiny_flux_ip_adapter_dir)
-    with nw_processor(pipe, mode="observe") as rec:
-        generate(
-            pipe, steps=2, ip_adapter_image=[[random_image(1, 32), random_image(2, 32), random_image(3, 32)]]
-        )
-    records = rec.to_records()
-    assert records and all(r["num_refs"] == 3 for r in records)
-    first = [r for r in records if r["step"] == 0]
-    assert first and all(r["ref_h_nw"] == math.inf for r in first)
-    assert all(
-        r[support_mass_column(i, nw=True)] == pytest.approx(1 / 3, abs=1e-7) for r in first for i in range(3)
-    )
-    assert all(r["ref_entropy_nw"] == pytest.approx(math.log(3), abs=1e-6) for r in first)
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ from nw_adapter.integration.processors.selection import (
 )
 from nw_adapter.integration.recorder import NWRecorder
 from nw_adapter.integration.steps import StepContext
-from nw_adapter.integration.support import support_bandwidth, support_values
+from nw_adapter.integration.support import support_values
 
 __all__ = [
     "PASS_HALVES",
@@ -631,9 +631,8 @@ class NWProcessorBase:
         ``key_rms(k) / key_rms(k0)``, averaged over the rows of each CFG half, as ``key_scale_{k}``.
         ``references``: the m reference images whose tokens make up the keys (a support set, keys
         reference-major); with m > 1 the per-reference masses and entropies of
-        :func:`~nw_adapter.integration.support.support_values` are recorded too, at the schedule's
-        bandwidth (:func:`~nw_adapter.integration.support.support_bandwidth`), computed in the layer
-        (a support set's columns are not deferred).
+        :func:`~nw_adapter.integration.support.support_values` are recorded too, computed in the
+        layer (a support set's columns are not deferred).
 
         Raises:
             ValueError: ``bandwidth="schedule"`` at s = 1 (uniform NW weights, rank statistics
@@ -653,8 +652,7 @@ class NWProcessorBase:
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         support = None
         if references > 1:  # support sets only: computed here, in the layer, not deferred
-            h_nw = support_bandwidth(cfg, state)
-            support = support_values(q, k, scale=scale, h=h_nw, references=references, halves=n)
+            support = support_values(q, k, scale=scale, references=references, halves=n)
         entry = rec.reserve(
             layer=self.layer_name, adapter=softmax.adapter, image=softmax.image, halves=halves, heads=heads,
             scale=math.nan if isinstance(softmax.adapter_scale, (list, tuple)) else softmax.adapter_scale,
