@@ -213,7 +213,16 @@ def load_ip_adapter(pipe: Any, spec: Any, dtype: Any, **hub: Any) -> None:
     ``image_encoder_pretrained_model_name_or_path``, in the pipeline's dtype; UNet pipelines the
     encoder inside the adapter repository. ``hub``: Hub options passed on as they are
     (``local_files_only=True`` offline).
+
+    Raises:
+        ModelLoadError: a local ``.safetensors`` weight file that is empty, truncated or not a
+            safetensors file (naming the file), before diffusers reads it, or any other safetensors
+            file of the adapter or its encoder that cannot be read. The message is the reason only:
+            :func:`~nw_adapter.correlate.loading.build_pipeline` puts the option in front.
     """
+    from safetensors import SafetensorError
+
+    check_weight_file(spec)
     family = registry.family_of_pipeline(pipe)
     if family.encoder_argument == "image_encoder_folder":
         arguments = {
@@ -228,7 +237,45 @@ def load_ip_adapter(pipe: Any, spec: Any, dtype: Any, **hub: Any) -> None:
         }
     else:
         arguments = {"subfolder": spec.subfolder}
-    pipe.load_ip_adapter(spec.ip_adapter, weight_name=spec.weight_name, **arguments, **hub)
+    try:
+        pipe.load_ip_adapter(spec.ip_adapter, weight_name=spec.weight_name, **arguments, **hub)
+    except SafetensorError as exc:  # a damaged file of the Hub cache or of the image encoder
+        raise ModelLoadError(
+            f"a safetensors file of the adapter or its image encoder is damaged ({_one_line(exc)}); "
+            "download it again"
+        ) from None
+
+
+def check_weight_file(spec: Any) -> None:
+    """Refuse a local IP-Adapter ``.safetensors`` file that safetensors cannot open (empty,
+    truncated, another format), in one line naming the file and the fix.
+
+    Only local files are read (the header, not the tensors); Hub files are diffusers' to fetch.
+
+    Raises:
+        ModelLoadError: the file cannot be opened as safetensors.
+    """
+    weight_name = str(spec.weight_name or "")
+    if not weight_name.endswith(".safetensors") or not spec.ip_adapter:
+        return
+    path = Path(spec.ip_adapter).expanduser() / (spec.subfolder or "") / weight_name
+    if not path.is_file():
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            weights.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        size = path.stat().st_size
+        what = "empty" if size == 0 else f"not a complete safetensors file ({size} bytes: {_one_line(exc)})"
+        raise ModelLoadError(f"{path} is {what}; download or copy the adapter again") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's text on one line, at most 120 characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _as_path_like(encoder: str | None) -> str | None:
@@ -333,11 +380,14 @@ def shown_spec(model: str, ip_adapter: str | None, image_encoder: str | None, sp
         spec: The resolved spec (:func:`nw_adapter.correlate.loading.resolve_spec`).
 
     Returns:
-        A :class:`ModelSpec` without the tiny models' cache paths (they are named ``tiny``).
+        A :class:`ModelSpec` without the embedded models' install or cache paths: the adapter and
+        image encoder of every embedded model (:data:`~nw_adapter.integration.families.TINY_MODELS`,
+        the shipped ``tiny-flux-digits`` too) are named ``tiny``, as the rho run records them.
     """
     encoder = None
     if spec.image_encoder is not None:
-        encoder = image_encoder or (TINY if model in TINY_MODELS else spec.image_encoder)
+        embedded = registry.tiny_model(model) is not None
+        encoder = image_encoder or (TINY if embedded else spec.image_encoder)
     return ModelSpec(
         model=model,
         ip_adapter=ip_adapter or shown_adapter(model, spec),
