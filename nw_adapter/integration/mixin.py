@@ -187,7 +187,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     setattr(unet, _STATE_ATTR, state)
     try:
         unet.set_attn_processor(dict(new))
-        recorder.attach(unet, timestep_scale=_timestep_scale(unet))
+        recorder.tracker.attach(unet, timestep_scale=_timestep_scale(unet))
         if control is not None:
             control.attach(unet)
     except BaseException:
