@@ -185,8 +185,14 @@ def observe_support_set(
         :class:`SupportSetRun`.
 
     Raises:
-        ValueError: no references, a call that passes its own IP-Adapter images, or a swap config.
+        ValueError: no references, ``num_inference_steps`` < 1, a call that passes its own IP-Adapter
+            images, or a swap config.
     """
+    steps = call.get("num_inference_steps", 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"observe_support_set: num_inference_steps must be a whole number >= 1, got {steps!r}"
+        )
     references = list(references)
     if not references:
         raise ValueError("observe_support_set: no reference image; pass a list of one or more images")
