@@ -50,7 +50,12 @@ def _int_list(name: str):
     return parse
 
 
-def _positive(name: str):
+MAX_PARALLEL = 1024
+"""The most ``--workers`` and ``--threads`` accepted (torch aborts far above it: 100000 threads
+crash the interpreter)."""
+
+
+def _positive(name: str, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -58,6 +63,8 @@ def _positive(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {maximum}, got {text!r}")
         return value
 
     return parse
@@ -118,12 +125,15 @@ def build_parser(
         )
     p.add_argument(
         "--workers",
-        type=_positive("--workers"),
+        type=_positive("--workers", MAX_PARALLEL),
         default=min(2, os.cpu_count() or 1),
         help="parallel worker processes (default: min(2, CPUs))",
     )
     p.add_argument(
-        "--threads", type=_positive("--threads"), default=1, help="torch threads per worker (default 1)"
+        "--threads",
+        type=_positive("--threads", MAX_PARALLEL),
+        default=1,
+        help="torch threads per worker (default 1)",
     )
     p.add_argument(
         "--seeds", type=_positive("--seeds"), default=None, help="training seeds per configuration"

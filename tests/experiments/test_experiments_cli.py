@@ -302,3 +302,20 @@ def test_python_m_experiments_with_a_file_as_out_is_one_line(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "is a file" in proc.stderr and target.read_text() == "x"
+
+
+@pytest.mark.parametrize("option", ["--threads", "--workers"])
+def test_parallelism_above_its_limit_is_one_line_before_anything_runs(option, tmp_path, monkeypatch, capsys):
+    """100000 torch threads crash the interpreter at the first matrix product; 10**11 workers is no
+    machine's: both are refused in one line naming the limit, nothing run."""
+    import nw_adapter.experiments.runner as runner
+
+    runs = []
+    monkeypatch.setattr(runner, "run_experiments", lambda *a, **k: runs.append(a) or tmp_path / "report.md")
+    try:
+        code = main(["--out", str(tmp_path / "o"), *TINY[:1], option, "100000"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and not runs and len(err.strip().splitlines()) == 1, err
+    assert f"{option} must be at most 1024, got '100000'" in err
