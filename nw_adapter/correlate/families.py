@@ -74,6 +74,7 @@ __all__ = [
     "FlowFamily",
     "call_kwargs",
     "check_scheduler",
+    "check_weight_file",
     "ensure_tiny_flow_models",
     "family_of_class_name",
     "family_of_model",
