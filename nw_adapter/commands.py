@@ -22,9 +22,27 @@ import argparse
 import difflib
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["SUBCOMMANDS", "OneLineParser", "invoked_as", "note", "one_line_argument_error"]
+__all__ = [
+    "SEED_LIMIT",
+    "SUBCOMMANDS",
+    "OneLineParser",
+    "ScriptParser",
+    "invoked_as",
+    "note",
+    "one_line_argument_error",
+    "output_folder",
+    "output_folder_problem",
+    "seed_number",
+    "whole_number",
+]
+
+SEED_LIMIT = 2**63
+"""Seeds of the command lines are whole numbers in ``[0, SEED_LIMIT)``: torch's generators take
+seeds below 2**64, and the scripts derive further seeds by adding small offsets."""
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "correlate": (
@@ -96,3 +114,72 @@ class OneLineParser(argparse.ArgumentParser):
             if close:
                 return f"; did you mean {close[0]}?"
         return ""
+
+
+class ScriptParser(OneLineParser):
+    """ArgumentParser of the scripts in ``scripts/``: a bad option is one line on stderr,
+    ``prog: error: message (see --help)``, and exit status 2 (no usage block, no traceback)."""
+
+    def error(self, message: str) -> NoReturn:
+        text = f"{one_line_argument_error(message)}{self._guess(message)} (see --help)"
+        self.exit(2, f"{self.prog}: error: {text}\n")
+
+
+def output_folder_problem(path: str | os.PathLike, option: str = "--out") -> str | None:
+    """Why ``path`` cannot be a command's output folder (None: it can): an empty path (it would be
+    the current folder), an existing file, or a path below a file."""
+    text = os.fspath(path)
+    if not text.strip():
+        example = f"{option} runs/out" if option.startswith("-") else "runs/out"
+        return f"{option} is empty (that would be the current folder); pass a folder, e.g. {example}"
+    folder = Path(text).expanduser()
+    if folder.exists() and not folder.is_dir():
+        return f"{option} '{text}' is a file; pass a folder (new or existing)"
+    parent = next((p for p in folder.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"{option} '{text}' lies inside the file '{parent}'; pass a folder"
+    return None
+
+
+def output_folder(option: str = "--out") -> Callable[[str], Path]:
+    """argparse ``type=`` of an output folder option: the path, or argparse's error naming
+    ``option`` (:func:`output_folder_problem`)."""
+
+    def parse(text: str) -> Path:
+        problem = output_folder_problem(text, option)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return Path(text).expanduser()
+
+    return parse
+
+
+def whole_number(option: str, minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """argparse ``type=`` of a whole number in ``[minimum, maximum]`` (either end open when None),
+    with an error naming ``option``, the range and the value given."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if (
+            value is None
+            or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)
+        ):
+            if minimum is not None and maximum is not None:
+                wanted = f"a whole number from {minimum} to {maximum}"
+            elif minimum is not None:
+                wanted = f"a whole number >= {minimum}"
+            else:
+                wanted = "a whole number" if maximum is None else f"a whole number <= {maximum}"
+            raise argparse.ArgumentTypeError(f"{option} must be {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+def seed_number(option: str = "--seed") -> Callable[[str], int]:
+    """argparse ``type=`` of a seed: a whole number in ``[0, 2**63)`` (:data:`SEED_LIMIT`)."""
+    return whole_number(option, 0, SEED_LIMIT - 1)

@@ -13,11 +13,12 @@ printed table under ``--out``, and, with ``--card``, rewrites the section betwee
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
+
+from nw_adapter.commands import ScriptParser, output_folder, whole_number
 
 QUALITY_SETTINGS = (
     # (ip_scale, guidance_scale, steps): the CLI's default guidance at the quickstart's 25 steps,
@@ -329,13 +330,47 @@ def replace_section(card: Path, name: str, body: str) -> None:
     atomic_write_text(card, f"{head}{begin}\n{body}\n{end}{tail}")
 
 
-def model_folder_ready(script: str, model_dir: Path, out: Path) -> bool:
-    """Whether ``model_dir`` is a model folder (else print the one-line error); creates ``out``."""
+def model_folder_ready(
+    script: str,
+    model_dir: Path,
+    out: Path,
+    *,
+    card: Path | None = None,
+    sections: tuple[str, ...] = (),
+    run_dir: Path | None = None,
+) -> bool:
+    """Whether the inputs can be used (else print the one-line error and return False), checked
+    before anything is computed: ``model_dir`` a model folder, ``card`` (when given) a file with the
+    ``sections``' markers, ``run_dir`` (when given) a training run with its ``stages/log.json``.
+    Creates ``out``."""
+    problem = None
     if not (model_dir / "model_index.json").is_file():
-        print(f"{script}: error: '{model_dir}' has no model_index.json; pass --model-dir", file=sys.stderr)
+        problem = f"'{model_dir}' has no model_index.json; pass --model-dir"
+    elif card is not None:
+        problem = card_problem(card, sections)
+    if problem is None and run_dir is not None and not (run_dir / "stages" / "log.json").is_file():
+        problem = f"--run-dir '{run_dir}' has no stages/log.json; pass the --out folder of a training run"
+    if problem is not None:
+        print(f"{script}: error: {problem}", file=sys.stderr)
         return False
     out.mkdir(parents=True, exist_ok=True)
     return True
+
+
+def card_problem(card: Path, sections: tuple[str, ...]) -> str | None:
+    """Why ``--card`` cannot take the ``sections`` (None: it can): not a readable text file, or a
+    section without its ``<!-- name:begin -->`` ... ``<!-- name:end -->`` markers."""
+    try:
+        text = card.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return (
+            f"--card '{card}' cannot be read ({getattr(exc, 'strerror', None) or exc}); pass the model card"
+        )
+    for name in sections:
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        if begin not in text or end not in text:
+            return f"--card '{card}' has no {begin} ... {end} markers; add them"
+    return None
 
 
 def write_training_sections(stages: str, files: str, card: Path | None) -> None:
@@ -349,17 +384,25 @@ def write_training_sections(stages: str, files: str, card: Path | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_digits import SHIPPED_DIR
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(prog="evaluate_tiny.py", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("quality", "captions", "rho", "conflict", "training"))
     parser.add_argument(
         "--run-dir", type=Path, default=Path("runs/tiny"), help="training: train_tiny.py --out"
     )
     parser.add_argument("--model-dir", type=Path, default=SHIPPED_DIR, help="model folder (default: shipped)")
-    parser.add_argument("--out", type=Path, default=Path("runs/tiny_eval"), help="output folder")
-    parser.add_argument("--steps", type=int, default=25, help="rho: denoising steps (default 25)")
+    parser.add_argument(
+        "--out", type=output_folder("--out"), default=Path("runs/tiny_eval"), help="output folder"
+    )
+    parser.add_argument(
+        "--steps", type=whole_number("--steps", 1), default=25, help="rho: denoising steps (default 25)"
+    )
     parser.add_argument("--card", type=Path, default=None, help="model card whose section to rewrite")
     args = parser.parse_args(argv)
-    if not model_folder_ready("evaluate_tiny.py", args.model_dir, args.out):
+    sections = ("training", "files") if args.what == "training" else (args.what,)
+    run_dir = args.run_dir if args.what == "training" else None
+    if not model_folder_ready(
+        "evaluate_tiny.py", args.model_dir, args.out, card=args.card, sections=sections, run_dir=run_dir
+    ):
         return 2
     if args.what == "training":
         write_training_sections(*training(args.run_dir, args.model_dir), args.card)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from nw_adapter.commands import ScriptParser, output_folder, whole_number
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_tiny import (  # noqa: E402  (the SD 1.5 model's card writers and judge)
@@ -213,26 +216,60 @@ def training(run_dir: Path, model_dir: Path) -> tuple[str, str]:
     return "\n".join(rows), file_table(model_dir, model_dir / ADAPTER_SUBFOLDER / ADAPTER_WEIGHT_NAME)
 
 
+def _finite(option: str, minimum: float) -> Callable[[str], float]:
+    """argparse ``type=`` of a finite number >= ``minimum``, with an error naming ``option``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(f"{option} must be a finite number >= {minimum:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     from nw_adapter.models.tiny_flux_digits import SHIPPED_DIR
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(prog="evaluate_tiny_flow.py", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("quality", "losses", "training", "pilot"))
     parser.add_argument(
         "--run-dir", type=Path, default=Path("runs/tiny_flux"), help="training: train_tiny_flow.py --out"
     )
     parser.add_argument("--model-dir", type=Path, default=SHIPPED_DIR, help="model folder (default: shipped)")
-    parser.add_argument("--out", type=Path, default=Path("runs/tiny_flux_eval"), help="output folder")
-    parser.add_argument("--true-cfg-scale", type=float, default=TRUE_CFG_SCALE, help="quality: Flux true CFG")
     parser.add_argument(
-        "--limit", type=int, default=None, help="quality: at most this many support sets per m"
+        "--out", type=output_folder("--out"), default=Path("runs/tiny_flux_eval"), help="output folder"
+    )
+    parser.add_argument(
+        "--true-cfg-scale",
+        type=_finite("--true-cfg-scale", 1.0),
+        default=TRUE_CFG_SCALE,
+        help="quality: Flux true CFG (>= 1)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=whole_number("--limit", 1),
+        default=None,
+        help="quality: at most this many support sets per m",
     )
     parser.add_argument("--card", type=Path, default=None, help="model card whose sections to rewrite")
     parser.add_argument(
-        "--ip-scales", type=float, nargs="+", default=[1.0], help="pilot: IP scales to measure (default 1)"
+        "--ip-scales",
+        type=_finite("--ip-scales", 0.0),
+        nargs="+",
+        default=[1.0],
+        help="pilot: IP scales to measure, each >= 0 (default 1)",
     )
     args = parser.parse_args(argv)
-    if not model_folder_ready("evaluate_tiny_flow.py", args.model_dir, args.out):
+    sections = {"training": ("training", "files"), "quality": ("quality",)}.get(args.what, ())
+    card = args.card if sections else None  # losses and pilot write no card section
+    run_dir = args.run_dir if args.what == "training" else None
+    if not model_folder_ready(
+        "evaluate_tiny_flow.py", args.model_dir, args.out, card=card, sections=sections, run_dir=run_dir
+    ):
         return 2
     if args.what == "training":
         write_training_sections(*training(args.run_dir, args.model_dir), args.card)

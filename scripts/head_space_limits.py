@@ -10,13 +10,13 @@ the log-log slope of h_eff on h, and the slope of log logit_scale on log h for s
 head and the NW smoother of its augmented space (float64). The draw (seed) is the unit.
 """
 
-import argparse
 import statistics
 import sys
 
 import numpy as np
 import torch
 
+from nw_adapter.commands import ScriptParser, whole_number
 from nw_adapter.core.intervals import t_interval
 from nw_adapter.experiments.head_space_limits import (
     BANDWIDTHS,
@@ -83,11 +83,14 @@ def _identity_line(draws: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draws", type=int, default=10, help="draws (seeds) per cell (default 10)")
+    parser = ScriptParser(prog="head_space_limits.py", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--draws",
+        type=whole_number("--draws", 2),
+        default=10,
+        help="draws (seeds) per cell, >= 2 (default 10)",
+    )
     args = parser.parse_args(argv)
-    if args.draws < 2:
-        parser.error("--draws must be at least 2 (the interval needs two draws)")
     _sweep_table(args.draws)
     print()
     _path_table(args.draws)

@@ -15,13 +15,13 @@ the script says so and stops.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from nw_adapter.commands import ScriptParser
 from nw_adapter.core.intervals import t_interval
 from nw_adapter.integration.schema import (
     CONTROL_MEAN_SUFFIX,
@@ -34,6 +34,48 @@ from nw_adapter.integration.schema import (
 READINGS = ("rho", "r2_key", "r2_nw", "kl_nw_fit", "kl_key_prior", "nw_gain", "kl", "key_norm_cv")
 
 
+PROG = "readings_table.py"
+FIX = "pass the rho.json a correlate.py run wrote"
+
+
+class ReadingsError(ValueError):
+    """A file this script cannot read: printed as one line, exit status 2."""
+
+
+def read_report(path: Path) -> dict:
+    """The ``rho.json`` document at ``path``, with the fields this script reads checked.
+
+    Raises:
+        ReadingsError: a missing, unreadable, empty, truncated or non-JSON file, a folder, or a
+            document that is no object with ``records`` (objects) and ``verdict.half``; one line
+            naming the file and the fix.
+    """
+    if path.is_dir():
+        raise ReadingsError(f"{path} is a folder; {FIX} (e.g. {path / 'rho.json'})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ReadingsError(f"{path} does not exist; {FIX}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReadingsError(
+            f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc}); {FIX}"
+        ) from None
+    if not text.strip():
+        raise ReadingsError(f"{path} is empty; {FIX}")
+    try:
+        document = json.loads(text)
+    except ValueError:
+        raise ReadingsError(f"{path} is not valid JSON (a truncated or damaged file?); {FIX}") from None
+    if not isinstance(document, dict):
+        raise ReadingsError(f"{path} holds a JSON {type(document).__name__}, not a report object; {FIX}")
+    records, verdict = document.get("records"), document.get("verdict")
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "reference" in r for r in records):
+        raise ReadingsError(f"{path} has no list of records with their reference image; {FIX}")
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("half"), str):
+        raise ReadingsError(f"{path} has no verdict naming its CFG half; {FIX}")
+    return document
+
+
 def _log(value: float | None) -> float | None:
     return math.log(value) if value is not None and math.isfinite(value) and value > 0 else None
 
@@ -43,35 +85,56 @@ def image_means(path: Path) -> tuple[dict[str, dict[str, float]], int]:
     its scale-matched control ``{X}_control`` (the draws' mean per record) and ``log_key_scale``.
 
     Raises:
-        SystemExit: the file has no scale-matched control (control off, or an earlier version's).
+        ReadingsError: the file cannot be read (:func:`read_report`) or has no scale-matched control
+            (control off, or an earlier version's).
     """
-    document = json.loads(path.read_text())
+    document = read_report(path)
     half = document["verdict"]["half"]
     draws = max((control_draws(r) for r in document["records"]), default=0)
     if not draws:
-        raise SystemExit(
+        raise ReadingsError(
             f"{path}: no scale-matched control was recorded (control off, or a file of an earlier version "
             "with the unmatched *_untrained columns); rerun correlate.py without --no-untrained-control"
         )
     values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for record in document["records"]:
+    for index, record in enumerate(document["records"]):
         if record.get("half") != half or record.get("key_set", "ip") != "ip":
             continue
-        cells = {name: record.get(name) for name in READINGS}
-        cells.update({name + CONTROL_MEAN_SUFFIX: control_mean(record, name) for name in READINGS})
-        cells["log_" + KEY_SCALE] = _log(control_mean(record, KEY_SCALE))
+        try:
+            cells = {name: _number(record.get(name)) for name in READINGS}
+            cells.update({name + CONTROL_MEAN_SUFFIX: control_mean(record, name) for name in READINGS})
+            cells["log_" + KEY_SCALE] = _log(control_mean(record, KEY_SCALE))
+        except (TypeError, ValueError) as exc:
+            raise ReadingsError(
+                f"{path}: records[{index}] holds a value that is not a number ({exc}); {FIX}"
+            ) from None
         for column, value in cells.items():
-            if value is not None and math.isfinite(float(value)):
-                values[record["reference"]][column].append(float(value))
+            if value is not None and math.isfinite(value):
+                values[str(record["reference"])][column].append(value)
+    if not values:
+        raise ReadingsError(f"{path}: no record of the verdict's half {half!r} over the IP keys; {FIX}")
     means = {ref: {c: sum(v) / len(v) for c, v in columns.items()} for ref, columns in values.items()}
     return means, draws
 
 
+def _number(value: object) -> float | None:
+    """``value`` as a float (None stays None); TypeError for anything that is not a number."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r}")
+    return float(value)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ScriptParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path, help="rho.json of one or several runs")
     args = parser.parse_args(argv)
-    read = [image_means(path) for path in args.files]
+    try:
+        read = [image_means(path) for path in args.files]
+    except ReadingsError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     runs, draws = [means for means, _ in read], min(k for _, k in read)
     if len(runs) == 1:
         units, unit = list(runs[0].values()), "reference image"

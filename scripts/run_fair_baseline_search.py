@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nw_adapter.commands import ScriptParser, output_folder, whole_number
 from nw_adapter.experiments.baseline import fair_baseline
 from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
 from nw_adapter.experiments.fields import model_field, plugin_field
@@ -156,18 +157,46 @@ def _done(path: Path) -> set[tuple]:
     return {(tuple(r["scale"]), r.get("eval_tasks", 32), r.get("eval_points", 400)) for r in rows}
 
 
+def _output_file(text: str) -> Path:
+    """``--out``: the JSON-lines file the rows are appended to: not empty, not a folder, not below a file."""
+    wanted = "pass the JSON-lines file to append to, e.g. --out runs/fair_search.jsonl"
+    path = Path(text).expanduser()
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"--out is empty; {wanted}")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"--out '{text}' is a folder; {wanted}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"--out '{text}' lies inside the file '{parent}'; {wanted}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--checkpoints", type=Path, default=Path("runs/fair_search_ckpt"))
-    p.add_argument("--tasks", type=int, default=32, help="held-out evaluation tasks (default 32)")
-    p.add_argument("--points", type=int, default=400, help="generated = target points per task (default 400)")
+    p = ScriptParser(prog="run_fair_baseline_search.py", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--out", type=_output_file, required=True, help="JSON-lines file of the results (appended)"
+    )
+    p.add_argument("--threads", type=whole_number("--threads", 1, 1024), default=1, help="torch CPU threads")
+    p.add_argument(
+        "--checkpoints", type=output_folder("--checkpoints"), default=Path("runs/fair_search_ckpt")
+    )
+    p.add_argument(
+        "--tasks", type=whole_number("--tasks", 2), default=32, help="held-out evaluation tasks (default 32)"
+    )
+    p.add_argument(
+        "--points",
+        type=whole_number("--points", 4),
+        default=400,
+        help="generated = target points per task (default 400)",
+    )
     p.add_argument("--scales", default=None, help="comma-separated indices into SCALES (default: all)")
-    p.add_argument("--eval-batch", type=int, default=25, help="tasks integrated together (memory)")
+    p.add_argument(
+        "--eval-batch",
+        type=whole_number("--eval-batch", 1),
+        default=25,
+        help="tasks integrated together (memory)",
+    )
     args = p.parse_args(argv)
-    if args.tasks < 2 or args.points < 4:
-        p.error(f"--tasks {args.tasks} / --points {args.points}: need >= 2 tasks and >= 4 points per task.")
     try:
         scales = parse_scales(args.scales)
     except ValueError as exc:

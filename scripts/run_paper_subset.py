@@ -15,23 +15,33 @@ many steps were run. Rerunning the same command resumes from the checkpoints. Th
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from nw_adapter.commands import ScriptParser, output_folder, whole_number
 from nw_adapter.experiments.cli import main as run_experiments
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p = ScriptParser(prog="run_paper_subset.py", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=output_folder("--out"), required=True, help="run folder (rerun to resume)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--steps", default="100000", help="training steps per model (paper: 100000)")
-    p.add_argument("--workers", default="1", help="units at once on the device (1: one model at a time)")
+    p.add_argument(
+        "--steps",
+        type=whole_number("--steps", 1),
+        default=100000,
+        help="training steps per model (paper: 100000)",
+    )
+    p.add_argument(
+        "--workers",
+        type=whole_number("--workers", 1),
+        default=1,
+        help="units at once on the device (1: one model at a time)",
+    )
     args = p.parse_args(argv)
     return run_experiments(
         [
             "--out",
-            args.out,
+            str(args.out),
             "--scale",
             "paper",
             "--device",
@@ -43,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
             "--seeds",
             "1",
             "--steps",
-            args.steps,
+            str(args.steps),
             "--workers",
-            args.workers,
+            str(args.workers),
             "--threads",
             "4",
             "--no-progress",

@@ -16,29 +16,41 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from nw_adapter.commands import ScriptParser, output_folder, seed_number, whole_number
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+MAX_THREADS = 1024
+"""The most torch CPU threads ``--threads`` accepts."""
 
 
-def training_parser(description: str, model_folder: str, steps_help: str) -> argparse.ArgumentParser:
-    """The options of a tiny model's training script (``model_folder``: the folder written under --out)."""
-    parser = argparse.ArgumentParser(description=description)
+def training_parser(
+    description: str, model_folder: str, steps_help: str, prog: str = "train_tiny.py"
+) -> argparse.ArgumentParser:
+    """The options of a tiny model's training script (``model_folder``: the folder written under --out).
+
+    A bad option is one line naming it (exit status 2): ``--out`` empty (the current folder), a
+    file or inside one; a seed outside ``[0, 2**63)``; steps or threads below 1.
+    """
+    parser = ScriptParser(prog=prog, description=description)
     parser.add_argument(
-        "--out", type=Path, required=True, help=f"output folder (stages/ and {model_folder}/)"
+        "--out",
+        type=output_folder("--out"),
+        required=True,
+        help=f"output folder (stages/ and {model_folder}/)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of every stage (default 0: the shipped weights)"
+        "--seed",
+        type=seed_number("--seed"),
+        default=0,
+        help="seed of every stage, 0 <= seed < 2**63 (default 0: the shipped weights)",
     )
     parser.add_argument("--quick", action="store_true", help="2 steps per stage on 40 images: a smoke run")
-    parser.add_argument("--steps", type=_positive_int, default=None, help=steps_help)
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default 1)")
+    parser.add_argument("--steps", type=whole_number("--steps", 1), default=None, help=steps_help)
+    parser.add_argument(
+        "--threads",
+        type=whole_number("--threads", 1, MAX_THREADS),
+        default=None,
+        help="torch CPU threads (default 1)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 

@@ -17,33 +17,39 @@ image encoder of the shipped tiny SD 1.5 digits model, frozen. See
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from nw_adapter.commands import whole_number
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny import _positive_int, run_and_report, training_parser  # noqa: E402  (the SD 1.5 model's training CLI)
+from train_tiny import run_and_report, training_parser  # noqa: E402  (the SD 1.5 model's training CLI)
+
+
+def _number(text: str, wanted: str, holds: Callable[[float], bool]) -> float:
+    """``text`` as a finite float for which ``holds`` is true, else argparse's error saying ``wanted``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and holds(value)):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+    return value
 
 
 def _probability(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
-    return value
+    return _number(text, "a probability in [0, 1]", lambda value: 0.0 <= value <= 1.0)
 
 
 def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+    return _number(text, "a finite number >= 0", lambda value: value >= 0.0)
 
 
 def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0.0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
+    return _number(text, "a finite number > 0", lambda value: value > 0.0)
 
 
 #: The command-line options that set one training setting each (``None``: the default).
@@ -62,7 +68,9 @@ OPTION_SETTINGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = training_parser(__doc__.splitlines()[0], "tiny_flux_digits", "steps of both trained stages")
+    parser = training_parser(
+        __doc__.splitlines()[0], "tiny_flux_digits", "steps of both trained stages", prog="train_tiny_flow.py"
+    )
     parser.add_argument(
         "--class-free-drop",
         action=argparse.BooleanOptionalAction,
@@ -104,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         "(default 0)",
     )
     parser.add_argument(
-        "--adapter-steps", type=_positive_int, default=None, help="stage 2's steps only (default 5000)"
+        "--adapter-steps",
+        type=whole_number("--adapter-steps", 1),
+        default=None,
+        help="stage 2's steps only (default 5000)",
     )
     parser.add_argument(
         "--adapter-lr", type=_positive, default=None, help="stage 2's peak learning rate (default 0.005)"

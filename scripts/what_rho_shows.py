@@ -6,9 +6,9 @@ Prints, per head of nw_adapter.experiments.synthetic_heads.HEADS, the mean over 
 per seed, the independent unit) and a Student t 95% interval of rho, its nulls and the readings.
 """
 
-import argparse
 import sys
 
+from nw_adapter.commands import ScriptParser, whole_number
 from nw_adapter.core.intervals import t_interval
 from nw_adapter.experiments.synthetic_heads import measure_heads
 
@@ -26,11 +26,11 @@ COLUMNS = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=10, help="draws per head (default 10)")
+    parser = ScriptParser(prog="what_rho_shows.py", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--seeds", type=whole_number("--seeds", 2), default=10, help="draws per head, >= 2 (default 10)"
+    )
     args = parser.parse_args(argv)
-    if args.seeds < 2:
-        parser.error("--seeds must be at least 2 (the interval needs two draws)")
     table = measure_heads(args.seeds)
     print("| head | " + " | ".join(COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))

@@ -41,9 +41,10 @@ FORBIDDEN = {
     "correlate": (set(), {"experiments", "pipelines"}),
 }
 
-# The recorder facade: this module of the layer may import this sub-package of the layer above,
-# inside a function only (its user-facing report methods); never at module level.
-FACADE = ("integration/recorder.py", "analysis")
+# The recorder facade: this module of the layer (RecorderReports, the base class that holds
+# NWRecorder's user-facing report methods) may import this sub-package of the layer above, inside a
+# function only; never at module level.
+FACADE = ("integration/reports.py", "analysis")
 
 
 class _Import(NamedTuple):

@@ -109,9 +109,15 @@ def select_maps(
     adapter: int = 0,
     image: int = 0,
 ) -> dict[MapKey, np.ndarray]:
-    """The stored maps of one kind (``attn`` or ``nw``), filtered by step and layer-name prefix."""
+    """The stored maps of one kind (``attn`` or ``nw``), filtered by step and layer-name prefix.
+
+    Raises:
+        ValueError: an unknown kind, or ``steps`` / ``layers`` that are not collections of step
+            indices / layer-name prefixes (:func:`check_filters`).
+    """
     if kind not in ("attn", "nw"):
         raise ValueError(f"kind must be 'attn' or 'nw', got {kind!r}")
+    check_filters(steps=steps, layers=layers, adapter=adapter, image=image)
     chosen = {}
     for name, value in maps.items():
         key = parse_map_name(name)
@@ -123,6 +129,55 @@ def select_maps(
             continue
         chosen[key] = _as_array(value)
     return chosen
+
+
+def _is_index(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | np.integer)
+
+
+def check_filters(
+    *,
+    steps: object = None,
+    layers: object = None,
+    heads: object = None,
+    batch_row: object = -1,
+    adapter: object = 0,
+    image: object = 0,
+) -> None:
+    """Refuse, in one line naming the parameter, a selection of the wrong type: ``steps`` and
+    ``heads`` must be None or collections of whole numbers (``steps=0`` is ``steps=[0]`` spelled
+    wrong; every step index is >= 0), ``layers`` None or a collection of name prefixes (a bare
+    string would be read letter by letter), ``batch_row``, ``adapter`` and ``image`` whole numbers.
+
+    Raises:
+        ValueError: the first parameter of the wrong type or value.
+    """
+    for name, value, example in (("steps", steps, "[0, 5]"), ("heads", heads, "[0]")):
+        if value is None:
+            continue
+        if isinstance(value, str | bytes) or not isinstance(value, Collection):
+            raise ValueError(
+                f"{name} must be a list of whole numbers (e.g. {name}={example}) or None, got {value!r}"
+            )
+        wrong = [v for v in value if not _is_index(v) or (name == "steps" and v < 0)]
+        if wrong:
+            raise ValueError(
+                f"{name}={list(value)}: {wrong[0]!r} is not a {name[:-1]} index (a whole number >= 0)"
+            )
+    if layers is not None and (
+        isinstance(layers, str | bytes)
+        or not isinstance(layers, Collection)
+        or not all(isinstance(v, str) for v in layers)
+    ):
+        raise ValueError(
+            f"layers must be a list of layer-name prefixes (e.g. layers=['up_blocks']) or None, "
+            f"got {layers!r}"
+        )
+    for name, value in (("batch_row", batch_row), ("adapter", adapter), ("image", image)):
+        if not _is_index(value) or (name != "batch_row" and value < 0):
+            raise ValueError(
+                f"{name} must be a whole number{'' if name == 'batch_row' else ' >= 0'}, got {value!r}"
+            )
 
 
 def _no_match(
@@ -172,8 +227,10 @@ def token_maps(
         adapter, image: IP-Adapter and adapter-image index.
 
     Raises:
-        ValueError: nothing matches the selection (the message lists what is stored).
+        ValueError: a selection of the wrong type (:func:`check_filters`), or nothing matches the
+            selection (the message lists what is stored).
     """
+    check_filters(steps=steps, layers=layers, heads=heads, batch_row=batch_row, adapter=adapter, image=image)
     chosen = select_maps(maps, kind, steps=steps, layers=layers, adapter=adapter, image=image)
     if not chosen:
         raise ValueError(f"token_maps: {_no_match(maps, kind, steps, layers, adapter, image)}")
@@ -439,11 +496,14 @@ def grey_image(image: Any) -> np.ndarray:
       from the maximum.
 
     Raises:
-        ValueError: another shape, a non-finite value, or values outside the type's range.
+        ValueError: another shape, an image without pixels, a non-finite value, or values outside
+            the type's range.
     """
     import warnings
 
     array = _image_array(image)
+    if array.shape[0] == 0 or array.shape[1] == 0:
+        raise ValueError(f"image: has no pixels (shape {tuple(array.shape)}); pass the generated image")
     if array.dtype == bool:
         array = array.astype(np.float64)
     if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
@@ -498,6 +558,7 @@ def heat_maps(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    check_filters(steps=steps, layers=layers, heads=heads, batch_row=batch_row, adapter=adapter, image=image)
     maps = source.maps() if hasattr(source, "maps") and callable(source.maps) else source
     if image_hw is None:
         latent = getattr(getattr(source, "state", None), "latent_hw", None)

@@ -238,7 +238,9 @@ def _check_call(call: dict[str, Any]) -> None:
         )
     steps = call.get("num_inference_steps")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"observe_support_set: num_inference_steps must be an int >= 1, got {steps!r}")
+        raise ValueError(
+            f"observe_support_set: num_inference_steps must be a whole number >= 1, got {steps!r}"
+        )
 
 
 def _judged(judge: Callable[[list[Any]], Sequence[Any]], images: list[Any]) -> list[Any]:

@@ -66,6 +66,9 @@ _WORK_DTYPE = torch.float64
 """The dtype of the computation (float64 everywhere but on devices without it): extreme finite
 float32 inputs (norms of 1e10, scale 1e30, h of 1e-20) stay in range."""
 
+SEED_LIMIT = 2**63
+"""Seeds of the nulls' generator lie in [0, 2**63), as the processors' (``NWProcessorConfig.seed``)."""
+
 # float64 bandwidths whose h^2 and 1 / h^2 are finite normal numbers
 _F64_BANDWIDTH = (1e-150, 1e150)
 
@@ -91,9 +94,16 @@ def _check_inputs(
             raise ValueError(f"{name} must be a floating-point tensor {dims}, got {shape}")
         if x.shape[-2] < 1 or x.shape[-1] < 1:
             raise ValueError(f"{name} must have at least one row and one feature, got {tuple(x.shape)}")
+        if x.is_meta:
+            raise ValueError(
+                f"{name} is a meta tensor (a shape without values); pass tensors that hold values "
+                "(e.g. on cpu or cuda)"
+            )
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name} contains NaN or inf values; remove them or mask the keys with valid")
     assert isinstance(q, Tensor) and isinstance(k, Tensor)
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}; move one with .to()")
     if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q [B, H, N, d] and k [B, H, M, d] must share B, H and d, "
@@ -126,11 +136,15 @@ def _check_inputs(
                 f"bandwidth must be one of {BANDWIDTH_RULES} or a float in [{low:.3g}, {high:.3g}] "
                 f"(the range of h, h^2 and 1/h^2 for {name} results), got {bandwidth!r}"
             )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int (the nulls' generator seed), got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**63) (the nulls' generator seed), got {seed!r}")
     if valid is not None:
         b, h, m = q.shape[0], q.shape[1], k.shape[-2]
         ok = isinstance(valid, Tensor) and valid.dtype == torch.bool and 1 <= valid.dim() <= 3
+        if ok and valid.device != q.device:
+            raise ValueError(
+                f"valid must be on q's device {q.device}, got {valid.device}; move it with .to()"
+            )
         if ok:
             try:
                 ok = torch.broadcast_shapes(_as_key_mask(valid).shape, (b, h, m)) == (b, h, m)
@@ -290,7 +304,8 @@ def compare_attention(
         bandwidth: ``"matched"``, ``"fitted"``, ``"median"`` or a float h > 0.
         valid: optional bool key mask ``[B, H, M]``, ``[B, M]`` or ``[M]`` (True = the key takes
             part); every (batch row, head) needs at least one valid key.
-        seed: seed of the nulls' random numbers (deterministic for a given device and dtype).
+        seed: seed of the nulls' random numbers, in [0, 2**63) (deterministic for a given device and
+            dtype).
 
     Everything is computed in float64 (extreme finite float32 inputs, e.g. norms of 1e10,
     ``scale=1e30`` or ``h=1e-20``, keep their values; Pearson r comes from the logits, so weights

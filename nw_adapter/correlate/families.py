@@ -1,6 +1,8 @@
 """Model families of the command line: which adapter, image encoder and call a pipeline needs.
 
-``--model`` names a pipeline; its family is read from the pipeline itself (``model_index.json``'s
+What a family is, and every fact about it, is a row of :data:`nw_adapter.integration.families.FAMILIES`
+(the one table of the families; this module reads it and decides nothing on its own). ``--model``
+names a pipeline; its family is read from the pipeline itself (``model_index.json``'s
 ``_class_name``: ``StableDiffusion3*`` is SD 3 / 3.5, ``Flux*`` is Flux, anything else a UNet
 pipeline), and each flow-matching family brings its public IP-Adapter as the default:
 
@@ -11,9 +13,10 @@ SD 3 / 3.5    ``InstantX/SD3.5-Large-IP-Adapter``  ``ip-adapter.bin``     ``goog
 Flux          ``XLabs-AI/flux-ip-adapter``     ``ip_adapter.safetensors``  ``openai/clip-vit-large-patch14``
 ============  ===============================  ==========================  ===================================
 
-(UNet pipelines keep :mod:`~nw_adapter.correlate.loading`'s SD 1.5 / SDXL defaults.) ``tiny-sd3`` and
-``tiny-flux`` are the embedded tiny models of :mod:`nw_adapter.models.tiny_flow`, written once
-into the tiny-model cache and loaded like any local folder.
+(UNet pipelines keep :mod:`~nw_adapter.correlate.loading`'s SD 1.5 / SDXL defaults.) The embedded
+models (``tiny``, ``tiny-sd3``, ``tiny-flux``, ``tiny-flux-digits``) are the registry's
+:data:`~nw_adapter.integration.families.TINY_MODELS`: the random-weight ones are written once into
+the tiny-model cache from their builders and loaded like any local folder.
 
 Every failure is a :class:`~nw_adapter.correlate.spec.ModelLoadError` with one line saying
 what to do.
@@ -21,8 +24,8 @@ what to do.
 
 from __future__ import annotations
 
+import importlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,54 +37,25 @@ from nw_adapter.correlate.spec import (
     hub_offline_reason,
     write_tiny_cache,
 )
+from nw_adapter.integration import families as registry
+from nw_adapter.integration.families import FLUX, SD3, UNET, Family
 
-UNET = "unet"
-SD3 = "sd3"
-FLUX = "flux"
+FlowFamily = Family
+"""A flow-matching family's row (the registry's :class:`~nw_adapter.integration.families.Family`)."""
 
+FAMILIES: dict[str, Family] = {family.name: family for family in registry.FAMILIES if family.ip_adapter}
+"""The families with their own default adapter (SD 3, Flux), by name."""
 
-@dataclass(frozen=True)
-class FlowFamily:
-    """Defaults of one flow-matching transformer family.
-
-    Attributes:
-        name: ``"sd3"`` or ``"flux"``.
-        label: for messages.
-        ip_adapter: the public adapter repository (Hub id).
-        weight_name: its weight file.
-        image_encoder: the image encoder it was trained with (Hub id).
-        tiny: the ``--model`` name of the embedded tiny model.
-    """
-
-    name: str
-    label: str
-    ip_adapter: str
-    weight_name: str
-    image_encoder: str
-    tiny: str
-
-
-FAMILIES: dict[str, FlowFamily] = {
-    SD3: FlowFamily(
-        name=SD3,
-        label="Stable Diffusion 3 / 3.5",
-        ip_adapter="InstantX/SD3.5-Large-IP-Adapter",
-        weight_name="ip-adapter.bin",
-        image_encoder="google/siglip-so400m-patch14-384",
-        tiny="tiny-sd3",
-    ),
-    FLUX: FlowFamily(
-        name=FLUX,
-        label="Flux",
-        ip_adapter="XLabs-AI/flux-ip-adapter",
-        weight_name="ip_adapter.safetensors",
-        image_encoder="openai/clip-vit-large-patch14",
-        tiny="tiny-flux",
-    ),
+TINY_MODELS: dict[str, Family] = {
+    model.name: registry.family_named(model.family)
+    for model in registry.TINY_MODELS
+    if not model.shipped and model.family in FAMILIES
 }
-TINY_MODELS = {family.tiny: family for family in FAMILIES.values()}
+"""``--model`` names of the random-weight tiny flow models -> their family's row."""
 
-TRAINED_FLOW_MODELS: dict[str, str] = {"tiny-flux-digits": FLUX}
+TRAINED_FLOW_MODELS: dict[str, str] = {
+    model.name: model.family for model in registry.TINY_MODELS if model.shipped and model.family in FAMILIES
+}
 """``--model`` names of the *trained* flow-matching models shipped in the package -> their family:
 ``tiny-flux-digits`` is :mod:`nw_adapter.models.tiny_flux_digits` (Flux + XLabs-layout adapter,
 trained on digits with support sets of 1-4 references)."""
@@ -89,29 +63,42 @@ trained on digits with support sets of 1-4 references)."""
 UNET_BLOCKS: dict[str, str] = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
 """``--layers`` short names of UNet blocks -> the attention-processor name prefix."""
 
+__all__ = [
+    "FAMILIES",
+    "FLUX",
+    "SD3",
+    "TINY_MODELS",
+    "TRAINED_FLOW_MODELS",
+    "UNET",
+    "UNET_BLOCKS",
+    "FlowFamily",
+    "call_kwargs",
+    "check_scheduler",
+    "check_weight_file",
+    "ensure_tiny_flow_models",
+    "family_of_class_name",
+    "family_of_model",
+    "family_of_pipeline",
+    "layer_blocks",
+    "load_ip_adapter",
+    "planned_timesteps",
+    "resolve_flow_spec",
+    "shown_adapter",
+    "shown_spec",
+    "write_joint_records",
+]
+
 
 def family_of_class_name(class_name: str | None) -> str:
-    """``"sd3"``, ``"flux"`` or ``"unet"`` from a pipeline class name."""
-    name = class_name or ""
-    if name.startswith("StableDiffusion3"):
-        return SD3
-    if name.startswith("Flux"):
-        return FLUX
-    return UNET
+    """``"sd3"``, ``"flux"`` or ``"unet"`` from a pipeline class name
+    (:func:`~nw_adapter.integration.families.family_of_pipeline_class`)."""
+    return registry.family_of_pipeline_class(class_name).name
 
 
 def family_of_pipeline(pipe: Any) -> str:
-    """The family of a loaded pipeline, from its denoiser's class."""
-    transformer = getattr(pipe, "transformer", None)
-    if transformer is None:
-        return UNET
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-    if isinstance(transformer, SD3Transformer2DModel):
-        return SD3
-    if isinstance(transformer, FluxTransformer2DModel):
-        return FLUX
-    return family_of_class_name(type(pipe).__name__)
+    """The family of a loaded pipeline, from its denoiser's class
+    (:func:`~nw_adapter.integration.families.family_of_pipeline`)."""
+    return registry.family_of_pipeline(pipe).name
 
 
 def _class_name_of(model: str) -> str | None:
@@ -136,27 +123,33 @@ def _class_name_of(model: str) -> str | None:
 
 def family_of_model(model: str) -> str:
     """The family of ``--model`` (a tiny name, local folder or Hub id), before loading it."""
-    if model in TINY_MODELS:
-        return TINY_MODELS[model].name
-    if model in TRAINED_FLOW_MODELS:
-        return TRAINED_FLOW_MODELS[model]
+    tiny = registry.tiny_model(model)
+    if tiny is not None:
+        return tiny.family
     return family_of_class_name(_class_name_of(model))
 
 
-def ensure_tiny_flow_models(family: FlowFamily, cache: Path, *, seed: int = 0) -> tuple[Path, Path, Path]:
-    """Write the tiny pipeline and adapter of ``family`` once; return (model, adapter, image encoder)."""
+def ensure_tiny_flow_models(family: Family, cache: Path, *, seed: int = 0) -> tuple[Path, Path, Path]:
+    """Write the random-weight tiny pipeline and adapter of ``family`` once (the builders its
+    :class:`~nw_adapter.integration.families.TinyModel` row names); return (model, adapter, image
+    encoder)."""
     from nw_adapter.models import tiny_flow
     from nw_adapter.models.tiny import write_once
 
+    tiny = registry.tiny_model(registry.tiny_models(family=family.name, trained=False)[0])
+    module = importlib.import_module(tiny.module)
+    save_model, save_adapter, encoder_folder = (getattr(module, name) for name in tiny.builders)
     root = cache / f"tiny-flow-{tiny_flow.flow_builder_fingerprint()}-seed{seed}"
-    if family.name == SD3:
-        builders = (tiny_flow.save_tiny_sd3, tiny_flow.save_tiny_sd3_ip_adapter, tiny_flow.SIGLIP_FOLDER)
-    else:
-        builders = (tiny_flow.save_tiny_flux, tiny_flow.save_tiny_flux_ip_adapter, tiny_flow.CLIP_FOLDER)
-    save_model, save_adapter, encoder_folder = builders
     model = write_once(root / family.name, lambda p: save_model(p, seed=seed))
     adapter = write_once(root / f"{family.name}-ip-adapter", lambda p: save_adapter(p, seed=seed))
     return model, adapter, adapter / encoder_folder
+
+
+def _shipped_flow_spec(tiny: registry.TinyModel) -> tuple[Path, Path, Path]:
+    """(model, adapter, image encoder) folders of a shipped flow-matching model."""
+    module = importlib.import_module(tiny.module)
+    shipped = Path(module.SHIPPED_DIR)
+    return shipped, shipped / module.ADAPTER_SUBFOLDER, shipped / module.IMAGE_ENCODER_SUBFOLDER
 
 
 def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
@@ -173,25 +166,21 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
         ModelLoadError: a local adapter folder without the weight file, or ``--ip-adapter tiny``.
     """
     name = family_of_model(spec.model)
-    if name == UNET:
+    if name not in FAMILIES:
         return None
     family = FAMILIES[name]
     model, adapter, encoder = spec.model, spec.ip_adapter, spec.image_encoder
-    if model == family.tiny:
+    tiny = registry.tiny_model(model)
+    if tiny is not None and not tiny.shipped:
         model_dir, adapter_dir, encoder_dir = write_tiny_cache(
-            family.tiny, cache, lambda: ensure_tiny_flow_models(family, cache)
+            tiny.name, cache, lambda: ensure_tiny_flow_models(family, cache)
         )
+    elif tiny is not None:
+        model_dir, adapter_dir, encoder_dir = _shipped_flow_spec(tiny)
+    if tiny is not None:
         model = str(model_dir)
         if adapter is None:
             adapter, encoder = str(adapter_dir), encoder or str(encoder_dir)
-    if model in TRAINED_FLOW_MODELS:
-        from nw_adapter.models import tiny_flux_digits
-
-        shipped = tiny_flux_digits.SHIPPED_DIR
-        model = str(shipped)
-        if adapter is None:
-            adapter = str(shipped / tiny_flux_digits.ADAPTER_SUBFOLDER)
-            encoder = encoder or str(shipped / tiny_flux_digits.IMAGE_ENCODER_SUBFOLDER)
     if adapter == "tiny":
         raise ModelLoadError(
             f"--ip-adapter tiny is the SD 1.5 tiny adapter; with --model {spec.model} ({family.label}) "
@@ -219,32 +208,75 @@ def resolve_flow_spec(spec: Any, cache: Path) -> Any | None:
 def load_ip_adapter(pipe: Any, spec: Any, dtype: Any, **hub: Any) -> None:
     """``pipe.load_ip_adapter`` with the arguments of the pipeline's family.
 
-    SD 3 / 3.5 (``SD3IPAdapterMixin``): the SigLIP encoder comes from ``image_encoder_folder``;
-    Flux (``FluxIPAdapterMixin``): the CLIP encoder from
-    ``image_encoder_pretrained_model_name_or_path``, in the pipeline's dtype; UNet pipelines: the
-    encoder inside the adapter repository, as before. ``hub``: Hub options passed on as they are
+    The family's :attr:`~nw_adapter.integration.families.Family.encoder_argument` says where the
+    image encoder comes from: SD 3 / 3.5 (``SD3IPAdapterMixin``) reads the SigLIP encoder from
+    ``image_encoder_folder``; Flux (``FluxIPAdapterMixin``) the CLIP encoder from
+    ``image_encoder_pretrained_model_name_or_path``, in the pipeline's dtype; UNet pipelines the
+    encoder inside the adapter repository. ``hub``: Hub options passed on as they are
     (``local_files_only=True`` offline).
+
+    Raises:
+        ModelLoadError: a local ``.safetensors`` weight file that is empty, truncated or not a
+            safetensors file (naming the file), before diffusers reads it, or any other safetensors
+            file of the adapter or its encoder that cannot be read. The message is the reason only:
+            :func:`~nw_adapter.correlate.loading.build_pipeline` puts the option in front.
     """
-    family = family_of_pipeline(pipe)
-    if family == SD3:
-        pipe.load_ip_adapter(
-            spec.ip_adapter,
-            subfolder=spec.subfolder or None,
-            weight_name=spec.weight_name,
-            image_encoder_folder=_as_path_like(spec.image_encoder),
-            **hub,
-        )
-    elif family == FLUX:
-        pipe.load_ip_adapter(
-            spec.ip_adapter,
-            subfolder=spec.subfolder or "",
-            weight_name=spec.weight_name,
-            image_encoder_pretrained_model_name_or_path=spec.image_encoder,
-            image_encoder_dtype=dtype,
-            **hub,
-        )
+    from safetensors import SafetensorError
+
+    check_weight_file(spec)
+    family = registry.family_of_pipeline(pipe)
+    if family.encoder_argument == "image_encoder_folder":
+        arguments = {
+            "subfolder": spec.subfolder or None,
+            "image_encoder_folder": _as_path_like(spec.image_encoder),
+        }
+    elif family.encoder_argument == "image_encoder_pretrained_model_name_or_path":
+        arguments = {
+            "subfolder": spec.subfolder or "",
+            "image_encoder_pretrained_model_name_or_path": spec.image_encoder,
+            "image_encoder_dtype": dtype,
+        }
     else:
-        pipe.load_ip_adapter(spec.ip_adapter, subfolder=spec.subfolder, weight_name=spec.weight_name, **hub)
+        arguments = {"subfolder": spec.subfolder}
+    try:
+        pipe.load_ip_adapter(spec.ip_adapter, weight_name=spec.weight_name, **arguments, **hub)
+    except SafetensorError as exc:  # a damaged file of the Hub cache or of the image encoder
+        raise ModelLoadError(
+            f"a safetensors file of the adapter or its image encoder is damaged ({_one_line(exc)}); "
+            "download it again"
+        ) from None
+
+
+def check_weight_file(spec: Any) -> None:
+    """Refuse a local IP-Adapter ``.safetensors`` file that safetensors cannot open (empty,
+    truncated, another format), in one line naming the file and the fix.
+
+    Only local files are read (the header, not the tensors); Hub files are diffusers' to fetch.
+
+    Raises:
+        ModelLoadError: the file cannot be opened as safetensors.
+    """
+    weight_name = str(spec.weight_name or "")
+    if not weight_name.endswith(".safetensors") or not spec.ip_adapter:
+        return
+    path = Path(spec.ip_adapter).expanduser() / (spec.subfolder or "") / weight_name
+    if not path.is_file():
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            weights.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        size = path.stat().st_size
+        what = "empty" if size == 0 else f"not a complete safetensors file ({size} bytes: {_one_line(exc)})"
+        raise ModelLoadError(f"{path} is {what}; download or copy the adapter again") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's text on one line, at most 120 characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _as_path_like(encoder: str | None) -> str | None:
@@ -262,10 +294,10 @@ def check_scheduler(pipe: Any, name: str | None) -> None:
     Raises:
         ModelLoadError: ``name`` given for an SD3 / Flux pipeline.
     """
-    family = family_of_pipeline(pipe)
-    if name is not None and family != UNET:
+    family = registry.family_of_pipeline(pipe)
+    if name is not None and family.flow:
         raise ModelLoadError(
-            f"--scheduler {name}: {FAMILIES[family].label} is a flow-matching model and keeps its "
+            f"--scheduler {name}: {family.label} is a flow-matching model and keeps its "
             f"{type(pipe.scheduler).__name__}; omit --scheduler"
         )
 
@@ -278,7 +310,7 @@ def call_kwargs(pipe: Any, true_cfg_scale: float) -> dict[str, Any]:
     Raises:
         ModelLoadError: ``true_cfg_scale != 1`` for a pipeline that is not Flux.
     """
-    if family_of_pipeline(pipe) == FLUX:
+    if registry.family_of_pipeline(pipe).true_cfg:
         extra: dict[str, Any] = {"true_cfg_scale": true_cfg_scale}
         length = getattr(getattr(pipe, "tokenizer_2", None), "model_max_length", None)
         if isinstance(length, int) and 0 < length < 512:
@@ -302,11 +334,11 @@ def planned_timesteps(pipe: Any, steps: int, height: int | None, width: int | No
 
     scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
     config = scheduler.config
-    family = family_of_pipeline(pipe)
+    family = registry.family_of_pipeline(pipe)
     kwargs: dict[str, Any] = {}
-    if family != UNET and config.get("use_dynamic_shifting", False):
-        kwargs["mu"] = _shift_mu(pipe, family, height, width)
-    if family == FLUX and not config.get("use_flow_sigmas", False):
+    if family.flow and config.get("use_dynamic_shifting", False):
+        kwargs["mu"] = _shift_mu(pipe, height, width)
+    if family.sigmas and not config.get("use_flow_sigmas", False):
         kwargs["sigmas"] = np.linspace(1.0, 1 / steps, steps)
         scheduler.set_timesteps(sigmas=kwargs.pop("sigmas"), **kwargs)
     else:
@@ -314,7 +346,7 @@ def planned_timesteps(pipe: Any, steps: int, height: int | None, width: int | No
     return [float(t) for t in scheduler.timesteps.tolist()]
 
 
-def _shift_mu(pipe: Any, family: str, height: int | None, width: int | None) -> float:
+def _shift_mu(pipe: Any, height: int | None, width: int | None) -> float:
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     factor = pipe.vae_scale_factor * 2  # latent pixels per token side: VAE x 2 x 2 packing / patch
@@ -333,7 +365,7 @@ def _shift_mu(pipe: Any, family: str, height: int | None, width: int | None) -> 
 def shown_adapter(model: str, spec: Any) -> str:
     """The adapter named in ``rho.json`` when ``--ip-adapter`` was not given (paths of the tiny
     models' cache folders are replaced by ``"tiny"``)."""
-    if model == TINY or model in TINY_MODELS or model in TRAINED_FLOW_MODELS:
+    if registry.tiny_model(model) is not None:
         return TINY
     family = family_of_model(spec.model)
     return FAMILIES[family].ip_adapter if family in FAMILIES else DEFAULT_IP_ADAPTER
@@ -349,11 +381,14 @@ def shown_spec(model: str, ip_adapter: str | None, image_encoder: str | None, sp
         spec: The resolved spec (:func:`nw_adapter.correlate.loading.resolve_spec`).
 
     Returns:
-        A :class:`ModelSpec` without the tiny models' cache paths (they are named ``tiny``).
+        A :class:`ModelSpec` without the embedded models' install or cache paths: the adapter and
+        image encoder of every embedded model (:data:`~nw_adapter.integration.families.TINY_MODELS`,
+        the shipped ``tiny-flux-digits`` too) are named ``tiny``, as the rho run records them.
     """
     encoder = None
     if spec.image_encoder is not None:
-        encoder = image_encoder or (TINY if model in TINY_MODELS else spec.image_encoder)
+        embedded = registry.tiny_model(model) is not None
+        encoder = image_encoder or (TINY if embedded else spec.image_encoder)
     return ModelSpec(
         model=model,
         ip_adapter=ip_adapter or shown_adapter(model, spec),

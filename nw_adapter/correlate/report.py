@@ -36,6 +36,7 @@ from nw_adapter.analysis.validation import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
 from nw_adapter.correlate.verdict import format_verdict as format_verdict  # re-exported
 from nw_adapter.correlate.verdict import verdict as verdict  # re-exported
+from nw_adapter.integration.families import tiny_models
 from nw_adapter.integration.schema import RECORD_KEYS, RUN_KEYS, SUMMARY_STATS
 
 SCHEMA = REPORT_SCHEMA
@@ -330,7 +331,7 @@ def repeated_timestep_note(report: dict) -> str | None:
     return f"{scheduler} calls the denoiser twice at one timestep ({'; '.join(parts)}): {count}"
 
 
-RANDOM_WEIGHT_MODELS: tuple[str, ...] = ("tiny-sd3", "tiny-flux")
+RANDOM_WEIGHT_MODELS: tuple[str, ...] = tiny_models(trained=False)
 """``--model`` values with random weights: stand-ins that exercise the code, not models."""
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from nw_adapter.integration.families import tiny_models
+
 DEFAULT_MODEL = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 DEFAULT_IP_ADAPTER = "h94/IP-Adapter"
 DEFAULT_SUBFOLDER = "models"
@@ -26,7 +28,7 @@ DEFAULT_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 SDXL_SUBFOLDER = "sdxl_models"
 SDXL_WEIGHT_NAME = "ip-adapter_sdxl.safetensors"
 TINY = "tiny"
-DIGIT_MODELS: tuple[str, ...] = (TINY, "tiny-flux-digits")
+DIGIT_MODELS: tuple[str, ...] = tiny_models(trained=True)
 """``--model`` names of the trained digits models (SD 1.5 and Flux, 32 x 32 images), whose
 generations the digit judge (``nw_adapter.models.digits_quality.digit_judge``) labels."""
 TINY_DIGITS_DIR = Path(__file__).resolve().parents[1] / "models" / "weights" / "tiny_digits"

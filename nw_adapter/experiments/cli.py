@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
-from nw_adapter.commands import OneLineParser, invoked_as
+from nw_adapter.commands import OneLineParser, invoked_as, output_folder
 from nw_adapter.experiments.scale import QUICK, REGIMES, SCALES, Scale
 
 __all__ = ["build_parser", "main"]
@@ -48,7 +50,12 @@ def _int_list(name: str):
     return parse
 
 
-def _positive(name: str):
+MAX_PARALLEL = 1024
+"""The most ``--workers`` and ``--threads`` accepted (torch aborts far above it: 100000 threads
+crash the interpreter)."""
+
+
+def _positive(name: str, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -56,6 +63,8 @@ def _positive(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {maximum}, got {text!r}")
         return value
 
     return parse
@@ -87,7 +96,9 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """Parser with the public options and hidden scale overrides (for tests and tuning)."""
     p = _Parser(prog=prog, description=description)
-    p.add_argument("--out", required=True, type=Path, help="run folder (created; rerun to resume)")
+    p.add_argument(
+        "--out", required=True, type=output_folder("--out"), help="run folder (created; rerun to resume)"
+    )
     p.add_argument("--quick", action="store_true", help="same as --scale quick")
     p.add_argument(
         "--scale",
@@ -114,12 +125,15 @@ def build_parser(
         )
     p.add_argument(
         "--workers",
-        type=_positive("--workers"),
+        type=_positive("--workers", MAX_PARALLEL),
         default=min(2, os.cpu_count() or 1),
         help="parallel worker processes (default: min(2, CPUs))",
     )
     p.add_argument(
-        "--threads", type=_positive("--threads"), default=1, help="torch threads per worker (default 1)"
+        "--threads",
+        type=_positive("--threads", MAX_PARALLEL),
+        default=1,
+        help="torch threads per worker (default 1)",
     )
     p.add_argument(
         "--seeds", type=_positive("--seeds"), default=None, help="training seeds per configuration"
@@ -165,6 +179,38 @@ def _check_feature_options(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--features: {err}") from None
     except OSError as err:  # an unreadable file
         raise ArgumentError(f"--features / --labels: cannot read ({err.strerror or err})") from None
+
+
+SCHEDULER_CONNECT_TIMEOUT_S = 5.0
+"""How long the command line waits for a TCP connection to ``--scheduler`` before refusing it."""
+
+
+def scheduler_problem(address: str, timeout: float = SCHEDULER_CONNECT_TIMEOUT_S) -> str | None:
+    """Why ``--scheduler address`` cannot be used (None: a TCP connection to it opens).
+
+    Asked before anything is written, so that an address where nothing listens is one line at once
+    instead of Dask's connection retries (30 s) and a traceback. ``tcp://`` and ``tls://`` addresses
+    (and a bare ``host:port``) are tried; other transports (``inproc://``, ``ucx://``) are Dask's to
+    check.
+    """
+    parts = urllib.parse.urlsplit(address if "://" in address else f"tcp://{address}")
+    if parts.scheme not in ("tcp", "tls"):
+        return None
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or port is None:
+        return f"--scheduler {address!r} is not a scheduler address; pass tcp://HOST:PORT (e.g. tcp://10.0.0.5:8786)"
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        return (
+            f"--scheduler {address}: nothing answers there ({reason}); start a scheduler with "
+            "`dask scheduler` and pass its address, or omit --scheduler for a local cluster"
+        )
 
 
 def _scale_error(err: ValueError) -> str:
@@ -224,6 +270,9 @@ def _parse(
 
         if importlib.util.find_spec("distributed") is None:
             raise ArgumentError("--engine dask needs Dask distributed; pip install 'nw-adapter[cluster]'")
+        problem = None if args.scheduler is None else scheduler_problem(args.scheduler)
+        if problem is not None:
+            raise ArgumentError(problem)
     if args.device != "cpu":
         from nw_adapter.experiments.runner import check_device
 

@@ -1,5 +1,7 @@
 """The diffusers integration: observe or swap IP-Adapter's image-branch attention.
 
+- :mod:`~nw_adapter.integration.families`: the family registry, one row per model family (UNet,
+  SD 3, Flux) and per embedded tiny model: which family a pipeline, denoiser or processor is;
 - :mod:`~nw_adapter.integration.config`: :class:`NWProcessorConfig`, every option validated;
 - :mod:`~nw_adapter.integration.processors`: the attention processors (shared side
   computation + one module per model family);
@@ -12,6 +14,7 @@
 
 May import: the math layer (:mod:`nw_adapter.core`), :mod:`nw_adapter.atomic`, torch,
 diffusers. Never matplotlib, the correlate application or the experiments; the analysis layer
-only inside :class:`NWRecorder`'s report methods (imported when called); prints nothing and
+only inside :class:`NWRecorder`'s report methods (:mod:`~nw_adapter.integration.reports`,
+imported when called); prints nothing and
 never exits (``tests/test_layering.py`` enforces the imports).
 """

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
+from nw_adapter.integration.families import PASSES, family_named
 from nw_adapter.integration.mixin import active_recorder, nw_processor
 from nw_adapter.integration.schema import CONTROL_OF, H_EFF_REASON_FIELD, control_column, key_scale_column
 from nw_adapter.integration.untrained import UntrainedAdapter, build_untrained_adapter, projection_module
@@ -133,11 +134,12 @@ def _value_projection(trained: nn.Linear, text: nn.Linear | None) -> tuple[nn.Li
 
 
 def _check_family(adapter: UntrainedAdapter) -> None:
-    if adapter.family == "sd3":
+    """Refuse a family whose row says the end-to-end control cannot run on it
+    (:attr:`~nw_adapter.integration.families.Family.end_to_end`)."""
+    reason = family_named(adapter.family).end_to_end
+    if reason is not None:
         raise NWInstallError(
-            "end-to-end control: SD 3.5 is not supported (its image keys pass a per-head RMSNorm and "
-            "change with the timestep, so no weight scale matches them); use the per-layer control "
-            "(untrained_control=True)"
+            f"end-to-end control: {reason}; use the per-layer control (untrained_control=True)"
         )
 
 
@@ -220,8 +222,8 @@ def _branch_ms(
 
 def _blocks(batch: int, cfg: bool, family: str) -> dict[str, slice]:
     """The CFG halves of the captured embeddings' rows, labelled as the records label them."""
-    if family == "flux":  # its batch is never [uncond; cond]; the captured pass is the positive one
-        return {"cond": slice(None)}
+    if family_named(family).cfg == PASSES:  # the batch is never [uncond; cond]: the captured pass
+        return {"cond": slice(None)}  # is the positive one
     if cfg and batch % 2 == 0:
         return {"uncond": slice(0, batch // 2), "cond": slice(batch // 2, None)}
     return {"all": slice(None)}

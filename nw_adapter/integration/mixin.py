@@ -36,6 +36,7 @@ import torch
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.control import UntrainedControl
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
+from nw_adapter.integration.families import family_of_denoiser
 from nw_adapter.integration.processors import is_ip_processor, is_nw_processor, nw_processor_for
 from nw_adapter.integration.recorder import NWRecorder
 
@@ -81,11 +82,11 @@ def _unet_of(pipe: Any) -> torch.nn.Module:
 
 
 def _timestep_scale(denoiser: torch.nn.Module) -> float:
-    """Factor from the timestep the denoiser receives to ``scheduler.timesteps`` units: 1000 for
-    Flux transformers (Flux pipelines pass ``timestep / 1000``), 1 otherwise."""
-    from diffusers import FluxTransformer2DModel
-
-    return 1000.0 if isinstance(denoiser, FluxTransformer2DModel) else 1.0
+    """Factor from the timestep the denoiser receives to ``scheduler.timesteps`` units: its family's
+    :attr:`~nw_adapter.integration.families.Family.timestep_scale` (1000 for Flux transformers, whose
+    pipelines pass ``timestep / 1000``), 1 for a denoiser of no known family."""
+    family = family_of_denoiser(denoiser)
+    return 1.0 if family is None else family.timestep_scale
 
 
 def _make_config(config: NWProcessorConfig | None, options: dict[str, Any]) -> NWProcessorConfig:
@@ -186,7 +187,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     setattr(unet, _STATE_ATTR, state)
     try:
         unet.set_attn_processor(dict(new))
-        recorder.attach(unet, timestep_scale=_timestep_scale(unet))
+        recorder.tracker.attach(unet, timestep_scale=_timestep_scale(unet))
         if control is not None:
             control.attach(unet)
     except BaseException:

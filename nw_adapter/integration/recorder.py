@@ -5,20 +5,20 @@ The NW processors hand the recorder per-layer statistics as device tensors of sh
 Python once, at export (:meth:`NWRecorder.to_records`, one transfer). The recorder only records:
 
 - which step a denoiser forward belongs to is tracked by its
-  :class:`~nw_adapter.integration.steps.StepTracker` (a forward pre-hook on the denoiser); the
-  processors read each pass from one :class:`~nw_adapter.integration.steps.StepContext`
-  (:attr:`NWRecorder.context`, made once per pass), not from the recorder's pass-throughs;
-- the optional raw maps are kept by a :class:`~nw_adapter.integration.maps.MapStore`;
-- what stays here: the entries, the nulls' seeded generators, the ledger of skipped
-  (step, layer) pairs and their export as plain records (:meth:`NWRecorder.to_records`).
+  :class:`~nw_adapter.integration.steps.StepTracker` (``rec.tracker``: a forward pre-hook on the
+  denoiser); the processors read each pass from one
+  :class:`~nw_adapter.integration.steps.StepContext` (:attr:`NWRecorder.context`, made once per pass);
+- the optional raw maps are kept by a :class:`~nw_adapter.integration.maps.MapStore` (``rec.map_store``);
+- the skipped (step, layer) pairs by a :class:`~nw_adapter.integration.skips.SkipLedger` (``rec.skips``);
+- what stays here: the entries (:class:`~nw_adapter.integration.entries.Entry`), the nulls' seeded
+  generators, the rollback of a failed layer, and the export as plain records
+  (:meth:`NWRecorder.to_records`, laid out by :func:`~nw_adapter.integration.entries.flatten`).
 
-Reporting lives in the layer above, :mod:`nw_adapter.analysis`: summaries, tables, CSV,
-dataframes and figures of the records (:class:`~nw_adapter.analysis.records.Records`), the records
-file (:mod:`~nw_adapter.analysis.records_file`) and the heat maps
-(:mod:`~nw_adapter.analysis.heatmaps`). The recorder's user-facing methods (:meth:`NWRecorder.summary`,
-:meth:`~NWRecorder.plot`, :meth:`~NWRecorder.to_json`, ...) are thin: each imports its analysis
-function when called, so importing this module (or the processors) loads neither the reporting
-layer nor matplotlib.
+Reporting lives in the layer above, :mod:`nw_adapter.analysis`. The recorder's user-facing report
+methods (``summary``, ``plot``, ``to_json``, ``from_json``, ``heat_maps`` ...) are those of its base
+class :class:`~nw_adapter.integration.reports.RecorderReports`, each of which imports its analysis
+function when called: importing this module (or the processors) loads neither the reporting layer
+nor matplotlib.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +33,13 @@ import torch
 
 from nw_adapter.core.specification import STAT_ROWS
 from nw_adapter.integration.config import SEED_LIMIT, NWProcessorConfig
+from nw_adapter.integration.entries import CONTROL_COLUMNS, CONTROL_ROWS, Entry, flatten
 from nw_adapter.integration.maps import MapStore
+from nw_adapter.integration.reports import RecorderReports
 from nw_adapter.integration.schema import (
-    CONTROL_RECORDED,
-    H_EFF_REASON_FIELD,
-    H_EFF_REASONS,
     RECORDS_SCHEMA,
     STAT_NAMES,
-    SUPPORT_REFERENCES,
     block_of,
-    control_column,
-    key_scale_column,
-    support_columns,
 )
 from nw_adapter.integration.settings import SETTINGS_FIELD, config_settings, scale_settings, settings_digest
 from nw_adapter.integration.skips import SkipLedger, failed_steps_line
@@ -64,207 +58,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``Summary``, the summary type, now :class:`nw_adapter.analysis.records.Summary`, imported
-    on first access (PEP 562) so that importing the recorder does not load the reporting layer."""
-    if name == "Summary":
-        from nw_adapter.analysis.records import Summary
-
-        return Summary
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-CONTROL_COLUMNS: tuple[int, ...] = tuple(STAT_NAMES.index(n) for n in CONTROL_RECORDED)
-"""Rows of the stats tensor (:data:`STAT_NAMES` order) recorded for the scale-matched control: the
-statistics of :data:`~nw_adapter.integration.schema.CONTROL_OF` this version computes."""
-
-CONTROL_ROWS: int = len(CONTROL_COLUMNS) + 2
-"""Rows of one draw's control tensor: the statistics of :data:`CONTROL_COLUMNS`, the key scale, then
-the control's h_eff reason code (written as the text field ``h_eff_control_{k}_reason``)."""
-
-
-def control_reason_field(draw: int) -> str:
-    """``h_eff_control_{draw}_reason``: why draw ``draw``'s ``h_eff`` is NaN (None when identified)."""
-    return f"{control_column('h_eff', draw)}_reason"
-
-
-def _control_names(draws: int) -> list[list[str]]:
-    """Per draw k, the record names of its :data:`CONTROL_ROWS` rows (``rho_control_k``, ...,
-    ``key_scale_k``)."""
-    return [[*(control_column(n, k) for n in CONTROL_RECORDED), key_scale_column(k)] for k in range(draws)]
-
-
-@dataclass
-class _Entry:
-    call: int
-    step: int
-    layer: str
-    adapter: int
-    image: int
-    halves: tuple[str, ...]
-    heads: tuple[int, ...]
-    scale: float
-    num_keys: int
-    stats: torch.Tensor | None  # [num_stats, num_halves, num_heads], float32, on the model's device
-    # (None while the statistics are pending: :attr:`NWRecorder.pending` fills it)
-    key_set: str = "ip"  # "ip": the IP-Adapter keys; "joint": SD3's image + IP keys
-    ip_mass: torch.Tensor | None = None  # [num_halves, num_heads]: SD3's attention mass on the IP keys
-    control: torch.Tensor | None = None  # [draws, CONTROL_ROWS, num_halves, num_heads]: the control's
-    support: torch.Tensor | None = None  # [support_rows(m), num_halves, num_heads]: a support set's
-
-
-def _reason(code: float) -> str | None:
-    """The text of h_eff's reason code (:data:`~nw_adapter.core.specification.H_EFF_REASONS`;
-    None for 0: identified, or the readings off)."""
-    return H_EFF_REASONS[int(code) - 1] if code >= 1 else None
-
-
-def _support_names(rows: int) -> tuple[str, ...]:
-    """The record names of a support tensor's ``rows`` rows
-    (:func:`~nw_adapter.integration.support.support_values`)."""
-    return support_columns(support_references(rows))[1:]
-
-
-_Layout = tuple[int, int, bool, int, int]
-"""An entry's layout: (halves, heads, with ip_mass, control draws, support rows) (:func:`_layout`)."""
-
-
-def _layout(e: _Entry) -> _Layout:
-    """The entry's :data:`_Layout`: entries of one layout share their records' keys and rows' shape."""
-    draws = 0 if e.control is None else e.control.shape[0]
-    support = 0 if e.support is None else e.support.shape[0]
-    return len(e.halves), len(e.heads), e.ip_mass is not None, draws, support
-
-
-@dataclass(frozen=True)
-class _RowPlan:
-    """How the records of one :data:`_Layout` read their rows (:func:`_row_plan`).
-
-    The entry's tensors, concatenated, have these rows per (half, head) cell: the statistics then
-    h_eff's reason code (:data:`STAT_ROWS`), the ip_mass, per control draw its :data:`CONTROL_ROWS`
-    rows (the last its reason code), then the support rows. A record's row is these reordered by
-    ``order``: the values first, in record order, then the reason codes.
-    """
-
-    order: tuple[int, ...]  # the concatenated rows, in the record row's order
-    keys: dict[str, int | None]  # the record's keys after the entry's fields, in record order: None,
-    # but the support set's number of references
-    values: tuple[str, ...]  # the names of the row's values (its first len(values) items)
-    reasons: tuple[tuple[str, int], ...]  # each reason field and the place of its code in the row
-
-
-def _row_plan(layout: _Layout) -> _RowPlan:
-    """The :class:`_RowPlan` of ``layout``'s records."""
-    _, _, mass, draws, support_rows = layout
-    names = [*STAT_NAMES, H_EFF_REASON_FIELD]  # the concatenated rows' names
-    codes = [len(STAT_NAMES)]  # the concatenated rows that hold a reason code
-    if mass:
-        names.append("ip_mass")
-    for di, row_names in enumerate(_control_names(draws)):
-        names += row_names
-        codes.append(len(names))
-        names.append(control_reason_field(di))
-    keys = dict.fromkeys(names)
-    if support_rows:  # the number of references (no row of its own), then the support rows
-        support_names = _support_names(support_rows)
-        names += support_names
-        keys[SUPPORT_REFERENCES] = support_references(len(support_names))
-        keys.update(dict.fromkeys(support_names))
-    values = [i for i in range(len(names)) if i not in codes]
-    return _RowPlan(
-        order=(*values, *codes),
-        keys=keys,
-        values=tuple(names[i] for i in values),
-        reasons=tuple((names[c], len(values) + j) for j, c in enumerate(codes)),
-    )
-
-
-def _rows(entries: list[_Entry], layout: _Layout, plan: _RowPlan) -> torch.Tensor:
-    """The rows of entries of one layout as ``[entries, cells, row]`` float32: cell ``h * heads + k``
-    is the (half h, head k) record, its row ordered as ``plan`` says. One stack per tensor kind, not
-    one op per entry."""
-    n_h, n_k, mass, draws, support_rows = layout
-    shape = (len(entries), -1, n_h * n_k)
-    parts = [torch.stack([e.stats for e in entries]).float().reshape(shape)]
-    if mass:
-        parts.append(torch.stack([e.ip_mass for e in entries]).float().reshape(shape))
-    if draws:
-        parts.append(torch.stack([e.control for e in entries]).float().reshape(shape))
-    if support_rows:
-        parts.append(torch.stack([e.support for e in entries]).float().reshape(shape))
-    rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    if plan.order != tuple(range(len(plan.order))):
-        rows = rows.index_select(1, torch.tensor(plan.order, device=rows.device))
-    return rows.transpose(1, 2)
-
-
-def _flatten(entries: list[_Entry], step_info: Any, run_info: Any) -> list[dict[str, Any]]:
-    """One record dict per (entry, half, head), in entry order, then half-major, head-minor; every
-    tensor moved to the host in one transfer.
-
-    ``step_info(call, step)`` gives the step's timestep and noise level columns, ``run_info(call)``
-    the run's fields (:data:`~nw_adapter.integration.schema.RUN_KEYS`). A record's keys, in order:
-    the entry's fields (call, step, the step's columns, layer, block), ``head``, ``half``, the
-    entry's other fields (adapter ... key_set, the run's fields), then the statistics,
-    ``h_eff_reason``, ``ip_mass``, per control draw its columns and reason, the support set's number
-    of references and its columns (:attr:`_RowPlan.keys`).
-
-    The entries are grouped by layout (:func:`_layout`); each group is one ``[entries, cells, row]``
-    tensor (:func:`_rows`), whose ``tolist()`` gives each record's row as one list. A record is its
-    entry's template (every key in order, the entry's fields filled in) copied, with the head, the
-    half and the row's values written in; a reason field stays None unless its code is nonzero
-    (:func:`_reason`).
-    """
-    layouts = [_layout(e) for e in entries]
-    groups: dict[_Layout, list[int]] = {}
-    for i, layout in enumerate(layouts):
-        groups.setdefault(layout, []).append(i)
-    plans = {layout: _row_plan(layout) for layout in groups}
-    tensors = [
-        _rows([entries[i] for i in members], layout, plans[layout]) for layout, members in groups.items()
-    ]
-    host = torch.cat([t.reshape(-1) for t in tensors]).cpu().split([t.numel() for t in tensors])
-    rows_of: list[Any] = [None] * len(entries)
-    for members, t, values in zip(groups.values(), tensors, host, strict=True):
-        for i, rows in zip(members, values.reshape(t.shape).tolist(), strict=True):
-            rows_of[i] = rows
-    info_cache: dict[tuple[int, int], dict[str, float]] = {}
-    run_cache: dict[int, dict[str, str]] = {}
-    records: list[dict[str, Any]] = []
-    append = records.append
-    for e, layout, rows in zip(entries, layouts, rows_of, strict=True):
-        plan = plans[layout]
-        key = (e.call, e.step)
-        if key not in info_cache:
-            info_cache[key] = step_info(*key)
-        if e.call not in run_cache:
-            run_cache[e.call] = run_info(e.call)
-        template = {
-            "call": e.call, "step": e.step, **info_cache[key], "layer": e.layer, "block": block_of(e.layer),
-            "head": None, "half": None,
-            "adapter": e.adapter, "image": e.image, "scale": e.scale, "num_keys": e.num_keys,
-            "key_set": e.key_set, **run_cache[e.call], **plan.keys,
-        }  # fmt: skip
-        names, reasons = plan.values, plan.reasons
-        cells = iter(rows)
-        for half in e.halves:
-            of_half = template.copy()
-            of_half["half"] = half
-            for head, row in zip(e.heads, cells, strict=False):  # this half's heads only
-                rec = of_half.copy()
-                rec["head"] = head
-                # the values (the reason codes follow them); zip without a keyword: one with costs
-                # ~0.14 us a record (no vectorcall), and the plan fixes both lengths
-                rec.update(zip(names, row))  # noqa: B905
-                for field, at in reasons:
-                    code = row[at]
-                    if code:  # else None: identified, or the readings off
-                        rec[field] = _reason(code)
-                append(rec)
-    return records
-
-
-class NWRecorder:
+class NWRecorder(RecorderReports):
     """Accumulates per (call, step, layer, head, CFG half, adapter, image) statistics.
 
     Args:
@@ -293,7 +87,7 @@ class NWRecorder:
         self.pipe = pipe
         self.tracker = StepTracker(pipe, cfg=self.config.cfg, on_error=self.skip)
         self.map_store = MapStore(self.config)
-        self._entries: list[_Entry] = []
+        self._entries: list[Entry] = []
         self.skips = SkipLedger()
         self._generators: dict[torch.device, torch.Generator] = {}
         self._generators_serial = -1  # the tracker's call_serial the generators were seeded for
@@ -329,14 +123,6 @@ class NWRecorder:
             ctx = self._context = StepContext(state, cfg, selected)
         return ctx
 
-    @property
-    def _steps(self) -> dict[tuple[int, int], StepState]:
-        return self.tracker.steps
-
-    def attach(self, denoiser: torch.nn.Module, *, timestep_scale: float = 1.0) -> None:
-        """Track the steps of ``denoiser`` (see :meth:`~nw_adapter.integration.steps.StepTracker.attach`)."""
-        self.tracker.attach(denoiser, timestep_scale=timestep_scale)
-
     def detach(self) -> None:
         """Remove the denoiser forward pre-hook and the processors' taps (their hooks on the
         attention modules, :attr:`taps`), after computing the statistics still pending (so a
@@ -371,11 +157,6 @@ class NWRecorder:
             latent_hw=latent_hw, pass_index=pass_index, perturbed=perturbed,
         )  # fmt: skip
 
-    @property
-    def cfg(self) -> bool:
-        """Whether the current batch is [uncond; cond]: ``config.cfg`` if set, else the step's value."""
-        return self.context.cfg
-
     def generator(self, device: torch.device, call: int | None = None) -> torch.Generator:
         """The seeded generator of the nulls on ``device`` (reseeded at every new call).
 
@@ -402,10 +183,6 @@ class NWRecorder:
         return gen
 
     # ------------------------------------------------------------------ accumulation
-    def wants_step(self) -> bool:
-        """Whether the current step is selected by ``config.steps``."""
-        return self.context.selected
-
     def add(
         self,
         *,
@@ -463,7 +240,7 @@ class NWRecorder:
         ip_mass: torch.Tensor | None = None,
         support: torch.Tensor | None = None,
         state: StepState | None = None,
-    ) -> _Entry:
+    ) -> Entry:
         """The entry of one softmax at the (call, step) of ``state`` (default: the current one), in
         recording order, its statistics still to come (``stats`` None): whoever computes them
         (:meth:`add`, or the processors' deferred statistics through :attr:`pending`) sets
@@ -479,7 +256,7 @@ class NWRecorder:
             shape = tuple(support.shape)
             raise ValueError(f"support must have shape (m + 2, {len(halves)}, {len(heads)}), m > 1: {shape}")
         support = None if support is None else support.detach()
-        entry = _Entry(state.call, state.step, layer, adapter, image, halves, heads, float(scale), num_keys,
+        entry = Entry(state.call, state.step, layer, adapter, image, halves, heads, float(scale), num_keys,
                        None, key_set, mass, support=support)  # fmt: skip
         self._entries.append(entry)
         return entry
@@ -602,7 +379,7 @@ class NWRecorder:
         entries = [e for e in self._entries if key_set is None or e.key_set == key_set]
         if not entries:
             return loaded
-        return loaded + _flatten(entries, self.tracker.step_info, self.run_fields)
+        return loaded + flatten(entries, self.tracker.step_info, self.run_fields)
 
     def run_fields(self, call: int) -> dict[str, str]:
         """The fields of :data:`~nw_adapter.integration.schema.RUN_KEYS` of ``call``'s records:
@@ -632,84 +409,9 @@ class NWRecorder:
         """The records read by :meth:`from_json` (empty for a recorder that records)."""
         return self._loaded
 
-    # ------------------------------------------------------------------ reports (the analysis layer's)
-    def records(self, key_set: str | None = "ip") -> list[dict[str, Any]]:
-        """:meth:`to_records` as :class:`~nw_adapter.analysis.records.Records` (summary, CSV, plot);
-        see :func:`~nw_adapter.analysis.records.recorder_records`."""
-        from nw_adapter.analysis.records import recorder_records
-
-        return recorder_records(self, key_set)
-
-    def summary(self, records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """One dict per (call, step, half): NaN-ignoring means over layers, heads, adapters, images.
-
-        See :meth:`~nw_adapter.analysis.records.Records.summary` (``nonfinite`` counts the
-        values each mean left out, ``nan_reasons`` the NaN h_eff values per reason;
-        ``frac_rho_gt_0_9`` and ``count`` as in the command line's report).
-        Of the recorder's own records, ``error`` holds :meth:`failed_steps_line` (steps whose side
-        computation failed in every layer), printed above the table.
-        """
-        from nw_adapter.analysis.records import recorder_summary
-
-        return recorder_summary(self, records)
-
-    def to_csv(self, path: str | os.PathLike) -> Path:
-        """Write the records as a CSV table (one row per record, header = record keys), atomically."""
-        return self.records().to_csv(path)
-
-    def to_dataframe(self):
-        """The records as a tidy :class:`pandas.DataFrame` (one row per record, columns = keys)."""
-        return self.records().to_dataframe()
-
-    def plot(self, *, half: str | None = None, path: str | os.PathLike | None = None):
-        """Figure of the mean rho per step against the timestep, with the band of its nulls.
-
-        Args:
-            half: CFG half to draw (default ``cond`` if recorded, else ``all``).
-            path: Also save the figure there (PNG, atomically).
-        """
-        return self.records().plot(half=half, path=path)
-
-    def to_json(self, path: str | os.PathLike) -> Path:
-        """Write the records file atomically (NaN -> null); read it back with :meth:`from_json`
-        (the layout: :func:`~nw_adapter.analysis.records_file.records_document`)."""
-        from nw_adapter.analysis.records_file import write_records_file
-
-        return write_records_file(self, path)
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> NWRecorder:
-        """A recorder holding the records of a saved run (a :meth:`to_json` file or the command
-        line's ``rho.json``), for summaries, tables and plots. Nothing is recomputed; the loaded
-        recorder has no maps and records nothing new until it is attached to a pipeline.
-
-        Raises:
-            ValueError: not a records file or a ``rho.json``, or a malformed record (one line
-                naming the file, the record and the field).
-        """
-        from nw_adapter.analysis.records_file import read_records_file
-
-        saved = read_records_file(path)
-        recorder = cls(saved.config)
-        recorder._loaded = saved.records
-        recorder.source = saved.source
-        return recorder
-
     def maps(self) -> dict[str, torch.Tensor]:
         """Stored maps as ``{"<name>/attn": A, "<name>/nw": W}`` (device tensors)."""
         return self.map_store.tensors()
-
-    def heat_maps(self, kind: str = "attn", **selection: Any):
-        """Heat maps per image token of the stored maps, in memory (needs ``store_maps=True``).
-
-        ``kind``: ``"attn"`` (A), ``"nw"`` (W) or ``"diff"`` (A - W); ``selection``: ``steps``,
-        ``layers``, ``heads``, ``batch_row``, ``adapter``, ``image``, ``image_hw`` (see
-        :func:`~nw_adapter.analysis.heatmaps.heat_maps`). Returns a
-        :class:`~nw_adapter.analysis.heatmaps.TokenHeatMaps`; ``.plot_overlay(image)`` draws it.
-        """
-        from nw_adapter.analysis.heatmaps import heat_maps
-
-        return heat_maps(self, kind, **selection)
 
     def save_maps(self, path: str | os.PathLike) -> Path:
         """Save the stored maps with safetensors (atomic), metadata = config and per-map layout.

@@ -46,6 +46,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from nw_adapter.integration.families import FAMILIES as ALL_FAMILIES
+from nw_adapter.integration.families import PER_ADAPTER, TIMESTEP_RESAMPLER, Family, family_of_denoiser
+
 __all__ = [
     "ProjectedImages",
     "UntrainedAdapter",
@@ -58,8 +61,9 @@ __all__ = [
 
 _PROCESSOR_SUFFIX = ".processor"
 
-FAMILIES = ("unet", "flux", "sd3")
-"""Denoiser families of the control: UNet (SD 1.5 / SDXL), Flux and SD 3.5."""
+FAMILIES = tuple(family.name for family in ALL_FAMILIES)
+"""Denoiser families of the control: every row of :data:`nw_adapter.integration.families.FAMILIES`
+(UNet: SD 1.5 / SDXL, SD 3.5, Flux); the recipe follows the row's ``adapter_layout``."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class UntrainedAdapter:
         heads: Per IP layer, the attention's number of heads.
         seed: The seed of the re-initialisation.
         family: ``"unet"``, ``"flux"`` or ``"sd3"`` (:data:`FAMILIES`).
+        layout: The family's adapter layout
+            (:attr:`~nw_adapter.integration.families.Family.adapter_layout`): SD 3.5's
+            :data:`~nw_adapter.integration.families.TIMESTEP_RESAMPLER` has the norms below.
         input_norms: SD3 only, per IP layer: the fresh ``norm_ip`` (AdaLayerNorm on the image tokens).
         key_norms: SD3 only, per IP layer: the key RMSNorm (gain from ``attn.norm_added_k`` or 1).
         key_norm_copied: SD3 only, per IP layer: True where the key norm's gain was copied.
@@ -90,6 +97,7 @@ class UntrainedAdapter:
     input_norms: dict[str, nn.Module] = field(default_factory=dict)
     key_norms: dict[str, nn.Module] = field(default_factory=dict)
     key_norm_copied: dict[str, bool] = field(default_factory=dict)
+    layout: str = PER_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -116,11 +124,25 @@ def _denoiser(pipe) -> nn.Module:
     raise ValueError(f"{type(pipe).__name__} has no unet or transformer; pass a diffusers pipeline")
 
 
+def _family(denoiser: nn.Module) -> Family:
+    """The denoiser's family (:func:`~nw_adapter.integration.families.family_of_denoiser`).
+
+    Raises:
+        ValueError: a denoiser of no known family.
+    """
+    family = family_of_denoiser(denoiser)
+    if family is None:
+        known = ", ".join(f.label for f in ALL_FAMILIES)
+        raise ValueError(
+            f"{type(denoiser).__name__} is no denoiser of a known family ({known}); the untrained "
+            "control supports UNet, Flux and SD 3.5 IP-Adapter pipelines"
+        )
+    return family
+
+
 def _is_sd3(denoiser: nn.Module) -> bool:
-    return (
-        getattr(denoiser, "image_proj", None) is not None
-        and getattr(denoiser, "encoder_hid_proj", None) is None
-    )
+    """Whether the denoiser's adapter is SD 3.5's timestep-conditioned resampler layout."""
+    return _family(denoiser).adapter_layout == TIMESTEP_RESAMPLER
 
 
 def projection_module(denoiser: nn.Module) -> nn.Module:
@@ -281,10 +303,11 @@ def build_untrained_adapter(pipe, *, seed: int = 0) -> UntrainedAdapter:
             copied[name] = [same for _, same in built]
     projection = _frozen(projection, device, dtype)
     heads = {name: int(attn.heads) for name, (attn, _) in layers.items()}
-    family = "sd3" if sd3 else ("flux" if hasattr(denoiser, "single_transformer_blocks") else "unet")
+    family = _family(denoiser)
     return UntrainedAdapter(
-        projection, keys, copied, heads, seed, family, input_norms, key_norms, key_norm_copied
-    )
+        projection, keys, copied, heads, seed, family.name, input_norms, key_norms, key_norm_copied,
+        layout=family.adapter_layout,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -310,7 +333,7 @@ def project_images(
     """
     count = len(next(iter(untrained.key_projections.values())))
     weight = next(untrained.image_projection.parameters())
-    if untrained.family == "sd3":
+    if untrained.layout == TIMESTEP_RESAMPLER:
         embeds = (
             image_embeds[0]
             if isinstance(image_embeds, list | tuple) and len(image_embeds) == 1
@@ -371,12 +394,12 @@ def keys_from_states(
     _check_layer(untrained, layer, adapter)
     projection = untrained.key_projections[layer][adapter]
     states = states.to(projection.weight.device, projection.weight.dtype)
-    if untrained.family == "sd3":
+    if untrained.layout == TIMESTEP_RESAMPLER:
         states = untrained.input_norms[layer](states, temb=temb)
     keys = projection(states)
     heads = untrained.heads[layer]
     keys = keys.reshape(keys.shape[0], -1, heads, keys.shape[-1] // heads).transpose(1, 2)
-    if untrained.family == "sd3":
+    if untrained.layout == TIMESTEP_RESAMPLER:
         keys = untrained.key_norms[layer](keys)
     return keys
 

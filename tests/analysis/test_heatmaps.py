@@ -152,3 +152,26 @@ def test_overlay_of_a_chw_tensor_draws_the_image_at_its_own_shape(recorded):
     fig = heat_maps(rec, "attn").plot_overlay(chw)
     beneath = fig.axes[0].get_images()[0].get_array()
     assert beneath.shape == (image.height, image.width)
+
+
+@pytest.mark.parametrize(
+    ("selection", "message"),
+    [
+        ({"steps": 0}, r"steps must be a list of whole numbers \(e\.g\. steps=\[0, 5\]\) or None, got 0"),
+        ({"steps": [0.5]}, r"steps=\[0\.5\]: 0\.5 is not a step index"),
+        ({"heads": 1}, r"heads must be a list of whole numbers"),
+        ({"layers": "up"}, r"layers must be a list of layer-name prefixes"),  # was read letter by letter
+        ({"adapter": -1}, r"adapter must be a whole number >= 0, got -1"),
+    ],
+)
+def test_a_selection_of_the_wrong_type_is_one_line_naming_the_parameter(selection, message):
+    with pytest.raises(ValueError, match=message) as caught:
+        heat_maps(synthetic_maps(), "attn", image_hw=(32, 32), **selection)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("image", [np.zeros((0, 0, 3), np.uint8), np.zeros((4, 0)), torch.zeros(3, 0, 8)])
+def test_an_overlay_on_an_image_without_pixels_says_so(image):
+    maps = heat_maps(synthetic_maps(), "attn", image_hw=(32, 32))
+    with pytest.raises(ValueError, match=r"image: has no pixels \(shape"):
+        maps.plot_overlay(image)

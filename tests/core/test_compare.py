@@ -453,3 +453,33 @@ def test_arguments_out_of_range_are_one_line_value_errors(args: dict, message: s
             q * times, k * times, scale=args.get("scale", s), bandwidth=args.get("bandwidth", "matched")
         )
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"seed": 2**70},
+            r"seed must be an int in \[0, 2\*\*63\)",
+        ),  # was "Overflow when unpacking long long"
+        ({"seed": -1}, r"seed must be an int in \[0, 2\*\*63\)"),
+        ({"q": "meta", "k": "meta"}, r"q is a meta tensor \(a shape without values\)"),  # was a RuntimeError
+        ({"k": "meta"}, r"k is a meta tensor"),
+    ],
+    ids=["seed-2**70", "negative-seed", "meta", "meta-keys"],
+)
+def test_an_out_of_range_seed_or_a_meta_tensor_is_a_clear_value_error(change, message) -> None:
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"q": torch.randn(1, 2, 4, 3, generator=gen), "k": torch.randn(1, 2, 5, 3, generator=gen)}
+    for name in ("q", "k"):
+        if change.get(name) == "meta":
+            inputs[name] = inputs[name].to("meta")
+    seed = change.get("seed", 0)
+    with pytest.raises(ValueError, match=message) as caught:
+        compare_attention(inputs["q"], inputs["k"], scale=0.5, seed=seed)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_largest_seed_is_accepted() -> None:
+    q, k = torch.randn(1, 1, 4, 3), torch.randn(1, 1, 5, 3)
+    assert set(compare_attention(q, k, scale=0.5, seed=2**63 - 1)) == set(COMPARISON_NAMES)

@@ -170,3 +170,70 @@ def test_store_maps_on_flow_families(family, request, reference, tmp_path, capsy
     code, _, err = run(["--replot", out], capsys)
     assert code == 0, err
     assert (folder / "attention_maps.png").is_file()
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux", "tiny-flux-digits"])
+def test_shown_spec_names_every_embedded_model_tiny(model, tmp_path, monkeypatch):
+    """The spec a file records never holds the install or cache path of an embedded model: every
+    one's adapter and image encoder are "tiny", as the rho run records them (tiny-flux-digits'
+    --compare-swap / --support-set runs recorded the image encoder's absolute install path)."""
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))
+    resolved = resolve_spec(ModelSpec(model))
+    shown = families.shown_spec(model, None, None, resolved)
+    assert shown.model == model and shown.ip_adapter == "tiny"
+    assert shown.image_encoder == (None if resolved.image_encoder is None else "tiny")
+    assert str(tmp_path) not in json.dumps(shown.to_dict()) and "/" not in json.dumps(shown.to_dict())
+    given = families.shown_spec(model, "my/adapter", "my/encoder", resolved)  # options as given
+    assert given.ip_adapter == "my/adapter"
+    assert given.image_encoder == (None if resolved.image_encoder is None else "my/encoder")
+
+
+def test_a_compare_swap_run_that_recorded_the_install_path_is_computed_again(tmp_path, monkeypatch, capsys):
+    """A tiny-flux-digits --compare-swap run of the version that recorded the image encoder's install
+    path is not reused as if it were this version's: its fingerprint differs, the run says so in one
+    line and computes it again; the run after that resumes."""
+    from nw_adapter.correlate.spec import ModelSpec as Spec
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    def old_shown_spec(model, ip_adapter, image_encoder, spec):  # the previous version's record
+        return Spec(
+            model, ip_adapter or "tiny", spec.subfolder, spec.weight_name, image_encoder or spec.image_encoder
+        )
+
+    out = tmp_path / "out"
+    argv = ["--compare-swap", "--model", "tiny-flux-digits", "--steps", "1", "--swap-rules", "matched"]
+    argv += ["--image", example_image_path(3), "--out", out, "--seed", "5"]
+    with monkeypatch.context() as patch:
+        patch.setattr(families, "shown_spec", old_shown_spec)
+        code, _, err = run(argv, capsys)
+    assert code == 0, err
+    old = json.loads((out / "compare_swap.json").read_text())
+    assert Path(old["config"]["model"]["image_encoder"]).is_absolute()
+    code, _, err = run(argv, capsys)
+    notes = [line for line in err.splitlines() if "computing it again" in line]
+    assert code == 0 and len(notes) == 1 and "other options" in notes[0], err
+    new = json.loads((out / "compare_swap.json").read_text())
+    assert new["config"]["model"]["image_encoder"] == "tiny" and new["fingerprint"] != old["fingerprint"]
+    code, _, err = run(argv, capsys)
+    assert code == 0 and "resumed" in err
+
+
+@pytest.mark.parametrize("size", [0, 30000], ids=["empty", "truncated"])
+def test_a_damaged_adapter_file_is_one_line(size, tmp_path, capsys):
+    """An empty or truncated IP-Adapter .safetensors: one line naming the file (exit 2), not
+    safetensors' SafetensorError traceback."""
+    import shutil
+
+    from nw_adapter.correlate.spec import TINY_DIGITS_DIR
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(TINY_DIGITS_DIR / "models", adapter / "models")
+    weights = adapter / "models" / "ip-adapter_sd15.safetensors"
+    weights.write_bytes(weights.read_bytes()[:size])
+    argv = ["--model", "tiny", "--ip-adapter", adapter, "--image", example_image_path(0), "--steps", "1"]
+    code, _, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(weights) in lines[0] and "download or copy the adapter again" in lines[0]
+    assert ("is empty" in lines[0]) == (size == 0)

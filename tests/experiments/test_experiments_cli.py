@@ -248,3 +248,74 @@ def test_more_class_folds_than_feature_classes_is_one_line_exit_2(tmp_path, caps
     code = main(["--out", str(tmp_path / "o"), "--features", str(path), "--digits-folds", "4", "--quick"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "--digits-folds 4 exceeds the 3 classes" in err and len(err.splitlines()) == 1
+
+
+def _free_port() -> int:
+    """A local TCP port where nothing listens (bound once, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("out", "extra", "words"),
+    [
+        ("", [], "--out is empty"),
+        (" ", [], "--out is empty"),
+        ("file", [], "is a file"),
+        ("file/run", [], "lies inside the file"),
+        ("o", ["--engine", "dask", "--scheduler", "PORT"], "nothing answers there"),
+        ("o", ["--engine", "dask", "--scheduler", "tcp://no-port"], "not a scheduler address"),
+    ],
+    ids=["empty", "blank", "a-file", "inside-a-file", "dead-scheduler", "no-port"],
+)
+def test_bad_out_and_scheduler_are_one_line_before_anything_runs(
+    tmp_path, monkeypatch, capsys, out, extra, words
+):
+    """``--out ""`` (the current folder), an existing file or a path inside one, and a ``--scheduler``
+    where nothing listens: one line naming the option, exit 2, nothing written, nothing run."""
+    import nw_adapter.experiments.runner as runner
+
+    if "dask" in extra:
+        pytest.importorskip("distributed")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    runs = []
+    monkeypatch.setattr(runner, "run_experiments", lambda *a, **k: runs.append(a) or tmp_path / "report.md")
+    extra = [f"tcp://127.0.0.1:{_free_port()}" if part == "PORT" else part for part in extra]
+    try:
+        code = main(["--out", out, *TINY, *extra])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and not runs and len(err.strip().splitlines()) == 1, err
+    assert words in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_python_m_experiments_with_a_file_as_out_is_one_line(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("x")
+    command = [sys.executable, "-m", "nw_adapter", "experiments", "--out", str(target), "--quick"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "is a file" in proc.stderr and target.read_text() == "x"
+
+
+@pytest.mark.parametrize("option", ["--threads", "--workers"])
+def test_parallelism_above_its_limit_is_one_line_before_anything_runs(option, tmp_path, monkeypatch, capsys):
+    """100000 torch threads crash the interpreter at the first matrix product; 10**11 workers is no
+    machine's: both are refused in one line naming the limit, nothing run."""
+    import nw_adapter.experiments.runner as runner
+
+    runs = []
+    monkeypatch.setattr(runner, "run_experiments", lambda *a, **k: runs.append(a) or tmp_path / "report.md")
+    try:
+        code = main(["--out", str(tmp_path / "o"), *TINY[:1], option, "100000"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and not runs and len(err.strip().splitlines()) == 1, err
+    assert f"{option} must be at most 1024, got '100000'" in err

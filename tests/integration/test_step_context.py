@@ -74,7 +74,7 @@ def test_the_recorder_facade_reads_the_context():
     rec = NWRecorder(config)
     rec.begin_step(step=0, cfg=True)
     first = rec.context
-    assert rec.context is first and first.cfg and not first.selected and not rec.wants_step()
+    assert rec.context is first and first.cfg and not first.selected
     rec.begin_step(step=1, cfg=False)
-    assert rec.context is not first and rec.context.selected and rec.wants_step() and not rec.cfg
-    assert NWRecorder(NWProcessorConfig(cfg=True)).cfg  # config.cfg wins over the step's value
+    assert rec.context is not first and rec.context.selected and not rec.context.cfg
+    assert NWRecorder(NWProcessorConfig(cfg=True)).context.cfg  # config.cfg wins over the step's value

@@ -44,7 +44,7 @@ class PositionalDenoiser(torch.nn.Module):
 def _attach(scheduler, denoiser, **kwargs) -> tuple[NWRecorder, list]:
     """A recorder on ``denoiser`` with ``scheduler``; returns it and the list of states seen."""
     rec = NWRecorder(pipe=SimpleNamespace(scheduler=scheduler))
-    rec.attach(denoiser, **kwargs)
+    rec.tracker.attach(denoiser, **kwargs)
     seen: list = []
     denoiser.register_forward_hook(lambda *_: seen.append(replace(rec.state)))
     return rec, seen
@@ -81,7 +81,7 @@ def test_flux_true_cfg_is_one_step_with_two_passes(scheduler_kwargs, set_kwargs)
     for s in seen:
         assert s.call == 0
         assert (s.timestep, s.alpha, s.sigma, s.h) == pytest.approx(_flow_level(scheduler, s.step))
-    assert sorted(rec._steps) == [(0, i) for i in range(4)]
+    assert sorted(rec.tracker.steps) == [(0, i) for i in range(4)]
 
 
 @pytest.mark.parametrize("begin", [0, 3])
@@ -189,7 +189,7 @@ def test_new_call_restarts_and_off_table_timesteps_count_forwards():
 def test_bare_denoiser_without_scheduler_counts_forwards():
     denoiser = PositionalDenoiser()
     rec = NWRecorder()
-    rec.attach(denoiser)
+    rec.tracker.attach(denoiser)
     seen = []
     denoiser.register_forward_hook(lambda *_: seen.append(replace(rec.state)))
     for t in (900, 500):
@@ -202,7 +202,7 @@ def test_bare_denoiser_without_scheduler_counts_forwards():
 
 def test_attach_rejects_bad_timestep_scale():
     with pytest.raises(ValueError, match="timestep_scale"):
-        NWRecorder().attach(PositionalDenoiser(), timestep_scale=0)
+        NWRecorder().tracker.attach(PositionalDenoiser(), timestep_scale=0)
 
 
 def _host_reads_from_recorder(monkeypatch) -> list[str]:

@@ -97,11 +97,16 @@ def test_one_reference_records_no_support_columns(digits_pipe):
         ([], {}, "no reference image"),
         (["x"], {"ip_adapter_image": "x"}, "ip_adapter_image is set by the function"),
         (["x"], {"generator": None}, "generator is set by the function"),
+        ("digit", {"num_inference_steps": 0}, r"num_inference_steps must be a whole number >= 1, got 0"),
+        ("digit", {"num_inference_steps": 2.5}, r"num_inference_steps must be a whole number >= 1, got 2\.5"),
     ],
 )
 def test_observe_support_set_refuses_bad_calls(digits_pipe, references, call, message):
     from nw_adapter.analysis.support_sets import observe_support_set
+    from nw_adapter.models.loaders import tiny_digit_image
 
+    if references == "digit":  # a real reference: only the call is wrong
+        references = [tiny_digit_image(3), tiny_digit_image(7)]
     with pytest.raises(ValueError, match=message):
         observe_support_set(digits_pipe, references, **call)
     with pytest.raises(ValueError, match="observes"):

@@ -1,0 +1,219 @@
+"""Bad input to the scripts in ``scripts/``: one line naming the problem and the fix, exit status 2,
+no traceback, nothing written and nothing run.
+
+Each script runs in-process (loaded from its file, ``sys.argv`` set as a shell would) in an empty
+current folder, with the work it would start replaced by a spy: a bad input must stop it before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load(name: str) -> ModuleType:
+    """The script ``scripts/<name>.py`` as a module (its ``__main__`` block not run)."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def call(module: ModuleType, argv: list[str], monkeypatch, capsys) -> tuple[object, str]:
+    """``module.main()`` with ``sys.argv`` as the shell gives it: (exit status, stderr)."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__.removeprefix('script_')}.py", *argv])
+    try:
+        code = module.main()
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def one_line(code: object, err: str, *words: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """An empty current folder holding one file, ``taken``."""
+    folder = tmp_path / "cwd"
+    folder.mkdir()
+    (folder / "taken").write_text("x")
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def _unchanged(folder: Path) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == ["taken"]
+
+
+def _spy(monkeypatch, target: object, name: str) -> list:
+    calls: list = []
+    monkeypatch.setattr(target, name, lambda *a, **k: calls.append((a, k)) or 0)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--out", ""], ["--out is empty", "pass a folder"]),
+        (["--out", "taken"], ["--out 'taken' is a file"]),
+        (["--out", "run", "--seed", str(10**23)], ["--seed", "from 0 to"]),
+        (["--out", "run", "--seed", "-1"], ["--seed"]),
+        (["--out", "run", "--threads", "0"], ["--threads"]),
+    ],
+    ids=["empty-out", "file-out", "seed-10**23", "negative-seed", "threads-0"],
+)
+def test_train_tiny(argv, words, workdir, monkeypatch, capsys):
+    import nw_adapter.models.training.run as training
+
+    calls = _spy(monkeypatch, training, "run_training")
+    code, err = call(load("train_tiny"), argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--out", ""], ["--out is empty"]),
+        (["--out", "run", "--adapter-lr", "inf"], ["--adapter-lr", "finite"]),
+        (["--out", "run", "--image-dropout", "nan"], ["--image-dropout", "probability"]),
+    ],
+    ids=["empty-out", "infinite-lr", "nan-dropout"],
+)
+def test_train_tiny_flow(argv, words, workdir, monkeypatch, capsys):
+    import nw_adapter.models.training.flux_run as training
+
+    calls = _spy(monkeypatch, training, "run_flux_training")
+    code, err = call(load("train_tiny_flow"), argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["", "--sizes", "1", "--per-group", "1"], ["folder is empty"]),
+        (["taken"], ["folder 'taken' is a file"]),
+        (["taken/sets"], ["lies inside the file"]),
+        (["sets", "--sizes", "a"], ["--sizes", "1 to 10", "e.g. --sizes 1,2,4"]),
+        (["sets", "--sizes", "1,11"], ["--sizes"]),
+        (["sets", "--per-group", "0"], ["--per-group"]),
+        (["sets", "--seed", "-1"], ["--seed"]),
+    ],
+    ids=["empty", "a-file", "inside-a-file", "sizes-a", "size-11", "per-group-0", "negative-seed"],
+)
+def test_digit_support_sets(argv, words, workdir, monkeypatch, capsys):
+    code, err = call(load("digit_support_sets"), argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    _unchanged(workdir)
+
+
+def _rho_json(folder: Path, text: str) -> Path:
+    path = folder / "rho.json"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda d: d / "missing.json", ["does not exist"]),
+        (lambda d: _rho_json(d, '{"records": [{"refer'), ["not valid JSON"]),
+        (lambda d: _rho_json(d, ""), ["is empty"]),
+        (lambda d: d, ["is a folder"]),
+        (lambda d: _rho_json(d, "[1, 2]"), ["JSON list, not a report object"]),
+        (lambda d: _rho_json(d, '{"records": []}'), ["no verdict"]),
+        (
+            lambda d: _rho_json(
+                d,
+                json.dumps(
+                    {
+                        "verdict": {"half": "cond"},
+                        "records": [{"reference": "a", "half": "cond", "rho": "high", "rho_control_0": 0.1}],
+                    }
+                ),
+            ),
+            ["records[0]", "not a number"],
+        ),
+    ],
+    ids=["missing", "truncated", "empty", "folder", "non-object", "no-verdict", "text-value"],
+)
+def test_readings_table(make, words, tmp_path, monkeypatch, capsys):
+    path = make(tmp_path)
+    code, err = call(load("readings_table"), [str(path)], monkeypatch, capsys)
+    one_line(code, err, str(path), "pass the rho.json", *words)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["rho", "--out", ""], ["--out is empty"]),
+        (["rho", "--steps", "0"], ["--steps"]),
+        (["rho", "--card", "missing.md"], ["--card 'missing.md' cannot be read"]),
+        (["training", "--run-dir", "nowhere"], ["--run-dir 'nowhere' has no stages/log.json"]),
+    ],
+    ids=["empty-out", "steps-0", "missing-card", "missing-run"],
+)
+def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
+    module = load("evaluate_tiny")
+    calls = _spy(monkeypatch, module, "rho")
+    _spy(monkeypatch, module, "training")
+    code, err = call(module, argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--out", ""], ["--out is empty", "JSON-lines file"]),
+        (["--out", "."], ["is a folder"]),
+        (["--out", "taken/rows.jsonl"], ["lies inside the file"]),
+        (["--out", "rows.jsonl", "--tasks", "1"], ["--tasks"]),
+        (["--out", "rows.jsonl", "--checkpoints", ""], ["--checkpoints is empty"]),
+    ],
+    ids=["empty-out", "folder-out", "inside-a-file", "tasks-1", "empty-checkpoints"],
+)
+def test_fair_baseline_search(argv, words, workdir, monkeypatch, capsys):
+    module = load("run_fair_baseline_search")
+    calls = _spy(monkeypatch, module, "train_scale")
+    code, err = call(module, argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not calls
+    _unchanged(workdir)
+
+
+def test_paper_subset_refuses_an_empty_out(workdir, monkeypatch, capsys):
+    module = load("run_paper_subset")
+    calls = _spy(monkeypatch, module, "run_experiments")
+    code, err = call(module, ["--out", ""], monkeypatch, capsys)
+    one_line(code, err, "--out is empty")
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "words"),
+    [
+        ("what_rho_shows", ["--seeds", "1"], ["--seeds", ">= 2"]),
+        ("head_space_limits", ["--draws", "x"], ["--draws"]),
+    ],
+)
+def test_draw_counts_are_one_line(script, argv, words, monkeypatch, capsys):
+    code, err = call(load(script), argv, monkeypatch, capsys)
+    one_line(code, err, *words)
