@@ -74,20 +74,6 @@ def reported_steps(
     return [r["step"] for r in chosen], {r["step"]: r["timestep"] for r in rows}
 
 
-def _join_processes(model: Any, requested: str) -> Any:
-    """Join the other processes when launched distributed; return the process state.
-
-    Under a multi-process launch, ``auto`` and a bare accelerator name (``cuda``) become the
-    process's own device (``cuda:<local rank>``) from ``PartialState``; an explicit index is kept.
-    """
-    from nw_adapter.correlate.sweep import is_distributed_launch, process_state
-
-    state = process_state(cpu=model.device == "cpu")
-    if is_distributed_launch() and model.device != "cpu" and ":" not in requested:
-        model.device = str(state.device)
-    return state
-
-
 def _image_worker(
     args: argparse.Namespace,
     pipe: Any,
@@ -183,16 +169,19 @@ def run(args: argparse.Namespace) -> int:
     out_dir = check_output_dir(args.out, [info.key for info in infos])
     processor_config(args)  # option errors now, before any model is loaded
     quiet_libraries(args)
-    from nw_adapter.correlate.run_model import prepare_model
+    from nw_adapter.correlate.run_model import join_processes, prepare_model
+    from nw_adapter.correlate.sweep import is_distributed_launch
 
-    model = prepare_model(args)  # the model's files and family (offline: before torch), before the lock
-    state = _join_processes(model, args.device)
-    for info in infos:
-        for text in info.notes:
-            note(args.quiet, f"{info.path.name}: {text}", shown=state.is_main_process)
-    lock_out = state.num_processes == 1  # the processes of one launch share --out
-    with _lock(out_dir, lock_out), library_output(args):
-        return _sweep(args, model, infos, out_dir, state)
+    # the lock first (the processes of one launch share --out: none), then the model's files and
+    # family (offline: before torch is imported); what fails there leaves nothing in --out
+    with _lock(out_dir, not is_distributed_launch()):
+        model = prepare_model(args)
+        state = join_processes(model, args.device)
+        for info in infos:
+            for text in info.notes:
+                note(args.quiet, f"{info.path.name}: {text}", shown=state.is_main_process)
+        with library_output(args):
+            return _sweep(args, model, infos, out_dir, state)
 
 
 def _lock(out_dir: Path, lock: bool):

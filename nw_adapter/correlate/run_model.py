@@ -19,7 +19,7 @@ from typing import Any
 
 from nw_adapter.correlate.spec import ModelSpec
 
-__all__ = ["RunModel", "check_layers", "check_true_cfg", "prepare_model"]
+__all__ = ["RunModel", "check_layers", "check_true_cfg", "join_processes", "prepare_model"]
 
 
 @dataclass
@@ -125,13 +125,20 @@ def prepare_model(args: argparse.Namespace) -> RunModel:
             a Flux ``--true-cfg-scale`` that cannot take effect.
     """
     from nw_adapter.correlate import families
-    from nw_adapter.correlate.loading import check_hub_files, resolve_device, resolve_dtype, resolve_spec
+    from nw_adapter.correlate.loading import (
+        check_hub_files,
+        check_pipeline_folder,
+        resolve_device,
+        resolve_dtype,
+        resolve_spec,
+    )
     from nw_adapter.correlate.options import CLIError, family_problem
 
     spec = resolve_spec(
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
     check_hub_files(spec)  # offline: what cannot be loaded, in one line, now
+    check_pipeline_folder(spec.model)  # a local folder without a component's weights, now
     family = families.family_of_model(spec.model)
     problem = family_problem(args, family)
     if problem:
@@ -172,3 +179,17 @@ def check_layers(layers: list[str] | None, pipe: Any) -> None:
         f"{'s' if len(blocks) > 1 else ''} {', '.join(blocks)} or a processor-name prefix such as "
         f"'{names[0]}'"
     )
+
+
+def join_processes(model: RunModel, requested: str) -> Any:
+    """Join the other processes of an ``accelerate launch`` (one process: a stand-in); return the state.
+
+    Under a multi-process launch, ``auto`` and a bare accelerator name (``cuda``) become the
+    process's own device (``cuda:<local rank>``) from ``PartialState``; an explicit index is kept.
+    """
+    from nw_adapter.correlate.sweep import is_distributed_launch, process_state
+
+    state = process_state(cpu=model.device == "cpu")
+    if is_distributed_launch() and model.device != "cpu" and ":" not in requested:
+        model.device = str(state.device)
+    return state

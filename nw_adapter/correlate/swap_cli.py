@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
     labels, label_source = reference_labels(args, infos)  # before the model: its errors cost nothing
     bars = show_progress_bars(args)
     quiet_libraries(args)
-    model = prepare_model(args)
-    with OutputLock(out_dir):
+    with OutputLock(out_dir):  # before the model: a second run is refused at once
+        model = prepare_model(args)
         judge = JUDGE if label_source in ("bundled", "--labels") else None
         resolved = model.resolved(labels=label_source, judge=judge)
         # the references are checked on their own (document_problem), so the note can say which changed
