@@ -102,7 +102,6 @@ RUNS: tuple[Run, ...] = (
             SD3: "support sets need one adapter's list of images, which diffusers' SD 3.5 pipeline does not "
             "take (it fails on a list per adapter); use an SD 1.5 / SDXL or Flux model"
         },
-        one_process="every process would generate every set into the same --out",
         kept="an unfinished support-set run is not kept (its files are removed), rerun it",
         writes="support.json, support.csv, support_mass.png, sets/<key>/",
         records=(

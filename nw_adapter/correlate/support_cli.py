@@ -187,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     """Validate the sets and ``--out``, load the model, generate and observe each set, write and print
     the report.
 
+    Under ``accelerate launch`` the sets are split over the processes (contiguous shards, each set
+    generated with ``--seed`` as in one process) and the main process writes the one report.
+
     Returns:
         The exit status (0).
 
@@ -194,12 +197,15 @@ def run(args: argparse.Namespace) -> int:
         SupportSetError, ImageInputError, OutputError, ModelLoadError, CLIError: bad input, one line,
             before the model loads. An interruption or a failed write removes the run's files first.
     """
+    import contextlib
+
     from nw_adapter.correlate.console import library_output, quiet_libraries
     from nw_adapter.correlate.outputs import SUPPORT_RUN, OutputLock, check_apart, check_output_dir
-    from nw_adapter.correlate.run_model import prepare_model
+    from nw_adapter.correlate.run_model import join_processes, prepare_model
     from nw_adapter.correlate.spec import DIGIT_MODELS
+    from nw_adapter.correlate.sweep import is_distributed_launch, is_main_launch_process
 
-    sets = collect_sets(args, quiet=args.quiet)
+    sets = collect_sets(args, quiet=args.quiet if is_main_launch_process() else 2)
     check_apart(
         args.out, files=[file for files in args.support_set for file in files], folders=args.support_dir,
         option="--support-set",
@@ -211,22 +217,65 @@ def run(args: argparse.Namespace) -> int:
     if judged:
         _check_judged_sizes(sets, args.model)
     quiet_libraries(args)
-    model = prepare_model(args)  # SD 3.5 is refused here (the run table), before loading
-    with OutputLock(out_dir):
-        if remove_outputs(out_dir):
+    lock = contextlib.nullcontext() if is_distributed_launch() else OutputLock(out_dir)
+    with lock:  # before the model: a second run is refused at once
+        model = prepare_model(args)  # SD 3.5 is refused here (the run table), before loading
+        state = join_processes(model, args.device)
+        if state.is_main_process and remove_outputs(out_dir):
             note(args.quiet, f"the files of an earlier support-set run in {out_dir} were removed")
+        state.wait_for_everyone()  # nothing is written before the earlier run's files are gone
         try:
             with library_output(args):
-                document = _generate(args, model, sets, out_dir, judged=judged)
+                document = _generate(args, model, sets, out_dir, judged=judged, state=state)
         except BaseException:  # an interruption or a failed write: no run in part is left behind
-            remove_outputs(out_dir)
+            if state.is_main_process:
+                remove_outputs(out_dir)
             raise
+    if not state.is_main_process:
+        return 0
     if not judged:
         note(args.quiet, "classes not judged: the digit judge reads the digits models' 32 x 32 images only")
     from nw_adapter.correlate import support_report as report
 
     print(report.format_document(document))
     return 0
+
+
+def _observe(
+    args: argparse.Namespace, pipe: Any, call: dict, config: Any, judge: Any, known: dict, out_dir: Path,
+    index: int, support: tuple[SupportSetInput, list[Any]],
+) -> tuple[int, dict, list[dict]]:  # fmt: skip
+    """Generate and observe one set; write its image and mass figure. Returns ``(index, entry, csv rows)``."""
+    from nw_adapter import atomic
+    from nw_adapter.analysis.support_sets import observe_support_set
+    from nw_adapter.correlate import support_report as report
+    from nw_adapter.correlate.digit_sets import pixel_digest
+    from nw_adapter.correlate.images import load_reference_image
+    from nw_adapter.integration.schema import SUPPORT_REFERENCES, support_columns
+
+    s, infos = support
+    references = [load_reference_image(info.path)[0] for info in infos]
+    result = observe_support_set(
+        pipe, references, config=config, judge=judge, seed=args.seed, prompt=args.prompt,
+        num_inference_steps=args.steps, guidance_scale=args.guidance_scale, **call,
+    )  # fmt: skip
+    folder = out_dir / "sets" / s.key
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.atomic_write(folder / "generated.png", lambda tmp, image=result.image: image.save(tmp))
+    files = [{"file": str(info.path), "sha256": info.sha256} for info in infos]
+    digests = [pixel_digest(image) for image in references]
+    labels = [known[d] for d in digests] if judge is not None and all(d in known for d in digests) else None
+    entry = report.set_entry(s.key, files, result, f"sets/{s.key}/generated.png", labels)
+    report.plot_set(entry, folder / "mass.png", title=f"{s.key}: attention mass per reference")
+    columns = set(support_columns(len(infos)))
+    keys = ("step", "timestep", "h_schedule", "layer", "block", "head", "half", "adapter")
+    rows = []
+    for row in result.records:
+        if row.get(SUPPORT_REFERENCES) is not None:
+            kept = {k: row[k] for k in keys if k in row}
+            kept.update({k: v for k, v in row.items() if k in columns})
+            rows.append({"set": s.key, **kept})
+    return index, entry, rows
 
 
 def _generate(
@@ -236,22 +285,21 @@ def _generate(
     out_dir: Path,
     *,
     judged: bool,
-) -> dict:
-    """Load the model, generate and observe every set, write the files; return ``support.json``'s document."""
+    state: Any,
+) -> dict | None:
+    """Load the model, generate and observe this process's sets; on the main process gather every
+    set, write the report files and return ``support.json``'s document (None on the others)."""
     from nw_adapter import atomic
     from nw_adapter.analysis.records import csv_text
-    from nw_adapter.analysis.support_sets import observe_support_set
     from nw_adapter.correlate import support_report as report
     from nw_adapter.correlate.console import show_progress_bars
-    from nw_adapter.correlate.digit_sets import pixel_digest
-    from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.correlate.options import options_record
     from nw_adapter.correlate.report import write_json
     from nw_adapter.correlate.run_model import check_layers
+    from nw_adapter.correlate.sweep import gather
     from nw_adapter.integration.config import NWProcessorConfig
-    from nw_adapter.integration.schema import SUPPORT_REFERENCES, support_columns
 
-    pipe = model.load(args, bars=show_progress_bars(args))
+    pipe = model.load(args, bars=show_progress_bars(args) and state.is_main_process)
     check_layers(args.layers, pipe)
     config = NWProcessorConfig(mode="observe", layers=args.layers)
     call = dict(model.call)
@@ -264,33 +312,16 @@ def _generate(
         from nw_adapter.models.digits_quality import digit_judge
 
         judge, known = digit_judge(), known_digit_labels()
-    record = options_record(args.run.name, args, model.resolved(judge=JUDGE if judged else None))
-    entries, rows = [], []
-    for s, infos in sets:
-        references = [load_reference_image(info.path)[0] for info in infos]
-        result = observe_support_set(
-            pipe, references, config=config, judge=judge, seed=args.seed, prompt=args.prompt,
-            num_inference_steps=args.steps, guidance_scale=args.guidance_scale, **call,
-        )  # fmt: skip
-        folder = out_dir / "sets" / s.key
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic.atomic_write(folder / "generated.png", lambda tmp, image=result.image: image.save(tmp))
-        files = [{"file": str(info.path), "sha256": info.sha256} for info in infos]
-        digests = [pixel_digest(image) for image in references]
-        labels = [known[d] for d in digests] if judged and all(d in known for d in digests) else None
-        entry = report.set_entry(s.key, files, result, f"sets/{s.key}/generated.png", labels)
-        report.plot_set(entry, folder / "mass.png", title=f"{s.key}: attention mass per reference")
-        entries.append(entry)
-        columns = set(support_columns(len(infos)))
-        keys = ("step", "timestep", "h_schedule", "layer", "block", "head", "half", "adapter")
-        for row in result.records:
-            if row.get(SUPPORT_REFERENCES) is not None:
-                kept = {k: row[k] for k in keys if k in row}
-                kept.update({k: v for k, v in row.items() if k in columns})
-                rows.append({"set": s.key, **kept})
+    with state.split_between_processes(list(enumerate(sets))) as mine:
+        done = [_observe(args, pipe, call, config, judge, known, out_dir, i, s) for i, s in mine]
+    done = sorted(gather(done, state), key=lambda item: item[0])
+    if not state.is_main_process:
+        return None
+    entries = [entry for _, entry, _ in done]
+    rows = [row for _, _, set_rows in done for row in set_rows]
     document = {
         "schema": report.SUPPORT_SCHEMA,
-        "config": record,
+        "config": options_record(args.run.name, args, model.resolved(judge=JUDGE if judged else None)),
         "sets": entries,
         "summary": report.group_summary(entries),
     }
