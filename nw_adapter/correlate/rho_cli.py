@@ -80,7 +80,7 @@ def _image_worker(
     config: Any,
     infos: dict[str, ReferenceImage],
     out_dir: Path,
-    extra_call: dict[str, Any] | None = None,
+    model: Any,
     run_id: str | None = None,
 ):
     """``work(key) -> (image_entry, records)`` for :func:`nw_adapter.correlate.sweep.run_sweep`;
@@ -101,17 +101,7 @@ def _image_worker(
         reference, _ = load_reference_image(info.path)
         folder = image_dir(out_dir, key)
         generator = torch.Generator(device="cpu").manual_seed(args.seed)
-        call = {
-            "prompt": args.prompt,
-            "negative_prompt": args.negative_prompt,
-            "ip_adapter_image": reference,
-            "num_inference_steps": args.steps,
-            "guidance_scale": args.guidance_scale,
-            "height": args.height,
-            "width": args.width,
-            "generator": generator,
-            **(extra_call or {}),
-        }
+        call = {**model.call_arguments(args), "ip_adapter_image": reference, "generator": generator}
         run = {"run": run_id} if run_id else {}
         if args.end_to_end_control:  # the trained call and K untrained passes (no maps: refused)
             output, recorded, _ = run_end_to_end(args, pipe, config, call)
@@ -122,7 +112,7 @@ def _image_worker(
             recorder = stack.enter_context(nw_processor(pipe, config))
             previews = None
             if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
-                true_cfg = (extra_call or {}).get("true_cfg_scale", 1.0)
+                true_cfg = model.call.get("true_cfg_scale", 1.0)
                 previews = stack.enter_context(
                     X0Previews(pipe, recorder, config.map_steps, true_cfg_scale=true_cfg)
                 )
@@ -224,7 +214,7 @@ def _sweep(
         remove_interrupted_writes(out_dir, list(by_key))
     outcome = run_sweep(
         list(by_key),
-        _image_worker(args, pipe, config, by_key, out_dir, model.call, run_id),
+        _image_worker(args, pipe, config, by_key, out_dir, model, run_id),
         out_dir=out_dir,
         expected_fingerprint=expected,
         state=state,

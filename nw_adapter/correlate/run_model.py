@@ -58,6 +58,22 @@ class RunModel:
         self.pipe = pipe
         return pipe
 
+    def call_arguments(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The keyword arguments of every generation of the run: the prompt, steps and guidance
+        options, the negative prompt and size when given, and the family's (:attr:`call`).
+
+        Every run calls the pipeline with these (its images and generator added), so an option of
+        the generation is read in this one place.
+        """
+        given = {name: getattr(args, name) for name in ("negative_prompt", "height", "width")}
+        return {
+            "prompt": args.prompt,
+            "num_inference_steps": args.steps,
+            "guidance_scale": args.guidance_scale,
+            **{name: value for name, value in given.items() if value is not None},
+            **self.call,
+        }
+
     @property
     def dtype_name(self) -> str:
         """The dtype as recorded (``float32``)."""

@@ -255,10 +255,7 @@ def _observe(
 
     s, infos = support
     references = [load_reference_image(info.path)[0] for info in infos]
-    result = observe_support_set(
-        pipe, references, config=config, judge=judge, seed=args.seed, prompt=args.prompt,
-        num_inference_steps=args.steps, guidance_scale=args.guidance_scale, **call,
-    )  # fmt: skip
+    result = observe_support_set(pipe, references, config=config, judge=judge, seed=args.seed, **call)
     folder = out_dir / "sets" / s.key
     folder.mkdir(parents=True, exist_ok=True)
     atomic.atomic_write(folder / "generated.png", lambda tmp, image=result.image: image.save(tmp))
@@ -302,10 +299,7 @@ def _generate(
     pipe = model.load(args, bars=show_progress_bars(args) and state.is_main_process)
     check_layers(args.layers, pipe)
     config = NWProcessorConfig(mode="observe", layers=args.layers)
-    call = dict(model.call)
-    for name in ("negative_prompt", "height", "width"):
-        if getattr(args, name) is not None:
-            call[name] = getattr(args, name)
+    call = model.call_arguments(args)
     judge, known = None, {}
     if judged:
         from nw_adapter.correlate.digit_sets import known_digit_labels

@@ -124,28 +124,19 @@ def _compare(
     from nw_adapter.models.digits_quality import digit_judge
 
     pipe = model.load(args, bars=bars)
-    call = dict(model.call)
-    for name in ("negative_prompt", "height", "width"):
-        if getattr(args, name) is not None:
-            call[name] = getattr(args, name)
     references = [load_reference_image(info.path)[0] for info in infos]
     try:
         return compare_swap(
             pipe,
             references,
             rules=args.swap_rules or DEFAULT_RULES,
-            prompt=args.prompt,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
             seed=args.seed,
             judge=digit_judge() if labels is not None else None,
             labels=labels,
             keep_images=False,
-            **call,
+            **model.call_arguments(args),
         )
-    except (
-        ValueError
-    ) as exc:  # compare_swap's documented input errors (e.g. a pipeline without image encoder)
+    except ValueError as exc:  # compare_swap's input errors (e.g. a pipeline without image encoder)
         raise CompareSwapError(" ".join(str(exc).split())) from None
 
 
