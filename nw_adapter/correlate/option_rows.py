@@ -124,11 +124,24 @@ class Run:
 
 @dataclass(frozen=True)
 class Needs:
-    """An option read only while another option has a value: ``args.<dest> == value``, else ``message``."""
+    """An option read only while another option's value passes ``holds`` (refused with ``message`` else).
+
+    Attributes:
+        dest: The other option.
+        holds: Its value, or a test of its value.
+        message: The one line of the refusal, with the fix.
+        shown: The condition in words (docs/cli.md's option table): ``"with the control on"``.
+    """
 
     dest: str
-    value: Any
+    holds: Any
     message: str
+    shown: str
+
+    def met(self, args: argparse.Namespace) -> bool:
+        """Whether the condition holds for the parsed options."""
+        value = getattr(args, self.dest)
+        return bool(self.holds(value)) if callable(self.holds) else value == self.holds
 
 
 @dataclass(frozen=True)

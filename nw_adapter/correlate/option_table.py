@@ -336,7 +336,7 @@ OPTIONS: tuple[Option, ...] = (
         frozenset({RHO}),
         default=3, metavar="K", parse=values.positive_int("--control-draws", maximum=MAX_CONTROL_DRAWS),
         needs=Needs("untrained_control", True, "--control-draws sets the untrained-adapter control, which "
-                    "--no-untrained-control turns off; drop one of them"),
+                    "--no-untrained-control turns off; drop one of them", "with the control on"),
         records=(_own("untrained_draws", RHO_RUNS,
                       value=lambda args, _: args.control_draws if _per_layer_control(args) else None),),
         hints={END_TO_END: "the end-to-end control has its own: use --end-to-end-draws"},
@@ -345,7 +345,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--untrained-seed",), _NW, "seed s of the untrained adapters' initialisation: draw k uses s + k "
         "(default 0)", frozenset({RHO}), default=0, parse=values.seed("--untrained-seed"),
         needs=Needs("untrained_control", True, "--untrained-seed seeds the untrained-adapter control, which "
-                    "--no-untrained-control turns off; drop one of them"),
+                    "--no-untrained-control turns off; drop one of them", "with the control on"),
         records=(_own("untrained_seed", RHO_RUNS,
                       value=lambda args, _: args.untrained_seed if _per_layer_control(args) else None),),
         hints={END_TO_END: "the end-to-end control has its own: use --end-to-end-seed"},

@@ -171,7 +171,7 @@ def check_options(args: argparse.Namespace, given: set[str]) -> Run:
         if option.dest in given and run.name not in option.runs:
             raise CLIError(refusal(option, run))
     for option in OPTIONS:
-        if option.dest in given and option.needs and getattr(args, option.needs.dest) != option.needs.value:
+        if option.dest in given and option.needs and not option.needs.met(args):
             raise CLIError(option.needs.message)
     if run.inputs and not any(getattr(args, dest) for dest in run.inputs):
         raise CLIError(run.no_input)

@@ -88,7 +88,7 @@ def markdown() -> str:
         if option.families is not None:
             read += f" (model families: {', '.join(sorted(option.families))})"
         if option.needs is not None:
-            read += f" (with `{OPTION_BY_DEST[option.needs.dest].name}` off: refused)"
+            read += f" (only {option.needs.shown})"
         name = ", ".join(f"`{flag}`" for flag in option.flags)
         lines.append(
             f"| {name} | {_value(option)} | {read} | {_recorded(option)} | {_fingerprinted(option)} | "
