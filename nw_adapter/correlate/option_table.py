@@ -272,6 +272,19 @@ OPTIONS: tuple[Option, ...] = (
         parse=values.nonneg_float("--ip-scale"), records=(_own("ip_scale", MODEL_RUNS),),
     ),
     Option(
+        ("--guidance-rescale",), _GENERATION,
+        "SD 1.5 / SDXL: mix the guided noise prediction rescaled to the conditional one's standard "
+        "deviation by this factor, 0 to 1 (diffusers' guidance_rescale, Lin et al. 2023, against "
+        "over-exposure; default 0, off)",
+        MODEL_RUNS, default=0.0, parse=values.nonneg_float("--guidance-rescale", maximum=1.0),
+        families=frozenset({UNET}),
+        family_fix="its pipeline takes no guidance_rescale: drop --guidance-rescale",
+        needs=Needs("guidance_scale", lambda scale: scale > 1, "--guidance-rescale rescales classifier-free "
+                    "guidance, which --guidance-scale <= 1 turns off; raise --guidance-scale or drop "
+                    "--guidance-rescale", "with --guidance-scale > 1"),
+        records=(_own("guidance_rescale", MODEL_RUNS, omit_default=True),),
+    ),
+    Option(
         ("--true-cfg-scale",), _GENERATION,
         "Flux only: true classifier-free guidance with --negative-prompt when > 1 (two transformer passes "
         "per step, reported as the cond / uncond halves); default 1.0",

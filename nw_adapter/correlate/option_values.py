@@ -73,8 +73,8 @@ def positive_int(name: str, *, maximum: int | None = None) -> Parser:
     return parse
 
 
-def nonneg_float(name: str) -> Parser:
-    """A finite number >= 0."""
+def nonneg_float(name: str, *, maximum: float | None = None) -> Parser:
+    """A finite number >= 0 (and <= ``maximum``)."""
 
     def parse(text: str) -> float:
         try:
@@ -83,6 +83,8 @@ def nonneg_float(name: str) -> Parser:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got '{text}'") from None
         if not math.isfinite(value) or value < 0:
             raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got '{text}'")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be between 0 and {maximum:g}, got '{text}'")
         return value
 
     return parse

@@ -71,6 +71,7 @@ class RunModel:
             "num_inference_steps": args.steps,
             "guidance_scale": args.guidance_scale,
             **{name: value for name, value in given.items() if value is not None},
+            **({"guidance_rescale": args.guidance_rescale} if args.guidance_rescale else {}),
             **self.call,
         }
 

@@ -25,6 +25,7 @@ SAMPLES: dict[str, str] = {
     "seed": "5",
     "guidance_scale": "3",
     "ip_scale": "0.5",
+    "guidance_rescale": "0.7",
     "true_cfg_scale": "2",
     "height": "64",
     "width": "64",

@@ -197,3 +197,30 @@ def test_the_support_set_run_reads_layers(tmp_path) -> None:
     assert layers["up"] < layers["all"]
     config = json.loads(Path(tmp_path / "up" / "support.json").read_text())["config"]
     assert config["layers"] == ["up_blocks"]
+
+
+def test_a_new_generation_option_is_one_row_and_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """``--guidance-rescale`` (diffusers' guidance_rescale): the row of option_table.py and one line
+    of RunModel.call_arguments make every run read it, record it (only when given, so earlier
+    fingerprints stay valid), and refuse it where it cannot act."""
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path / "cache"))  # tiny-flux's folder, if written
+    base = ["--image", str(example_image_path(3)), "--model", "tiny", "--steps", "2", "-qq"]
+    plain, rescaled = tmp_path / "plain", tmp_path / "rescaled"
+    assert main([*base, "--no-untrained-control", "--out", str(plain)]) == 0
+    assert main([*base, "--no-untrained-control", "--guidance-rescale", "0.7", "--out", str(rescaled)]) == 0
+    config = json.loads((rescaled / "rho.json").read_text())["config"]
+    assert config["guidance_rescale"] == 0.7
+    assert "guidance_rescale" not in json.loads((plain / "rho.json").read_text())["config"]
+    images = [next((out / "images").glob("*/generated.png")).read_bytes() for out in (plain, rescaled)]
+    assert images[0] != images[1]  # the pipeline read it
+    capsys.readouterr()
+    for extra, words in (
+        (["--guidance-scale", "1"], "--guidance-rescale rescales classifier-free guidance"),
+        (["--model", "tiny-flux"], "--guidance-rescale is not read by Flux pipelines"),
+    ):
+        code = main([*base, "--guidance-rescale", "0.7", *extra, "--out", str(tmp_path / "refused")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and words in err, err
+    assert not (tmp_path / "refused").exists()
