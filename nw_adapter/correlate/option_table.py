@@ -36,10 +36,6 @@ from nw_adapter.integration.config import BANDWIDTH_RULES, MAX_CONTROL_DRAWS
 __all__ = ["EVERY_RUN", "MODEL_RUNS", "OPTIONS", "OPTION_BY_DEST", "RUNS", "RUN_BY_NAME"]
 
 
-def _own(key: str, runs: frozenset[str], **kwargs: Any) -> Record:
-    return Record(key, runs, **kwargs)
-
-
 def _resolved(name: str):
     """The record value ``resolved.<name>`` (what the run resolved, not the option as given)."""
     return lambda args, resolved: getattr(resolved, name)
@@ -111,7 +107,7 @@ RUNS: tuple[Run, ...] = (
                 value=lambda args, _: "schedule_c * sigma_t / alpha_t, schedule_c = 1",
             ),
             Record("judge", frozenset({SUPPORT_SETS}), value=_resolved("judge")),
-        ),  # fmt: skip
+        ),
     ),
     Run(
         name=REPLOT,
@@ -198,7 +194,7 @@ OPTIONS: tuple[Option, ...] = (
         "'tiny-flux' are their offline tiny models (random weights)",
         MODEL_RUNS, default=DEFAULT_MODEL,
         parse=values.model_name("--model", "pass a Hub id, a local folder or tiny / tiny-sd3 / tiny-flux"),
-        records=(_own("model", MODEL_RUNS, value=_resolved("model")),),
+        records=(Record("model", MODEL_RUNS, value=_resolved("model")),),
     ),
     Option(
         ("--ip-adapter",), _MODEL,
@@ -232,44 +228,44 @@ OPTIONS: tuple[Option, ...] = (
         family_fix="a flow-matching model keeps its own scheduler (its sigma schedule is part of the "
         "model): drop --scheduler",
         records=(
-            _own("scheduler", MODEL_RUNS),
-            _own("scheduler_class", MODEL_RUNS, value=_resolved("scheduler_class"),
+            Record("scheduler", MODEL_RUNS),
+            Record("scheduler_class", MODEL_RUNS, value=_resolved("scheduler_class"),
                  fingerprinted=RHO_RUNS),
         ),
     ),
     Option(
         ("--device",), _MODEL, "auto (cuda > mps > cpu), cpu, mps, cuda, cuda:N", MODEL_RUNS, default="auto",
-        parse=values.device, records=(_own("device", MODEL_RUNS, value=_resolved("device")),),
+        parse=values.device, records=(Record("device", MODEL_RUNS, value=_resolved("device")),),
     ),
     Option(
         ("--dtype",), _MODEL, "auto: float16 on CUDA, float32 else", MODEL_RUNS, default="auto",
         choices=DTYPES,
-        records=(_own("dtype", MODEL_RUNS, value=_resolved("dtype")),),
+        records=(Record("dtype", MODEL_RUNS, value=_resolved("dtype")),),
     ),
     # generation
     Option(
         ("--prompt",), _GENERATION, "text prompt (default 'a photograph'; '' for none)", MODEL_RUNS,
-        default="a photograph", records=(_own("prompt", MODEL_RUNS),),
+        default="a photograph", records=(Record("prompt", MODEL_RUNS),),
     ),
     Option(
         ("--negative-prompt",), _GENERATION, "negative prompt", MODEL_RUNS,
-        records=(_own("negative_prompt", MODEL_RUNS),),
+        records=(Record("negative_prompt", MODEL_RUNS),),
     ),
     Option(
         ("--steps",), _GENERATION, "default 50", MODEL_RUNS, default=50,
-        parse=values.positive_int("--steps", maximum=1000), records=(_own("steps", MODEL_RUNS),),
+        parse=values.positive_int("--steps", maximum=1000), records=(Record("steps", MODEL_RUNS),),
     ),
     Option(
         ("--seed",), _GENERATION, "seed of the generation and the nulls (default 0)", MODEL_RUNS, default=0,
-        parse=values.seed("--seed"), records=(_own("seed", MODEL_RUNS),),
+        parse=values.seed("--seed"), records=(Record("seed", MODEL_RUNS),),
     ),
     Option(
         ("--guidance-scale",), _GENERATION, "default 7.5", MODEL_RUNS, default=7.5,
-        parse=values.nonneg_float("--guidance-scale"), records=(_own("guidance_scale", MODEL_RUNS),),
+        parse=values.nonneg_float("--guidance-scale"), records=(Record("guidance_scale", MODEL_RUNS),),
     ),
     Option(
         ("--ip-scale",), _GENERATION, "IP-Adapter scale (1.0)", MODEL_RUNS, default=1.0,
-        parse=values.nonneg_float("--ip-scale"), records=(_own("ip_scale", MODEL_RUNS),),
+        parse=values.nonneg_float("--ip-scale"), records=(Record("ip_scale", MODEL_RUNS),),
     ),
     Option(
         ("--guidance-rescale",), _GENERATION,
@@ -282,7 +278,7 @@ OPTIONS: tuple[Option, ...] = (
         needs=Needs("guidance_scale", lambda scale: scale > 1, "--guidance-rescale rescales classifier-free "
                     "guidance, which --guidance-scale <= 1 turns off; raise --guidance-scale or drop "
                     "--guidance-rescale", "with --guidance-scale > 1"),
-        records=(_own("guidance_rescale", MODEL_RUNS, omit_default=True),),
+        records=(Record("guidance_rescale", MODEL_RUNS, omit_default=True),),
     ),
     Option(
         ("--true-cfg-scale",), _GENERATION,
@@ -291,25 +287,25 @@ OPTIONS: tuple[Option, ...] = (
         MODEL_RUNS, default=1.0, parse=values.nonneg_float("--true-cfg-scale"), families=frozenset({FLUX}),
         family_fix="only Flux pipelines have true classifier-free guidance: use --guidance-scale",
         records=(  # the rho run records the Flux call's arguments (below), the others the option
-            _own("true_cfg_scale", MODEL_RUNS - RHO_RUNS),
-            _own("true_cfg_scale", RHO_RUNS, value=_call("true_cfg_scale")),
-            _own("max_sequence_length", RHO_RUNS,
+            Record("true_cfg_scale", MODEL_RUNS - RHO_RUNS),
+            Record("true_cfg_scale", RHO_RUNS, value=_call("true_cfg_scale")),
+            Record("max_sequence_length", RHO_RUNS,
                  value=_call("max_sequence_length")),
         ),
     ),
     Option(
         ("--height",), _GENERATION, "pixels, multiple of 8 (default: the model's)", MODEL_RUNS,
-        parse=values.size("--height"), records=(_own("height", MODEL_RUNS),),
+        parse=values.size("--height"), records=(Record("height", MODEL_RUNS),),
     ),
     Option(
         ("--width",), _GENERATION, "pixels, multiple of 8 (default: the model's)", MODEL_RUNS,
-        parse=values.size("--width"), records=(_own("width", MODEL_RUNS),),
+        parse=values.size("--width"), records=(Record("width", MODEL_RUNS),),
     ),
     # NW comparison
     Option(
         ("--mode",), _NW, "observe (output unchanged) or swap the image branch for the exact NW head",
         frozenset({RHO}), default="observe", choices=("observe", "swap"),
-        records=(_own("mode", RHO_RUNS),),
+        records=(Record("mode", RHO_RUNS),),
         hints={
             COMPARE_SWAP: "it generates stock and NW-head images itself (the rules go in --swap-rules): drop "
             "--mode",
@@ -319,7 +315,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--bandwidth",), _NW, "matched | fitted | schedule | median | a positive number h (default matched)",
-        RHO_RUNS, default="matched", parse=values.bandwidth, records=(_own("bandwidth", RHO_RUNS),),
+        RHO_RUNS, default="matched", parse=values.bandwidth, records=(Record("bandwidth", RHO_RUNS),),
         hints={
             COMPARE_SWAP: "it swaps in the NW head under each rule of --swap-rules: pass them there",
             SUPPORT_SETS: "its NW masses use the schedule's bandwidth h = sigma_t / alpha_t (the theory's, "
@@ -331,7 +327,7 @@ OPTIONS: tuple[Option, ...] = (
         "comma-separated blocks (down, mid, up for UNets; transformer_blocks for SD 3.5 / Flux) or "
         "attention-processor name prefixes",
         RHO_RUNS | {SUPPORT_SETS}, parse=values.layers,
-        records=(_own("layers", RHO_RUNS | {SUPPORT_SETS}),),
+        records=(Record("layers", RHO_RUNS | {SUPPORT_SETS}),),
         hints={COMPARE_SWAP: "it swaps every IP-Adapter layer: drop --layers"},
     ),
     Option(
@@ -340,7 +336,7 @@ OPTIONS: tuple[Option, ...] = (
         "IP-Adapter training recipe's initialisation, rescaled to the trained keys' RMS norm; "
         "{X}_control_{k} and key_scale_{k} columns; on by default; docs/controls.md)",
         frozenset({RHO}), action="store_false", dest_name="untrained_control", default=True,
-        records=(_own("untrained_control", RHO_RUNS, value=lambda args, _: _per_layer_control(args)),),
+        records=(Record("untrained_control", RHO_RUNS, value=lambda args, _: _per_layer_control(args)),),
         hints={END_TO_END: "the end-to-end control replaces the per-layer one: drop --no-untrained-control"},
     ),
     Option(
@@ -350,7 +346,7 @@ OPTIONS: tuple[Option, ...] = (
         default=3, metavar="K", parse=values.positive_int("--control-draws", maximum=MAX_CONTROL_DRAWS),
         needs=Needs("untrained_control", True, "--control-draws sets the untrained-adapter control, which "
                     "--no-untrained-control turns off; drop one of them", "with the control on"),
-        records=(_own("untrained_draws", RHO_RUNS,
+        records=(Record("untrained_draws", RHO_RUNS,
                       value=lambda args, _: args.control_draws if _per_layer_control(args) else None),),
         hints={END_TO_END: "the end-to-end control has its own: use --end-to-end-draws"},
     ),
@@ -359,7 +355,7 @@ OPTIONS: tuple[Option, ...] = (
         "(default 0)", frozenset({RHO}), default=0, parse=values.seed("--untrained-seed"),
         needs=Needs("untrained_control", True, "--untrained-seed seeds the untrained-adapter control, which "
                     "--no-untrained-control turns off; drop one of them", "with the control on"),
-        records=(_own("untrained_seed", RHO_RUNS,
+        records=(Record("untrained_seed", RHO_RUNS,
                       value=lambda args, _: args.untrained_seed if _per_layer_control(args) else None),),
         hints={END_TO_END: "the end-to-end control has its own: use --end-to-end-seed"},
     ),
@@ -372,7 +368,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--store-maps",), _OUTPUT,
         "keep attention and NW maps at the reported steps; draw attention_maps.png",
-        frozenset({RHO}), action="store_true", default=False, records=(_own("store_maps", RHO_RUNS),),
+        frozenset({RHO}), action="store_true", default=False, records=(Record("store_maps", RHO_RUNS),),
         hints={END_TO_END: "run them separately"},
     ),
     Option(
@@ -408,7 +404,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--swap-rules",), _SWAP,
         f"comma-separated bandwidth rules or numbers h (default {','.join(BANDWIDTH_RULES)})",
         frozenset({COMPARE_SWAP}), metavar="RULES", parse=values.swap_rules,
-        records=(_own("rules", frozenset({COMPARE_SWAP}),
+        records=(Record("rules", frozenset({COMPARE_SWAP}),
                       value=lambda args, _: list(args.swap_rules or BANDWIDTH_RULES)),),
     ),
     Option(
@@ -416,7 +412,7 @@ OPTIONS: tuple[Option, ...] = (
         "--compare-swap with --model tiny: the references' digit classes, comma-separated, in the order the "
         "references are listed (the bundled held-out digits are recognised without it)",
         frozenset({COMPARE_SWAP}), metavar="DIGITS", parse=values.labels,
-        records=(_own("labels", frozenset({COMPARE_SWAP}), value=_resolved("labels")),),
+        records=(Record("labels", frozenset({COMPARE_SWAP}), value=_resolved("labels")),),
     ),
     # support sets
     Option(
@@ -438,7 +434,7 @@ OPTIONS: tuple[Option, ...] = (
         "noise) and record those passes' statistics as {stat}_control_{k} columns; costs K more generations "
         "per image (UNet and Flux)",
         frozenset({END_TO_END}), action="store_true", default=False,
-        records=(_own("end_to_end_control", RHO_RUNS, value=_end_to_end_meta),),
+        records=(Record("end_to_end_control", RHO_RUNS, value=_end_to_end_meta),),
     ),
     Option(
         ("--end-to-end-draws",), _END_TO_END,

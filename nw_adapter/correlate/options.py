@@ -27,7 +27,6 @@ only (no torch): ``--help`` and every argument error answer before torch is impo
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,11 +143,6 @@ def refusal(option: Option, run: Run) -> str:
     return f"{option.name} is not read by {run.title}; {fix}"
 
 
-def is_distributed_launch() -> bool:
-    """Whether ``accelerate launch`` / ``torchrun`` started more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def check_options(args: argparse.Namespace, given: set[str]) -> Run:
     """The run the options choose; every option given is read by it, or this raises.
 
@@ -175,6 +169,8 @@ def check_options(args: argparse.Namespace, given: set[str]) -> Run:
             raise CLIError(option.needs.message)
     if run.inputs and not any(getattr(args, dest) for dest in run.inputs):
         raise CLIError(run.no_input)
+    from nw_adapter.correlate.sweep import is_distributed_launch
+
     if run.one_process and is_distributed_launch():
         raise CLIError(
             f"{run.title} runs in one process ({run.one_process}); run it without accelerate launch / "
