@@ -124,7 +124,7 @@ def test_the_defaults_written_out_are_the_defaults() -> None:
     a, b = parse_args(correlate_argv(short)), parse_args(correlate_argv(written))
     spec = lambda args: resolve_spec(ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name))  # noqa: E731
     assert spec(a) == spec(b)
-    skip = {"ip_adapter", "subfolder", "weight_name"}
+    skip = {"ip_adapter", "subfolder", "weight_name", "given"}  # given: which options were typed
     differing = {k for k in vars(a) if k not in skip and getattr(a, k) != getattr(b, k)}
     assert differing == set(), differing
     assert b.scheduler is None and b.store_maps is False  # the model's own scheduler; maps off

@@ -77,8 +77,12 @@ class ReferenceImage:
         size: ``(width, height)`` in pixels.
         notes: One line per conversion applied (empty for a plain 8-bit RGB file), and one per
             file of the same content merged into this one (:attr:`duplicates`).
-        duplicates: Further files given with the same bytes (same SHA-256), in input order: the
-            same reference under other names, counted once (:func:`validate_images`).
+        duplicates: Further files given with the same content, in input order: the same
+            reference under other names or in another file format, counted once
+            (:func:`validate_images`).
+        pixels: SHA-256 of the 8-bit RGB pixels the pipeline receives
+            (:func:`nw_adapter.correlate.digit_sets.pixel_digest`): equal for a PNG and a BMP of
+            the same picture. Not recorded (:meth:`to_dict`).
     """
 
     path: Path
@@ -88,6 +92,7 @@ class ReferenceImage:
     size: tuple[int, int]
     notes: tuple[str, ...] = field(default_factory=tuple)
     duplicates: tuple[Path, ...] = field(default_factory=tuple)
+    pixels: str = ""
 
     def to_dict(self) -> dict:
         """JSON-ready description (used in ``rho.json``'s ``images`` list); ``duplicates`` (the
@@ -330,6 +335,8 @@ def load_reference_image(path: str | Path, *, label: str = "--image") -> tuple[I
         rgb, more = _to_rgb(decoded)
     except ImageInputError as exc:
         raise ImageInputError(f"{label} '{path}': {exc}") from None
+    from nw_adapter.correlate.digit_sets import pixel_digest
+
     digest = hashlib.sha256(data).hexdigest()
     info = ReferenceImage(
         path=path.resolve(),
@@ -338,6 +345,7 @@ def load_reference_image(path: str | Path, *, label: str = "--image") -> tuple[I
         mode=mode,
         size=size,
         notes=tuple(notes + more),
+        pixels=pixel_digest(rgb),
     )
     return rgb, info
 
@@ -388,34 +396,44 @@ def collect_image_paths(
     return collected
 
 
-def same_content_note(duplicate: Path, kept: Path) -> str:
+def same_content_note(duplicate: Path, kept: Path, *, same_bytes: bool = True) -> str:
     """The note of a file merged into another of the same content (see :func:`validate_images`)."""
-    return f"{duplicate.name} has the same content (SHA-256); counted once, as {kept.name}"
+    what = "content (SHA-256)" if same_bytes else "pixels (another file of the same picture)"
+    return f"{duplicate.name} has the same {what}; counted once, as {kept.name}"
 
 
 def validate_images(entries: Sequence[tuple[Path, str]]) -> list[ReferenceImage]:
     """Validate every file before any work starts; files of the same content are one reference.
 
     The unit of the verdict is the reference image, so one content given under two names (or
-    twice) is counted once: it is kept under its first name, and the others are listed in its
-    :attr:`ReferenceImage.duplicates`, each with a note (the command line prints the notes).
+    twice, or as a PNG and a BMP of the same pixels) is counted once: it is kept under its first
+    name, and the others are listed in its :attr:`ReferenceImage.duplicates`, each with a note
+    (the command line prints the notes). The same content is the same file bytes (SHA-256) or
+    the same 8-bit RGB pixels (:attr:`ReferenceImage.pixels`), which make the same generation.
 
     Args:
         entries: ``(path, label)`` pairs from :func:`collect_image_paths`.
 
     Returns:
-        One :class:`ReferenceImage` per distinct content (SHA-256 of the file), in input order.
+        One :class:`ReferenceImage` per distinct content, in input order.
 
     Raises:
         ImageInputError: The first bad file, in input order.
     """
-    seen: dict[str, ReferenceImage] = {}
+    kept: list[ReferenceImage] = []
     for path, label in entries:
         _, info = load_reference_image(path, label=label)
-        first = seen.setdefault(info.sha256, info)
-        if first is not info and info.path != first.path and info.path not in first.duplicates:
-            note = same_content_note(info.path, first.path)
-            seen[info.sha256] = replace(
+        index = next(
+            (i for i, first in enumerate(kept) if info.sha256 == first.sha256 or info.pixels == first.pixels),
+            None,
+        )
+        if index is None:
+            kept.append(info)
+            continue
+        first = kept[index]
+        if info.path != first.path and info.path not in first.duplicates:
+            note = same_content_note(info.path, first.path, same_bytes=info.sha256 == first.sha256)
+            kept[index] = replace(
                 first, duplicates=(*first.duplicates, info.path), notes=(*first.notes, note)
             )
-    return list(seen.values())
+    return kept

@@ -23,6 +23,7 @@ are not in the Hugging Face cache is that one line at once, and cached ones load
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import warnings
@@ -378,7 +379,68 @@ def set_scheduler(pipe, name: str | None) -> None:
         raise ModelLoadError(f"--scheduler {name}: needs a missing package ({_one_line(exc)})") from None
 
 
-def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, scheduler: str | None = None):
+WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+"""Endings of the weight files (or shard indexes) a component folder of a pipeline loads from."""
+
+
+def check_pipeline_folder(model: str) -> None:
+    """Refuse a local pipeline folder one of whose model components has no weight file.
+
+    A component is a model where its folder holds a ``config.json`` (schedulers, tokenizers and
+    feature extractors keep other files); it needs a file ending in one of :data:`WEIGHT_SUFFIXES`.
+    Checked before diffusers is imported, so the message names the file diffusers would load first
+    (``diffusion_pytorch_model.safetensors``, transformers' ``model.safetensors``) instead of the
+    last one it tried.
+
+    Raises:
+        ModelLoadError: the one line naming the folder and the file it lacks.
+    """
+    folder = Path(model).expanduser()
+    index = folder / "model_index.json"
+    if not _is_local(model) or not index.is_file():
+        return
+    try:
+        components = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # diffusers names a broken index itself
+    for name, entry in components.items() if isinstance(components, dict) else ():
+        part = folder / name
+        if name.startswith("_") or not isinstance(entry, list) or not (part / "config.json").is_file():
+            continue
+        if any(path.name.endswith(WEIGHT_SUFFIXES) for path in part.iterdir()):
+            continue
+        library = entry[0] if entry else None
+        expected = "diffusion_pytorch_model.safetensors" if library == "diffusers" else "model.safetensors"
+        raise ModelLoadError(
+            f"--model '{model}': '{part}' has no weights ({expected}); pass a complete pipeline folder "
+            "(saved with save_pretrained) or a Hub id"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_loading(verbose: bool):
+    """diffusers' and transformers' loggers at critical level while loading (unless ``verbose``):
+    a loading error becomes this module's one line, and is not printed before it too."""
+    if verbose:
+        yield
+        return
+    import diffusers
+    import transformers
+
+    loggers = (diffusers.utils.logging, transformers.utils.logging)
+    levels = [log.get_verbosity() for log in loggers]
+    try:
+        for log in loggers:
+            log.set_verbosity(log.CRITICAL)
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.set_verbosity(level)
+
+
+def build_pipeline(
+    spec: ModelSpec, *, device: str = "cpu", dtype=None, scheduler: str | None = None, verbose: bool = False
+):
     """Load the pipeline and the IP-Adapter the standard diffusers way.
 
     Args:
@@ -386,6 +448,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
         device: Torch device string (already resolved).
         dtype: Torch dtype (``None``: float32).
         scheduler: Key of :data:`SCHEDULERS`, or ``None`` to keep the model's scheduler.
+        verbose: Let the libraries' own error lines through while loading.
 
     Returns:
         A diffusers pipeline on ``device`` with the adapter loaded.
@@ -393,10 +456,17 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
     Raises:
         ModelLoadError: Anything that stops loading, with the fix in the message.
     """
+    check_hub_files(spec)
+    check_pipeline_folder(spec.model)
+    with _quiet_loading(verbose):
+        pipe = _load(spec, dtype, scheduler)
+    return pipe.to(device)
+
+
+def _load(spec: ModelSpec, dtype, scheduler: str | None):
     import torch
     from diffusers import DiffusionPipeline
 
-    check_hub_files(spec)
     dtype = dtype or torch.float32
     local = _is_local(spec.model)
     uses_hub = any(_is_hub_id(name) for name in (spec.model, spec.ip_adapter, spec.image_encoder))
@@ -433,7 +503,7 @@ def build_pipeline(spec: ModelSpec, *, device: str = "cpu", dtype=None, schedule
 
     if _is_local(spec.model) and Path(spec.model).expanduser().resolve() == tiny_flux_digits.SHIPPED_DIR:
         tiny_flux_digits.set_default_size(pipe)  # 32 x 32, not FluxPipeline's 512 x 512
-    return pipe.to(device)
+    return pipe
 
 
 def _exception_chain(exc: BaseException) -> list[BaseException]:

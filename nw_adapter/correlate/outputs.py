@@ -49,6 +49,10 @@ def _probe_write(folder: Path, out: Path) -> None:
 
 RHO_RUN = "rho"
 SWAP_RUN = "compare-swap"
+SUPPORT_RUN = "support-sets"
+
+_KINDS = {RHO_RUN: ("a rho run's", "a rho run"), SWAP_RUN: ("a --compare-swap run's", "--compare-swap"),
+          SUPPORT_RUN: ("a support-set run's", "a support-set run")}  # fmt: skip
 
 
 def _swap_files() -> tuple[str, ...]:
@@ -57,36 +61,46 @@ def _swap_files() -> tuple[str, ...]:
     return SWAP_FILES
 
 
-def run_files(out: Path, run: str) -> list[str]:
-    """The entries of a ``run`` (:data:`RHO_RUN` or :data:`SWAP_RUN`) present in ``out``.
+def _support_files() -> tuple[str, ...]:
+    from nw_adapter.correlate.support_report import SUPPORT_FILES
 
-    A rho run's are :data:`REPORT_FILES` and ``images/``; a ``--compare-swap`` run's are
-    ``compare_swap.json`` and ``compare_swap.csv``.
+    return SUPPORT_FILES
+
+
+def run_files(out: Path, run: str) -> list[str]:
+    """The entries of a ``run`` (:data:`RHO_RUN`, :data:`SWAP_RUN`, :data:`SUPPORT_RUN`) present in ``out``.
+
+    A rho run's are :data:`REPORT_FILES` and ``images/``; a ``--compare-swap`` run's
+    ``compare_swap.json`` and ``compare_swap.csv``; a support-set run's ``support.json``,
+    ``support.csv``, ``support_mass.png`` and ``sets/``.
     """
-    names = [*REPORT_FILES, "images"] if run == RHO_RUN else list(_swap_files())
-    return [f"{name}/" if name == "images" else name for name in names if os.path.lexists(Path(out) / name)]
+    names = {
+        RHO_RUN: [*REPORT_FILES, "images"],
+        SWAP_RUN: list(_swap_files()),
+        SUPPORT_RUN: list(_support_files()),
+    }
+    folders = ("images", "sets")
+    return [
+        f"{name}/" if name in folders else name for name in names[run] if os.path.lexists(Path(out) / name)
+    ]
 
 
 def check_run_kind(out: Path, run: str) -> None:
-    """Refuse a ``--out`` that holds files of the other kind of run (a rho run or ``--compare-swap``).
+    """Refuse a ``--out`` that holds files of another kind of run (rho, ``--compare-swap``, support sets).
 
-    The two runs write different files but share the lock and the folder's cleaning; kept in
-    separate folders, neither leaves files beside the other's nor removes them.
+    The runs write different files but share the lock and the folder's cleaning; kept in separate
+    folders, none leaves files beside another's nor removes them.
 
     Raises:
         OutputError: One line naming the other run's files and the fix.
     """
-    other = SWAP_RUN if run == RHO_RUN else RHO_RUN
-    found = run_files(out, other)
-    if found:
-        if other == SWAP_RUN:
-            kind, this = "a --compare-swap run's", "a rho run"
-        else:
-            kind, this = "a rho run's", "--compare-swap"
-        raise OutputError(
-            f"--out '{out}' holds {kind} files ({', '.join(found)}); {this} does not share a folder with it: "
-            "pass another --out (or remove those files)"
-        )
+    for other in _KINDS:
+        found = run_files(out, other) if other != run else []
+        if found:
+            raise OutputError(
+                f"--out '{out}' holds {_KINDS[other][0]} files ({', '.join(found)}); {_KINDS[run][1]} does "
+                "not share a folder with it: pass another --out (or remove those files)"
+            )
 
 
 def _is_link_loop(path: Path) -> bool:
@@ -108,8 +122,8 @@ def check_output_dir(out: Path, keys: Sequence[str] = (), *, run: str = RHO_RUN)
 
     Args:
         out: The ``--out`` folder.
-        keys: The reference images' keys (a rho run).
-        run: :data:`RHO_RUN` or :data:`SWAP_RUN`.
+        keys: The reference images' keys (a rho run) or the support sets' (a support-set run).
+        run: :data:`RHO_RUN`, :data:`SWAP_RUN` or :data:`SUPPORT_RUN`.
 
     Raises:
         OutputError: ``out`` is a file, a dangling symbolic link, sits under a file; an entry
@@ -141,15 +155,85 @@ def check_output_dir(out: Path, keys: Sequence[str] = (), *, run: str = RHO_RUN)
     _probe_write(probe, out)
     if not out.is_dir():
         return out
-    for name in (*REPORT_FILES, *_swap_files(), LOCK_NAME):
+    for name in (
+        *REPORT_FILES,
+        *_swap_files(),
+        *(name for name in _support_files() if name != "sets"),
+        LOCK_NAME,
+    ):
         check_entry(out, name)
     check_run_kind(out, run)
-    images = check_entry(out, "images", folder=True)
-    folders = [check_image_folder(out, key, is_own=is_image_output) for key in keys]
-    for folder in (images, *folders):
+    if run == SUPPORT_RUN:
+        sets = check_entry(out, "sets", folder=True)
+        folders = [check_entry(out, Path("sets") / key, folder=True) for key in keys]
+        for key in keys:
+            for name in SET_FILES:
+                check_entry(out, Path("sets") / key / name)
+    else:
+        sets = check_entry(out, "images", folder=True)
+        folders = (
+            [check_image_folder(out, key, is_own=is_image_output) for key in keys] if run == RHO_RUN else []
+        )
+    for folder in (sets, *folders):
         if folder.is_dir():
             _probe_write(folder, out)
     return out
+
+
+SET_FILES: tuple[str, ...] = ("generated.png", "mass.png")
+"""The files a support-set run writes in ``sets/<key>/``."""
+
+
+def _relation(out: str, folder: str) -> str | None:
+    """How the real path ``out`` lies to the real path ``folder``: ``is``, ``is inside``, ``contains``."""
+    if out == folder:
+        return "is"
+    if out.startswith(folder.rstrip(os.sep) + os.sep):
+        return "is inside"
+    if folder.startswith(out.rstrip(os.sep) + os.sep):
+        return "contains"
+    return None
+
+
+def check_apart(
+    out: Path,
+    *,
+    files: Iterable[str | Path] = (),
+    folders: Iterable[str | Path] = (),
+    option: str = "--image",
+) -> None:
+    """Refuse an ``--out`` that is, lies inside or contains an input folder, or contains an input file.
+
+    A run never reads its own outputs as inputs: with ``--image-dir D --out D`` a second run would
+    take the first one's figures as references (and remove them as another run's report); with
+    ``--out`` inside a ``--support-dir`` set folder, the run's figures would join that set. Paths
+    are compared after resolving links (``os.path.realpath``), before anything is read or written.
+
+    Args:
+        out: The ``--out`` folder.
+        files: The input files (``--image``, the ``--support-set`` files).
+        folders: The input folders (``--image-dir``, ``--support-dir``).
+        option: The option of the files; the folders' is ``option`` with ``-dir`` (``--image-dir``),
+            or ``--support-dir`` for ``--support-set``.
+
+    Raises:
+        OutputError: One line naming the input and the fix.
+    """
+    where = os.path.realpath(Path(out).expanduser())
+    folder_option = "--support-dir" if option == "--support-set" else f"{option}-dir"
+    for folder in folders:
+        relation = _relation(where, os.path.realpath(Path(folder).expanduser()))
+        if relation is not None:
+            raise OutputError(
+                f"--out '{out}' {relation} the {folder_option} folder '{folder}'; a run never reads its own "
+                "outputs as inputs: pass an --out apart from the inputs"
+            )
+    for file in files:
+        if _relation(os.path.realpath(Path(file).expanduser()), where) == "is inside":
+            raise OutputError(
+                f"--out '{out}' contains the {option} file '{file}'; a run never reads its own outputs as "
+                "inputs: pass an --out apart from the inputs (or move the file out of it)"
+            )
 
 
 LOCK_NAME = ".nw-adapter.lock"
@@ -159,13 +243,16 @@ class OutputLock:
     """An exclusive lock on ``--out`` (``<out>/.nw-adapter.lock``), so two runs never interleave.
 
     Uses ``fcntl.flock`` (released by the system when the process ends, also on SIGKILL); the
-    lock file itself is left in place. Where ``fcntl`` does not exist (Windows) it does nothing.
+    lock file itself is left in place, unless the block fails and the lock created it (then it
+    and the folders created for it are removed, when empty). Where ``fcntl`` does not exist
+    (Windows) it does nothing.
     """
 
     def __init__(self, out: Path, *, option: str = "--out") -> None:
         self.path = Path(out) / LOCK_NAME
         self.option = option
         self._handle: Any = None
+        self._created: list[Path] = []  # what taking the lock created: removed again after a failure
 
     def __enter__(self) -> OutputLock:
         try:
@@ -173,6 +260,8 @@ class OutputLock:
         except ImportError:
             return self
         check_entry(self.path.parent, LOCK_NAME, option=self.option)  # never a link's target
+        missing = [folder for folder in (self.path.parent, *self.path.parent.parents) if not folder.exists()]
+        created = [*([] if os.path.lexists(self.path) else [self.path]), *missing]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
@@ -194,12 +283,22 @@ class OutputLock:
             handle.close()
             return self
         self._handle = handle
+        self._created = created
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """Release the lock; after a failure, also remove the lock file and the folders it created,
+        so bad input found after the lock (a model that does not load) leaves nothing behind."""
+        if self._handle is None:
+            return
+        if kind is not None:
+            for path in self._created:  # the lock file first, then the folders, innermost first
+                try:
+                    path.rmdir() if path != self.path else path.unlink()
+                except OSError:
+                    break  # a folder that holds something now: kept, and the ones above it
+        self._handle.close()
+        self._handle = None
 
 
 def draw_image_maps(folder: Path, records: Sequence[dict]) -> Path:
@@ -392,6 +491,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         check_report(saved, source=f"--replot '{out}': rho.json", fix="rerun the original command")
     except RecordError as exc:
         raise OutputError(str(exc)) from None
+    _check_one_run(saved["records"], out)
     report = build_report(
         saved["records"],
         config=saved.get("config", {}),
@@ -419,3 +519,28 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
                         "rerun the original command to recompute that image"
                     ) from None
     return text
+
+
+def _check_one_run(records: Sequence[dict], out: Path) -> None:
+    """Refuse records of several models or runs in one ``rho.json`` (a report is of one run).
+
+    Each record names its ``model`` (the resolved pipeline) and its ``run`` (the first 12 hex
+    digits of the run's fingerprint): one run writes one of each.
+
+    Raises:
+        OutputError: One line naming the two values and the fix.
+    """
+    for field, what in (("model", "models"), ("run", "runs")):
+        seen = list(dict.fromkeys(str(r[field]) for r in records if r.get(field) is not None))
+        if len(seen) > 1:
+            raise OutputError(
+                f"--replot '{out}': rho.json mixes the records of {len(seen)} {what} ({field} '{seen[0]}' "
+                f"and '{seen[1]}'); a report is of one run: rerun the original commands into separate --out "
+                "folders"
+            )
+
+
+def run(args: Any) -> int:
+    """``--replot OUT``: redraw a finished run and print its report (the run table's replot row)."""
+    print(replot(Path(args.replot), all_steps=args.all_steps))
+    return 0

@@ -15,8 +15,9 @@ seeds), prints the table and writes, atomically, into ``--out``:
   :mod:`~nw_adapter.correlate.swap_files`).
 
 It generates no rho statistics: someone asking whether the NW head can stand in for the image
-branch wants generations, not a second observe run (and the observe run's options, ``--mode``,
-``--bandwidth``, ``--layers``, ``--store-maps``, ``--all-steps``, ``--replot``, are errors here).
+branch wants generations, not a second observe run (which options it reads: its row of the
+option table, :mod:`nw_adapter.correlate.options`; the rho run's ``--mode``, ``--bandwidth``,
+``--layers``, ``--store-maps``, ``--all-steps`` are refused).
 
 Class agreement needs a judge and the references' classes. The only judge is the digits SVM of
 the trained tiny models (:func:`nw_adapter.models.digits_quality.digit_judge`, 32 x 32 images), so
@@ -38,146 +39,21 @@ else is recomputed from the start, with a note saying why.
 from __future__ import annotations
 
 import argparse
-import math
-import re
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from nw_adapter.commands import note
 from nw_adapter.correlate.images import ReferenceImage
-from nw_adapter.integration.config import BANDWIDTH_RANGE
 from nw_adapter.integration.config import BANDWIDTH_RULES as DEFAULT_RULES  # consequence's, without torch
 
-__all__ = [
-    "CompareSwapError",
-    "add_arguments",
-    "check_options",
-    "given_options",
-    "run",
-]
+__all__ = ["CompareSwapError", "reference_labels", "run"]
 
 JUDGE = "nw_adapter.models.digits_quality.digit_judge (RBF SVM fitted on the held-out judge split)"
 DIGIT_SIZE = 32
 
-_RHO_RUN_OPTIONS = {
-    "bandwidth": "--bandwidth sets the rho run's bandwidth; with --compare-swap pass rules with --swap-rules",
-    "layers": "--compare-swap swaps every IP-Adapter layer; drop --layers",
-    "store_maps": "--store-maps belongs to the rho run; drop it with --compare-swap",
-    "all_steps": "--all-steps belongs to the rho run; drop it with --compare-swap",
-    "replot": "--replot redraws a rho run; drop it (rerunning the --compare-swap command reuses its finished "
-    "compare_swap.json)",
-}
-_SWAP_OPTIONS = {"swap_rules": "--swap-rules", "labels": "--labels"}
-
 
 class CompareSwapError(ValueError):
     """Bad input to ``--compare-swap``: printed as one line, exit status 2."""
-
-
-_ASCII_INTEGER = re.compile(r"[0-9]+", re.ASCII)
-_ASCII_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
-"""What ``--labels`` / ``--swap-rules`` read as numbers: ASCII decimals only (Python's ``int`` and
-``float`` also take other scripts' digits and underscores, ``"\uff11"`` or ``"1_0"``)."""
-
-
-def _rules(text: str) -> tuple[str | float, ...]:
-    """Parse ``--swap-rules``: comma-separated rule names or bandwidths h in :data:`BANDWIDTH_RANGE`."""
-    low, high = BANDWIDTH_RANGE
-    rules: list[str | float] = []
-    for part in (p.strip() for p in text.split(",")):
-        if part in DEFAULT_RULES:
-            rules.append(part)
-            continue
-        if not _ASCII_NUMBER.fullmatch(part):
-            raise argparse.ArgumentTypeError(
-                f"--swap-rules: '{part}' is not a rule; use {', '.join(DEFAULT_RULES)} or a number h in "
-                f"[{low:g}, {high:g}], comma-separated"
-            )
-        value = float(part)
-        if not math.isfinite(value) or not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"--swap-rules: bandwidth '{part}' is outside the usable range [{low:g}, {high:g}]"
-            )
-        rules.append(value)
-    if len(set(rules)) != len(rules):
-        raise argparse.ArgumentTypeError(f"--swap-rules: '{text}' repeats a rule; name each rule once")
-    return tuple(rules)
-
-
-def _labels(text: str) -> list[int]:
-    """Parse ``--labels``: comma-separated digit classes 0-9 (ASCII), one per reference."""
-    parts = [part.strip() for part in text.split(",")]
-    if not all(_ASCII_INTEGER.fullmatch(part) for part in parts):
-        raise argparse.ArgumentTypeError(
-            f"--labels must be comma-separated ASCII digits 0-9 (one per reference, e.g. 3,7), got '{text}'"
-        )
-    labels = [int(part) for part in parts]
-    if not all(0 <= label <= 9 for label in labels):
-        raise argparse.ArgumentTypeError(f"--labels: digit classes are 0-9, got '{text}'")
-    return labels
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``swap consequence`` option group (``--compare-swap``, ``--swap-rules``, ``--labels``)."""
-    group = parser.add_argument_group("swap consequence (instead of the rho run)")
-    group.add_argument(
-        "--compare-swap",
-        action="store_true",
-        help="generate every reference under stock and under the exact NW head (each --swap-rules rule, "
-        "same seed) and report the pixel change, its other-seed control, CLIP-I and, with known classes, "
-        "class agreement, with 95%% intervals over references; writes compare_swap.json/.csv, no rho run",
-    )
-    group.add_argument(
-        "--swap-rules",
-        type=_rules,
-        default=None,
-        metavar="RULES",
-        help=f"comma-separated bandwidth rules or numbers h (default {','.join(DEFAULT_RULES)})",
-    )
-    group.add_argument(
-        "--labels",
-        type=_labels,
-        default=None,
-        metavar="DIGITS",
-        help="--compare-swap with --model tiny: the references' digit classes, comma-separated, in the order "
-        "the references are listed (the bundled held-out digits are recognised without it)",
-    )
-
-
-def given_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
-    """The destinations of the options given on the command line (defaults excluded).
-
-    Parses ``argv`` again with every default suppressed, so an option given with its default value
-    (e.g. ``--bandwidth matched``) still counts as given.
-    """
-    for action in parser._actions:  # argparse has no public accessor; set_defaults would fill the namespace
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
-
-
-def check_options(args: argparse.Namespace, given: set[str]) -> None:
-    """Refuse option combinations that cannot take effect (before anything is read or loaded).
-
-    Raises:
-        CompareSwapError: ``--swap-rules`` / ``--labels`` without ``--compare-swap``; with it,
-            ``--mode swap`` or an option of the rho run.
-    """
-    if not args.compare_swap:
-        for dest, option in _SWAP_OPTIONS.items():
-            if dest in given:
-                raise CompareSwapError(
-                    f"{option} applies to --compare-swap only; add --compare-swap or drop it"
-                )
-        return
-    if args.mode == "swap":
-        raise CompareSwapError(
-            "--compare-swap generates stock and swap images itself; drop --mode swap (the rules go in "
-            "--swap-rules)"
-        )
-    for dest, message in _RHO_RUN_OPTIONS.items():
-        if dest in given:
-            raise CompareSwapError(message)
 
 
 def bundled_digit_labels() -> dict[str, int]:
@@ -234,103 +110,57 @@ def reference_labels(
     return [bundled[info.sha256] for info in infos], "bundled"
 
 
-def run_config(args: argparse.Namespace, shown: Any, device: str, dtype: str, label_source: str) -> dict:
-    """The options recorded in ``compare_swap.json`` (all of them fingerprinted)."""
-    return {
-        "model": shown.to_dict(),
-        "prompt": args.prompt,
-        "negative_prompt": args.negative_prompt,
-        "steps": args.steps,
-        "seed": args.seed,
-        "guidance_scale": args.guidance_scale,
-        "ip_scale": args.ip_scale,
-        "true_cfg_scale": args.true_cfg_scale,
-        "height": args.height,
-        "width": args.width,
-        "scheduler": args.scheduler,
-        "rules": list(args.swap_rules or DEFAULT_RULES),
-        "labels": label_source,
-        "judge": JUDGE if label_source in ("bundled", "--labels") else None,
-        "device": device,
-        "dtype": dtype,
-    }
-
-
 def _compare(
     args: argparse.Namespace,
-    spec: Any,
+    model: Any,
     infos: Sequence[ReferenceImage],
     labels: list[int] | None,
     *,
-    device: str,
-    dtype: Any,
     bars: bool,
-) -> tuple[Any, str]:
-    """Load the model and run :func:`compare_swap`; returns ``(comparison, scheduler class name)``."""
+) -> Any:
+    """Load the model and run :func:`compare_swap`; returns the comparison."""
     from nw_adapter.analysis.consequence import compare_swap
-    from nw_adapter.correlate import families
     from nw_adapter.correlate.images import load_reference_image
-    from nw_adapter.correlate.loading import build_pipeline
     from nw_adapter.models.digits_quality import digit_judge
 
-    pipe = build_pipeline(spec, device=device, dtype=dtype, scheduler=args.scheduler)
-    pipe.set_progress_bar_config(disable=not bars, leave=False)
-    pipe.set_ip_adapter_scale(args.ip_scale)
-    call = families.call_kwargs(pipe, args.true_cfg_scale)
-    for name in ("negative_prompt", "height", "width"):
-        if getattr(args, name) is not None:
-            call[name] = getattr(args, name)
+    pipe = model.load(args, bars=bars)
     references = [load_reference_image(info.path)[0] for info in infos]
     try:
-        result = compare_swap(
+        return compare_swap(
             pipe,
             references,
             rules=args.swap_rules or DEFAULT_RULES,
-            prompt=args.prompt,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance_scale,
             seed=args.seed,
             judge=digit_judge() if labels is not None else None,
             labels=labels,
             keep_images=False,
-            **call,
+            **model.call_arguments(args),
         )
-    except (
-        ValueError
-    ) as exc:  # compare_swap's documented input errors (e.g. a pipeline without image encoder)
+    except ValueError as exc:  # compare_swap's input errors (e.g. a pipeline without image encoder)
         raise CompareSwapError(" ".join(str(exc).split())) from None
-    return result, type(pipe.scheduler).__name__
 
 
-def run(
-    args: argparse.Namespace,
-    infos: Sequence[ReferenceImage],
-    out_dir: Path,
-    *,
-    bars: bool,
-    check_true_cfg: Callable[[argparse.Namespace, str], None],
-) -> int:
+def run(args: argparse.Namespace) -> int:
     """Run ``--compare-swap`` (or reuse its finished result), write the files, print the table.
 
     Args:
-        args: The parsed options (checked by :func:`check_options`).
-        infos: The validated references, in the order listed.
-        out_dir: The checked ``--out`` folder.
-        bars: Show the pipeline's progress bars.
-        check_true_cfg: The command line's check of ``--true-cfg-scale`` for a model family.
+        args: The parsed options (:func:`nw_adapter.correlate.options.parse_args`).
 
     Returns:
         The exit status (0).
 
     Raises:
         CompareSwapError: Bad input (one line); the loaders' and the output folder's errors pass
-            through (:class:`~nw_adapter.correlate.spec.ModelLoadError`, ``OutputError``, ``WriteError``).
+            through (:class:`~nw_adapter.correlate.spec.ModelLoadError`, ``OutputError``, ``WriteError``:
+            a failed write removes the files of the comparison written before it).
     """
     from nw_adapter import atomic
-    from nw_adapter.correlate import families
-    from nw_adapter.correlate.loading import ModelSpec, resolve_device, resolve_dtype, resolve_spec
-    from nw_adapter.correlate.outputs import OutputLock
+    from nw_adapter.correlate.console import library_output, quiet_libraries, show_progress_bars
+    from nw_adapter.correlate.images import collect_image_paths, validate_images
+    from nw_adapter.correlate.options import fingerprint, options_record
+    from nw_adapter.correlate.outputs import SWAP_RUN, OutputLock, check_apart, check_output_dir
     from nw_adapter.correlate.report import write_json
+    from nw_adapter.correlate.run_model import prepare_model
     from nw_adapter.correlate.swap_files import (
         CSV_NAME,
         JSON_NAME,
@@ -342,44 +172,38 @@ def run(
         reusable_document,
         rows_csv,
     )
-    from nw_adapter.correlate.sweep import fingerprint, is_distributed_launch
 
-    if is_distributed_launch():
-        raise CompareSwapError(
-            "--compare-swap runs in one process (its rows pair references with consecutive seeds); run it "
-            "without accelerate launch / torchrun"
-        )
-    from nw_adapter.correlate.images import same_content_note
-
+    infos = validate_images(collect_image_paths(args.image, args.image_dir))
+    check_apart(args.out, files=args.image, folders=args.image_dir, option="--image")
+    out_dir = check_output_dir(args.out, run=SWAP_RUN)
     for info in infos:  # validate_images merged files of the same content: one reference each
-        for duplicate in info.duplicates:
-            note(args.quiet, same_content_note(duplicate, info.path))
+        for text in info.notes:
+            note(args.quiet, f"{info.path.name}: {text}")
     labels, label_source = reference_labels(args, infos)  # before the model: its errors cost nothing
-    device = resolve_device(args.device)
-    spec = resolve_spec(
-        ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
-    )
-    check_true_cfg(args, families.family_of_model(spec.model))
-    dtype = resolve_dtype(args.dtype, device)
-    shown = families.shown_spec(args.model, args.ip_adapter, args.image_encoder, spec)
-    config = run_config(args, shown, device, str(dtype).removeprefix("torch."), label_source)
-    # the references are checked on their own (document_problem), so the note can say which changed
-    identity = {**config, "resolved_model": spec.to_dict()}  # the classes too: checked per reference
-    expected = fingerprint(identity)
-    with OutputLock(out_dir):
+    bars = show_progress_bars(args)
+    quiet_libraries(args)
+    with OutputLock(out_dir):  # before the model: a second run is refused at once
+        model = prepare_model(args)
+        judge = JUDGE if label_source in ("bundled", "--labels") else None
+        resolved = model.resolved(labels=label_source, judge=judge)
+        # the references are checked on their own (document_problem), so the note can say which changed
+        expected = fingerprint(args.run.name, args, resolved)
         atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
         document, why = reusable_document(out_dir, expected, infos, labels)
         if document is None:
             if why:
                 note(args.quiet, f"{why}; computing it again")
             remove_outputs(out_dir)
-            result, scheduler_class = _compare(
-                args, spec, infos, labels, device=device, dtype=dtype, bars=bars
-            )
-            config["scheduler_class"] = scheduler_class
+            with library_output(args):
+                result = _compare(args, model, infos, labels, bars=bars)
+            config = options_record(args.run.name, args, model.resolved(labels=label_source, judge=judge))
             document = build_document(result, config=config, infos=infos, labels=labels, fingerprint=expected)
-            atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
-            write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
+            try:
+                atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
+                write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
+            except atomic.WriteError:
+                remove_outputs(out_dir)  # no rows file without its document
+                raise
         else:
             note(args.quiet, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
             if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON

@@ -88,6 +88,20 @@ def process_state(*, cpu: bool) -> Any:
     return PartialState(cpu=cpu)
 
 
+def is_main_launch_process() -> bool:
+    """Whether this is the main process of a launch (rank 0), or no launch at all (before joining)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def gather(items: list, state: Any) -> list:
+    """Every process's ``items``, concatenated in process order (one process: ``items``)."""
+    if state.num_processes == 1:
+        return list(items)
+    from accelerate.utils import gather_object
+
+    return list(gather_object(list(items)))
+
+
 def fingerprint(options: dict) -> str:
     """SHA-256 (hex) of the options that change results, as canonical JSON."""
     return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()

@@ -88,3 +88,30 @@ def test_two_processes_match_one(
     assert (two / "rho.csv").read_bytes() == (one / "rho.csv").read_bytes()
     for info in merged_one["images"]:
         assert (two / info["generated"]).read_bytes() == (one / info["generated"]).read_bytes()
+
+
+def test_support_sets_split_over_two_processes_match_one(tmp_path, monkeypatch) -> None:
+    """``--support-set`` under ``accelerate launch``: both processes took the same --out and the lock
+    fired (a ChildFailedError); now each process generates its share of the sets and the main one
+    writes the report, the same files as one process."""
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    pairs = [f"{example_image_path(a)},{example_image_path(b)}" for a, b in ((3, 7), (1, 2))]
+    common = ["--model", "tiny", "--steps", "1", "--support-set", pairs[0], "--support-set", pairs[1], "-q"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()), str(REPO / "scripts" / "correlate.py"),
+    ]  # fmt: skip
+    two, one = tmp_path / "two", tmp_path / "one"
+    proc = subprocess.run(
+        [*launch, *common, "--out", str(two)], capture_output=True, text=True, env=env,
+        timeout=SUBPROCESS_TIMEOUT_S, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("support sets (") == 1  # only the main process reports
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main([*common, "--out", str(one)]) == 0
+    for name in ("support.json", "support.csv", "sets/set00/generated.png", "sets/set01/generated.png"):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name

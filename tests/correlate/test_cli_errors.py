@@ -257,7 +257,7 @@ def test_unavailable_device(tmp_path: Path, good_image: Path, capsys) -> None:
     code, _, err = run_main(
         ["--image", good_image, "--model", "tiny", "--device", "gpu0", "--out", tmp_path / "o"], capsys
     )
-    assert_one_line_error(code, err, "--device 'gpu0'", "not a torch device")
+    assert_one_line_error(code, err, "--device must be auto, cpu, mps, cuda or cuda:N, got 'gpu0'")
     assert not (tmp_path / "o").exists()
 
 
@@ -397,7 +397,7 @@ def test_write_failure_mid_run_exits_2_and_keeps_finished_images(
 
 def test_two_runs_on_one_out_are_refused(tmp_path: Path, good_image: Path, tiny_sd15_dir, tiny_ip_adapter_dir,
                                           capsys) -> None:  # fmt: skip
-    from nw_adapter.correlate.cli import OutputLock
+    from nw_adapter.correlate.outputs import OutputLock
 
     out = tmp_path / "out"
     argv = [

@@ -83,6 +83,13 @@ def _correlate_cases(image: str) -> list[list[str]]:
         ["--labels", "x", "--compare-swap", *base],
         ["--image", "missing.png", "--out", "out"],
         ["--image", image, "--out", image],
+        ["--device", "meta", *base],
+        ["--support-set", f"{image},{image}", "--bandwidth", "fitted", "--out", "out"],
+        ["--compare-swap", "--no-untrained-control", *base],
+        ["--no-untrained-control", "--control-draws", "2", *base],
+        ["--end-to-end-seed", "2", *base],
+        ["--image-dir", ".", "--out", "."],
+        ["--replot", "old", "--steps", "3"],
     ]
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from nw_adapter.correlate.cli import main, parse_args, processor_config, run_options
-from nw_adapter.correlate.spec import ModelSpec
-from nw_adapter.correlate.sweep import fingerprint
+from nw_adapter.correlate.cli import main, parse_args
+from nw_adapter.correlate.options import CLIError, Resolved, fingerprint
+from nw_adapter.correlate.rho_cli import processor_config
 from nw_adapter.integration.schema import control_columns
 
 
@@ -27,7 +27,10 @@ def image(tmp_path: Path) -> Path:
 
 def _identity(argv: list[str]) -> str:
     args = parse_args(argv)
-    return fingerprint(run_options(args, ModelSpec("tiny"), "cpu", "float32"))
+    resolved = Resolved(
+        model={"model": "tiny"}, resolved_model={"model": "tiny"}, device="cpu", dtype="float32"
+    )
+    return fingerprint(args.run.name, args, resolved)
 
 
 def test_default_on_flag_off_and_seed_in_the_config_and_the_fingerprint(image: Path) -> None:
@@ -45,10 +48,10 @@ def test_default_on_flag_off_and_seed_in_the_config_and_the_fingerprint(image: P
         _identity([*base, "--control-draws", "2"]),
     }
     assert len(identities) == 4
-    # the seed of a control that is off does not split runs
-    assert _identity([*base, "--no-untrained-control"]) == _identity(
-        [*base, "--no-untrained-control", "--untrained-seed", "7", "--control-draws", "5"]
-    )
+    # the seed and the draws of a control that is off are refused, not ignored
+    for extra in (["--untrained-seed", "7"], ["--control-draws", "5"]):
+        with pytest.raises(CLIError, match="--no-untrained-control turns off; drop one of them"):
+            parse_args([*base, "--no-untrained-control", *extra])
 
 
 def test_bad_untrained_seed_is_one_line_exit_2(image: Path, capsys) -> None:
@@ -124,5 +127,7 @@ def test_end_to_end_control_refuses_swap_at_once(image: Path, tmp_path: Path, ca
     argv = ["--image", str(image), "--model", "tiny", "--end-to-end-control", "--mode", "swap"]
     assert main([*argv, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--end-to-end-control needs --mode observe" in err and "\n" not in err
+    assert (
+        "--mode is not read by the end-to-end control run (--end-to-end-control)" in err and "\n" not in err
+    )
     assert not (tmp_path / "o").exists()

@@ -97,7 +97,15 @@ def _options_with_values(parser) -> list[str]:
 
 
 def _correlate_parse(argv: list[str]) -> None:
-    cli.parse_args(["--image", "ref.png", *argv])
+    """Parse ``argv`` (one option and its value) in the smallest command line of a run that reads it."""
+    from option_walk import context
+
+    from nw_adapter.correlate.option_table import OPTIONS, RUN_BY_NAME
+
+    option = next(option for option in OPTIONS if argv[0] in option.flags)
+    run = RUN_BY_NAME[sorted(option.runs)[0]]
+    own = [] if option.dest in run.selectors else context(run)
+    cli.parse_args([*own, *argv])
 
 
 def _experiments_parse(argv: list[str]) -> None:

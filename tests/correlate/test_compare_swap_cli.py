@@ -243,14 +243,14 @@ IMAGE = str(example_image_path(3))
         ([*BASE, "--image", IMAGE, "--swap-rules", "matched,fited"], "'fited' is not a rule"),
         ([*BASE, "--image", IMAGE, "--swap-rules", "matched,matched"], "repeats a rule"),
         ([*BASE, "--image", IMAGE, "--swap-rules", "1e9"], "outside the usable range"),
-        ([*BASE, "--image", IMAGE, "--mode", "swap"], "drop --mode swap"),
+        ([*BASE, "--image", IMAGE, "--mode", "swap"], "--mode is not read by the compare-swap run"),
         ([*BASE, "--image", IMAGE, "--bandwidth", "matched"], "--swap-rules"),
         ([*BASE, "--image", IMAGE, "--layers", "up"], "drop --layers"),
-        ([*BASE, "--image", IMAGE, "--store-maps"], "--store-maps belongs to the rho run"),
-        ([*BASE, "--image", IMAGE, "--all-steps"], "--all-steps belongs to the rho run"),
-        ([*BASE, "--replot", "somewhere"], "--replot redraws a rho run"),
-        (["--image", IMAGE, "--model", "tiny", "--swap-rules", "matched"], "add --compare-swap"),
-        (["--image", IMAGE, "--model", "tiny", "--labels", "3"], "add --compare-swap"),
+        ([*BASE, "--image", IMAGE, "--store-maps"], "--store-maps is not read by the compare-swap run"),
+        ([*BASE, "--image", IMAGE, "--all-steps"], "--all-steps is not read by the compare-swap run"),
+        ([*BASE, "--replot", "somewhere"], "--compare-swap and --replot start two different runs"),
+        (["--image", IMAGE, "--model", "tiny", "--swap-rules", "matched"], "use it with --compare-swap"),
+        (["--image", IMAGE, "--model", "tiny", "--labels", "3"], "use it with --compare-swap"),
         ([*BASE, "--image", IMAGE, "--labels", "3,7"], "1 distinct reference image"),
         ([*BASE, "--image", IMAGE, "--labels", "12"], "digit classes are 0-9"),
         ([*BASE, "--image", IMAGE, "--labels", "\uff13"], "--labels must be comma-separated ASCII digits"),
@@ -275,15 +275,18 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, argv, message):
 
 
 def test_the_readme_command_is_a_valid_compare_swap_run():
-    from nw_adapter.correlate.cli import build_parser, parse_args
-    from nw_adapter.correlate.swap_cli import check_options, given_options
+    from nw_adapter.correlate.cli import parse_args
     from tests.test_readme import README, correlate_argv, shell_commands
 
     (command,) = [c for c in shell_commands(README) if "--compare-swap" in c]
-    argv = correlate_argv(command)
-    args = parse_args(argv)
-    check_options(args, given_options(build_parser(), argv))
-    assert args.compare_swap and args.model == "tiny" and args.steps == 25 and args.swap_rules is None
+    args = parse_args(correlate_argv(command))  # every option given is one the run reads
+    assert (
+        args.run.name == "compare-swap"
+        and args.compare_swap
+        and args.model == "tiny"
+        and args.steps == 25
+        and args.swap_rules is None
+    )
     assert [Path(folder).resolve() for folder in args.image_dir] == [example_image_path(0).parent]
 
 

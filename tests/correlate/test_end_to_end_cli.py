@@ -1,4 +1,5 @@
-"""The end-to-end control's command-line functions (nw_adapter.correlate.end_to_end_cli)."""
+"""The end-to-end control's command line: its options (rows of nw_adapter.correlate.option_table) and
+functions (nw_adapter.correlate.end_to_end_cli)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,8 @@ import pytest
 import torch
 from tiny_helpers import SIZE, load_sd15, random_image
 
-from nw_adapter.correlate.end_to_end_cli import (
-    MATCHED,
-    MAX_DRAWS,
-    add_end_to_end_arguments,
-    end_to_end_error,
-    end_to_end_meta,
-    run_end_to_end,
-)
+from nw_adapter.correlate.end_to_end_cli import MATCHED, MAX_DRAWS, end_to_end_meta, run_end_to_end
+from nw_adapter.correlate.options import CLIError, family_problem, parse_args
 from nw_adapter.integration import end_to_end
 from nw_adapter.integration.config import NWProcessorConfig
 
@@ -25,17 +20,14 @@ torch.set_num_threads(1)
 
 
 def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="correlate.py")
-    parser.add_argument("--mode", default="observe")
-    parser.add_argument("--store-maps", action="store_true")
-    return add_end_to_end_arguments(parser).parse_args(list(argv))
+    return parse_args(["--image", "ref.png", *argv])
 
 
 def test_defaults_are_off_with_one_scale_matched_draw() -> None:
     args = _parse()
     assert (args.end_to_end_control, args.end_to_end_draws, args.end_to_end_seed) == (False, 1, 0)
-    assert args.end_to_end_scale_match is True
-    assert end_to_end_error(args, "sd3") is None and end_to_end_meta(args) is None
+    assert args.end_to_end_scale_match is True and args.run.name == "rho"
+    assert family_problem(args, "sd3") is None and end_to_end_meta(args) is None
 
 
 def test_meta_names_the_kind_draws_and_seeds() -> None:
@@ -53,33 +45,45 @@ def test_meta_names_the_kind_draws_and_seeds() -> None:
         (("--end-to-end-seed", "-1"), "--end-to-end-seed must be between 0 and"),
     ],
 )
-def test_bad_values_exit_2_with_one_line(argv, message, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        _parse(*argv)
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert message in error
+def test_bad_values_are_one_line_errors(argv, message) -> None:
+    with pytest.raises(CLIError, match=message.replace("(", r"\(")) as error:
+        _parse("--end-to-end-control", *argv)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(
-    ("argv", "family", "message"),
+    ("argv", "message"),
     [
-        (("--end-to-end-control",), "sd3", "does not support SD 3.5"),
-        (("--end-to-end-control", "--mode", "swap"), "sd15", "needs --mode observe"),
-        (("--end-to-end-control", "--store-maps"), "sd15", "does not combine with --store-maps"),
+        (("--end-to-end-control", "--mode", "swap"), "--mode is not read by the end-to-end control run"),
+        (("--end-to-end-control", "--store-maps"), "--store-maps is not read by the end-to-end control run"),
+        (("--end-to-end-control", "--control-draws", "2"), "use --end-to-end-draws"),
+        (
+            (
+                "--end-to-end-draws",
+                "2",
+            ),
+            "--end-to-end-draws is not read by the rho run",
+        ),
     ],
 )
-def test_combinations_that_cannot_run_are_named(argv, family, message) -> None:
-    error = end_to_end_error(_parse(*argv), family)
-    assert error is not None and message in error and "\n" not in error
-    assert end_to_end_error(_parse("--end-to-end-control"), family if family != "sd3" else "flux") is None
+def test_combinations_that_cannot_run_are_named(argv, message) -> None:
+    with pytest.raises(CLIError, match=message) as error:
+        _parse(*argv)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("family", ["unet", "sd3", "flux"])
+def test_the_families_it_runs_on(family) -> None:
+    problem = family_problem(_parse("--end-to-end-control"), family)
+    assert (problem is not None) == (family == "sd3")
+    assert problem is None or "does not support SD 3.5" in problem
 
 
 def test_argument_handling_imports_no_torch() -> None:
     code = (
-        "import sys, argparse\n"
-        "from nw_adapter.correlate.end_to_end_cli import add_end_to_end_arguments\n"
-        "add_end_to_end_arguments(argparse.ArgumentParser()).parse_args(['--end-to-end-control'])\n"
+        "import sys\n"
+        "from nw_adapter.correlate.options import parse_args\n"
+        "parse_args(['--image', 'ref.png', '--end-to-end-control'])\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -45,7 +45,7 @@ def digit(d: int) -> str:
         (["--support-set", f"{digit(3)},{digit(7)}", "--image", digit(3)], ("drop --image",)),
         (["--support-set", f"{digit(3)},{digit(7)}", "--compare-swap"], ("--compare-swap",)),
         (["--support-set", f"{digit(3)},{digit(7)}", "--store-maps"], ("--store-maps",)),
-        (["--support-set", f"{digit(3)},{digit(7)}", "--mode", "swap"], ("--mode swap",)),
+        (["--support-set", f"{digit(3)},{digit(7)}", "--mode", "swap"], ("--mode is not read",)),
         (["--support-set", f"{digit(3)},missing.png"], ("missing.png",)),
     ],
 )

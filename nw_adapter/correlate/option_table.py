@@ -1,0 +1,464 @@
+"""``correlate.py``'s two tables: its runs (:data:`RUNS`) and its options (:data:`OPTIONS`).
+
+A new option is one row of :data:`OPTIONS` and the code of the run that reads it; a new run is
+one row of :data:`RUNS` (a module with ``run(args) -> int``) and its name in the ``runs`` of the
+options it reads. What the rows mean: :mod:`~nw_adapter.correlate.option_rows`; what derives from
+them (the parser, the refusals, the options record, the fingerprint):
+:mod:`~nw_adapter.correlate.options`. Standard library only: ``--help`` answers before torch loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from nw_adapter.correlate import option_values as values
+from nw_adapter.correlate.end_to_end_cli import MAX_DRAWS as MAX_END_TO_END_DRAWS
+from nw_adapter.correlate.families import FAMILIES, FLUX, SD3, UNET
+from nw_adapter.correlate.loading import DTYPES, SCHEDULERS
+from nw_adapter.correlate.option_rows import (
+    COMPARE_SWAP,
+    END_TO_END,
+    OMIT,
+    REPLOT,
+    RHO,
+    SUPPORT_SETS,
+    Needs,
+    Option,
+    Record,
+    Resolved,
+    Run,
+)
+from nw_adapter.correlate.spec import DEFAULT_IP_ADAPTER, DEFAULT_MODEL, EXAMPLE_DIR
+from nw_adapter.integration.config import BANDWIDTH_RULES, MAX_CONTROL_DRAWS
+
+__all__ = ["EVERY_RUN", "MODEL_RUNS", "OPTIONS", "OPTION_BY_DEST", "RUNS", "RUN_BY_NAME"]
+
+
+def _resolved(name: str):
+    """The record value ``resolved.<name>`` (what the run resolved, not the option as given)."""
+    return lambda args, resolved: getattr(resolved, name)
+
+
+def _call(name: str):
+    """The record value of the pipeline call's family argument ``name``, left out when the call has none."""
+    return lambda args, resolved: resolved.call.get(name, OMIT)
+
+
+POSTERIOR_SPACE = "x_t's: w_i = softmax_i(-||x_t - a_t s_i||^2 / 2 b_t^2), s_i references' latents"
+"""What the support-set run's posterior columns are (recorded in support.json's options)."""
+_NO_REFERENCE = "no reference image given; pass --image FILE or --image-dir FOLDER (or --support-set A,B)"
+
+RUNS: tuple[Run, ...] = (
+    Run(
+        name=RHO,
+        title="the rho run",
+        selectors=(),
+        module="nw_adapter.correlate.rho_cli",
+        inputs=("image", "image_dir"),
+        no_input=_NO_REFERENCE,
+        resumes=True,
+        kept="finished images are kept, rerun the same command to resume",
+        writes="rho.json, rho.csv, rho.png, bandwidth.png, images/<key>/",
+    ),
+    Run(
+        name=END_TO_END,
+        title="the end-to-end control run (--end-to-end-control)",
+        selectors=("end_to_end_control",),
+        module="nw_adapter.correlate.rho_cli",
+        inputs=("image", "image_dir"),
+        no_input=_NO_REFERENCE,
+        refused={
+            SD3: "--end-to-end-control does not support SD 3.5 (its image keys pass a per-head RMSNorm and "
+            "change with the timestep, so no weight scale matches them); drop the option and use the "
+            "per-layer control"
+        },
+        resumes=True,
+        kept="finished images are kept, rerun the same command to resume",
+        writes="as the rho run, with the end-to-end control's columns",
+    ),
+    Run(
+        name=COMPARE_SWAP,
+        title="the compare-swap run (--compare-swap)",
+        selectors=("compare_swap",),
+        module="nw_adapter.correlate.swap_cli",
+        inputs=("image", "image_dir"),
+        no_input=_NO_REFERENCE,
+        one_process="its rows pair references with consecutive seeds",
+        resumes=True,
+        kept="an unfinished comparison is not kept, rerun it",
+        writes="compare_swap.json, compare_swap.csv",
+        records=(Record("judge", frozenset({COMPARE_SWAP}), value=_resolved("judge")),),
+    ),
+    Run(
+        name=SUPPORT_SETS,
+        title="the support-set run (--support-set/--support-dir)",
+        selectors=("support_set", "support_dir"),
+        module="nw_adapter.correlate.support_cli",
+        refused={
+            SD3: "support sets need one adapter's list of images, which diffusers' SD 3.5 pipeline does not "
+            "take (it fails on a list per adapter); use an SD 1.5 / SDXL or Flux model"
+        },
+        kept="an unfinished support-set run is not kept (its files are removed), rerun it",
+        writes="support.json, support.csv, support_mass.png, sets/<key>/",
+        records=(
+            Record(
+                "posterior_space",
+                frozenset({SUPPORT_SETS}),
+                value=lambda args, _: POSTERIOR_SPACE,
+            ),
+            Record("judge", frozenset({SUPPORT_SETS}), value=_resolved("judge")),
+        ),
+    ),
+    Run(
+        name=REPLOT,
+        title="--replot (a redraw of a finished run)",
+        selectors=("replot",),
+        module="nw_adapter.correlate.outputs",
+        one_process="it redraws one folder",
+        kept="rerun --replot",
+        writes="the files of the run it redraws",
+    ),
+    # H1 (issue 42): the calibration run is one more row here (module nw_adapter.correlate.calibrate_cli).
+)
+RUN_BY_NAME: dict[str, Run] = {run.name: run for run in RUNS}
+
+MODEL_RUNS = frozenset({RHO, END_TO_END, COMPARE_SWAP, SUPPORT_SETS})
+REFERENCE_RUNS = frozenset({RHO, END_TO_END, COMPARE_SWAP})
+RHO_RUNS = frozenset({RHO, END_TO_END})
+EVERY_RUN = frozenset(RUN_BY_NAME)
+
+
+class ExampleDir(argparse.Action):
+    """``--example-dir``: print the folder of the bundled example references and exit (like ``--version``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.pop("default", None)
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(EXAMPLE_DIR)
+        parser.exit()
+
+
+def _per_layer_control(args: argparse.Namespace) -> bool:
+    """The per-layer untrained-adapter control: on unless turned off, and not beside the end-to-end one."""
+    return bool(args.untrained_control) and not args.end_to_end_control
+
+
+def _end_to_end_meta(args: argparse.Namespace, _: Resolved) -> dict | None:
+    from nw_adapter.correlate.end_to_end_cli import end_to_end_meta
+
+    return end_to_end_meta(args)
+
+
+def _family_default(family: str, name: str) -> str:
+    return getattr(FAMILIES[family], name)
+
+
+_REFERENCES = "reference images"
+_MODEL = "model"
+_GENERATION = "generation"
+_NW = "NW comparison"
+_OUTPUT = "output"
+_SWAP = "swap consequence (instead of the rho run)"
+_SUPPORT = "support sets (instead of the rho run)"
+_END_TO_END = "end-to-end control"
+_FLOW = frozenset({SD3, FLUX})
+
+OPTIONS: tuple[Option, ...] = (
+    # reference images
+    Option(
+        ("--image",), _REFERENCES, "reference image (repeatable)", REFERENCE_RUNS, action="append",
+        default=[], metavar="FILE",
+        parse=values.nonempty_path("--image", "pass a path (use . for the current folder)"),
+        hints={SUPPORT_SETS: "the sets name their references: drop --image"},
+    ),
+    Option(
+        ("--image-dir",), _REFERENCES, "folder of reference images, non-recursive (repeatable)",
+        REFERENCE_RUNS, action="append", default=[], metavar="DIR",
+        parse=values.nonempty_path("--image-dir", "pass a path (use . for the current folder)"),
+        hints={SUPPORT_SETS: "the sets name their references: drop --image-dir"},
+    ),
+    Option(
+        ("--example-dir",), _REFERENCES,
+        "print the folder of the bundled held-out digits digit_0.png ... digit_9.png (references for "
+        '--model tiny) and exit; e.g. --image-dir "$(%(prog)s --example-dir)"',
+        EVERY_RUN, action=ExampleDir,
+    ),
+    # model
+    Option(
+        ("--model",), _MODEL,
+        f"diffusers pipeline: Hub id, local folder, or 'tiny' (default {DEFAULT_MODEL}); SD 3.5 "
+        "(e.g. stabilityai/stable-diffusion-3.5-large) and Flux (e.g. black-forest-labs/FLUX.1-dev) "
+        "pipelines are recognised from the pipeline and get their family's adapter; 'tiny-sd3' and "
+        "'tiny-flux' are their offline tiny models (random weights)",
+        MODEL_RUNS, default=DEFAULT_MODEL,
+        parse=values.model_name("--model", "pass a Hub id, a local folder or tiny / tiny-sd3 / tiny-flux"),
+        records=(Record("model", MODEL_RUNS, value=_resolved("model")),),
+    ),
+    Option(
+        ("--ip-adapter",), _MODEL,
+        f"IP-Adapter repository: Hub id, local folder, or 'tiny' (default {DEFAULT_IP_ADAPTER}; "
+        f"{_family_default(SD3, 'ip_adapter')} for SD 3.5, {_family_default(FLUX, 'ip_adapter')} for Flux; "
+        "the tiny adapter with --model tiny / tiny-sd3 / tiny-flux)",
+        MODEL_RUNS,
+        parse=values.model_name("--ip-adapter", "pass a Hub id, a local folder or tiny, or omit it"),
+    ),
+    Option(
+        ("--subfolder",), _MODEL,
+        "adapter subfolder (default models, sdxl_models for SDXL, none for SD 3.5 and Flux)", MODEL_RUNS,
+    ),
+    Option(
+        ("--weight-name",), _MODEL,
+        "weight file (default ip-adapter_sd15.safetensors; ip-adapter_sdxl.safetensors for SDXL; "
+        f"{_family_default(SD3, 'weight_name')} for SD 3.5; {_family_default(FLUX, 'weight_name')} for Flux)",
+        MODEL_RUNS,
+    ),
+    Option(
+        ("--image-encoder",), _MODEL,
+        f"image encoder of SD 3.5 / Flux adapters: Hub id or local folder (default "
+        f"{_family_default(SD3, 'image_encoder')} for SD 3.5, {_family_default(FLUX, 'image_encoder')} for "
+        "Flux)",
+        MODEL_RUNS, families=_FLOW,
+        family_fix="their adapter repository holds the image encoder: drop --image-encoder",
+    ),
+    Option(
+        ("--scheduler",), _MODEL, "default: the model's own", MODEL_RUNS, choices=tuple(sorted(SCHEDULERS)),
+        families=frozenset({UNET}),
+        family_fix="a flow-matching model keeps its own scheduler (its sigma schedule is part of the "
+        "model): drop --scheduler",
+        records=(
+            Record("scheduler", MODEL_RUNS),
+            Record("scheduler_class", MODEL_RUNS, value=_resolved("scheduler_class"),
+                 fingerprinted=RHO_RUNS),
+        ),
+    ),
+    Option(
+        ("--device",), _MODEL, "auto (cuda > mps > cpu), cpu, mps, cuda, cuda:N", MODEL_RUNS, default="auto",
+        parse=values.device, records=(Record("device", MODEL_RUNS, value=_resolved("device")),),
+    ),
+    Option(
+        ("--dtype",), _MODEL, "auto: float16 on CUDA, float32 else", MODEL_RUNS, default="auto",
+        choices=DTYPES,
+        records=(Record("dtype", MODEL_RUNS, value=_resolved("dtype")),),
+    ),
+    # generation
+    Option(
+        ("--prompt",), _GENERATION, "text prompt (default 'a photograph'; '' for none)", MODEL_RUNS,
+        default="a photograph", records=(Record("prompt", MODEL_RUNS),),
+    ),
+    Option(
+        ("--negative-prompt",), _GENERATION, "negative prompt", MODEL_RUNS,
+        records=(Record("negative_prompt", MODEL_RUNS),),
+    ),
+    Option(
+        ("--steps",), _GENERATION, "default 50", MODEL_RUNS, default=50,
+        parse=values.positive_int("--steps", maximum=1000), records=(Record("steps", MODEL_RUNS),),
+    ),
+    Option(
+        ("--seed",), _GENERATION, "seed of the generation and the nulls (default 0)", MODEL_RUNS, default=0,
+        parse=values.seed("--seed"), records=(Record("seed", MODEL_RUNS),),
+    ),
+    Option(
+        ("--guidance-scale",), _GENERATION, "default 7.5", MODEL_RUNS, default=7.5,
+        parse=values.nonneg_float("--guidance-scale"), records=(Record("guidance_scale", MODEL_RUNS),),
+    ),
+    Option(
+        ("--ip-scale",), _GENERATION, "IP-Adapter scale (1.0)", MODEL_RUNS, default=1.0,
+        parse=values.nonneg_float("--ip-scale"), records=(Record("ip_scale", MODEL_RUNS),),
+    ),
+    Option(
+        ("--guidance-rescale",), _GENERATION,
+        "SD 1.5 / SDXL: mix the guided noise prediction rescaled to the conditional one's standard "
+        "deviation by this factor, 0 to 1 (diffusers' guidance_rescale, Lin et al. 2023, against "
+        "over-exposure; default 0, off)",
+        MODEL_RUNS, default=0.0, parse=values.nonneg_float("--guidance-rescale", maximum=1.0),
+        families=frozenset({UNET}),
+        family_fix="its pipeline takes no guidance_rescale: drop --guidance-rescale",
+        needs=Needs("guidance_scale", lambda scale: scale > 1, "--guidance-rescale rescales classifier-free "
+                    "guidance, which --guidance-scale <= 1 turns off; raise --guidance-scale or drop "
+                    "--guidance-rescale", "with --guidance-scale > 1"),
+        records=(Record("guidance_rescale", MODEL_RUNS, omit_default=True),),
+    ),
+    Option(
+        ("--true-cfg-scale",), _GENERATION,
+        "Flux only: true classifier-free guidance with --negative-prompt when > 1 (two transformer passes "
+        "per step, reported as the cond / uncond halves); default 1.0",
+        MODEL_RUNS, default=1.0, parse=values.nonneg_float("--true-cfg-scale"), families=frozenset({FLUX}),
+        family_fix="only Flux pipelines have true classifier-free guidance: use --guidance-scale",
+        records=(  # the rho run records the Flux call's arguments (below), the others the option
+            Record("true_cfg_scale", MODEL_RUNS - RHO_RUNS),
+            Record("true_cfg_scale", RHO_RUNS, value=_call("true_cfg_scale")),
+            Record("max_sequence_length", RHO_RUNS,
+                 value=_call("max_sequence_length")),
+        ),
+    ),
+    Option(
+        ("--height",), _GENERATION, "pixels, multiple of 8 (default: the model's)", MODEL_RUNS,
+        parse=values.size("--height"), records=(Record("height", MODEL_RUNS),),
+    ),
+    Option(
+        ("--width",), _GENERATION, "pixels, multiple of 8 (default: the model's)", MODEL_RUNS,
+        parse=values.size("--width"), records=(Record("width", MODEL_RUNS),),
+    ),
+    # NW comparison
+    Option(
+        ("--mode",), _NW, "observe (output unchanged) or swap the image branch for the exact NW head",
+        frozenset({RHO}), default="observe", choices=("observe", "swap"),
+        records=(Record("mode", RHO_RUNS),),
+        hints={
+            COMPARE_SWAP: "it generates stock and NW-head images itself (the rules go in --swap-rules): drop "
+            "--mode",
+            SUPPORT_SETS: "it observes the stock generation: drop --mode",
+            END_TO_END: "it compares the statistics of two observed generations: drop --mode",
+        },
+    ),
+    Option(
+        ("--bandwidth",), _NW, "matched | fitted | schedule | median | a positive number h (default matched)",
+        RHO_RUNS, default="matched", parse=values.bandwidth, records=(Record("bandwidth", RHO_RUNS),),
+        hints={
+            COMPARE_SWAP: "it swaps in the NW head under each rule of --swap-rules: pass them there",
+            SUPPORT_SETS: "its NW masses use the schedule's bandwidth h = sigma_t / alpha_t (the theory's, "
+            "no head-space choice): drop --bandwidth",
+        },
+    ),
+    Option(
+        ("--layers",), _NW,
+        "comma-separated blocks (down, mid, up for UNets; transformer_blocks for SD 3.5 / Flux) or "
+        "attention-processor name prefixes",
+        RHO_RUNS | {SUPPORT_SETS}, parse=values.layers,
+        records=(Record("layers", RHO_RUNS | {SUPPORT_SETS}),),
+        hints={COMPARE_SWAP: "it swaps every IP-Adapter layer: drop --layers"},
+    ),
+    Option(
+        ("--no-untrained-control",), _NW,
+        "skip the scale-matched untrained-adapter control (the same queries against the keys of the "
+        "IP-Adapter training recipe's initialisation, rescaled to the trained keys' RMS norm; "
+        "{X}_control_{k} and key_scale_{k} columns; on by default; docs/controls.md)",
+        frozenset({RHO}), action="store_false", dest_name="untrained_control", default=True,
+        records=(Record("untrained_control", RHO_RUNS, value=lambda args, _: _per_layer_control(args)),),
+        hints={END_TO_END: "the end-to-end control replaces the per-layer one: drop --no-untrained-control"},
+    ),
+    Option(
+        ("--control-draws",), _NW,
+        "number of untrained-adapter control draws, seeded --untrained-seed + k (default 3)",
+        frozenset({RHO}),
+        default=3, metavar="K", parse=values.positive_int("--control-draws", maximum=MAX_CONTROL_DRAWS),
+        needs=Needs("untrained_control", True, "--control-draws sets the untrained-adapter control, which "
+                    "--no-untrained-control turns off; drop one of them", "with the control on"),
+        records=(Record("untrained_draws", RHO_RUNS,
+                      value=lambda args, _: args.control_draws if _per_layer_control(args) else None),),
+        hints={END_TO_END: "the end-to-end control has its own: use --end-to-end-draws"},
+    ),
+    Option(
+        ("--untrained-seed",), _NW, "seed s of the untrained adapters' initialisation: draw k uses s + k "
+        "(default 0)", frozenset({RHO}), default=0, parse=values.seed("--untrained-seed"),
+        needs=Needs("untrained_control", True, "--untrained-seed seeds the untrained-adapter control, which "
+                    "--no-untrained-control turns off; drop one of them", "with the control on"),
+        records=(Record("untrained_seed", RHO_RUNS,
+                      value=lambda args, _: args.untrained_seed if _per_layer_control(args) else None),),
+        hints={END_TO_END: "the end-to-end control has its own: use --end-to-end-seed"},
+    ),
+    # output
+    Option(
+        ("--out",), _OUTPUT, "output folder (default ./correlate_out)", MODEL_RUNS, default="correlate_out",
+        parse=values.nonempty_path("--out", "pass a folder path (e.g. --out correlate_out)"),
+        hints={REPLOT: "it rewrites the files of the folder it redraws: drop --out"},
+    ),
+    Option(
+        ("--store-maps",), _OUTPUT,
+        "keep attention and NW maps at the reported steps; draw attention_maps.png",
+        frozenset({RHO}), action="store_true", default=False, records=(Record("store_maps", RHO_RUNS),),
+        hints={END_TO_END: "run them separately"},
+    ),
+    Option(
+        ("--all-steps",), _OUTPUT, "table of every step, not only the paper's five", RHO_RUNS | {REPLOT},
+        action="store_true", default=False,
+    ),
+    Option(
+        ("--replot",), _OUTPUT,
+        "redraw the table, verdict and figures of a finished run in OUT from its saved files (rho.json, "
+        "maps.safetensors, generated.png), without loading a model; no --image needed",
+        frozenset({REPLOT}), metavar="OUT",
+        parse=values.nonempty_path("--replot", "pass the --out folder of a finished run"),
+    ),
+    Option(
+        ("-q", "--quiet"), _OUTPUT,
+        "-q: no progress bars; -qq: no notes either (errors, the table and the verdict remain). Progress "
+        "bars are drawn only when stderr is a terminal",
+        EVERY_RUN, action="count", default=0,
+    ),
+    Option(
+        ("-v", "--verbose"), _OUTPUT, "also show the libraries' own warnings and notes", EVERY_RUN,
+        action="store_true", default=False,
+    ),
+    # compare-swap
+    Option(
+        ("--compare-swap",), _SWAP,
+        "generate every reference under stock and under the exact NW head (each --swap-rules rule, same "
+        "seed) and report the pixel change, its other-seed control, CLIP-I and, with known classes, class "
+        "agreement, with 95%% intervals over references; writes compare_swap.json/.csv, no rho run",
+        frozenset({COMPARE_SWAP}), action="store_true", default=False,
+    ),
+    Option(
+        ("--swap-rules",), _SWAP,
+        f"comma-separated bandwidth rules or numbers h (default {','.join(BANDWIDTH_RULES)})",
+        frozenset({COMPARE_SWAP}), metavar="RULES", parse=values.swap_rules,
+        records=(Record("rules", frozenset({COMPARE_SWAP}),
+                      value=lambda args, _: list(args.swap_rules or BANDWIDTH_RULES)),),
+    ),
+    Option(
+        ("--labels",), _SWAP,
+        "--compare-swap with --model tiny: the references' digit classes, comma-separated, in the order the "
+        "references are listed (the bundled held-out digits are recognised without it)",
+        frozenset({COMPARE_SWAP}), metavar="DIGITS", parse=values.labels,
+        records=(Record("labels", frozenset({COMPARE_SWAP}), value=_resolved("labels")),),
+    ),
+    # support sets
+    Option(
+        ("--support-set",), _SUPPORT,
+        "one generation conditioned on these reference images together (comma-separated, one adapter; "
+        "repeatable: one set each); reports the attention mass per reference over denoising beside the "
+        "posterior over the references' latents (in x_t's space), and which reference the image resembles; "
+        "writes support.json/.csv",
+        frozenset({SUPPORT_SETS}), action="append", default=[], metavar="FILES", parse=values.support_set,
+    ),
+    Option(
+        ("--support-dir",), _SUPPORT, "every subfolder of DIR holding images is one support set (repeatable)",
+        frozenset({SUPPORT_SETS}), action="append", default=[], metavar="DIR",
+        parse=values.nonempty_path("--support-dir", "pass a folder whose subfolders hold the sets"),
+    ),
+    # end-to-end control
+    Option(
+        ("--end-to-end-control",), _END_TO_END,
+        "generate every reference K more times with the untrained adapter in every layer (same seed and "
+        "noise) and record those passes' statistics as {stat}_control_{k} columns; costs K more generations "
+        "per image (UNet and Flux)",
+        frozenset({END_TO_END}), action="store_true", default=False,
+        records=(Record("end_to_end_control", RHO_RUNS, value=_end_to_end_meta),),
+    ),
+    Option(
+        ("--end-to-end-draws",), _END_TO_END,
+        f"control draws of the end-to-end control, 1 to {MAX_END_TO_END_DRAWS} (default 1)",
+        frozenset({END_TO_END}), default=1, metavar="K",
+        parse=values.positive_int("--end-to-end-draws", maximum=MAX_END_TO_END_DRAWS),
+    ),
+    Option(
+        ("--end-to-end-seed",), _END_TO_END,
+        "seed of the end-to-end control's draw 0 (draw k: S + k; default 0)",
+        frozenset({END_TO_END}), default=0, metavar="S",
+        parse=values.seed("--end-to-end-seed", room=MAX_END_TO_END_DRAWS),
+    ),
+    Option(
+        ("--no-end-to-end-scale-match",), _END_TO_END,
+        "keep the untrained keys and values at their own scale (default: rescaled per layer and head to the "
+        "trained RMS norms, so a pure change of scale reads as no effect)",
+        frozenset({END_TO_END}), action="store_false", dest_name="end_to_end_scale_match", default=True,
+    ),
+    # H1 (issue 42): --calibrate is one more row here, read by the calibration run.
+)  # fmt: skip
+"""Every option of ``correlate.py``, in ``--help`` order."""
+
+OPTION_BY_DEST: dict[str, Option] = {option.dest: option for option in OPTIONS}
