@@ -60,10 +60,14 @@ MIB = 2**20
 class Capture:
     """One softmax of one observed layer call, its statistics pending.
 
-    ``q`` [B, H, N, d] and ``k`` [B, H, M, d] float32; ``h`` the step's bandwidth (a float) or
-    None for the data-dependent rules (resolved on the group); ``halves`` the number of CFG
-    halves of the batch; ``control_keys`` the untrained control's keys per draw
-    ``[B, H, M0, d]``; ``entry`` the recorder's reserved entry."""
+    ``q`` [B, H, N, d] and ``k`` [B, H, M, d] float32; ``scale`` the stock softmax scale s (the
+    bandwidth rules and the control read it); ``h`` the step's bandwidth (a float) or None for the
+    data-dependent rules (resolved on the group); ``halves`` the number of CFG halves of the batch;
+    ``control_keys`` the untrained control's keys per draw ``[B, H, M0, d]``; ``entry`` the
+    recorder's reserved entry. ``swap_h``: in swap, the bandwidth of the swapped branch (a float or
+    ``[B, H]``); the recorded softmax is then that branch's own, the exact NW head
+    ``softmax((q.k_i - ||k_i||^2 / 2) / swap_h^2)`` (:func:`recorded_head`); None: the stock
+    dot-product softmax ``softmax(s q.k_i)``."""
 
     entry: Any
     q: torch.Tensor
@@ -72,11 +76,13 @@ class Capture:
     h: float | None
     halves: int
     control_keys: tuple[torch.Tensor, ...] = ()
+    swap_h: float | torch.Tensor | None = None
 
     def group_key(self) -> tuple:
-        """Captures with equal keys are computed in one call."""
+        """Captures with equal keys are computed in one call (a per-head swap bandwidth: alone)."""
         controls = tuple(k0.shape for k0 in self.control_keys)
-        return (self.q.shape, self.k.shape, self.q.device, self.scale, self.h, self.halves, controls)
+        swap = ("tensor", id(self)) if isinstance(self.swap_h, torch.Tensor) else self.swap_h
+        return (self.q.shape, self.k.shape, self.q.device, self.scale, self.h, self.halves, controls, swap)
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +192,7 @@ class DeferredStatistics:
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, generator)
         common = statistics_options(cfg, first.scale, halves)
         h = first.h if first.h is not None else group_bandwidth(cfg, q, k, first.scale)
-        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
+        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **recorded_head(common, first.swap_h))
         control = None
         if first.control_keys:
             per_draw = []
@@ -208,6 +214,17 @@ def statistics_options(config: NWProcessorConfig, scale: float, halves: int) -> 
         "scale": scale, "halves": halves, "compile": config.compile, "readings": config.readings,
         "fit_rows": config.fit_rows,
     }  # fmt: skip
+
+
+def recorded_head(common: dict[str, Any], swap_h: float | torch.Tensor | None) -> dict[str, Any]:
+    """The options of the recorded softmax: the stock dot-product one (``common``) in observe; in
+    swap (``swap_h``, the swapped branch's bandwidth) the branch's own head, ``scale = 1/swap_h^2``
+    with the key-norm term (``key_norm_weight=1``): A = softmax(-||q - k_i||^2 / 2 swap_h^2), the
+    weights that produce the output. The control keeps ``common`` (the stock algebra)."""
+    if swap_h is None:
+        return common
+    inv = swap_h.float().reciprocal().square() if isinstance(swap_h, torch.Tensor) else float(swap_h) ** -2
+    return {**common, "scale": inv, "key_norm_weight": 1.0}
 
 
 def group_bandwidth(
