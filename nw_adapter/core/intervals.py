@@ -171,7 +171,7 @@ def greater_than_zero(
     if n < 2:
         return UnitTest(n, mean, low, high, math.nan, False)
     se = float(data.std(ddof=1)) / math.sqrt(n)
-    if float(np.ptp(data)) == 0.0:  # no spread: decided by the value
+    if _no_spread(float(np.ptp(data)), mean):  # no spread: decided by the value
         p = 0.0 if mean > 0 else 1.0
         return UnitTest(n, mean, mean, mean, p, p < alpha, 0.0, 0.0)
     with warnings.catch_warnings():  # nearly constant values: scipy warns about precision, p is defined
@@ -266,7 +266,7 @@ def equivalence_test(
     if n < 2:
         return EquivalenceTest(n, mean, nan, target, margin, nan, nan, nan, False, nan)
     se = float(data.std(ddof=1)) / math.sqrt(n)
-    if float(np.ptp(data)) == 0.0:  # no spread: decided by the value
+    if _no_spread(float(np.ptp(data)), mean):  # no spread: decided by the value
         inside = abs(mean - target) < margin
         return EquivalenceTest(n, mean, 0.0, target, margin, mean, mean, 0.0 if inside else 1.0, inside, 0.0)
     half = float(student_t.isf(alpha, n - 1)) * se
@@ -379,6 +379,16 @@ def _two_level_mde(alpha: float, a: float, b: float, n: int, draws: int, margin:
     return margin + _critical(alpha, a, b, n, draws) + _critical(1.0 - POWER, a, b, n, draws)
 
 
+NO_SPREAD = 1e-12
+"""Relative spread below which a test's values count as having none (float rounding of equal values:
+an exact head's exponent 2.000 computed per reference differs by ~1e-16)."""
+
+
+def _no_spread(spread: float, mean: float) -> bool:
+    """Whether ``spread`` (a range or a standard error) is float rounding of equal values around ``mean``."""
+    return spread <= NO_SPREAD * max(1.0, abs(mean))
+
+
 _P_FLOOR = 1e-15
 """Smallest p-value :func:`two_level_test` reports (Student t quantiles with 1 degree of freedom
 overflow far below it)."""
@@ -486,9 +496,10 @@ def two_level_test(
     half = _critical((1 - confidence) / 2, a, b, n, draws)
     mde = _two_level_mde(alpha, a, b, n, draws, margin)
     measured = replace(untested, mean=mean, low=mean - half, high=mean + half, se=se, mde=mde)
-    if se == 0.0:  # every reference and draw the same difference: decided by the value
+    if _no_spread(se, mean):  # every reference and draw the same difference: decided by the value
         above = mean > margin
-        return replace(measured, p=0.0 if above else 1.0, significant=above)
+        return replace(measured, se=0.0, low=mean, high=mean, mde=margin, p=0.0 if above else 1.0,
+                       significant=above)  # fmt: skip
     if draws == 1:
         p = float(student_t.sf((mean - margin) / se, n - 1))
     else:
