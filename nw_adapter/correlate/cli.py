@@ -47,6 +47,12 @@ from typing import Any
 from nw_adapter.atomic import WriteError
 from nw_adapter.commands import OneLineParser, invoked_as, note
 from nw_adapter.correlate import support_cli, swap_cli
+from nw_adapter.correlate.calibrate_cli import (
+    add_calibrate_arguments,
+    calibrate_error,
+    calibrate_meta,
+    run_calibrated,
+)
 from nw_adapter.correlate.end_to_end_cli import (
     add_end_to_end_arguments,
     end_to_end_error,
@@ -371,6 +377,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     swap_cli.add_arguments(parser)  # --compare-swap, --swap-rules, --labels
     support_cli.add_arguments(parser)  # --support-set, --support-dir
     add_end_to_end_arguments(parser)
+    add_calibrate_arguments(parser)
     return parser
 
 
@@ -385,6 +392,8 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = PROG) -> argpar
     args.prog = prog
     args.out_given_empty = not args.out.strip()
     args.out = Path(args.out)
+    if refused := calibrate_error(args):
+        raise CLIError(refused)
     if args.replot is not None:
         if not args.replot.strip():
             raise CLIError("--replot is empty; pass the --out folder of a finished run")
@@ -461,6 +470,7 @@ def run_options(args: argparse.Namespace, spec: ModelSpec, device: str, dtype: s
         "untrained_seed": args.untrained_seed if per_layer else None,
         "untrained_draws": args.control_draws if per_layer else None,
         "end_to_end_control": end_to_end_meta(args),
+        "calibration": calibrate_meta(args),
         "device": device,
         "dtype": dtype,
     }
@@ -585,6 +595,11 @@ def _image_worker(
             **(extra_call or {}),
         }
         run = {"run": run_id} if run_id else {}
+        if args.calibrate:  # the adapter's call and the exact NW head's (no maps: refused above)
+            output, recorded = run_calibrated(args, pipe, config, call)
+            atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))
+            entry = {**info.to_dict(), "generated": str(folder.relative_to(out_dir) / "generated.png")}
+            return entry, [{"reference": key, **record, **run} for record in recorded]
         if args.end_to_end_control:  # the trained call and K untrained passes (no maps: refused above)
             output, recorded, _ = run_end_to_end(args, pipe, config, call)
             atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))

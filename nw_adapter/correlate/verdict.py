@@ -659,8 +659,8 @@ READINGS: tuple[tuple[str, str], ...] = (
     ("rho", "rho: Spearman of attention vs NW weights"),
     ("rho_minus_spread_null", "rho - qk-spread null"),
     ("kl", "KL(A || NW weights at the run's bandwidth)"),
-    ("log_logit_scale", "logit_scale (geometric mean over steps)"),
-    ("log_h_eff", "h_eff: the fitted bandwidth (geometric mean over steps)"),
+    ("logit_scale", "logit_scale: the inverse temperature (geometric means)"),
+    ("h_eff", "h_eff: the fitted bandwidth (geometric means)"),
 )
 """The rows of the calibrated table (:func:`readings_table`): one reading each, for the adapter, the
 exact head and the control side by side."""
@@ -670,10 +670,14 @@ _READING_COLUMNS: dict[str, tuple[str | None, str | None]] = {
     "nw_gain": ("nw_gain", "nw_gain_control_{k}"),
     "rho": ("rho", "rho_control_{k}"),
     "kl": ("kl", "kl_control_{k}"),
-    "log_logit_scale": ("log_logit_scale", "log_control_path_{k}"),
-    "log_h_eff": ("log_h_eff", "log_h_eff_control_{k}"),
+    "logit_scale": ("log_logit_scale", "log_control_path_{k}"),
+    "h_eff": ("log_h_eff", "log_h_eff_control_{k}"),
 }
-"""Per table reading stepped over as a mean: the head's step-mean column and the control's."""
+"""Per table reading stepped over as a mean: the head's step-mean column and the control's (the
+scales as logarithms: their rows are geometric means, :data:`LOG_READINGS`)."""
+
+LOG_READINGS = frozenset({"logit_scale", "h_eff"})
+"""The readings averaged as logarithms (the table shows the exponential of the mean)."""
 
 
 def _present(records: Sequence[dict], half: str) -> set[str]:
@@ -925,7 +929,7 @@ def readings_table(adapter: Sequence[dict], exact: Sequence[dict] | None, draws:
     transformed to geometric means)."""
 
     def arm_values(images: Sequence[dict], key: str, control: bool) -> dict[str, Any] | None:
-        transform = math.exp if key.startswith("log_") else None
+        transform = math.exp if key in LOG_READINGS else None
         if key == "exponent":
             values = [_mean_of(v["exponent_control_draws"]) if control else v["exponent"] for v in images]
         elif key == "rho_minus_spread_null":

@@ -368,7 +368,7 @@ def test_report_carries_the_verdict_and_prints_it() -> None:
     assert format_verdict(report["verdict"]) in format_report(report)
 
 
-def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_slope_minus_two_line(tmp_path) -> None:
+def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_exponent_2_line(tmp_path) -> None:
     from PIL import Image
 
     from nw_adapter.correlate.plotting import bandwidth_figure, plot_bandwidth
@@ -392,10 +392,11 @@ def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_slope_minu
         expected.append(math.exp(np.mean(per_image)))
     order = np.argsort(trained.get_xdata())
     np.testing.assert_allclose(np.asarray(trained.get_ydata())[order], np.asarray(expected)[::-1], rtol=1e-9)
-    slope = float(trained_label.split("slope ")[1].rstrip(")"))
-    assert slope == pytest.approx(-2.0, abs=0.2)  # the per-image OLS slopes of log logit_scale on log h
-    assert float(control_label.split("slope ")[1].rstrip(")")) == pytest.approx(0.0, abs=0.2)
-    guide = lines["slope -2: an exact NW head (c / h^2)"]
+    exponent = float(trained_label.split("exponent ")[1].rstrip(")"))
+    assert exponent == pytest.approx(2.0, abs=0.2)  # the verdict's convention: -slope of log logit_scale
+    assert float(control_label.split("exponent ")[1].rstrip(")")) == pytest.approx(0.0, abs=0.2)
+    assert not any(label.startswith("exact NW head") for label in handles)  # not calibrated: no line
+    guide = lines["exponent 2 (the theory): logit_scale = c / h^2"]
     x, y = np.log(guide.get_xdata()), np.log(guide.get_ydata())
     assert np.polyfit(x, y, 1)[0] == pytest.approx(-2.0)
     path = plot_bandwidth(records, "cond", tmp_path / "bandwidth.png")
