@@ -1015,6 +1015,8 @@ def skipped_values(records: Sequence[dict], half: str, columns: Sequence[str]) -
             if math.isfinite(x) and (x > 0 or not positive):
                 continue
             why = record.get(f"{column}_reason")
+            if not (isinstance(why, str) and why) and EXACT_SUFFIX in column:  # the exact pass had no twin
+                why = record.get("exact_reason")
             why = why if isinstance(why, str) and why else NO_REASON
             reasons[why] = reasons.get(why, 0) + 1
         if reasons:

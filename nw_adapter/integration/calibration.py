@@ -12,8 +12,8 @@ control (the stock algebra on its own queries), and its statistics are merged in
 pass's records, matched by call, step, layer, head, half, adapter, image and key set
 (:func:`~nw_adapter.integration.end_to_end.record_key`):
 
-- ``{X}_exact`` for every statistic X of :data:`~nw_adapter.integration.schema.STAT_NAMES`, and
-  ``h_eff_exact_reason``;
+- ``{X}_exact`` for every statistic X of :data:`~nw_adapter.integration.schema.STAT_NAMES`,
+  ``h_eff_exact_reason``, and ``exact_reason`` (None, or why the record has no twin);
 - ``{X}_exact_control_{k}`` for X in :data:`~nw_adapter.integration.schema.CONTROL_RECORDED` and
   ``key_scale_exact_{k}``: the control on the exact head's queries.
 
@@ -44,7 +44,9 @@ from nw_adapter.integration.mixin import active_recorder
 from nw_adapter.integration.schema import CONTROL_RECORDED, H_EFF_REASON_FIELD, STAT_NAMES, control_draws
 
 __all__ = [
+    "EXACT_REASON_FIELD",
     "EXACT_SUFFIX",
+    "NO_EXACT_RECORD",
     "PURE_NOISE_REASON",
     "CalibratedCall",
     "exact_columns",
@@ -55,6 +57,15 @@ __all__ = [
 
 EXACT_SUFFIX = "_exact"
 """Suffix of the exact head's columns in the adapter's records (the verdict reads them)."""
+
+EXACT_REASON_FIELD = "exact_reason"
+"""Why a record's ``_exact`` columns are NaN (None when the exact pass recorded its twin)."""
+
+NO_EXACT_RECORD = (
+    "the exact head's pass recorded no twin of this record (flow matching's pure-noise step, h infinite, "
+    "or a skipped layer)"
+)
+"""The :data:`EXACT_REASON_FIELD` of a record without a twin."""
 
 PURE_NOISE_REASON = "bandwidth='schedule' is infinite at s = 1"
 """Part of the skip reason of flow matching's pure-noise step (no statistics of the exact head)."""
@@ -71,7 +82,7 @@ def exact_columns(draws: int) -> tuple[str, ...]:
             f"key_scale{EXACT_SUFFIX}_{k}",
         )
     )
-    return (*own, f"{H_EFF_REASON_FIELD.removesuffix('_reason')}{EXACT_SUFFIX}_reason", *controls)
+    return (*own, f"h_eff{EXACT_SUFFIX}_reason", EXACT_REASON_FIELD, *controls)
 
 
 def exact_config(config: NWProcessorConfig, *, schedule_c: float = 1.0) -> NWProcessorConfig:
@@ -93,12 +104,13 @@ def merge_exact(records: list[dict[str, Any]], exact: list[dict[str, Any]]) -> i
     for record in records:
         match = by_key.get(record_key(record))
         missing += match is None
+        record[EXACT_REASON_FIELD] = None if match is not None else NO_EXACT_RECORD
         for stat in STAT_NAMES:
             if stat in record:
                 record[f"{stat}{EXACT_SUFFIX}"] = math.nan if match is None else match.get(stat, math.nan)
         if H_EFF_REASON_FIELD in record:
             reason = None if match is None else match.get(H_EFF_REASON_FIELD)
-            record[f"h_eff{EXACT_SUFFIX}_reason"] = reason if match is not None else PURE_NOISE_REASON
+            record[f"h_eff{EXACT_SUFFIX}_reason"] = reason if match is not None else NO_EXACT_RECORD
         for k in range(draws):
             for stat in CONTROL_RECORDED:
                 value = math.nan if match is None else match.get(f"{stat}_control_{k}", math.nan)
