@@ -300,7 +300,7 @@ def test_theorem3_exact_head_gets_the_positive_conclusion(schedule) -> None:
 def test_heads_that_are_not_the_exact_head_do_not_get_it(schedule, case, power, weight, failing) -> None:
     """A fixed temperature, a 1/h or h^0.2 temperature path (exponents 0, 1, 0.2: on main at f073761
     the last two passed its bandwidth clause, +0.966 / +0.166 above the control) and a dot-product
-    head times 1/h^2 (exponent 2: it passes the path and fails the NW form, r2_nw ~0.5 here, its
+    head times 1/h^2 (exponent 2: it passes the path and fails the NW form, r2_nw 0.644 here, its
     key prior's share)."""
     result = verdict(bias_form_records([h**-power for h in schedule], schedule, key_norm_weight=weight))
     assert result["evidence"] is False, (case, result["conclusion"])
