@@ -234,3 +234,22 @@ def test_a_calibrated_run_writes_its_anchor_table_figure_and_replots_the_same(tm
     assert float(exact.split("exponent ")[1]) == pytest.approx(
         result["anchors"]["exact"]["exponent"], abs=0.01
     )
+
+
+def test_sd3_calibrates_its_joint_branch(tiny_sd3_dir, tiny_sd3_ip_adapter_dir) -> None:
+    """SD 3.5 swaps the exact head over its joint keys (image + IP): the calibration runs, its
+    ``"ip"`` records get their twins, and the exact head's r2_nw over the IP keys is 1 (the joint NW
+    head restricted to them and renormalised is the NW head over them)."""
+    from diffusers import StableDiffusion3Pipeline
+    from flow_helpers import SIZE, load_sd3
+    from tiny_helpers import random_image
+
+    pipe = load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
+    call = {"prompt": "a cat", "ip_adapter_image": random_image(1, SIZE), "num_inference_steps": 3,
+            "height": SIZE, "width": SIZE, "generator": torch.Generator().manual_seed(0)}  # fmt: skip
+    result = observe_call(pipe, call, config=NWProcessorConfig(untrained_control=True), calibrate=True)
+    ip = [r for r in result.records if r.get("key_set", "ip") == "ip"]
+    assert ip and result.pure_noise_steps == [0]  # flow matching's first step: h infinite
+    twins = [r for r in ip if r["exact_reason"] is None]
+    assert twins and all(r["r2_nw_exact"] == pytest.approx(1.0, abs=1e-4) for r in twins)
+    assert active_recorder(pipe) is None
