@@ -105,7 +105,7 @@ def _check_range(where: str, stat: str, cells: list[list[float]]) -> None:
         for x in row:
             if math.isnan(x):
                 continue
-            inside = math.isfinite(x) and low - 1e-6 <= x <= high + 1e-6 and (closed or x > low)
+            inside = math.isfinite(x) and low - 1e-4 <= x <= high + 1e-4 and (closed or x > low)  # rounding
             if not inside:
                 span = (
                     f"[{low:g}, {high:g}]"
