@@ -253,3 +253,21 @@ def test_sd3_calibrates_its_joint_branch(tiny_sd3_dir, tiny_sd3_ip_adapter_dir) 
     twins = [r for r in ip if r["exact_reason"] is None]
     assert twins and all(r["r2_nw_exact"] == pytest.approx(1.0, abs=1e-4) for r in twins)
     assert active_recorder(pipe) is None
+
+
+def test_the_exact_pass_stacks_its_steps_and_equals_the_per_layer_path(sd15) -> None:
+    """The exact pass's softmax scale 1/h^2 and bandwidth change every step; the deferred statistics
+    stack the steps into one call per shape (a per-row h and scale) and equal the per-layer path
+    (``deferred_mb=0``, one call per layer and step), statistic by statistic."""
+    stacked = observe_call(sd15, _call(5, steps=4), config=NWProcessorConfig(nulls=False), calibrate=True)
+    per_layer = observe_call(sd15, _call(5, steps=4), config=NWProcessorConfig(nulls=False, deferred_mb=0),
+                             calibrate=True)  # fmt: skip
+    assert len(stacked.records) == len(per_layer.records) > 0
+    names = ("rho", "kl", "r2_nw", "logit_scale", "nw_gain", "h_eff", "bandwidth")
+    for a, b in zip(stacked.records, per_layer.records, strict=True):
+        assert (a["step"], a["layer"], a["head"], a["half"]) == (b["step"], b["layer"], b["head"], b["half"])
+        for name in names:
+            assert a[f"{name}_exact"] == pytest.approx(b[f"{name}_exact"], rel=1e-4, abs=1e-5, nan_ok=True), (
+                name
+            )
+    assert len({r["bandwidth_exact"] for r in stacked.records}) > 1  # several steps' h in one stack

@@ -79,10 +79,14 @@ class Capture:
     swap_h: float | torch.Tensor | None = None
 
     def group_key(self) -> tuple:
-        """Captures with equal keys are computed in one call (a per-head swap bandwidth: alone)."""
+        """Captures with equal keys are computed in one call. A float bandwidth ``h`` and a float
+        swap bandwidth are not part of the key: captures of different steps (the schedule rule, a
+        swapped head's 1/h^2) are stacked with a per-row ``[B, H]`` h and softmax scale
+        (:func:`stacked_bandwidths`); a per-head swap bandwidth is computed alone."""
         controls = tuple(k0.shape for k0 in self.control_keys)
-        swap = ("tensor", id(self)) if isinstance(self.swap_h, torch.Tensor) else self.swap_h
-        return (self.q.shape, self.k.shape, self.q.device, self.scale, self.h, self.halves, controls, swap)
+        swap = ("tensor", id(self)) if isinstance(self.swap_h, torch.Tensor) else self.swap_h is not None
+        rule = "data" if self.h is None else "given"
+        return (self.q.shape, self.k.shape, self.q.device, self.scale, rule, self.halves, controls, swap)
 
     @property
     def nbytes(self) -> int:
@@ -191,8 +195,14 @@ class DeferredStatistics:
             generator = recorder.generator(q.device, call=first.entry.call)
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, generator)
         common = statistics_options(cfg, first.scale, halves)
-        h = first.h if first.h is not None else group_bandwidth(cfg, q, k, first.scale)
-        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **recorded_head(common, first.swap_h))
+        if first.h is None:
+            h: torch.Tensor | float = group_bandwidth(cfg, q, k, first.scale)
+        else:
+            h = stacked_bandwidths([c.h for c in group], group, q)
+        swap_h = first.swap_h
+        if swap_h is not None and not isinstance(swap_h, torch.Tensor):
+            swap_h = stacked_bandwidths([c.swap_h for c in group], group, q)
+        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **recorded_head(common, swap_h))
         control = None
         if first.control_keys:
             per_draw = []
@@ -214,6 +224,21 @@ def statistics_options(config: NWProcessorConfig, scale: float, halves: int) -> 
         "scale": scale, "halves": halves, "compile": config.compile, "readings": config.readings,
         "fit_rows": config.fit_rows,
     }  # fmt: skip
+
+
+def stacked_bandwidths(values: list[Any], group: list[Capture], like: torch.Tensor) -> torch.Tensor | float:
+    """The float bandwidths of a group's captures, one per capture: the float itself when they are
+    all equal (one graph, no tensor), else ``[B_total, H]`` with each capture's value on its batch
+    rows (the stacked captures' order)."""
+    first = values[0]
+    if all(v == first for v in values):
+        return float(first)
+    heads = like.shape[1]
+    rows = [
+        torch.full((c.q.shape[0], heads), float(v), dtype=torch.float32)
+        for c, v in zip(group, values, strict=True)
+    ]
+    return torch.cat(rows).to(like.device)
 
 
 def recorded_head(common: dict[str, Any], swap_h: float | torch.Tensor | None) -> dict[str, Any]:
@@ -249,10 +274,12 @@ def control_statistics(
     over each half's rows, then the control's h_eff reason code (the last row of the statistics).
 
     ``h``: the trained keys' bandwidth; the rules that read no keys (fixed, matched, schedule)
-    give the control the same value, the data-dependent ones are applied to ``k0m``."""
+    give the control the same value (a float, or ``[B, H]`` for captures of several steps stacked),
+    the data-dependent ones are applied to ``k0m``."""
     halves, scale = common["halves"], common["scale"]
     matched, ratio = scale_matched(k, k0)  # [B, H, M0, d], [B, H]
-    h0 = h if isinstance(h, float) else group_bandwidth(config, q, matched, scale)
+    data_dependent = config.bandwidth in ("median", "fitted")
+    h0 = group_bandwidth(config, q, matched, scale) if data_dependent else h
     values0, _, _ = stats.softmax_statistics(q, matched, h=h0, draws=None, **common)
     picked = values0.index_select(0, _control_index(values0.device))
     key_scale = ratio.float().view(halves, ratio.shape[0] // halves, ratio.shape[1]).mean(dim=1)
