@@ -143,11 +143,11 @@ def count_ops(fn: Callable[[], Any], warmup: int = 1) -> OpCounter:
 def _opaque(real: Callable[..., Any], counter: OpCounter, launches: dict[tuple, int]) -> Callable[..., Any]:
     """``real`` run with the counter suspended, counted as the kernels its graph launches."""
 
-    def run(q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256):  # noqa: ANN001, ANN202
+    def run(q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256, key_norm_weight=0.0):  # noqa: ANN001, ANN202
         key = compiled_stats.shape_key(q, k, valid, draws, halves, readings, fit_rows)
         counter.ops["compiled graph kernels"] += launches.get(key, 0)
         with _disable_current_modes():
-            return real(q, k, h, scale, valid, draws, halves, readings, fit_rows)
+            return real(q, k, h, scale, valid, draws, halves, readings, fit_rows, key_norm_weight)
 
     return run
 

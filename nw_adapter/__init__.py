@@ -49,6 +49,7 @@ _LAZY = {
     "verdict": "nw_adapter.correlate.verdict",
     "format_verdict": "nw_adapter.correlate.verdict",
     "comparison_records": "nw_adapter.correlate.comparisons",
+    "observe_call": "nw_adapter.integration.calibration",
     "scale_matched_keys": "nw_adapter.correlate.comparisons",
 }
 

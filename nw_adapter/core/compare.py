@@ -86,8 +86,9 @@ class AttentionComparison(dict):
 
 
 def _check_inputs(
-    q: object, k: object, scale: object, bandwidth: object, valid: object, seed: object
-) -> None:
+    q: object, k: object, scale: object, bandwidth: object, valid: object, seed: object,
+    key_norm_weight: object = 0.0,
+) -> None:  # fmt: skip
     for name, x, dims in (("q", q, "[B, H, N, d]"), ("k", k, "[B, H, M, d]")):
         if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
@@ -116,6 +117,15 @@ def _check_inputs(
     ):
         raise ValueError(
             f"scale must be a finite float > 0 (the softmax scale, e.g. 1/sqrt(d)), got {scale!r}"
+        )
+    if (
+        isinstance(key_norm_weight, bool)
+        or not isinstance(key_norm_weight, int | float)
+        or not math.isfinite(key_norm_weight)
+    ):
+        raise ValueError(
+            "key_norm_weight must be a finite number (0: dot-product attention softmax(scale q.k); "
+            f"1: the exact NW head softmax(scale (q.k - ||k||^2 / 2))), got {key_norm_weight!r}"
         )
     if isinstance(bandwidth, str):
         if bandwidth not in BANDWIDTH_RULES:
@@ -194,7 +204,7 @@ def _degenerate_cells(x: Softmax, mask: Tensor) -> list[Tensor]:
     constant_logits = (_spread(attn_logits, row_mask) == 0).all(-1)
     constant_scores = (_spread(scores_nw, row_mask) == 0).all(-1)
     code = specification.h_eff_reason_code(x)
-    blind, edge = code == 2, code == 3
+    blind, edge, flat = code == 2, code == 3, code == 4
     no_bandwidth = ~(torch.isfinite(h) & (h > 0))
     always = torch.ones_like(no_bandwidth)
     return [
@@ -205,6 +215,7 @@ def _degenerate_cells(x: Softmax, mask: Tensor) -> list[Tensor]:
         constant_scores,
         blind,
         edge,
+        flat,
         no_bandwidth,
         always,
     ]
@@ -264,8 +275,15 @@ def compare_attention(
     bandwidth: str | float = "matched",
     valid: Tensor | None = None,
     seed: int = 0,
+    key_norm_weight: float = 0.0,
 ) -> dict[str, Tensor]:
     """Compare the attention ``softmax(scale q k^T)`` with NW weights, per (batch row, head).
+
+    With ``key_norm_weight`` c the attention is ``softmax(scale (q.k_i - c ||k_i||^2 / 2))``: c = 1
+    and ``scale = 1/h^2`` is the exact NW head at bandwidth h in Theorem 3's additive-bias form
+    (``q = x``, ``k = s``: the support's own space), whose weights are the NW weights at that h;
+    every statistic then reads those weights (its scores ``q.k - c ||k||^2 / 2``), the NW side and
+    the key geometry staying the head's own.
 
     ``A_ji = softmax_i(scale q_j.k_i)``, ``NW_ji = softmax_i(-||q_j - k_i||^2 / 2h^2)`` over the
     valid keys; by algebra ``log A_ji = log NW_ji(h^2 = 1/scale) + scale ||k_i||^2 / 2 + c_j``.
@@ -290,8 +308,9 @@ def compare_attention(
     - ``r2_key``, ``r2_nw``, ``kl_nw_fit``, ``kl_key_prior``, ``nw_gain``, ``h_eff``: see
       :func:`nw_adapter.core.readings.nw_readings` (``h_eff`` fitted on all N rows; NaN where it
       is not identified: fewer than 2 valid keys, query-blind attention with
-      ``1 - r2_key < 1e-6``, or the fit at an end of its range ``[1e-6, 1e6] * scale``, the
-      reasons of :data:`~nw_adapter.core.specification.H_EFF_REASONS` in ``nan_reasons``).
+      ``1 - r2_key < 1e-6``, the fit at an end of its range ``[1e-6, 1e6] * scale``, or NW scores
+      whose query-dependent share is below 1e-4 (a flat profile), the reasons of
+      :data:`~nw_adapter.core.specification.H_EFF_REASONS` in ``nan_reasons``).
 
     Each is the function of that name in :data:`nw_adapter.core.specification.SPECIFICATION`
     (per-row statistics averaged over the rows, NaN rows left out), with the nulls' draws of
@@ -306,6 +325,8 @@ def compare_attention(
             part); every (batch row, head) needs at least one valid key.
         seed: seed of the nulls' random numbers, in [0, 2**63) (deterministic for a given device and
             dtype).
+        key_norm_weight: c, the share of the key-norm term in the attention's own logits (0: a
+            dot-product head, the default; 1: the exact NW head).
 
     Everything is computed in float64 (extreme finite float32 inputs, e.g. norms of 1e10,
     ``scale=1e30`` or ``h=1e-20``, keep their values; Pearson r comes from the logits, so weights
@@ -330,7 +351,8 @@ def compare_attention(
         >>> out["rho"].shape, out["nw_gain"].shape
         (torch.Size([1, 2]), torch.Size([1, 2]))
     """
-    _check_inputs(q, k, scale, bandwidth, valid, seed)
+    _check_inputs(q, k, scale, bandwidth, valid, seed, key_norm_weight)
+    c = float(key_norm_weight)
     result_dtype = compute_dtype(q, k)
     dtype = result_dtype if q.device.type == "mps" else _WORK_DTYPE  # MPS has no float64
     q, k = q.to(dtype), k.to(device=q.device, dtype=dtype)
@@ -345,9 +367,9 @@ def compare_attention(
         bound = torch.finfo(dtype).max / float(qk.abs().amax().clamp_min(1.0))
         _check_in_range("scale * q.k", scale * qk, f"scale must be at most {bound:.3g} for these q and k")
         draws = specification.draw_nulls(q, m, None, generator)  # every query row, in random order
-        x = Softmax(q, k, float(scale), _bandwidth(q, k, scale, bandwidth, mask), mask, draws, None)
+        x = Softmax(q, k, float(scale), _bandwidth(q, k, scale, bandwidth, mask), mask, draws, None, c)
         if bandwidth == "fitted":
-            x = Softmax(q, k, float(scale), SPECIFICATION["h_eff"].function(x), mask, draws, None)
+            x = Softmax(q, k, float(scale), SPECIFICATION["h_eff"].function(x), mask, draws, None, c)
         values = {name: _over_rows(name, x) for name in COMPARISON_NAMES}
         every_key = torch.ones(b, nh, m, dtype=torch.bool, device=q.device) if mask is None else mask
         cells = _degenerate_cells(x, every_key)

@@ -10,7 +10,14 @@ out come the mean with its Student t interval and a one-sided one-sample t test 
   clause such as "rho beyond its null" is made of;
 * :func:`two_level_greater`: the test of a trained value against a control of ``K`` random
   draws (seeds), over ``R`` units x ``K`` draws, whose standard error includes the variance
-  between the draws (:func:`two_level_test` on the differences).
+  between the draws (:func:`two_level_test` on the differences);
+* :func:`equivalence_test`: two one-sided tests (TOST) of ``|mean - target| < margin`` over units,
+  the test of a prediction in the theory's own units (an exponent of 2, within a stated margin).
+
+Every test also gives the smallest effect it could detect with 80% power at its units (and draws):
+``mde``, so a "not met" comes with what the run could have seen. A test whose values have no
+spread at all (every unit the same value: an exact head with frozen queries) is decided by its
+value, not left without a p-value: p is 0 when the value is beyond the margin, 1 otherwise.
 
 Both assume the units are independent and their values roughly normal (the t test is robust to
 moderate skew at a few units; the size of the test is what tests/core/test_intervals.py checks).
@@ -29,9 +36,13 @@ import numpy as np
 
 __all__ = [
     "CONFIDENCE",
+    "EQUIVALENCE_TEST",
+    "POWER",
     "TWO_LEVEL_TEST",
+    "EquivalenceTest",
     "TwoLevelTest",
     "UnitTest",
+    "equivalence_test",
     "greater_than_zero",
     "t_interval",
     "two_level_greater",
@@ -41,6 +52,9 @@ __all__ = [
 
 CONFIDENCE = 0.95
 """Default two-sided coverage of the intervals."""
+
+POWER = 0.8
+"""The power at which every test states its smallest detectable effect (``mde``)."""
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
@@ -78,8 +92,12 @@ class UnitTest:
         mean: their mean (NaN when ``n == 0``).
         low, high: the two-sided Student t interval of the mean at :data:`CONFIDENCE` (NaN when ``n < 2``).
         p: one-sided p-value of ``mean > 0`` (one-sample t test, ``n - 1`` degrees of freedom);
-            NaN when ``n < 2`` or when every value is equal (no spread: the t statistic is undefined).
+            NaN when ``n < 2``; with every value equal (no spread) 0 when that value is > 0, else 1.
         significant: ``p < alpha``; False where ``p`` is NaN.
+        se: the standard error ``s / sqrt(n)`` (NaN when ``n < 2``).
+        mde: the smallest true mean the test detects with :data:`POWER` (80%) at these ``n`` units
+            and this spread, ``(t_{n-1, 1-alpha} + t_{n-1, POWER}) se`` (0 without spread; NaN when
+            ``n < 2``).
     """
 
     n: int
@@ -88,6 +106,8 @@ class UnitTest:
     high: float
     p: float
     significant: bool
+    se: float = math.nan
+    mde: float = math.nan
 
     def to_dict(self) -> dict[str, float | int | bool | None]:
         """JSON-ready fields (NaN as None)."""
@@ -102,7 +122,19 @@ class UnitTest:
             "high": clean(self.high),
             "p": clean(self.p),
             "significant": self.significant,
+            "se": clean(self.se),
+            "mde": clean(self.mde),
         }
+
+
+def _one_sample_mde(se: float, n: int, alpha: float, power: float = POWER) -> float:
+    """``(t_{n-1, 1-alpha} + t_{n-1, power}) se``: the true mean a one-sided one-sample t test at
+    ``alpha`` detects with probability ``power`` (the noncentral t approximated by a shifted t)."""
+    from scipy.stats import t as student_t
+
+    if n < 2 or not math.isfinite(se):
+        return math.nan
+    return float((student_t.isf(alpha, n - 1) + student_t.ppf(power, n - 1)) * se)
 
 
 def greater_than_zero(
@@ -136,12 +168,115 @@ def greater_than_zero(
     if n == 0:
         return UnitTest(0, math.nan, math.nan, math.nan, math.nan, False)
     mean, low, high = t_interval(data, confidence)
-    if n < 2 or float(np.ptp(data)) == 0.0:
+    if n < 2:
         return UnitTest(n, mean, low, high, math.nan, False)
+    se = float(data.std(ddof=1)) / math.sqrt(n)
+    if _no_spread(float(np.ptp(data)), mean):  # no spread: decided by the value
+        p = 0.0 if mean > 0 else 1.0
+        return UnitTest(n, mean, mean, mean, p, p < alpha, 0.0, 0.0)
     with warnings.catch_warnings():  # nearly constant values: scipy warns about precision, p is defined
         warnings.simplefilter("ignore", RuntimeWarning)
         p = float(ttest_1samp(data, 0.0, alternative="greater").pvalue)
-    return UnitTest(n, mean, low, high, p, bool(math.isfinite(p) and p < alpha))
+    return UnitTest(
+        n, mean, low, high, p, bool(math.isfinite(p) and p < alpha), se, _one_sample_mde(se, n, alpha)
+    )
+
+
+EQUIVALENCE_TEST = (
+    "two one-sided tests (TOST) over reference images: mean - t_{n-1, 1-alpha} se > target - margin and "
+    "mean + t_{n-1, 1-alpha} se < target + margin (se = s / sqrt(n)); p the larger of the two one-sided "
+    "p-values (scipy.stats.ttest_1samp); without spread, decided by |mean - target| < margin"
+)
+"""The name and formula of :func:`equivalence_test`, as the verdict's method states it."""
+
+
+@dataclass(frozen=True)
+class EquivalenceTest:
+    """``|mean - target| < margin`` over independent units: two one-sided t tests (TOST).
+
+    Attributes:
+        n: units with a finite value. mean: their mean. se: ``s / sqrt(n)``.
+        target, margin: the prediction and the equivalence margin (the band ``target +- margin``).
+        low, high: the ``1 - 2 alpha`` two-sided interval (90% at alpha 0.05), whose inclusion in the
+            band is the TOST decision.
+        p: the larger of the two one-sided p-values (NaN when ``n < 2``; 0 / 1 without spread).
+        significant: ``p < alpha``: equivalent within the margin.
+        mde: the narrowest margin the test establishes with :data:`POWER` (80%) for units whose true
+            mean is exactly the target, ``(t_{n-1, 1-alpha} + t_{n-1, (1+POWER)/2}) se``; above
+            ``margin``: too few units to tell.
+    """
+
+    n: int
+    mean: float
+    se: float
+    target: float
+    margin: float
+    low: float
+    high: float
+    p: float
+    significant: bool
+    mde: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (NaN as None)."""
+
+        def clean(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {
+            "n": self.n, "mean": clean(self.mean), "se": clean(self.se), "target": self.target,
+            "margin": self.margin, "low": clean(self.low), "high": clean(self.high), "p": clean(self.p),
+            "significant": self.significant, "mde": clean(self.mde),
+        }  # fmt: skip
+
+
+def equivalence_test(
+    values: Sequence[float | None], *, target: float, margin: float, alpha: float = 0.05, power: float = POWER
+) -> EquivalenceTest:
+    """Two one-sided tests of ``target - margin < mean < target + margin`` over independent units.
+
+    Each side is a one-sample t test (``scipy.stats.ttest_1samp``): ``mean > target - margin`` and
+    ``mean < target + margin``; equivalence at ``alpha`` when both reject, i.e. the ``1 - 2 alpha``
+    interval lies inside the band (Schuirmann 1987). Non-finite values and None are left out.
+
+    Args:
+        values: one value per unit (e.g. a reference image's exponent).
+        target: the prediction (e.g. the theory's exponent 2).
+        margin: the half-width of the band that counts as equal (> 0).
+        alpha: the size of each one-sided test (and of the TOST).
+        power: the power of :attr:`EquivalenceTest.mde`.
+
+    Example:
+        >>> result = equivalence_test([1.9, 2.05, 1.98, 2.02], target=2.0, margin=0.5)
+        >>> result.significant, round(result.mean, 3)
+        (True, 1.988)
+    """
+    from scipy.stats import t as student_t
+    from scipy.stats import ttest_1samp
+
+    if not (isinstance(margin, int | float) and math.isfinite(margin) and margin > 0):
+        raise ValueError(f"margin must be a finite number > 0, got {margin!r}")
+    data = np.array([math.nan if v is None else float(v) for v in values], dtype=np.float64)
+    data = data[np.isfinite(data)]
+    n = int(data.size)
+    nan = math.nan
+    if n == 0:
+        return EquivalenceTest(0, nan, nan, target, margin, nan, nan, nan, False, nan)
+    mean = float(data.mean())
+    if n < 2:
+        return EquivalenceTest(n, mean, nan, target, margin, nan, nan, nan, False, nan)
+    se = float(data.std(ddof=1)) / math.sqrt(n)
+    if _no_spread(float(np.ptp(data)), mean):  # no spread: decided by the value
+        inside = abs(mean - target) < margin
+        return EquivalenceTest(n, mean, 0.0, target, margin, mean, mean, 0.0 if inside else 1.0, inside, 0.0)
+    half = float(student_t.isf(alpha, n - 1)) * se
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p_low = float(ttest_1samp(data, target - margin, alternative="greater").pvalue)
+        p_high = float(ttest_1samp(data, target + margin, alternative="less").pvalue)
+    p = max(p_low, p_high)
+    mde = float((student_t.isf(alpha, n - 1) + student_t.ppf(0.5 + power / 2, n - 1)) * se)
+    return EquivalenceTest(n, mean, se, target, margin, mean - half, mean + half, p, p < alpha, mde)
 
 
 TWO_LEVEL_TEST = (
@@ -173,10 +308,15 @@ class TwoLevelTest:
         low, high: its two-sided interval at the given coverage (NaN when ``n < 2``).
         se: ``sqrt(a + b)`` (see :data:`TWO_LEVEL_TEST`).
         margin: the smallest effect counted: the test is of ``mean > margin``.
-        p: one-sided p-value (NaN without a test: ``n < 2``, or no spread at all).
+        p: one-sided p-value (NaN without a test: ``n < 2``; with no spread at all, 0 when the
+            mean is above the margin, else 1).
         significant: ``p < alpha``; False where ``p`` is NaN.
         dropped_references, dropped_draws: units and draws left out for a missing value.
         caveat: why the test is weaker than it looks (one draw), else None.
+        mde: the smallest true mean difference the test detects with :data:`POWER` (80%) at these
+            references and draws, the draws' offsets included: ``margin + sqrt(t_{R-1, 1-alpha}^2 a
+            + t_{K-1, 1-alpha}^2 b) + sqrt(t_{R-1, POWER}^2 a + t_{K-1, POWER}^2 b)`` (NaN when
+            ``n < 2``).
     """
 
     n: int
@@ -191,6 +331,7 @@ class TwoLevelTest:
     dropped_references: int = 0
     dropped_draws: int = 0
     caveat: str | None = None
+    mde: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (NaN as None)."""
@@ -211,6 +352,7 @@ class TwoLevelTest:
             "dropped_references": self.dropped_references,
             "dropped_draws": self.dropped_draws,
             "caveat": self.caveat,
+            "mde": clean(self.mde),
         }
 
 
@@ -230,6 +372,21 @@ def _critical(alpha: float, a: float, b: float, n: int, draws: int) -> float:
     q_refs = float(student_t.isf(alpha, n - 1))
     q_draws = float(student_t.isf(alpha, draws - 1)) if b > 0 else 0.0  # K = 1: b = 0
     return math.sqrt(q_refs**2 * a + q_draws**2 * b)
+
+
+def _two_level_mde(alpha: float, a: float, b: float, n: int, draws: int, margin: float) -> float:
+    """The mean difference detected with :data:`POWER`: ``margin + critical(alpha) + critical(1 - POWER)``."""
+    return margin + _critical(alpha, a, b, n, draws) + _critical(1.0 - POWER, a, b, n, draws)
+
+
+NO_SPREAD = 1e-12
+"""Relative spread below which a test's values count as having none (float rounding of equal values:
+an exact head's exponent 2.000 computed per reference differs by ~1e-16)."""
+
+
+def _no_spread(spread: float, mean: float) -> bool:
+    """Whether ``spread`` (a range or a standard error) is float rounding of equal values around ``mean``."""
+    return spread <= NO_SPREAD * max(1.0, abs(mean))
 
 
 _P_FLOOR = 1e-15
@@ -337,9 +494,12 @@ def two_level_test(
     b = (1 / draws + float(trained_is_a_draw)) * float(kept.mean(0).var(ddof=1)) if draws > 1 else 0.0
     se = math.sqrt(a + b)
     half = _critical((1 - confidence) / 2, a, b, n, draws)
-    measured = replace(untested, mean=mean, low=mean - half, high=mean + half, se=se)
-    if se == 0.0:  # every reference and draw the same difference: no test
-        return measured
+    mde = _two_level_mde(alpha, a, b, n, draws, margin)
+    measured = replace(untested, mean=mean, low=mean - half, high=mean + half, se=se, mde=mde)
+    if _no_spread(se, mean):  # every reference and draw the same difference: decided by the value
+        above = mean > margin
+        return replace(measured, se=0.0, low=mean, high=mean, mde=margin, p=0.0 if above else 1.0,
+                       significant=above)  # fmt: skip
     if draws == 1:
         p = float(student_t.sf((mean - margin) / se, n - 1))
     else:

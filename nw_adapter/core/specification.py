@@ -8,7 +8,15 @@ bandwidth h are
     W = softmax(-||q - k_i||^2 / 2h^2) = softmax((q.k_i - ||k_i||^2 / 2) / h^2),
 
 so the ranks of A in a row are those of ``q.k_i`` and the ranks of W (any h) those of
-``q.k_i - ||k_i||^2 / 2``. Every statistic is one function of a :class:`Softmax` that returns
+``q.k_i - ||k_i||^2 / 2``. A softmax may also carry a share ``c`` of the key-norm term in its own
+logits (:attr:`Softmax.key_norm_weight`): ``A = softmax(s (q.k_i - c ||k_i||^2 / 2))``. ``c = 0``
+is dot-product attention; ``c = 1`` with ``s = 1/h^2`` is the exact NW head at bandwidth h
+(Theorem 3's additive-bias form, THEORY.md section 3), whose weights are W at that h: this is how
+the processors record a swapped branch (the softmax that produces its output). Every statistic
+reads the attention through its scores ``q.k_i - c ||k_i||^2 / 2`` (:attr:`Softmax.attn_scores`);
+the NW weights, the nulls' NW side and the key geometry stay those of the head's own q and k.
+
+Every statistic is one function of a :class:`Softmax` that returns
 one value per (batch row, head) ``[B, H]``, or, for rho and its nulls, one value per query row
 ``[B, H, rows]`` (NaN for a constant row). :data:`SPECIFICATION` is the table of them: its keys
 are :data:`STAT_NAMES` (the recorder's names, re-exported by ``integration/schema.py``), and
@@ -49,6 +57,7 @@ __all__ = [
     "FAST_PATH_ONLY",
     "H_EFF_BLIND_TOLERANCE",
     "H_EFF_EDGE_TOLERANCE",
+    "H_EFF_QUERY_TOLERANCE",
     "H_EFF_REASONS",
     "NEEDS_DRAWS",
     "PER_QUERY_ROW",
@@ -92,11 +101,23 @@ H_EFF_REASONS: tuple[str, ...] = (
     "fewer than 2 valid keys",
     "query-blind attention (1 - r2_key < 1e-6): no bandwidth of a query smoother is identified",
     "fitted bandwidth at the edge of its search range (not identified)",
+    "not identified: the NW scores barely vary with the query (their query-dependent share of "
+    "variance < 1e-4), so the fit rests on the key norms alone and its profile is flat once a key "
+    "prior is allowed",
 )
 
 #: ``1 - r2_key`` below this: the attention does not depend on the query row (all of its
 #: row-centred logit variance is a key bias), so no bandwidth of a smoother of the query is read.
 H_EFF_BLIND_TOLERANCE = 1e-6
+
+#: ``1 - r2_key`` of the NW scores ``G = q.k - ||k||^2 / 2`` below this: the part of G that varies
+#: with the query row carries less than this share of G's row-centred variance, so the fit of
+#: ``beta`` is carried by the key-norm term (a query-blind pattern) and a key prior could absorb
+#: any ``beta``: its profile over ``beta`` is flat once that prior is free. In the small-logit
+#: limit the information the fit has about ``log beta`` from the query's variation is this share of
+#: its total, so below 1e-4 (queries equal up to ~1e-2 of their spread) ``h_eff`` is not identified.
+#: Measured: queries equal up to 1e-3 of their norm gave h_eff 2.2 or 4.9 by the draw, shares ~1e-6.
+H_EFF_QUERY_TOLERANCE = 1e-4
 
 #: A fitted ``beta = 1/h_eff^2`` within this relative distance of an end of :data:`BETA_RANGE` is
 #: at the edge: the loss still falls there, so the optimum is not inside the search range.
@@ -172,21 +193,30 @@ class Softmax:
     Attributes:
         q: queries ``[B, H, N, d]``.
         k: keys ``[B, H, M, d]`` (same dtype as q).
-        scale: s, the softmax scale.
+        scale: s, the softmax scale: a float, or ``[B, H]`` (a swapped head at a per-head h).
         h: the NW bandwidth ``[B, H]``.
         valid: bool key mask broadcastable to ``[B, H, M]`` (``[B, 1, M]`` or ``[B, H, M]``;
             None = all keys), True = the key takes part; every (batch row, head) keeps one.
         draws: the nulls' random numbers (None = no nulls).
         fit_rows: the bandwidth fit uses this many evenly spaced query rows (None = all).
+        key_norm_weight: c, the share of the key-norm term in the attention's own logits,
+            ``A = softmax(s (q.k_i - c ||k_i||^2 / 2))``: 0 dot-product attention, 1 the exact NW
+            head at ``h^2 = 1/s`` (a swapped branch).
     """
 
     q: Tensor
     k: Tensor
-    scale: float
+    scale: float | Tensor
     h: Tensor
     valid: Tensor | None
     draws: NullDraws | None
     fit_rows: int | None = None
+    key_norm_weight: float = 0.0
+
+    @cached_property
+    def scale_rows(self) -> float | Tensor:
+        """s broadcastable over ``[B, H, N, M]`` (a float as it is, ``[B, H]`` as ``[B, H, 1, 1]``)."""
+        return self.scale[..., None, None] if isinstance(self.scale, torch.Tensor) else self.scale
 
     @cached_property
     def key_valid(self) -> Tensor | None:
@@ -222,9 +252,17 @@ class Softmax:
         return self.qk - self.half_sq_norms[..., None, :]
 
     @cached_property
+    def attn_scores(self) -> Tensor:
+        """``q.k_i - c ||k_i||^2 / 2`` ``[B, H, N, M]``: the attention's scores (``q.k_i`` for
+        dot-product attention, c = 0; the NW scores for the exact head, c = 1)."""
+        if self.key_norm_weight == 0:
+            return self.qk
+        return self.qk - self.key_norm_weight * self.half_sq_norms[..., None, :]
+
+    @cached_property
     def attn_logits(self) -> Tensor:
-        """``s q.k_i`` ``[B, H, N, M]``: A = softmax of these."""
-        return self.scale * self.qk
+        """``s (q.k_i - c ||k_i||^2 / 2)`` ``[B, H, N, M]``: A = softmax of these."""
+        return self.scale_rows * self.attn_scores
 
     @cached_property
     def nw_logits(self) -> Tensor:
@@ -270,7 +308,10 @@ class Softmax:
         rows = self.fit_row_index
         r2 = self.scale * math.sqrt(self.q.shape[-1])
         attn = self.weights(self.attn_logits)[..., rows, :]
-        r = math.sqrt(r2)
+        if isinstance(r2, torch.Tensor):  # a per-head scale: r [B, H, 1, 1]
+            r = r2.sqrt()[..., None, None]
+        else:
+            r = math.sqrt(r2)
         h, _ = _bandwidth_rules.fitted_bandwidth(
             attn, self.q[..., rows, :] * r, self.k * r, key_mask=self.key_valid, steps=FIT_STEPS
         )
@@ -286,32 +327,36 @@ class Softmax:
 
 
 def rho(x: Softmax) -> Tensor:
-    """Per-row Spearman correlation of A and W: ranks of ``q.k_i`` against ``q.k_i - ||k_i||^2 / 2``."""
-    return metrics.rowwise_spearman(x.qk, x.nw_scores, x.row_valid)
+    """Per-row Spearman correlation of A and W: ranks of the attention scores (``q.k_i`` for
+    dot-product attention) against ``q.k_i - ||k_i||^2 / 2``."""
+    return metrics.rowwise_spearman(x.attn_scores, x.nw_scores, x.row_valid)
 
 
 def rho_perm_null(x: Softmax) -> Tensor:
     """rho with the attention scores of each null row shuffled across the valid keys (expected ~0)."""
-    qk = x.qk[..., x.null_rows, :]
-    shuffled = torch.gather(qk, -1, x.permutation)
+    scores = x.attn_scores[..., x.null_rows, :]
+    shuffled = torch.gather(scores, -1, x.permutation)
     return metrics.rowwise_spearman(shuffled, x.nw_scores[..., x.null_rows, :], x.row_valid)
 
 
 def rho_norm_matched_null(x: Softmax) -> Tensor:
-    """rho of queries of the same norms in random directions: ``q' = ||q|| z / ||z||``, z ~ N(0, I)."""
+    """rho of queries of the same norms in random directions: ``q' = ||q|| z / ||z||``, z ~ N(0, I)
+    (the attention's scores of q' against the NW scores of q')."""
     q = x.q[..., x.null_rows, :]
     z = x._draws().directions.to(device=q.device, dtype=q.dtype)
     q_null = z * (q.norm(dim=-1, keepdim=True) / z.norm(dim=-1, keepdim=True))
     qk = q_null @ x.k.transpose(-1, -2)
-    return metrics.rowwise_spearman(qk, qk - x.half_sq_norms[..., None, :], x.row_valid)
+    half_sq = x.half_sq_norms[..., None, :]
+    attn = qk if x.key_norm_weight == 0 else qk - x.key_norm_weight * half_sq
+    return metrics.rowwise_spearman(attn, qk - half_sq, x.row_valid)
 
 
 def rho_spread_null(x: Softmax) -> Tensor:
-    """rho with each row's ``q.k`` kept and its pairing with the key norms shuffled:
-    ``q.k_i`` against ``q.k_i - ||k_pi(i)||^2 / 2``."""
+    """rho with each row's attention scores kept and the NW side's pairing of ``q.k`` with the key
+    norms shuffled: the attention scores against ``q.k_i - ||k_pi(i)||^2 / 2``."""
     qk = x.qk[..., x.null_rows, :]
     shuffled_half_sq = torch.gather(x.half_sq_norms[..., None, :].expand_as(qk), -1, x.permutation)
-    return metrics.rowwise_spearman(qk, qk - shuffled_half_sq, x.row_valid)
+    return metrics.rowwise_spearman(x.attn_scores[..., x.null_rows, :], qk - shuffled_half_sq, x.row_valid)
 
 
 # --- the other statistics: one value per (batch row, head) -------------------------------------
@@ -387,7 +432,7 @@ def neff_nw(x: Softmax) -> Tensor:
 
 def top1(x: Softmax) -> Tensor:
     """Fraction of query rows whose top key is the same under A and W."""
-    return metrics.top1_agreement(x.qk, x.nw_scores, x.row_valid).to(x.q.dtype).mean(-1)
+    return metrics.top1_agreement(x.attn_scores, x.nw_scores, x.row_valid).to(x.q.dtype).mean(-1)
 
 
 def q_norm(x: Softmax) -> Tensor:
@@ -411,12 +456,13 @@ def key_norm_cv(x: Softmax) -> Tensor:
 
 
 def qk_spread_ratio(x: Softmax) -> Tensor:
-    """``mean_rows std_i(q.k_i) / std_i(||k_i||^2 / 2)`` over the valid keys: what rho is a function of.
+    """``mean_rows std_i(q.k_i) / std_i(||k_i||^2 / 2)`` over the valid keys: what rho is a function of
+    (the attention's scores in place of ``q.k`` for a head with a key-norm term, c > 0).
 
     Population standard deviations; NaN where the valid keys' norms are all equal (the
     denominator is 0: identical keys, or keys on a sphere, where rho is 1 by algebra).
     """
-    spread = metrics.masked_std(x.qk, x.row_valid).mean(-1)
+    spread = metrics.masked_std(x.attn_scores, x.row_valid).mean(-1)
     norms = metrics.masked_std(x.half_sq_norms, x.key_valid)
     return torch.where(
         norms > 0, spread / norms, torch.full((), math.nan, dtype=spread.dtype, device=x.q.device)
@@ -424,7 +470,8 @@ def qk_spread_ratio(x: Softmax) -> Tensor:
 
 
 def logit_scale(x: Softmax) -> Tensor:
-    """The RMS of the row-centred attention logits ``s q.k_i`` (the effective inverse temperature, nats).
+    """The RMS of the row-centred attention logits ``s (q.k_i - c ||k_i||^2 / 2)`` (the effective inverse
+    temperature, nats).
 
     :func:`nw_adapter.core.readings.logit_scale`: ``c / h^2`` for NW logits over fixed queries
     and support; a constant gain on q or k multiplies it.
@@ -473,7 +520,9 @@ def h_eff_reason_code(x: Softmax) -> Tensor:
 
     1: fewer than 2 valid keys; 2: ``1 - r2_key < 1e-6`` (or r2_key undefined: every row's logits
     constant), the attention is the same for every query row; 3: the fitted beta within
-    :data:`H_EFF_EDGE_TOLERANCE` (relative) of an end of ``BETA_RANGE * s``.
+    :data:`H_EFF_EDGE_TOLERANCE` (relative) of an end of ``BETA_RANGE * s``; 4: the NW scores'
+    query-dependent share ``1 - r2_key(G)`` below :data:`H_EFF_QUERY_TOLERANCE` (the fit's profile
+    is flat once a key prior is free: nothing but the key norms fixes beta).
     """
     beta = x.fitted_beta
     ends = [end * x.scale for end in BETA_RANGE]
@@ -481,7 +530,9 @@ def h_eff_reason_code(x: Softmax) -> Tensor:
     for end in ends:
         edge = edge | ((beta / end - 1.0).abs() <= H_EFF_EDGE_TOLERANCE)
     blind = ~(1.0 - r2_key(x) >= H_EFF_BLIND_TOLERANCE)
-    code = torch.where(edge, 3, 0)
+    flat = ~(1.0 - readings.r2_key(x.nw_scores, x.key_valid) >= H_EFF_QUERY_TOLERANCE)
+    code = torch.where(flat, 4, 0)
+    code = torch.where(edge, 3, code)
     code = torch.where(blind, 2, code)
     return torch.where(x.key_count < 2, 1, code).to(torch.long)
 

@@ -93,6 +93,32 @@ def _cells(name: str, value: Any, shape: tuple[int, int] | None) -> list[list[fl
     return [[math.nan if x is None else float(x) for x in row] for row in rows]
 
 
+def _check_range(where: str, stat: str, cells: list[list[float]]) -> None:
+    """ValueError when a cell of a statistic the verdict reads lies outside its range
+    (:data:`nw_adapter.correlate.verdict.VALUE_RANGES`): rho = 5, an infinite rho, a key scale of 0."""
+    from nw_adapter.correlate.verdict import VALUE_RANGES
+
+    if stat not in VALUE_RANGES:
+        return
+    low, high, closed, what = VALUE_RANGES[stat]
+    for row in cells:
+        for x in row:
+            if math.isnan(x):
+                continue
+            inside = math.isfinite(x) and low - 1e-4 <= x <= high + 1e-4 and (closed or x > low)  # rounding
+            if not inside:
+                span = (
+                    f"[{low:g}, {high:g}]"
+                    if math.isfinite(low) and math.isfinite(high)
+                    else (
+                        f"{'[' if closed else '('}{low:g}, inf)" if math.isfinite(low) else "finite numbers"
+                    )
+                )
+                raise ValueError(
+                    f"{where}: {x:g} is outside {span} ({what}); pass the values compare_attention returns"
+                )
+
+
 def _reason(comparison: Mapping[str, Any], stat: str) -> str | None:
     """The reason the comparison counts for NaN values of ``stat`` (several: ``one of: a; b``)."""
     counted = (getattr(comparison, "nan_reasons", None) or {}).get(stat) or {}
@@ -165,7 +191,9 @@ def comparison_records(
 
     Raises:
         ValueError: a comparison that is not one, shapes that differ, a key-scale count that is
-            not one per draw, a bad reference, step, h or half; one line naming it.
+            not one per draw, a value out of its range (rho = 5, an infinite rho, a key scale of
+            0: :data:`nw_adapter.correlate.verdict.VALUE_RANGES`), a bad reference, step, h or half;
+            one line naming it.
     """
     _check_arguments(trained, controls, key_scales, reference, step, h_schedule)
     rho = _cells("trained['rho']", trained["rho"], None)
@@ -176,14 +204,19 @@ def comparison_records(
     columns: dict[str, list[list[float]]] = {
         name: _cells(f"trained[{name!r}]", value, shape) for name, value in trained.items()
     }
+    for name, cells in columns.items():
+        _check_range(f"trained[{name!r}]", name, cells)
     for draw, control in enumerate(controls):
         for stat in (s for s in CONTROL_OF if s in control):
-            columns[f"{stat}_control_{draw}"] = _cells(f"controls[{draw}][{stat!r}]", control[stat], shape)
+            cells = _cells(f"controls[{draw}][{stat!r}]", control[stat], shape)
+            _check_range(f"controls[{draw}][{stat!r}]", stat, cells)
+            columns[f"{stat}_control_{draw}"] = cells
         if key_scales is not None:
             ratio = key_scales[draw]
             if isinstance(ratio, int | float) and not isinstance(ratio, bool):  # one ratio for every cell
                 ratio = [[float(ratio)] * shape[1] for _ in range(shape[0])]
             columns[f"key_scale_{draw}"] = _cells(f"key_scales[{draw}]", ratio, shape)
+            _check_range(f"key_scales[{draw}]", "key_scale", columns[f"key_scale_{draw}"])
     h_reason = _reason(trained, "h_eff")
     records = []
     for row in range(shape[0]):

@@ -5,9 +5,11 @@ random tiny model (SD 1.5 with a random adapter, SD 3.5, Flux) once per seed, ea
 few reference images (scikit-learn's sample photographs and their mirror images), each seed a new
 draw of all the model's weights, with the scale-matched untrained-adapter control on
 (:data:`CONTROL_DRAWS` draws per run, seeds that no other run uses), and counts the
-runs whose verdict is "evidence of learned kernel smoothing" and the runs in which each clause
-holds or was measured. The weights are random, so every "evidence" is a false positive; the
-verdict's design bounds its rate by alpha = 5% per run. Entry point:
+runs whose verdict is "evidence of kernel smoothing on the schedule" (the positive conclusion:
+the exponent equivalent to the theory's 2 and above the control's, and the NW form) and the runs
+in which each clause holds or was measured. The weights are random, so every "evidence" is a false
+positive; the verdict's design bounds its rate by alpha = 5% per run (each condition is an
+intersection-union test of size at most alpha). Entry point:
 ``scripts/verdict_false_positives.py``.
 """
 

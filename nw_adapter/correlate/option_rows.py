@@ -160,7 +160,7 @@ class Option:
         metavar: The value's name in ``--help``.
         dest: The attribute name (default: from the long flag).
         records: What it writes into the options record.
-        needs: A condition on another option (:class:`Needs`).
+        needs: A condition on another option (:class:`Needs`), or a tuple of them (all must hold).
         families: The model families that read it (None: every family), and ``family_fix``, the
             fix when given for another one.
         hints: ``{run: fix}``: the fix when the option is refused by that run (default: drop it).
@@ -177,7 +177,7 @@ class Option:
     metavar: str | None = None
     dest_name: str | None = None
     records: tuple[Record, ...] = ()
-    needs: Needs | None = None
+    needs: Needs | tuple[Needs, ...] | None = None
     families: frozenset[str] | None = None
     family_fix: str = ""
     hints: Mapping[str, str] = field(default_factory=dict)
@@ -189,6 +189,13 @@ class Option:
             return self.dest_name
         long = next(flag for flag in self.flags if flag.startswith("--"))
         return long[2:].replace("-", "_")
+
+    @property
+    def conditions(self) -> tuple[Needs, ...]:
+        """Its conditions on other options (:attr:`needs` as a tuple), checked in this order."""
+        if self.needs is None:
+            return ()
+        return self.needs if isinstance(self.needs, tuple) else (self.needs,)
 
     @property
     def name(self) -> str:

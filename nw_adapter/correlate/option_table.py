@@ -153,6 +153,12 @@ def _end_to_end_meta(args: argparse.Namespace, _: Resolved) -> dict | None:
     return end_to_end_meta(args)
 
 
+def _calibration_meta(args: argparse.Namespace, _: Resolved) -> dict | None:
+    from nw_adapter.correlate.calibrate_cli import calibrate_meta
+
+    return calibrate_meta(args)
+
+
 def _family_default(family: str, name: str) -> str:
     return getattr(FAMILIES[family], name)
 
@@ -165,6 +171,7 @@ _OUTPUT = "output"
 _SWAP = "swap consequence (instead of the rho run)"
 _SUPPORT = "support sets (instead of the rho run)"
 _END_TO_END = "end-to-end control"
+_CALIBRATION = "calibration"
 _FLOW = frozenset({SD3, FLUX})
 
 OPTIONS: tuple[Option, ...] = (
@@ -457,7 +464,34 @@ OPTIONS: tuple[Option, ...] = (
         "trained RMS norms, so a pure change of scale reads as no effect)",
         frozenset({END_TO_END}), action="store_false", dest_name="end_to_end_scale_match", default=True,
     ),
-    # H1 (issue 42): --calibrate is one more row here, read by the calibration run.
+    # calibration: the exact NW head measured in the same pipeline
+    Option(
+        ("--calibrate",), _CALIBRATION,
+        "generate every reference again with the exact NW head at the schedule's h swapped in (same seed and "
+        "noise) and measure it as the verdict's anchor beside the adapter and the control: the calibrated "
+        "table, the exact head's own verdict, its line in bandwidth.png (one more generation per image)",
+        frozenset({RHO}), action="store_true", default=False,
+        needs=(
+            Needs("mode", "observe", "--calibrate needs --mode observe: its second pass swaps the exact NW "
+                  "head in itself; drop --mode swap", "in observe mode"),
+            Needs("store_maps", False, "--calibrate does not combine with --store-maps; run them separately",
+                  "without --store-maps"),
+        ),
+        records=(Record("calibration", RHO_RUNS, value=_calibration_meta, omit_default=True),),
+        hints={
+            END_TO_END: "--calibrate does not combine with --end-to-end-control (both add passes); run them "
+            "separately",
+            COMPARE_SWAP: "--calibrate applies to the rho run (--image / --image-dir): drop it",
+            SUPPORT_SETS: "--calibrate applies to the rho run (--image / --image-dir): drop it",
+            REPLOT: "a redraw generates nothing; --calibrate applies to the rho run: drop it",
+        },
+    ),
+    Option(
+        ("--calibrate-c",), _CALIBRATION, "the exact head's bandwidth h = C sigma_t / alpha_t (default 1)",
+        frozenset({RHO}), default=None, metavar="C", parse=values.positive_float("--calibrate-c"),
+        needs=Needs("calibrate", True, "--calibrate-c sets the exact head's bandwidth of --calibrate; add "
+                    "--calibrate or drop it", "with --calibrate"),
+    ),
 )  # fmt: skip
 """Every option of ``correlate.py``, in ``--help`` order."""
 

@@ -90,6 +90,21 @@ def nonneg_float(name: str, *, maximum: float | None = None) -> Parser:
     return parse
 
 
+def positive_float(name: str) -> Parser:
+    """A finite number > 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got '{text}'") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got '{text}'")
+        return value
+
+    return parse
+
+
 def seed(name: str, *, room: int = 0) -> Parser:
     """A seed in ``0 .. 2**63 - 1 - room`` (``room``: further seeds ``s + k`` the option implies)."""
     shown = "2**63 - 1" if not room else f"2**63 - {room + 1}"

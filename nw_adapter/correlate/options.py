@@ -165,8 +165,10 @@ def check_options(args: argparse.Namespace, given: set[str]) -> Run:
         if option.dest in given and run.name not in option.runs:
             raise CLIError(refusal(option, run))
     for option in OPTIONS:
-        if option.dest in given and option.needs and not option.needs.met(args):
-            raise CLIError(option.needs.message)
+        if option.dest in given:
+            for condition in option.conditions:
+                if not condition.met(args):
+                    raise CLIError(condition.message)
     if run.inputs and not any(getattr(args, dest) for dest in run.inputs):
         raise CLIError(run.no_input)
     from nw_adapter.correlate.sweep import is_distributed_launch

@@ -87,8 +87,8 @@ def markdown() -> str:
         read = _runs(option.runs) if option.dest != "example_dir" else "any (answers at once)"
         if option.families is not None:
             read += f" (model families: {', '.join(sorted(option.families))})"
-        if option.needs is not None:
-            read += f" (only {option.needs.shown})"
+        if option.conditions:
+            read += f" (only {', '.join(condition.shown for condition in option.conditions)})"
         name = ", ".join(f"`{flag}`" for flag in option.flags)
         lines.append(
             f"| {name} | {_value(option)} | {read} | {_recorded(option)} | {_fingerprinted(option)} | "

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from nw_adapter.analysis import records
-from nw_adapter.integration.schema import control_column, control_draws, control_label
+from nw_adapter.integration.schema import control_draws, control_label
 
 
 def counted(count: int, noun: str) -> str:
@@ -273,20 +273,23 @@ def _positive(value: object) -> bool:
 
 
 def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
-    """The bandwidth path: ``logit_scale`` against the schedule's h per step, log-log, with slope -2.
+    """The bandwidth path: ``logit_scale`` against the schedule's h per step, log-log, in the verdict's
+    convention: the exponent ``-d log logit_scale / d log h`` (theory 2).
 
     ``logit_scale`` is the RMS of the row-centred attention logits, the branch's effective inverse
     temperature (:func:`nw_adapter.core.readings.logit_scale`); an exact NW head over fixed queries
-    has ``logit_scale = c / h^2`` (slope -2 on log-log axes) whatever its support, a head of fixed
-    temperature a flat line, and a constant gain on q or k only moves a line up or down. Per step:
-    the geometric mean over reference images of each image's geometric mean over layers, heads and
-    adapters (:func:`nw_adapter.correlate.verdict.image_step_means`, the verdict's own per-step
-    means), for the trained adapter and, when recorded, the scale-matched control (per step the
-    geometric mean over its draws), with the 95% Student t interval over images as error bars (the
-    unit: the reference image; two or more images). The legend gives each arm's mean per-image OLS
-    slope (:func:`~nw_adapter.correlate.verdict.slope_on_log_h`; the control's over images and draws;
-    the verdict's bandwidth clause tests the trained exponent minus the control's). The
-    dotted line through the trained points' centre has slope -2. 3.5 in wide (a paper's column).
+    has ``logit_scale = c / h^2`` (exponent 2: slope -2 on these axes) whatever its support, a head
+    of fixed temperature exponent 0 (a flat line), and a constant gain on q or k only moves a line
+    up or down. Lines, per step the geometric mean over reference images of each image's geometric
+    mean over layers, heads and adapters (:func:`nw_adapter.correlate.verdict.image_step_means`, the
+    verdict's own per-step means), with the 95% Student t interval over images as error bars: the
+    trained adapter; the scale-matched control (per step the geometric mean over its draws, its
+    scale matched once per run as the verdict reads it: ``log_control_path_k``); and, for a
+    calibrated run, the exact NW head *measured* in the same pipeline (its ``_exact`` columns). The
+    legend gives each line's exponent as the verdict computes it (the mean over images of the
+    per-image OLS exponents, :func:`~nw_adapter.correlate.verdict.slope_on_log_h`; the control's
+    over images and draws). The dotted guide through the trained points' centre has exponent 2.
+    3.5 in wide (a paper's column).
 
     Returns:
         A :class:`matplotlib.figure.Figure`, or None when no step has a positive ``logit_scale`` and
@@ -296,18 +299,20 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
 
     from nw_adapter.analysis.records import wrap_title
     from nw_adapter.core.intervals import t_interval
-    from nw_adapter.correlate.verdict import image_step_means, slope_on_log_h
+    from nw_adapter.correlate.verdict import EXACT, image_step_means, slope_on_log_h
 
     draws = control_draws({name for r in records for name in r})
     by_image = image_step_means(records, half, draws)
-    controls = [f"log_{control_column('logit_scale', k)}" for k in range(draws)]
-    for rows in by_image.values():  # the control's arm: per step, the mean over its draws
+    exact_images = image_step_means(records, half, 0, EXACT)
+    controls = [f"log_control_path_{k}" for k in range(draws)]
+    for rows in by_image.values():  # the control's line: per step, the mean over its draws
         for row in rows:
             logs = [row[name] for name in controls if row.get(name) is not None]
             row["log_control"] = float(np.mean(logs)) if logs else None
-    arms = (
-        ("log_logit_scale", ("log_logit_scale",), "trained adapter", "#1f77b4", "o"),
-        ("log_control", controls, control_label(draws), "#ff7f0e", "s"),
+    lines = (
+        (by_image, "log_logit_scale", ("log_logit_scale",), "trained adapter", "#1f77b4", "o"),
+        (by_image, "log_control", controls, control_label(draws), "#ff7f0e", "s"),
+        (exact_images, "log_logit_scale", ("log_logit_scale",), "exact NW head (measured)", "#2ca02c", "^"),
     )
 
     def points(rows: Sequence[dict], key: str) -> list[tuple[int, float, float]]:
@@ -316,24 +321,25 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
 
     if not any(points(rows, "log_logit_scale") for rows in by_image.values()):
         return None
-    fig = Figure(figsize=(3.5, 3.7), layout="constrained")
+    fig = Figure(figsize=(3.5, 3.9), layout="constrained")
     ax = fig.subplots()
     centre: tuple[float, float] | None = None
-    for key, sloped, label, color, marker in arms:
+    for images, key, sloped, label, color, marker in lines:
         per_step: dict[int, list[tuple[float, float]]] = {}
-        for rows in by_image.values():
+        for rows in images.values():
             for step, x, y in points(rows, key):
                 per_step.setdefault(step, []).append((x, y))
         if not per_step:
             continue
-        # each image's OLS slope of the arm's log logit_scale on log h (the control's: over its draws)
-        slopes = [v for rows in by_image.values() for name in sloped
-                  if (v := slope_on_log_h(rows, name, 1.0)) is not None]  # fmt: skip
+        # each image's exponent, -(OLS slope of the line's log logit_scale on log h) (the control's:
+        # over its draws), as the verdict computes it
+        exponents = [v for rows in images.values() for name in sloped
+                     if (v := slope_on_log_h(rows, name, -1.0)) is not None]  # fmt: skip
         order = sorted(per_step, key=lambda step: np.mean([p[0] for p in per_step[step]]))
         xs = np.array([np.mean([p[0] for p in per_step[s]]) for s in order])
         stats = np.array([t_interval([p[1] for p in per_step[s]]) for s in order])  # [steps, 3]
         n = max(len(per_step[s]) for s in order)
-        slope = f", slope {np.mean(slopes):+.2f}" if slopes else ""
+        exponent = f", exponent {np.mean(exponents):+.2f}" if exponents else ""
         y = np.exp(stats[:, 0])
         errors = None
         if n >= 2:
@@ -348,9 +354,9 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
             linewidth=1.0,
             elinewidth=0.7,
             capsize=1.5,
-            label=f"{label}: {counted(n, 'image')}{slope}",
+            label=f"{label}: {counted(n, 'image')}{exponent}",
         )
-        if key == "log_logit_scale":
+        if images is by_image and key == "log_logit_scale":
             centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
     if centre is not None:
         h_all = [x for rows in by_image.values() for _, x, _ in points(rows, "log_logit_scale")]
@@ -361,7 +367,7 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
             color="0.3",
             linestyle=":",
             linewidth=1.0,
-            label="slope -2: an exact NW head (c / h^2)",
+            label="exponent 2 (the theory): logit_scale = c / h^2",
         )
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -34,6 +34,7 @@ from nw_adapter.analysis.records import aggregate as aggregate_records
 from nw_adapter.analysis.records import analysis_half, csv_text
 from nw_adapter.analysis.validation import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
+from nw_adapter.correlate.verdict import format_readings
 from nw_adapter.correlate.verdict import format_verdict as format_verdict  # re-exported
 from nw_adapter.correlate.verdict import verdict as verdict  # re-exported
 from nw_adapter.integration.families import tiny_models
@@ -344,7 +345,9 @@ def random_weights_note(report: dict) -> str | None:
 
 
 def format_report(report: dict) -> str:
-    """What the command line prints: a context line, the table, its legend and the verdict."""
+    """What the command line prints: a context line, the table, its legend, the calibrated table of
+    a calibrated run (adapter, exact head and control side by side, one row per reading:
+    :func:`~nw_adapter.correlate.verdict.format_readings`) and the verdict."""
     records = report["records"]
     half = report["half"]
     kept = [r for r in records if r.get("half") == half]
@@ -361,7 +364,11 @@ def format_report(report: dict) -> str:
     if note:
         context += f"; note: {note}"
     table = report["table"]
-    lines = [context, format_table(table), format_legend(table), format_verdict(report["verdict"])]
+    lines = [context, format_table(table), format_legend(table)]
+    calibrated = format_readings(report["verdict"])
+    if calibrated:
+        lines.append(calibrated)
+    lines.append(format_verdict(report["verdict"]))
     warning = random_weights_note(report)
     if warning:
         lines.insert(0, f"WARNING: {warning}")

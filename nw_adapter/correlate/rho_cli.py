@@ -89,6 +89,7 @@ def _image_worker(
 
     from nw_adapter.atomic import atomic_write
     from nw_adapter.correlate import families
+    from nw_adapter.correlate.calibrate_cli import run_calibrated
     from nw_adapter.correlate.end_to_end_cli import run_end_to_end
     from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.correlate.outputs import draw_image_maps, skipped_note
@@ -103,6 +104,11 @@ def _image_worker(
         generator = torch.Generator(device="cpu").manual_seed(args.seed)
         call = {**model.call_arguments(args), "ip_adapter_image": reference, "generator": generator}
         run = {"run": run_id} if run_id else {}
+        if args.calibrate:  # the adapter's call and the exact NW head's (no maps: refused)
+            output, recorded = run_calibrated(args, pipe, config, call)
+            atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))
+            entry = {**info.to_dict(), "generated": str(folder.relative_to(out_dir) / "generated.png")}
+            return entry, [{"reference": key, **record, **run} for record in recorded]
         if args.end_to_end_control:  # the trained call and K untrained passes (no maps: refused)
             output, recorded, _ = run_end_to_end(args, pipe, config, call)
             atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))

@@ -63,10 +63,14 @@ __all__ = [
     "MATCHED",
     "VALUE_SEED_OFFSET",
     "EndToEndResult",
+    "RandomStateReplay",
     "UntrainedDraw",
     "build_untrained_draw",
     "end_to_end_control",
+    "fresh_call_kwargs",
     "head_scales",
+    "observed_call",
+    "record_key",
     "untrained_adapter_swapped",
 ]
 
@@ -397,7 +401,7 @@ def _config(recorder_config: NWProcessorConfig | Mapping[str, Any] | None) -> NW
     return config
 
 
-class _RandomState:
+class RandomStateReplay:
     """The global and the call's generators' random states before the trained call, to replay it."""
 
     def __init__(self, call_kwargs: Mapping[str, Any]) -> None:
@@ -429,7 +433,7 @@ class _RandomState:
             self._restore(after)
 
 
-def _fresh_kwargs(call_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def fresh_call_kwargs(call_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The call's arguments, tensors (latents, embeddings) cloned so no call can change another's."""
     return {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in call_kwargs.items()}
 
@@ -451,14 +455,19 @@ def _capture_embeds(denoiser: nn.Module) -> Iterator[list[Any]]:
         handle.remove()
 
 
-def _record_key(record: Mapping[str, Any]) -> tuple:
+def record_key(record: Mapping[str, Any]) -> tuple:
+    """The fields (:data:`MATCH_KEYS`) by which a record of one pass is matched with another's."""
     return tuple(record.get(k, "ip" if k == "key_set" else None) for k in MATCH_KEYS)
 
 
-def _observe(pipe: Any, config: NWProcessorConfig, call_kwargs: Mapping[str, Any]) -> tuple[Any, list[dict]]:
+def observed_call(
+    pipe: Any, config: NWProcessorConfig, call_kwargs: Mapping[str, Any]
+) -> tuple[Any, list[dict], Any]:
+    """``pipe(**call_kwargs)`` (tensors cloned) with NW processors of ``config`` installed for the
+    call: ``(output, records of every key set, the recorder)``."""
     with nw_processor(pipe, config) as recorder:
-        output = pipe(**_fresh_kwargs(call_kwargs))
-    return output, recorder.to_records(key_set=None)
+        output = pipe(**fresh_call_kwargs(call_kwargs))
+    return output, recorder.to_records(key_set=None), recorder
 
 
 def _layer_name(record_layer: str, layers: set[str]) -> str | None:
@@ -475,11 +484,11 @@ def _merge(
     key_scale: Mapping[tuple[str, int, str], Tensor],
 ) -> int:
     """Adds draw ``draw``'s columns to ``records`` in place; returns the records left without a match."""
-    by_key = {_record_key(r): r for r in control}
+    by_key = {record_key(r): r for r in control}
     layers = {layer for layer, _, _ in key_scale}
     missing = 0
     for record in records:
-        match = by_key.get(_record_key(record))
+        match = by_key.get(record_key(record))
         missing += match is None
         for stat in CONTROL_OF:
             if stat in record:
@@ -555,9 +564,9 @@ def end_to_end_control(
     if active_recorder(pipe) is not None:
         raise NWInstallError("end_to_end_control: remove the installed NW processors first")
     built = [build_untrained_draw(pipe, seed=seed + k) for k in range(draws)]  # fails before generating
-    random_state = _RandomState(call_kwargs)
+    random_state = RandomStateReplay(call_kwargs)
     with _capture_embeds(denoiser) as seen:
-        trained_output, records = _observe(pipe, config, call_kwargs)
+        trained_output, records, _ = observed_call(pipe, config, call_kwargs)
     if not seen:
         raise NWInstallError(
             "end_to_end_control: no image embeddings entered the image projection; pass ip_adapter_image "
@@ -576,7 +585,7 @@ def end_to_end_control(
             ),
             random_state.replay(),
         ):
-            output, control_records = _observe(pipe, config, call_kwargs)
+            output, control_records, _ = observed_call(pipe, config, call_kwargs)
         outputs.append(output)
         unmatched.append(_merge(records, control_records, k, by_half))
     meta = {

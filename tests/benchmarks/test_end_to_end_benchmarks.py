@@ -37,3 +37,13 @@ def test_readings_per_layer_and_end_to_end_agree_where_the_queries_are_the_same(
     later = list(result["rho_e2e_minus_per_layer_by_layer"].values())[1:]
     assert any(abs(g) > 1e-4 for gaps in later for g in gaps)  # later layers: the queries differ
     assert "key scale" in end_to_end_readings.table(result)
+
+
+def test_calibration_cost_harness_runs_both_variants() -> None:
+    from benchmarks import calibration_cost
+
+    results = {"tiny": calibration_cost.measure("tiny", steps=1, repeats=1)}
+    assert (
+        set(calibration_cost.VARIANTS) <= set(results["tiny"]) and results["tiny"]["observe"]["ratio"] == 1.0
+    )
+    assert "calibrate" in calibration_cost.table(results, 1)

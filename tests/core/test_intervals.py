@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 
 from nw_adapter.core.intervals import (
+    equivalence_test,
     greater_than_zero,
     t_interval,
     two_level_greater,
@@ -37,11 +38,58 @@ def test_greater_than_zero_is_scipys_one_sided_test_and_leaves_missing_units_out
     assert greater_than_zero([-0.3, -0.2, -0.25]).significant is False  # a clear negative mean never passes
 
 
-@pytest.mark.parametrize("values", [[], [0.4], [0.2, 0.2, 0.2]], ids=["none", "one", "constant"])
-def test_no_test_without_spread_over_at_least_two_units(values) -> None:
+@pytest.mark.parametrize("values", [[], [0.4]], ids=["none", "one"])
+def test_no_test_with_fewer_than_two_units(values) -> None:
     result = greater_than_zero(values)
     assert math.isnan(result.p) and result.significant is False
     assert result.to_dict()["p"] is None and result.n == len(values)
+
+
+def test_a_zero_spread_effect_is_met_or_not_by_its_value() -> None:
+    """Issue 42: every unit the same value (the exact head with frozen queries, +2.000 [2.000,
+    2.000]) is decided by that value; main at f073761 printed "p n/a" and "not met"."""
+    met = greater_than_zero([2.0, 2.0, 2.0])
+    assert met.significant is True and met.p == 0.0 and met.mde == 0.0 and (met.low, met.high) == (2.0, 2.0)
+    assert greater_than_zero([-0.1, -0.1]).significant is False and greater_than_zero([0.0, 0.0]).p == 1.0
+    assert two_level_test([[2.0, 2.0], [2.0, 2.0]], margin=0.01).significant is True
+    assert two_level_test([[0.005, 0.005], [0.005, 0.005]], margin=0.01).significant is False
+    assert equivalence_test([2.0, 2.0, 2.0], target=2.0, margin=0.5).significant is True
+    assert equivalence_test([2.6, 2.6], target=2.0, margin=0.5).significant is False
+
+
+def test_equivalence_is_two_one_sided_scipy_tests() -> None:
+    values = [1.8, 2.1, 1.95, 2.2, 1.9]
+    result = equivalence_test(values, target=2.0, margin=0.5)
+    low = stats.ttest_1samp(values, 1.5, alternative="greater").pvalue
+    high = stats.ttest_1samp(values, 2.5, alternative="less").pvalue
+    assert result.p == pytest.approx(max(low, high)) and result.significant
+    half = stats.t.isf(0.05, 4) * stats.sem(values)
+    assert (result.low, result.high) == pytest.approx((np.mean(values) - half, np.mean(values) + half))
+    # a path of exponent 1 (a 1/h temperature) is not equivalent to 2, however many units
+    assert not equivalence_test([1.0, 1.05, 0.95, 1.02], target=2.0, margin=0.5).significant
+    # inside the band but too spread out to tell: not significant, and its mde says why
+    wide = equivalence_test([0.5, 3.5, 1.0, 3.0], target=2.0, margin=0.5)
+    assert not wide.significant and wide.mde > 0.5
+
+
+def test_the_smallest_detectable_effect_has_80_percent_power() -> None:
+    """Simulated: data sets whose true mean is the reported mde reject in ~80% (one-sample), and
+    at least 80% for the two-level test (its critical value is conservative)."""
+    rng = np.random.default_rng(5)
+    n, sd = 10, 1.0
+    mde = greater_than_zero(rng.normal(0.0, sd, size=n)).mde  # one data set's estimate of it
+    exact = (stats.t.isf(0.05, n - 1) + stats.t.ppf(0.8, n - 1)) * sd / math.sqrt(n)
+    hits = sum(greater_than_zero(rng.normal(exact, sd, size=n)).significant for _ in range(2000))
+    assert 0.75 * 2000 <= hits <= 0.85 * 2000, hits
+    assert math.isfinite(mde) and mde > 0
+    d = rng.normal(0.0, 0.3, size=(10, 3)) + rng.normal(0.0, 0.2, size=(1, 3))
+    result = two_level_test(d, margin=0.01)
+    assert result.mde > result.high - result.mean + 0.01  # beyond the interval's half width and margin
+    shifted = [two_level_test(rng.normal(0.0, 0.3, size=(10, 3)) + rng.normal(0, 0.2, size=(1, 3)) + 1.0)
+               for _ in range(400)]  # fmt: skip
+    powered = sum(r.significant for r in shifted) / 400
+    mean_mde = np.mean([r.mde for r in shifted])
+    assert (powered >= 0.8) == (mean_mde <= 1.0)  # detected as often as the mde says
 
 
 def test_the_size_of_the_test_is_alpha_under_no_effect() -> None:
@@ -80,7 +128,7 @@ def test_two_level_test_leaves_out_missing_draws_then_references_and_counts_them
     assert result.to_dict()["dropped_references"] == 1
     assert math.isnan(two_level_test([[0.1, 0.2]]).p)  # one reference: no test
     flat = two_level_test([[0.1, 0.1], [0.1, 0.1]], margin=0.0)
-    assert math.isnan(flat.p) and flat.significant is False  # no spread at all: no test
+    assert flat.p == 0.0 and flat.significant is True  # no spread at all: decided by the value
 
 
 def test_a_difference_within_the_margin_never_counts() -> None:

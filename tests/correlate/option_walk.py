@@ -42,6 +42,7 @@ SAMPLES: dict[str, str] = {
     "support_dir": "sets",
     "end_to_end_draws": "2",
     "end_to_end_seed": "3",
+    "calibrate_c": "2",
 }
 """One accepted value per option that takes a value."""
 
@@ -65,6 +66,12 @@ def takes_value(option: Option) -> bool:
     return option.action not in ("store_true", "store_false", "count") and option.dest != "example_dir"
 
 
+NEEDED: dict[str, list[str]] = {"calibrate_c": ["--calibrate"]}
+"""Options read only beside another one (their :class:`~nw_adapter.correlate.option_rows.Needs`
+not met by the defaults): that one, given first."""
+
+
 def option_argv(option: Option) -> list[str]:
-    """The option with a value its parser accepts, other than its default."""
-    return [option.name, SAMPLES[option.dest]] if takes_value(option) else [option.name]
+    """The option with a value its parser accepts, other than its default (after the option it needs)."""
+    own = [option.name, SAMPLES[option.dest]] if takes_value(option) else [option.name]
+    return [*NEEDED.get(option.dest, []), *own]

@@ -33,6 +33,11 @@ from nw_adapter.integration.schema import NULL_STATS, UNTRAINED_STATS
 LAYERS = ("down_blocks.0.attn2", "up_blocks.1.attn2")
 
 
+def _rho(x: float) -> float:
+    """A correlation stays in [-1, 1] (the verdict refuses one outside)."""
+    return max(-1.0, min(1.0, x))
+
+
 def make_records(
     images: int = 6,
     steps: int = 5,
@@ -49,6 +54,8 @@ def make_records(
     scale_ratio: float = 1.3,
     legacy: bool = False,
     heads: int = 2,
+    form: float = 0.99,
+    control_exponent: float = 0.0,
 ) -> list[dict]:
     """Records of ``images`` reference images with the given effects (0 = none).
 
@@ -56,7 +63,9 @@ def make_records(
     values, as a real image's difficulty would be; records add noise (sd ``noise``); control draw
     ``k`` adds an offset (sd ``draw_sd``) shared by every image. The trained values exceed the
     control's by ``training`` (nw_gain and rho), by ``exponent`` in ``-d log logit_scale / d log h``
-    (the control's is 0) and by ``rise`` in the slope of rho on ``-log h`` (the control's is 0).
+    (the control's is ``control_exponent``, 0 by default) and by ``rise`` in the slope of rho on
+    ``-log h`` (the control's is 0); ``r2_nw`` is ``form`` (the NW form: 0.99 by default; a dot
+    product reads less), the control's 0.7.
     ``draws=0`` records no control; ``legacy=True`` the one raw ``*_untrained`` draw of older files.
     """
     rng = np.random.default_rng(seed)
@@ -74,7 +83,7 @@ def make_records(
                     for half in ("uncond", "cond"):
                         null = 0.3 + level + rng.normal(0, noise)
                         base = null + beyond_nulls
-                        rho = base + rise * up + rng.normal(0, noise)
+                        rho = _rho(base + rise * up + rng.normal(0, noise))
                         record = {
                             "reference": f"img{image}", "call": 0, "step": step,
                             "timestep": 981.0 - 200 * step, "alpha": 0.5, "sigma": 0.5, "h_schedule": h,
@@ -87,14 +96,16 @@ def make_records(
                             "nw_gain": gain_level + training + rng.normal(0, noise),
                             "h_eff": h * math.exp(rng.normal(0, 0.1)),
                             "logit_scale": math.exp(log_scale - exponent * math.log(h) + rng.normal(0, 0.1)),
+                            "r2_nw": min(1.0, form + rng.normal(0, 0.002)),
                         }  # fmt: skip
                         for k in range(draws):
-                            rho_k = base - training + offsets[k, 0] + rng.normal(0, noise)
+                            rho_k = _rho(base - training + offsets[k, 0] + rng.normal(0, noise))
                             gain_k = gain_level + offsets[k, 1] + rng.normal(0, noise)
                             record[control_column("rho", k)] = rho_k
                             record[control_column("nw_gain", k)] = gain_k
-                            flat = log_scale + rng.normal(0, 0.1)  # the control's exponent: 0
+                            flat = log_scale - control_exponent * math.log(h) + rng.normal(0, 0.1)
                             record[control_column("logit_scale", k)] = math.exp(flat)
+                            record[control_column("r2_nw", k)] = 0.7 + rng.normal(0, 0.01)
                             record[control_column("h_eff", k)] = 2.0 * math.exp(rng.normal(0, 0.1))
                             record[key_scale_column(k)] = scale_ratio * math.exp(rng.normal(0, 0.01))
                         if legacy:
@@ -110,16 +121,20 @@ def test_a_clear_effect_is_evidence_and_every_clause_holds() -> None:
     assert result["evidence"] is True and result["images"] == 6 and result["half"] == "cond"
     assert result["draws"] == 3
     assert {key: c["holds"] for key, c in result["clauses"].items()} == dict.fromkeys(
-        ("beyond_nulls", "training", "bandwidth", "rise"), True
+        ("bandwidth", "nw_form", "training", "beyond_nulls", "rise"), True
     )
     text = format_verdict(result)
-    assert text.startswith("verdict: evidence of learned kernel smoothing (6 reference images)")
-    clauses = "beyond-nulls clause, adapter-vs-control clause and bandwidth clause met"
-    assert result["conclusion"].endswith(clauses)
+    assert text.startswith("verdict: evidence of kernel smoothing on the schedule (6 reference images)")
+    assert "bandwidth clause and NW-form clause met; nearer the exact head" in result["conclusion"]
     assert all(line.startswith("  ") and len(line) <= 110 for line in text.splitlines()[1:])
-    bandwidth = result["clauses"]["bandwidth"]["parts"][0]
+    parts = {p["key"]: p for p in result["clauses"]["bandwidth"]["parts"]}
+    bandwidth = parts["exponent_minus_control"]
     assert bandwidth["mean"] == pytest.approx(2.0, abs=0.1)  # logit scale ~ 1/h^2, the control's flat
     assert bandwidth["test"] == "two-level" and bandwidth["n"] == 6 and bandwidth["draws"] == 3
+    theory = parts["exponent_theory"]
+    assert theory["test"] == "equivalence (TOST)" and theory["significant"] and theory["target"] == 2.0
+    assert all(p["status"] == "met" for c in result["clauses"].values() for p in c["parts"])
+    assert result["anchors"]["exact"]["source"] == "theory" and result["position"]["nearer"] == "exact head"
     reported = {r["key"]: r for c in result["clauses"].values() for r in c["reported"]}
     assert reported["scale_ratio"]["mean"] == pytest.approx(1.3, rel=1e-2)  # reported, not tested
     assert reported["exponent"]["mean"] == pytest.approx(2.0, abs=0.1) and reported["exponent"]["theory"] == 2
@@ -175,7 +190,8 @@ def test_the_exponent_and_the_rise_are_ols_slopes_on_log_h_minus_the_controls() 
     frame = pd.DataFrame(records)
     frame = frame[(frame["half"] == "cond") & (frame["reference"] == "img1")]
     x = np.log(frame.groupby("step")["h_schedule"].mean())
-    log_scale = np.log(frame["logit_scale"]) - np.log(frame[control_column("logit_scale", 1)])
+    control_path = np.log(frame[control_column("logit_scale", 1)]) - np.log(frame[key_scale_column(1)])
+    log_scale = np.log(frame["logit_scale"]) - control_path  # the control's scale matched once per run
     rise = frame["rho"] - frame[control_column("rho", 1)]
     image = next(v for v in result["per_image"] if v["reference"] == "img1")
     exponent = -np.polyfit(x, log_scale.groupby(frame["step"]).mean(), 1)[0]
@@ -212,24 +228,31 @@ def test_one_image_without_the_control_says_what_is_missing() -> None:
     result = verdict(make_records(images=1, draws=0))
     assert result["evidence"] is None
     lines = format_verdict(result).splitlines()
-    assert f"  {CLAUSES[0].label}: needs several reference images" in lines
+    clauses = {c.key: c for c in CLAUSES}
+    assert f"  {clauses['beyond_nulls'].label}: needs several reference images [reported question]" in lines
     text = " ".join(" ".join(lines).split())
-    assert f"{CLAUSES[1].label}: not measured: no nw_gain_control_<k>, rho_control_<k>" in text
-    assert f"{CLAUSES[2].label}: not measured: no logit_scale_control_<k>" in text
+    assert f"{clauses['training'].label}: not measured: no nw_gain_control_<k>, rho_control_<k>" in text
+    assert f"{clauses['bandwidth'].label}: not measured: no logit_scale_control_<k>" in text
 
 
 def test_missing_control_columns_are_not_measured_never_evidence() -> None:
     """The control off: the training, bandwidth and rise clauses say "not measured"."""
     result = verdict(make_records(draws=0))
     assert result["evidence"] is False and result["draws"] == 0
-    assert result["clauses"]["beyond_nulls"]["holds"] is True
+    assert (
+        result["clauses"]["beyond_nulls"]["holds"] is True and result["clauses"]["nw_form"]["holds"] is True
+    )
     for key in ("training", "bandwidth", "rise"):
         clause = result["clauses"][key]
         assert clause["holds"] is None and clause["reason"].startswith("no ")
         assert "_control_<k>" in clause["reason"]
-        assert all(p["measured"] is False and p["significant"] is None for p in clause["parts"])
-    assert result["conclusion"].endswith(
-        "(6 reference images): adapter-vs-control clause not measured, bandwidth clause not measured"
+        against = [
+            p for p in clause["parts"] if p["key"] != "exponent_theory"
+        ]  # the theory's part needs none
+        assert all(p["measured"] is False and p["significant"] is None for p in against)
+    assert result["conclusion"].startswith(
+        "no evidence of kernel smoothing on the schedule (6 reference images): "
+        "bandwidth clause not measured, NW-form clause met"
     )
 
 
@@ -245,13 +268,13 @@ def test_an_old_file_with_the_one_raw_untrained_draw_is_not_measured_with_its_re
         assert clause["holds"] is None and LEGACY_REASON in clause["reason"], clause["reason"]
     assert result["clauses"]["bandwidth"]["reason"].startswith("no logit_scale")
     text = " ".join(format_verdict(result).split())
-    assert f"{CLAUSES[1].label}: not measured: {LEGACY_REASON}" in text
+    assert f"{CLAUSES[2].label}: not measured: {LEGACY_REASON}" in text
 
 
 def test_old_records_without_readings_or_nulls_give_no_crash_and_no_evidence() -> None:
     records = make_records(images=3, draws=0, legacy=True)
     for record in records:
-        for name in ("nw_gain", "h_eff", "logit_scale", "rho_spread_null", *UNTRAINED_STATS):
+        for name in ("nw_gain", "h_eff", "logit_scale", "r2_nw", "rho_spread_null", *UNTRAINED_STATS):
             record.pop(name, None)
         record["rho_norm_matched_null"] = math.nan  # nulls off
     result = verdict(records)
@@ -274,14 +297,16 @@ def test_a_clause_holds_only_when_every_part_is_significant() -> None:
     parts = {p["key"]: p for p in result["clauses"]["training"]["parts"]}
     assert parts["rho_minus_control"]["significant"] is True
     assert parts["nw_gain_minus_control"]["significant"] is False
-    assert result["clauses"]["training"]["holds"] is False and result["evidence"] is False
-    assert result["conclusion"].endswith("adapter-vs-control clause not met")
+    assert result["clauses"]["training"]["holds"] is False
+    # what training changed is its own question, not a condition of the conclusion
+    assert result["evidence"] is True and "adapter-vs-control" not in result["conclusion"]
 
 
 def test_rho_at_its_nulls_fails_the_first_clause() -> None:
     result = verdict(make_records(beyond_nulls=0.0, rise=0.0, seed=2))
-    assert result["clauses"]["beyond_nulls"]["holds"] is False and result["evidence"] is False
-    assert "beyond-nulls clause not met" in result["conclusion"]
+    assert result["clauses"]["beyond_nulls"]["holds"] is False
+    assert result["clauses"]["beyond_nulls"]["status"] == "not met"  # it could have seen 0.03: not met
+    assert "beyond-nulls" not in result["conclusion"]  # a reported question
 
 
 def test_a_falling_rho_does_not_rise() -> None:
@@ -307,22 +332,20 @@ def test_no_records_is_an_error() -> None:
         verdict([])
 
 
-def test_exchangeable_trained_and_control_say_evidence_at_most_alpha() -> None:
-    """Data built to have no training effect: 200 data sets of 5-10 images, rho far above its nulls
-    and the logit scale following 1/h^2 (those clauses hold), trained and control readings drawn
-    from one distribution, 3 draws each with an offset shared by every image (sd 0.05, the images'
-    own sd): the full conclusion.
-
-    Measured: "evidence" in 0 of 200 (its parts alone: 2 and 3 of 200).
-    """
+def test_a_path_shared_with_the_control_says_evidence_at_most_alpha() -> None:
+    """Data built to have no path of its own: 200 data sets of 5-10 images whose trained logit scale
+    follows 1/h^2 (the exponent is 2, equivalent to the theory's) as every control draw's does (the
+    path carried by the queries alone), 3 draws each with an offset shared by every image, the NW
+    form met: the full conclusion. Measured: "evidence" in 2 of 200."""
     rng = np.random.default_rng(19)
     evidence = 0
     for dataset in range(200):
         images = int(rng.integers(5, 11))
-        records = make_records(images, steps=3, seed=1000 + dataset, training=0.0, heads=1, draw_sd=0.05)
+        records = make_records(
+            images, steps=3, seed=1000 + dataset, training=0.0, heads=1, draw_sd=0.05, control_exponent=2.0
+        )
         result = verdict(records)
-        assert result["clauses"]["beyond_nulls"]["holds"] is True
-        assert result["clauses"]["bandwidth"]["holds"] is True
+        assert result["clauses"]["nw_form"]["holds"] is True
         evidence += result["evidence"] is True
     assert evidence <= 6, evidence  # well under alpha = 10 / 200
 
@@ -345,7 +368,7 @@ def test_report_carries_the_verdict_and_prints_it() -> None:
     assert format_verdict(report["verdict"]) in format_report(report)
 
 
-def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_slope_minus_two_line(tmp_path) -> None:
+def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_exponent_2_line(tmp_path) -> None:
     from PIL import Image
 
     from nw_adapter.correlate.plotting import bandwidth_figure, plot_bandwidth
@@ -369,10 +392,11 @@ def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_slope_minu
         expected.append(math.exp(np.mean(per_image)))
     order = np.argsort(trained.get_xdata())
     np.testing.assert_allclose(np.asarray(trained.get_ydata())[order], np.asarray(expected)[::-1], rtol=1e-9)
-    slope = float(trained_label.split("slope ")[1].rstrip(")"))
-    assert slope == pytest.approx(-2.0, abs=0.2)  # the per-image OLS slopes of log logit_scale on log h
-    assert float(control_label.split("slope ")[1].rstrip(")")) == pytest.approx(0.0, abs=0.2)
-    guide = lines["slope -2: an exact NW head (c / h^2)"]
+    exponent = float(trained_label.split("exponent ")[1].rstrip(")"))
+    assert exponent == pytest.approx(2.0, abs=0.2)  # the verdict's convention: -slope of log logit_scale
+    assert float(control_label.split("exponent ")[1].rstrip(")")) == pytest.approx(0.0, abs=0.2)
+    assert not any(label.startswith("exact NW head") for label in handles)  # not calibrated: no line
+    guide = lines["exponent 2 (the theory): logit_scale = c / h^2"]
     x, y = np.log(guide.get_xdata()), np.log(guide.get_ydata())
     assert np.polyfit(x, y, 1)[0] == pytest.approx(-2.0)
     path = plot_bandwidth(records, "cond", tmp_path / "bandwidth.png")

@@ -190,15 +190,22 @@ def test_format_verdict_of_a_malformed_result_raises_one_line(case, change, word
 
 
 def test_the_words_read_right_and_the_legend_defines_every_term() -> None:
-    failing = verdict(make_records(training=-0.1, beyond_nulls=0.0, rise=0.0, seed=2))
+    failing = verdict(make_records(training=-0.1, beyond_nulls=0.0, rise=0.0, seed=2, exponent=0.0, form=0.7))
     text = format_verdict(failing)
     assert "failed" not in text.split("  legend:")[0]  # the legend alone says what "not met" is not
-    assert failing["conclusion"].endswith("beyond-nulls clause not met, adapter-vs-control clause not met")
+    words = (
+        "smoothing on the schedule (6 reference images): bandwidth clause not met, NW-form clause not met; "
+    )
+    assert words + "nearer the control" in failing["conclusion"]
     lines = text.splitlines()
     legend = "\n".join(lines[lines.index("  legend:") + 1 :])
-    for term in ("met:", "not met:", "not measured:", "scale-matched control:", "perm =", "norm-matched =",
-                 "qk-spread =", "nw_gain =", "logit_scale:", "exponent =", "scale ratio =", "h:", "n:",
-                 "two-level test:", "margin", "not that training failed"):  # fmt: skip
+    terms = (
+        "met:", "not met:", "not measured:", "too few references to tell:", "scale-matched control:",
+        "perm =", "norm-matched =", "qk-spread =", "nw_gain =", "logit_scale:", "exponent =", "r2_nw =",
+        "scale ratio =", "h:", "n:", "two-level test:", "margin", "not that training failed", "Anchors:",
+        "position =", "mde",
+    )  # fmt: skip
+    for term in terms:
         assert term in " ".join(legend.split()), term
     assert all(line.startswith("    ") and len(line) <= 105 for line in legend.splitlines())
     assert sum(not line.startswith("      ") for line in legend.splitlines()) == len(LEGEND)

@@ -204,6 +204,64 @@ def test_flux_swap_equals_float64_gaussian_kernel_head(flux):
         flux.set_ip_adapter_scale(1.0)
 
 
+def test_sd3_swap_records_the_softmax_its_branch_computes(sd3):
+    """Issue 42: swap's "ip" record and maps are the exact NW head over the IP keys (the joint
+    head restricted and renormalised), ``ip_mass`` is that joint head's mass on the IP keys."""
+    attn = sd3.transformer.transformer_blocks[0].attn
+    stock: SD3IPAdapterJointAttnProcessor2_0 = attn.processor
+    gen = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 64, 16, generator=gen), torch.randn(2, 8, 16, generator=gen)
+    ip, temb = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 64, generator=gen)
+    h = 1.7
+    config = NWProcessorConfig(mode="swap", bandwidth=h, statistics=True, nulls=False, store_maps=True,
+                               map_dtype="float32", cfg=False)  # fmt: skip
+    rec = NWRecorder(config)
+    nw = NWSD3IPAdapterJointAttnProcessor2_0(stock, layer_name="l", config=config, recorder=rec)
+    with torch.no_grad():
+        nw(attn, x, ctx, None, ip, temb)
+        heads, d = attn.heads, 8
+
+        def split(t):
+            return t.view(2, -1, heads, d).transpose(1, 2)
+
+        q = stock.norm_q(split(attn.to_q(x))).double()
+        k_img = stock.norm_k(split(attn.to_k(x))).double()
+        k_ip = stock.norm_ip_k(split(stock.to_k_ip(stock.norm_ip(ip, temb=temb)))).double()
+    logits = -torch.cdist(q, torch.cat([k_img, k_ip], 2)).square() / (2 * h * h)
+    joint = torch.softmax(logits, -1)
+    restricted = torch.softmax(logits[..., -4:], -1)
+    torch.testing.assert_close(rec.maps()["call0/step0/l/adapter0/image0/attn"].double(), restricted,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    records = sorted(rec.to_records(), key=lambda r: r["head"])
+    assert [r["ip_mass"] for r in records] == pytest.approx(
+        joint[..., -4:].sum(-1).mean((0, 2)).tolist(), abs=1e-5
+    )
+    assert all(r["r2_nw"] == pytest.approx(1.0, abs=1e-5) for r in records)
+
+
+def test_flux_swap_records_the_softmax_its_branch_computes(flux):
+    attn = flux.transformer.transformer_blocks[0].attn
+    stock: FluxIPAdapterAttnProcessor = attn.processor
+    gen = torch.Generator().manual_seed(2)
+    x, ctx = torch.randn(1, 64, 32, generator=gen), torch.randn(1, 8, 32, generator=gen)
+    ips = [torch.randn(1, 4, 32, generator=gen), torch.randn(1, 2, 4, 32, generator=gen)]
+    config = NWProcessorConfig(
+        mode="swap", bandwidth="matched", statistics=True, nulls=False, store_maps=True, map_dtype="float32",
+        cfg=False,
+    )  # fmt: skip
+    rec = NWRecorder(config)
+    nw = NWFluxIPAdapterAttnProcessor(stock, layer_name="l", config=config, recorder=rec)
+    heads, d = attn.heads, 16
+    with torch.no_grad():
+        nw(attn, x, ctx, None, None, ips)
+        q = attn.norm_q(attn.to_q(x).unflatten(-1, (heads, d))).transpose(1, 2).double()
+        for j, states in enumerate(ips):
+            k = stock.to_k_ip[j](states).reshape(1, -1, heads, d).transpose(1, 2).double()
+            weights = torch.softmax(-torch.cdist(q, k).square() / (2 * d**0.5), -1)  # matched: h^2 = sqrt(d)
+            got = rec.maps()[f"call0/step0/l/adapter{j}/image0/attn"].double()
+            torch.testing.assert_close(got, weights, rtol=1e-5, atol=1e-6)
+
+
 def test_swap_changes_images_and_removal_restores_stock(sd3, flux):
     for pipe in (sd3, flux):
         stock = generate(pipe, ip_adapter_image=[_image(1), _image(2)] if pipe is flux else _image(1))

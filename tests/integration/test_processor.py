@@ -389,37 +389,90 @@ def test_statistics_option():
     assert len(rec.to_records()) == 2 * HEADS
 
 
-def test_swap_records_the_statistics_of_its_own_keys_as_observe_does(monkeypatch):
-    """Swap with statistics=True records every adapter's softmax from the keys its NW branch
-    projected (no IP mask: no group objects, the keys kept per adapter), equal to observe's of the
-    same call (same queries, same key projections). The control: swap's kept keys scaled by 2 (a
-    change of key scale) change what it records."""
-    from nw_adapter.integration.processors import unet
-
-    attn, stock = _attention(), _stock()
+@pytest.mark.parametrize("kind", ["sdpa", "classic"])
+@pytest.mark.parametrize("rule", [1.5, "median"])
+def test_swap_records_the_softmax_its_branch_computes(kind, rule):
+    """Issue 42: in swap, every recorded attention quantity is of the swapped head's own weights,
+    ``softmax(-||q - k_i||^2 / 2h^2)`` at the h the branch used (a float, or one per batch row and
+    head under the median rule), not of the stock ``softmax(s q.k)`` it replaced. The maps equal
+    those weights (float tolerance), every statistic equals the specification of that head
+    (``key_norm_weight=1``, ``scale = 1/h^2``), and differs from what observe records of the same
+    call (the control of the test: main at f073761 recorded observe's numbers in swap)."""
+    attn, stock = _attention(), _stock(STOCK[kind])
     x, text, ip = _inputs()
     names = [n for n in STAT_NAMES if n not in NULL_STATS]
 
-    def records(mode):
-        rec = _install(attn, stock, mode=mode, statistics=True, nulls=False, bandwidth=1.5)
+    def run(mode):
+        rec = _install(
+            attn, stock, mode=mode, statistics=True, nulls=False, bandwidth=rule, store_maps=True,
+            map_dtype="float32", fit_rows=None,
+        )  # fmt: skip
         with torch.no_grad():
             attn(x, (text, ip))
-        return [[r[n] for n in names] for r in rec.to_records()]
+        return rec
 
-    observed, swapped = records("observe"), records("swap")
-    assert len(swapped) == len(observed) == 2 * HEADS  # two adapters, one (pooled) half
-    torch.testing.assert_close(
-        torch.tensor(swapped), torch.tensor(observed), rtol=1e-4, atol=1e-5, equal_nan=True
-    )
-    original = unet._UNetNWProcessor._swap
+    swapped, observed = run("swap"), run("observe")
+    q, ks = _captured_qk(attn, stock, x, ip)
+    maps = swapped.maps()
+    records = swapped.to_records()
+    assert len(records) == 2 * HEADS  # two adapters, one (pooled) half
+    for j, k in enumerate(ks):
+        h = rule if isinstance(rule, float) else bw.median_bandwidth(q.float(), k.float()).double()
+        hb = h if isinstance(h, float) else h[..., None, None]
+        weights = torch.softmax(-torch.cdist(q, k).square() / (2 * hb**2), -1)
+        got = maps[f"call0/step0/down_blocks.0.attn2.processor/adapter{j}/image0/attn"]
+        torch.testing.assert_close(got.double(), weights, rtol=1e-5, atol=1e-6)
+        want = reference_statistics(
+            q, k, scale=1.0 / h**2, h=h, draws=None, halves=1, fit_rows=None, key_norm_weight=1.0
+        )
+        rows = [r for r in records if r["adapter"] == j]
+        for name, value in zip(STAT_NAMES, want, strict=True):
+            got_values = torch.tensor(
+                [r[name] for r in sorted(rows, key=lambda r: r["head"])], dtype=torch.float64
+            )
+            torch.testing.assert_close(got_values, value[0], rtol=2e-4, atol=2e-5, equal_nan=True, msg=name)
+        assert all(r["r2_nw"] == pytest.approx(1.0, abs=1e-5) for r in rows)  # the NW form, all of it
+        if j == 1:  # two reference images pooled: the support-set masses are of the same weights
+            masses = weights.view(B, HEADS, -1, 2, 4).sum(-1).mean(2).mean(0)  # [H, 2]
+            for r in rows:
+                got_mass = [r["ref_mass_0"], r["ref_mass_1"]]
+                assert got_mass == pytest.approx(masses[r["head"]].tolist(), abs=1e-5)
+    stock_values = torch.tensor([[r[n] for n in names] for r in observed.to_records()])
+    swap_values = torch.tensor([[r[n] for n in names] for r in records])
+    assert not torch.allclose(swap_values, stock_values, equal_nan=True)
 
-    def scaled(self, ctx, attn, inputs, captured, hidden):  # the kept keys scaled after the branch
-        out = original(self, ctx, attn, inputs, captured, hidden)
-        captured["swap keys"] = {j: k * 2.0 for j, k in captured["swap keys"].items()}
-        return out
 
-    monkeypatch.setattr(unet._UNetNWProcessor, "_swap", scaled)
-    assert not torch.allclose(torch.tensor(records("swap")), torch.tensor(observed), equal_nan=True)
+def test_the_exact_head_as_a_dot_product_keeps_its_scores_and_distances():
+    from nw_adapter.integration.processors.base import exact_head_as_dot_product
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 7, 5, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
+    k = k * torch.linspace(0.5, 3.0, 4, dtype=torch.float64)[:, None]
+    q2, k2 = exact_head_as_dot_product(q, k)
+    scores = q @ k.transpose(-1, -2) - 0.5 * k.square().sum(-1)[..., None, :]
+    torch.testing.assert_close(q2 @ k2.transpose(-1, -2), scores)
+    shift = torch.cdist(q2, k2).square() - torch.cdist(q, k).square()  # constant over the keys
+    torch.testing.assert_close(shift - shift[..., :1], torch.zeros_like(shift), atol=1e-9, rtol=0)
+
+
+def test_swap_with_ip_masks_records_each_group_as_its_branch_computes():
+    """Masked groups (one softmax per image) in swap: their maps are the NW weights at h too."""
+    attn, stock = _attention(), _stock()
+    x, text, ip = _inputs()
+    masks = _masks()
+    stock.scale[1] = [0.3, 0.9]
+    rec = _install(attn, stock, mode="swap", statistics=True, nulls=False, bandwidth=2.0, store_maps=True,
+                   map_dtype="float32")  # fmt: skip
+    with torch.no_grad():
+        attn(x, (text, ip), ip_adapter_masks=masks)
+    q, ks = _captured_qk(attn, stock, x, ip)
+    maps = rec.maps()
+    k1 = ks[1].view(B, HEADS, 2, 4, DIM)  # adapter 1: two images of four tokens, one softmax each
+    for image in range(2):
+        weights = torch.softmax(-torch.cdist(q, k1[:, :, image]).square() / 8.0, -1)
+        got = maps[f"call0/step0/down_blocks.0.attn2.processor/adapter1/image{image}/attn"]
+        torch.testing.assert_close(got.double(), weights, rtol=1e-5, atol=1e-6)
 
 
 def test_nulls_and_seed_options():

@@ -160,3 +160,90 @@ def test_one_table_of_names_one_writer_each_and_compare_attention_its_names():
         value = SPECIFICATION[name].function(x)
         value = value.nanmean(-1) if SPECIFICATION[name].per_query_row else value
         torch.testing.assert_close(out[name], value, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+# --- a swapped branch: the exact NW head recorded as the softmax it computes ---------------------
+
+
+SWAP_CASES = list(itertools.product((4, 16), (False, True), (1, 2), (NULL_ROWS, 0), ("float", "tensor")))
+
+
+@pytest.mark.parametrize(("keys", "masked", "halves", "null_rows", "scale_kind"), SWAP_CASES)
+def test_the_swapped_head_is_recorded_as_its_own_softmax(keys, masked, halves, null_rows, scale_kind):
+    """``key_norm_weight=1`` with ``scale = 1/h^2`` (a float h, or one per batch row and head, as
+    the median and fitted rules give) records the exact NW head ``softmax(-||q - k_i||^2 / 2h^2)``:
+    the fast path equals the specification column by column, and the returned A is the head's own
+    weights, computed here from the distances (float tolerance)."""
+    q, k, valid, draws, h_nw = _inputs(keys, masked, null_rows, "float")
+    g = torch.Generator().manual_seed(11)
+    h_swap = 1.7 if scale_kind == "float" else 1.2 + torch.rand(BATCH, HEADS, generator=g)
+    scale = h_swap**-2
+    got, attn, _ = softmax_statistics(
+        q, k, scale=scale, h=h_nw, draws=draws, valid=valid, halves=halves, fit_rows=10, key_norm_weight=1.0
+    )
+    want = reference_statistics(
+        q.double(), k.double(), scale=scale if isinstance(scale, float) else scale.double(), h=h_nw,
+        draws=draws, valid=valid, halves=halves, fit_rows=10, codes=True, key_norm_weight=1.0,
+    )  # fmt: skip
+    for i, name in enumerate(STAT_ROWS):
+        torch.testing.assert_close(
+            got[i].double(), want[i], rtol=1e-4, atol=2e-5, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    hb = torch.as_tensor(h_swap, dtype=torch.float64).expand(BATCH, HEADS)[..., None, None]
+    distances = torch.cdist(q.double(), k.double()).square()
+    logits = -distances / (2 * hb**2)
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, None, :], -math.inf)
+    torch.testing.assert_close(attn.double(), torch.softmax(logits, -1), rtol=1e-5, atol=1e-6)
+    r2_nw = got[STAT_NAMES.index("r2_nw")]
+    torch.testing.assert_close(r2_nw, torch.ones_like(r2_nw), rtol=0, atol=1e-5)  # the NW form: all of it
+    rho = got[STAT_NAMES.index("rho")]
+    torch.testing.assert_close(rho, torch.ones_like(rho), rtol=0, atol=1e-6)  # A's ranks are W's
+
+
+def test_a_dot_product_head_is_the_default_and_differs_from_the_swapped_one():
+    q, k, valid, draws, h = _inputs(4, False, 0, "float")
+    dot, a_dot, _ = softmax_statistics(q, k, scale=0.25, h=h, draws=draws)
+    explicit, _, _ = softmax_statistics(q, k, scale=0.25, h=h, draws=draws, key_norm_weight=0.0)
+    swapped, a_swap, _ = softmax_statistics(q, k, scale=0.25, h=h, draws=draws, key_norm_weight=1.0)
+    torch.testing.assert_close(dot, explicit, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(a_dot, torch.softmax(0.25 * q @ k.transpose(-1, -2), -1), rtol=1e-5, atol=1e-6)
+    assert float((a_swap - a_dot).abs().max()) > 0.05  # the key-norm term changes the weights
+    r2_nw = STAT_NAMES.index("r2_nw")
+    assert float(dot[r2_nw].max()) < 0.99 < float(swapped[r2_nw].min())
+
+
+# --- h_eff identified or NaN (issue 42, item 4) --------------------------------------------------
+
+
+def _nearly_equal_queries(seed: int, spread: float):
+    """One random query repeated over 48 rows, each row moved by ``spread`` x its norm in a random
+    direction; 6 random keys of unequal norms, d = 16."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 2, 1, 16, generator=g) * 3.0
+    directions = torch.nn.functional.normalize(torch.randn(1, 2, 48, 16, generator=g), dim=-1)
+    q = base + spread * base.norm(dim=-1, keepdim=True) * directions
+    k = torch.randn(1, 2, 6, 16, generator=g) * (0.5 + torch.rand(1, 2, 6, 1, generator=g))
+    return q, k
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_h_eff_of_queries_equal_up_to_1e_3_of_their_norm_is_not_identified(seed):
+    """The fitted bandwidth of a nearly query-blind head rests on the key norms alone: on main at
+    f073761 these heads read h_eff 2.64 / 1.64 (seed 0) and 2.73 / 2.39 (seed 1), a number that
+    moves with the draw of the one query; now NaN with reason 4 (the NW scores' query-dependent
+    share ~1e-6 < 1e-4) in the specification and in the fast path, while the same heads with
+    queries that vary (rows spread by 0.5 of the norm) are identified."""
+    from nw_adapter.core.specification import H_EFF_REASONS
+
+    q, k = _nearly_equal_queries(seed, 1e-3)
+    spec = compare.compare_attention(q.double(), k.double(), scale=0.25)
+    assert bool(spec["h_eff"].isnan().all())
+    assert spec.nan_reasons["h_eff"] == {H_EFF_REASONS[3]: 2}
+    got, _, _ = softmax_statistics(q, k, scale=0.25, h=1.0, fit_rows=None)
+    assert bool(got[STAT_NAMES.index("h_eff")].isnan().all())
+    assert got[STAT_ROWS.index("h_eff_reason")].tolist() == [[4.0, 4.0]]
+    q, k = _nearly_equal_queries(seed, 0.5)
+    assert bool(compare.compare_attention(q.double(), k.double(), scale=0.25)["h_eff"].isfinite().all())
+    got, _, _ = softmax_statistics(q, k, scale=0.25, h=1.0, fit_rows=None)
+    assert bool(got[STAT_NAMES.index("h_eff")].isfinite().all())

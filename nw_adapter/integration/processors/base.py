@@ -61,6 +61,7 @@ from nw_adapter.integration.processors.deferred import (
     DeferredStatistics,
     LayerCall,
     control_statistics,
+    recorded_head,
     statistics_options,
 )
 from nw_adapter.integration.processors.selection import (
@@ -217,7 +218,9 @@ class Softmax:
     (:data:`~nw_adapter.integration.schema.KEY_SETS`); ``ip_mass`` [B, H] the joint softmax's mass
     on the IP keys (SD3); ``maps`` whether its maps may be stored; ``control_keys`` per draw of the
     untrained-adapter control, its keys ``[B, H, M0, d]``; ``references`` the m reference images
-    whose tokens make up the keys (a support set when m > 1).
+    whose tokens make up the keys (a support set when m > 1); ``swap_h`` in swap, the bandwidth
+    the swapped branch used for these keys (a float, or ``[B, H_all]`` per batch row and head of
+    the layer): the softmax recorded is then the branch's own (:meth:`NWProcessorBase._record_softmax`).
     """
 
     q: torch.Tensor
@@ -231,6 +234,32 @@ class Softmax:
     maps: bool = False
     control_keys: tuple[torch.Tensor, ...] = ()
     references: int = 1
+    swap_h: float | torch.Tensor | None = None
+
+
+def exact_head_as_dot_product(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact NW head's scores as a dot product that keeps the head's own distances.
+
+    ``q' = [q, c, 0]`` and ``k'_i = [k_i, -||k_i||^2 / 2c, r_i]`` (``c = max_i ||k_i||`` per batch
+    row and head, ``r_i = sqrt(C - ||k_i||^2 - ||k_i||^4 / 4c^2)``, ``C`` the largest of those
+    norms' sums): ``q'.k'_i = q.k_i - ||k_i||^2 / 2`` (so ``softmax(q'.k'_i / h^2)`` is the NW head
+    at h) and ``||k'_i||^2 = C`` for every key, so ``||q' - k'_i||^2 = ||q - k_i||^2 + c^2 + C``:
+    NW weights of ``q'``, ``k'`` at any bandwidth are those of ``q``, ``k``. For a function that
+    reads a dot-product softmax and NW weights (the support-set masses) to read a swapped branch.
+
+    Args:
+        q: ``[B, H, N, d]``. k: ``[B, H, M, d]``.
+
+    Returns:
+        ``(q' [B, H, N, d + 2], k' [B, H, M, d + 2])``.
+    """
+    sq = k.square().sum(-1, keepdim=True)  # [B, H, M, 1]
+    c = sq.amax(-2, keepdim=True).sqrt().clamp_min(torch.finfo(k.dtype).tiny)  # [B, H, 1, 1]
+    used = sq + sq.square() / (4 * c * c)
+    pad = (used.amax(-2, keepdim=True) - used).clamp_min(0.0).sqrt()
+    q_aug = torch.cat([q, c.expand(*q.shape[:-1], 1), torch.zeros_like(q[..., :1])], -1)
+    k_aug = torch.cat([k, -sq / (2 * c), pad], -1)
+    return q_aug, k_aug
 
 
 def zero_scales(scales: Sequence[Any]) -> list[Any]:
@@ -634,6 +663,15 @@ class NWProcessorBase:
         :func:`~nw_adapter.integration.support.support_values` are recorded too, computed in the
         layer (a support set's columns are not deferred).
 
+        Swap (``softmax.swap_h``, the bandwidth the swapped branch used): every attention quantity
+        recorded (rho and its nulls, the readings, ``logit_scale``, the support-set masses, the
+        maps) is of the branch's own weights, the exact NW head ``softmax((q.k_i - ||k_i||^2 / 2)
+        / swap_h^2)`` that produces the output (:func:`~.deferred.recorded_head`), not of the stock
+        dot-product softmax the branch replaced; the support masses read it through
+        :func:`exact_head_as_dot_product`. The control stays the stock algebra: the same queries
+        against the untrained keys through ``softmax(s q.k)`` at the stock scale s (docs/controls.md,
+        "A swapped branch").
+
         Raises:
             ValueError: ``bandwidth="schedule"`` at s = 1 (uniform NW weights, rank statistics
                 undefined): the pair is skipped, not recorded as NaN.
@@ -641,6 +679,9 @@ class NWProcessorBase:
         rec, cfg = self.recorder, self.nw_config
         state = ctx.state
         q, k, scale = softmax.q, softmax.k, softmax.scale
+        swap_h = softmax.swap_h
+        if isinstance(swap_h, torch.Tensor) and swap_h.shape[1] != len(heads):
+            swap_h = swap_h.index_select(1, self._index(heads, swap_h.device))
         rule = cfg.bandwidth
         if rule == "schedule" and pure_noise_schedule(cfg, state):
             raise ValueError(
@@ -652,14 +693,20 @@ class NWProcessorBase:
         mass = None if ip_mass is None else ip_mass.view(n, batch // n, len(heads)).mean(dim=1)
         support = None
         if references > 1:  # support sets only: computed here, in the layer, not deferred
-            support = support_values(q, k, scale=scale, references=references, halves=n)
+            if swap_h is None:
+                support = support_values(q, k, scale=scale, references=references, halves=n)
+            else:  # the swapped branch's own weights, read as a dot product that keeps the distances
+                inv = recorded_head({"scale": scale}, swap_h)["scale"]
+                inv = inv[..., None, None] if isinstance(inv, torch.Tensor) else inv
+                q_aug, k_aug = exact_head_as_dot_product(q, k)
+                support = support_values(q_aug, k_aug, scale=inv, references=references, halves=n)
         entry = rec.reserve(
             layer=self.layer_name, adapter=softmax.adapter, image=softmax.image, halves=halves, heads=heads,
             scale=math.nan if isinstance(softmax.adapter_scale, (list, tuple)) else softmax.adapter_scale,
             num_keys=k.shape[-2], key_set=softmax.key_set, ip_mass=mass, support=support, state=state,
         )  # fmt: skip
         h = None if rule == "median" or rule == "fitted" else self._bandwidth(q, k, scale, ctx)
-        capture = Capture(entry, q, k, scale, h, n, softmax.control_keys)
+        capture = Capture(entry, q, k, scale, h, n, softmax.control_keys, swap_h)
         wants_maps = softmax.maps and cfg.store_maps and rec.wants_maps(self.layer_name)
         if not (wants_maps or cfg.deferred_mb == 0):
             if rec.pending is None:
@@ -677,7 +724,8 @@ class NWProcessorBase:
         if cfg.nulls:
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, rec.generator(q.device))
         common = statistics_options(cfg, scale, n)
-        values, attn_w, nw_w = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
+        head = recorded_head(common, capture.swap_h)
+        values, attn_w, nw_w = stats.softmax_statistics(q, k, h=h, draws=draws, **head)
         if capture.control_keys:
             per_draw = [control_statistics(cfg, q, k, k0, h, common) for k0 in capture.control_keys]
             entry.control = torch.stack(per_draw)

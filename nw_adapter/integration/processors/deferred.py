@@ -60,10 +60,14 @@ MIB = 2**20
 class Capture:
     """One softmax of one observed layer call, its statistics pending.
 
-    ``q`` [B, H, N, d] and ``k`` [B, H, M, d] float32; ``h`` the step's bandwidth (a float) or
-    None for the data-dependent rules (resolved on the group); ``halves`` the number of CFG
-    halves of the batch; ``control_keys`` the untrained control's keys per draw
-    ``[B, H, M0, d]``; ``entry`` the recorder's reserved entry."""
+    ``q`` [B, H, N, d] and ``k`` [B, H, M, d] float32; ``scale`` the stock softmax scale s (the
+    bandwidth rules and the control read it); ``h`` the step's bandwidth (a float) or None for the
+    data-dependent rules (resolved on the group); ``halves`` the number of CFG halves of the batch;
+    ``control_keys`` the untrained control's keys per draw ``[B, H, M0, d]``; ``entry`` the
+    recorder's reserved entry. ``swap_h``: in swap, the bandwidth of the swapped branch (a float or
+    ``[B, H]``); the recorded softmax is then that branch's own, the exact NW head
+    ``softmax((q.k_i - ||k_i||^2 / 2) / swap_h^2)`` (:func:`recorded_head`); None: the stock
+    dot-product softmax ``softmax(s q.k_i)``."""
 
     entry: Any
     q: torch.Tensor
@@ -72,11 +76,17 @@ class Capture:
     h: float | None
     halves: int
     control_keys: tuple[torch.Tensor, ...] = ()
+    swap_h: float | torch.Tensor | None = None
 
     def group_key(self) -> tuple:
-        """Captures with equal keys are computed in one call."""
+        """Captures with equal keys are computed in one call. A float bandwidth ``h`` and a float
+        swap bandwidth are not part of the key: captures of different steps (the schedule rule, a
+        swapped head's 1/h^2) are stacked with a per-row ``[B, H]`` h and softmax scale
+        (:func:`stacked_bandwidths`); a per-head swap bandwidth is computed alone."""
         controls = tuple(k0.shape for k0 in self.control_keys)
-        return (self.q.shape, self.k.shape, self.q.device, self.scale, self.h, self.halves, controls)
+        swap = ("tensor", id(self)) if isinstance(self.swap_h, torch.Tensor) else self.swap_h is not None
+        rule = "data" if self.h is None else "given"
+        return (self.q.shape, self.k.shape, self.q.device, self.scale, rule, self.halves, controls, swap)
 
     @property
     def nbytes(self) -> int:
@@ -185,8 +195,14 @@ class DeferredStatistics:
             generator = recorder.generator(q.device, call=first.entry.call)
             draws = stats.draw_nulls(q, k.shape[-2], cfg.null_rows, generator)
         common = statistics_options(cfg, first.scale, halves)
-        h = first.h if first.h is not None else group_bandwidth(cfg, q, k, first.scale)
-        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **common)
+        if first.h is None:
+            h: torch.Tensor | float = group_bandwidth(cfg, q, k, first.scale)
+        else:
+            h = stacked_bandwidths([c.h for c in group], group, q)
+        swap_h = first.swap_h
+        if swap_h is not None and not isinstance(swap_h, torch.Tensor):
+            swap_h = stacked_bandwidths([c.swap_h for c in group], group, q)
+        values, _, _ = stats.softmax_statistics(q, k, h=h, draws=draws, **recorded_head(common, swap_h))
         control = None
         if first.control_keys:
             per_draw = []
@@ -208,6 +224,32 @@ def statistics_options(config: NWProcessorConfig, scale: float, halves: int) -> 
         "scale": scale, "halves": halves, "compile": config.compile, "readings": config.readings,
         "fit_rows": config.fit_rows,
     }  # fmt: skip
+
+
+def stacked_bandwidths(values: list[Any], group: list[Capture], like: torch.Tensor) -> torch.Tensor | float:
+    """The float bandwidths of a group's captures, one per capture: the float itself when they are
+    all equal (one graph, no tensor), else ``[B_total, H]`` with each capture's value on its batch
+    rows (the stacked captures' order)."""
+    first = values[0]
+    if all(v == first for v in values):
+        return float(first)
+    heads = like.shape[1]
+    rows = [
+        torch.full((c.q.shape[0], heads), float(v), dtype=torch.float32)
+        for c, v in zip(group, values, strict=True)
+    ]
+    return torch.cat(rows).to(like.device)
+
+
+def recorded_head(common: dict[str, Any], swap_h: float | torch.Tensor | None) -> dict[str, Any]:
+    """The options of the recorded softmax: the stock dot-product one (``common``) in observe; in
+    swap (``swap_h``, the swapped branch's bandwidth) the branch's own head, ``scale = 1/swap_h^2``
+    with the key-norm term (``key_norm_weight=1``): A = softmax(-||q - k_i||^2 / 2 swap_h^2), the
+    weights that produce the output. The control keeps ``common`` (the stock algebra)."""
+    if swap_h is None:
+        return common
+    inv = swap_h.float().reciprocal().square() if isinstance(swap_h, torch.Tensor) else float(swap_h) ** -2
+    return {**common, "scale": inv, "key_norm_weight": 1.0}
 
 
 def group_bandwidth(
@@ -232,10 +274,12 @@ def control_statistics(
     over each half's rows, then the control's h_eff reason code (the last row of the statistics).
 
     ``h``: the trained keys' bandwidth; the rules that read no keys (fixed, matched, schedule)
-    give the control the same value, the data-dependent ones are applied to ``k0m``."""
+    give the control the same value (a float, or ``[B, H]`` for captures of several steps stacked),
+    the data-dependent ones are applied to ``k0m``."""
     halves, scale = common["halves"], common["scale"]
     matched, ratio = scale_matched(k, k0)  # [B, H, M0, d], [B, H]
-    h0 = h if isinstance(h, float) else group_bandwidth(config, q, matched, scale)
+    data_dependent = config.bandwidth in ("median", "fitted")
+    h0 = group_bandwidth(config, q, matched, scale) if data_dependent else h
     values0, _, _ = stats.softmax_statistics(q, matched, h=h0, draws=None, **common)
     picked = values0.index_select(0, _control_index(values0.device))
     key_scale = ratio.float().view(halves, ratio.shape[0] // halves, ratio.shape[1]).mean(dim=1)

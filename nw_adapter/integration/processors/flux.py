@@ -129,9 +129,10 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         keys = self._keys(ip_hidden_states, attn.heads)
         s = 1.0 / math.sqrt(q.shape[-1])
         total = torch.zeros(q.shape[0], q.shape[2], q.shape[1] * q.shape[3], dtype=q.dtype, device=q.device)
+        bandwidths = captured["swap h"] = {}  # per adapter: the branch's bandwidth, for the statistics
         for j, (key, states, scale) in enumerate(zip(keys, ip_hidden_states, scales, strict=True)):
             value = self._split(self.to_v_ip[j](states), attn.heads)
-            h = self._bandwidth(q, key, s, ctx)
+            h = bandwidths[j] = self._bandwidth(q, key, s, ctx)
             branch = self._gaussian_head(q, key, value, h)
             total = total + scale * branch.transpose(1, 2).flatten(2).to(q.dtype)
         return text_out, context_out, ip_out + total
@@ -152,6 +153,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
         s = 1.0 / math.sqrt(q.shape[-1])
         control = self._untrained_wanted()
         draws = range(control.draws) if control is not None else range(0)
+        bandwidths = captured.get("swap h", {})  # swap: each adapter's branch is recorded as itself
         softmaxes = []
         for j, (key, scale, states) in enumerate(zip(keys, scales, ip_hidden_states, strict=False)):
             k = self._pick(key, heads, heads_n)
@@ -162,7 +164,7 @@ class NWFluxIPAdapterAttnProcessor(NWProcessorBase, FluxIPAdapterAttnProcessor):
             )  # fmt: skip
             softmaxes.append(Softmax(
                 q, k, s, scale, adapter=j, maps=True, control_keys=keys0,
-                references=support.reference_count(states),
+                references=support.reference_count(states), swap_h=bandwidths.get(j),
             ))  # fmt: skip
         return softmaxes
 

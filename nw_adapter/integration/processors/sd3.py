@@ -146,9 +146,9 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         value = torch.cat(
             [split_heads(captured["attn.to_v"][0], heads), split_heads(self.to_v_ip(ip), heads)], 2
         )
-        captured["swap"] = (q, k_img, k_ip)  # recorded as observe records the stock branch's
+        captured["swap"] = (q, k_img, k_ip)  # the branch's own q and keys, for the statistics
         s = 1.0 / math.sqrt(q.shape[-1])
-        h = self._bandwidth(q, key, s, ctx)
+        h = captured["swap h"] = self._bandwidth(q, key, s, ctx)
         out = self._gaussian_head(q, key, value, h)
         batch, _, rows, head_dim = out.shape
         return hidden + out.transpose(1, 2).reshape(batch, rows, heads * head_dim).to(q.dtype) * self.scale
@@ -163,9 +163,13 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         """The "ip" and "joint" comparisons of q [B, H, N, d], k_img [B, H, N, d], k_ip [B, H, M, d]
         (as the stock branch forms them: the observe taps, or swap's own), with ``ip_mass``; the
         "ip" comparison also against the untrained adapters' IP keys (every draw) when the control
-        is on."""
+        is on. In swap both are the swapped branch's own softmax, the exact NW head over the joint
+        keys (restricted to the IP keys and renormalised for "ip": the NW head over them at the
+        same h), and ``ip_mass`` is that head's mass on the IP keys."""
+        swap_h = None
         if "swap" in captured:
             q_all, k_img_all, k_ip_all = captured["swap"]
+            swap_h = captured["swap h"]
         else:
             q_all, k_img_all, k_ip_all = (captured[name][0] for name in self.spec.observe_taps)
         q = self._pick(q_all, heads, attn.heads)
@@ -174,8 +178,15 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
         s = 1.0 / math.sqrt(q.shape[-1])
         rows = spread_rows(q.shape[-2], self.joint_rows, q.device)
         q_rows = q if rows is None else q.index_select(2, rows)
-        logits_img = (q_rows @ k_img.transpose(-1, -2)) * s  # [B, H, R, N]
-        logits_ip = (q_rows @ k_ip.transpose(-1, -2)) * s  # [B, H, R, M]
+        if swap_h is None:
+            logits_img = (q_rows @ k_img.transpose(-1, -2)) * s  # [B, H, R, N]
+            logits_ip = (q_rows @ k_ip.transpose(-1, -2)) * s  # [B, H, R, M]
+        else:  # the exact head's logits (q.k - ||k||^2 / 2) / h^2
+            if isinstance(swap_h, torch.Tensor):
+                swap_h = self._pick(swap_h[..., None, None], heads, attn.heads)[..., 0, 0]
+            inv = swap_h.float()[..., None, None] ** -2 if isinstance(swap_h, torch.Tensor) else swap_h**-2
+            logits_img = (q_rows @ k_img.transpose(-1, -2) - 0.5 * k_img.square().sum(-1)[..., None, :]) * inv
+            logits_ip = (q_rows @ k_ip.transpose(-1, -2) - 0.5 * k_ip.square().sum(-1)[..., None, :]) * inv
         lse_ip = logits_ip.logsumexp(dim=-1)
         lse_all = torch.logaddexp(logits_img.logsumexp(dim=-1), lse_ip)
         ip_mass = (lse_ip - lse_all).exp().mean(dim=-1)  # [B, H]: sum_{i in IP} A_ni over the rows
@@ -187,8 +198,8 @@ class NWSD3IPAdapterJointAttnProcessor2_0(NWProcessorBase, SD3IPAdapterJointAttn
             keys0.append(self._pick(control.keys(self.layer_name, states0, draw=d), heads, attn.heads))
         k_joint = torch.cat([k_img, k_ip], dim=2)
         return [
-            Softmax(q, k_ip, s, scale, ip_mass=ip_mass, maps=True, control_keys=tuple(keys0)),
-            Softmax(q_rows, k_joint, s, scale, key_set="joint", ip_mass=ip_mass),
+            Softmax(q, k_ip, s, scale, ip_mass=ip_mass, maps=True, control_keys=tuple(keys0), swap_h=swap_h),
+            Softmax(q_rows, k_joint, s, scale, key_set="joint", ip_mass=ip_mass, swap_h=swap_h),
         ]
 
 

@@ -87,7 +87,7 @@ class _Group:
     never needs them)."""
 
     __slots__ = (
-        "adapter", "image", "_raw", "_batch", "_states", "scale", "mask", "key", "value", "references",
+        "adapter", "image", "_raw", "_batch", "_states", "scale", "mask", "key", "value", "references", "h",
     )  # fmt: skip
 
     def __init__(
@@ -106,6 +106,7 @@ class _Group:
         self.references = references  # reference images whose tokens are the keys (a support set)
         self.key: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
+        self.h: float | torch.Tensor | None = None  # swap's bandwidth for this group
 
     @property
     def states(self) -> torch.Tensor:
@@ -197,14 +198,16 @@ class _UNetNWProcessor(NWProcessorBase):
         q = q_raw.view(batch, rows, heads, inner // heads).transpose(1, 2)  # split_heads, inline
         s = self.attention_scale(attn, inner // heads)
         if not any(m is not None for m in inputs.masks):  # one softmax per adapter, no group objects
-            keys = captured["swap keys"] = {}  # the adapters' keys, for the statistics
+            keys = captured["swap keys"] = {}  # the adapters' keys and bandwidths, for the statistics
+            bandwidths = captured["swap h"] = {}
             for j, (states, scale) in enumerate(zip(inputs.ip_hidden_states, inputs.scales, strict=False)):
                 if _is_zero(scale):
                     continue
                 tokens = states.reshape(-1, states.shape[-1])  # [B*M, cross]
                 k = keys[j] = self.to_k_ip[j](tokens).view(batch, -1, heads, inner // heads).transpose(1, 2)
                 v = self.to_v_ip[j](tokens).view(batch, -1, heads, inner // heads).transpose(1, 2)
-                out = self._nw_head(q, k, v, self._bandwidth(q, k, s, ctx))
+                h = bandwidths[j] = self._bandwidth(q, k, s, ctx)
+                out = self._nw_head(q, k, v, h)
                 out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
                 hidden = torch.add(hidden, out, alpha=scale)
             return hidden
@@ -216,7 +219,8 @@ class _UNetNWProcessor(NWProcessorBase):
             tokens = g.states.reshape(-1, g.states.shape[-1])  # [B*M, cross]
             g.key = split_heads(self.to_k_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
             g.value = split_heads(self.to_v_ip[g.adapter](tokens).view(batch, -1, inner), attn.heads)
-            out = self._nw_head(q, g.key, g.value, self._bandwidth(q, g.key, s, ctx))
+            g.h = self._bandwidth(q, g.key, s, ctx)
+            out = self._nw_head(q, g.key, g.value, g.h)
             out = out.transpose(1, 2).reshape(batch, rows, inner).to(hidden.dtype)
             if g.mask is not None:
                 out = out * self._mask_factor(g.mask, batch, rows, inner, out)
@@ -249,9 +253,12 @@ class _UNetNWProcessor(NWProcessorBase):
                            heads, attn.heads)
                 for d, draw in enumerate(per_draw)
             )  # fmt: skip
+            swap_h = g.h
+            if swap_h is None and g.mask is None:  # swap without masks: the adapter's branch bandwidth
+                swap_h = captured.get("swap h", {}).get(g.adapter)
             softmaxes.append(Softmax(
                 q, k, s, g.scale, adapter=g.adapter, image=g.image, maps=True, control_keys=keys0,
-                references=g.references,
+                references=g.references, swap_h=swap_h,
             ))  # fmt: skip
         return softmaxes
 
@@ -263,7 +270,7 @@ class _UNetNWProcessor(NWProcessorBase):
         keys swap's or the stock branch's (the taps'), else (the stock branch skipped an adapter of
         scale 0) projected here; no group objects (the common case, per layer call at the flush)."""
         batch, softmaxes = q.shape[0], []
-        swapped = captured.get("swap keys", {})
+        swapped, bandwidths = captured.get("swap keys", {}), captured.get("swap h", {})
         for j, (states, scale) in enumerate(zip(inputs.ip_hidden_states, inputs.scales, strict=False)):
             outputs = captured.get(_K_IP_TAPS[j] if j < len(_K_IP_TAPS) else element_tap("to_k_ip", j), ())
             if j in swapped:
@@ -278,7 +285,7 @@ class _UNetNWProcessor(NWProcessorBase):
             tokens = states.shape[-2] if states.dim() == 4 else pooled
             softmaxes.append(Softmax(
                 q, self._pick(k, heads, attn.heads), s, scale, adapter=j, image=0, maps=True,
-                references=pooled // tokens,
+                references=pooled // tokens, swap_h=bandwidths.get(j),
             ))  # fmt: skip
         return softmaxes
 

@@ -50,17 +50,21 @@ def softmax_statistics(
     compile: bool = False,
     readings: bool = True,
     fit_rows: int | None = 256,
+    key_norm_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Statistics of A = softmax(q k^T * s) against the NW weights W at bandwidth ``h``.
+    """Statistics of A = softmax(s (q.k_i - c ||k_i||^2 / 2)) against the NW weights W at bandwidth ``h``.
 
     Args:
         q: queries ``[B, H, N, d]``; k: image keys ``[B, H, M, d]`` of one softmax.
-        scale: s, the stock softmax scale. h: the NW bandwidth, a float or ``[B, H]`` tensor.
+        scale: s, the softmax scale (a float, or ``[B, H]``). h: the NW bandwidth, a float or
+            ``[B, H]`` tensor.
         draws: the nulls' random numbers (:func:`draw_nulls`), None = nulls recorded as NaN.
         valid: optional bool ``[B, M]`` mask of the keys that take part.
         halves: 2 when the batch is [uncond; cond]. compile: one torch.compile'd graph per shape.
         readings: compute the readings (READING_STATS; False = NaN). fit_rows: the evenly
             spaced query rows their bandwidth fit uses (None = all).
+        key_norm_weight: c; 0 for dot-product attention (the stock branch), 1 for the exact NW
+            head at ``h^2 = 1/s`` (a swapped branch: A is then its own weights).
 
     Returns:
         ``(stats [S + 1, halves, H], A [B, H, N, M], W [B, H, N, M])``, stats in the order of
@@ -79,5 +83,5 @@ def softmax_statistics(
         value = float(h)  # a 0-d tensor: one graph for every value of h (made once per value)
         h = EagerWriter().constant(("h", value, q.device), lambda: f32(value, q.device))
     with full_precision_float32_matmuls():
-        stats, weights = function(q, k, h, scale, valid, draws, halves, readings, fit_rows)
+        stats, weights = function(q, k, h, scale, valid, draws, halves, readings, fit_rows, key_norm_weight)
     return stats, weights[0], weights[1]

@@ -73,8 +73,21 @@ class CompiledStatistics:
             self.graphed = torch.compile(layer_statistics, dynamic=False, mode="reduce-overhead")
         return self.graphed
 
-    def __call__(self, q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256):  # noqa: ANN001, ANN204
-        args = (q, k, h, scale, valid, draws, halves, readings, fit_rows)  # as layer_statistics
+    def __call__(
+        self, q, k, h, scale, valid, draws, halves, readings=True, fit_rows=256, key_norm_weight=0.0
+    ):  # noqa: ANN001, ANN204, E501
+        args = (
+            q,
+            k,
+            h,
+            scale,
+            valid,
+            draws,
+            halves,
+            readings,
+            fit_rows,
+            key_norm_weight,
+        )  # as layer_statistics
         function = self.function_for(q.device)
         if function is None:
             return layer_statistics(*args)

@@ -225,6 +225,7 @@ def layer_statistics(
     halves: int = 1,
     readings: bool = True,
     fit_rows: int | None = 256,
+    key_norm_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All statistics of one softmax of the image branch (see the module docstring).
 
@@ -232,7 +233,7 @@ def layer_statistics(
         q: queries ``[B, H, N, d]`` (any float dtype; computed in float32).
         k: image keys ``[B, H, M, d]``.
         h: NW bandwidth, a float or a ``[B, H]`` (or 0-d) tensor.
-        scale: the stock softmax scale s.
+        scale: the softmax scale s, a float or a ``[B, H]`` tensor (a swapped head at a per-head h).
         valid: optional bool ``[B, M]`` mask of the keys that take part (padding keys: False).
         draws: the nulls' random numbers (:func:`~.nulls.draw_nulls`); None = nulls recorded as NaN.
         halves: 2 when the batch is [uncond; cond]: rho and its nulls are pooled over the query
@@ -241,6 +242,9 @@ def layer_statistics(
         readings: compute the readings of :data:`~nw_adapter.integration.schema.READING_STATS`
             (:mod:`.readings`); False = NaN.
         fit_rows: the readings' bandwidth fit uses this many evenly spaced query rows (None = all).
+        key_norm_weight: c of the attention's scores ``q.k_i - c ||k_i||^2 / 2`` (0: dot-product
+            attention; 1: the exact NW head at ``h^2 = 1/s``, a swapped branch): a constant of the
+            pairs' shift, so it costs no operation.
 
     Returns:
         ``(stats [S + 1, halves, H], weights [2, B, H, N, M])``: the statistics in STAT_NAMES
@@ -254,11 +258,11 @@ def layer_statistics(
     valid_keys = None if valid is None else valid.view(b, 1, m, 1, 1)  # keys-major mask [B, 1, M, 1, 1]
     keys = _key_norms(w, k, valid)
     feats = w.workspace("row features", (b, nh, len(ROW), n), q.device)
-    scores = _scores(w, q, k, keys, feats, draws, valid)
+    scores = _scores(w, q, k, keys, feats, draws, valid, key_norm_weight)
     rho_sums = _pooled_rank_correlations(w, scores, None if valid is None else valid_keys[..., 0], halves, n)
     pairs = scores.pairs
     z, masked, inv_count = _weights_and_row_features(w, pairs[..., :n], scale, h, valid_keys, feats)
-    head = _per_head(w, feats, keys, h)
+    head = _per_head(w, feats, keys, h, scale)
     if readings:
         columns = {name: head[..., HEAD[name]] for name in (*READINGS, CODE)}
         attn, neg_entropy = z[:, :, :, Z["a"]], feats[:, :, ROW["a.lA"]]
@@ -269,7 +273,9 @@ def layer_statistics(
     means = _half_means(head, halves)
     if readings and q.shape[0] != halves:  # a half's reason: the first among its batch rows
         means[..., HEAD[CODE]] = _first_reason(head[..., HEAD[CODE]], halves)
-    stats = _statistics(w, means, rho_sums, h, scale, draws is not None, fit)
+    stats = _statistics(
+        w, means, rho_sums, h, 1.0 if isinstance(scale, torch.Tensor) else scale, draws is not None, fit
+    )
     return stats, z[:, :, :, Z.slice("a", "b")].permute(3, 0, 1, 4, 2)
 
 
@@ -350,6 +356,7 @@ def _scores(
     feats: torch.Tensor,
     draws: NullDraws | None,
     valid: torch.Tensor | None,
+    key_norm_weight: float = 0.0,
 ) -> Scores:
     """Pass 1: the pairs of the observed and norm-matched rows and the spread null's NW scores
     (:class:`Scores`); writes ``||q||`` into the row features.
@@ -361,7 +368,9 @@ def _scores(
     a random order), the permutation noise is reordered by the rows instead (null row j of the draws
     goes with observed row ``rows[j]``, as before), so that null row i is observed row i: nothing
     is selected from the pairs. The norm-matched rows keep the draws' order (``||q_rows[j]||``).
-    Keys-major: every later op over the keys runs along the long contiguous rows."""
+    Keys-major: every later op over the keys runs along the long contiguous rows. The attention's
+    score is ``q.k_i - c ||k_i||^2 / 2`` (``c = key_norm_weight``): the same one ``addcmul`` whose
+    shift constant holds ``(-c/2, -1/2)``."""
     b, nh, n, d = q.shape
     m = k.shape[-2]
     rows, noise, n0 = None, None, 0
@@ -392,7 +401,8 @@ def _scores(
     r = n + n0
     ranked = w.workspace("scores", (b, nh, m, len(PAIR) * r + n0), q.device)
     pairs = ranked[..., : len(PAIR) * r].view(b, nh, m, len(PAIR), r)
-    shift = w.constant(("pair shift", q.device), lambda: f32([[0.0], [-0.5]], q.device))  # PAIR order
+    c = float(key_norm_weight)
+    shift = w.constant(("pair shift", c, q.device), lambda: f32([[-0.5 * c], [-0.5]], q.device))  # PAIR order
     w.write(pairs, torch.addcmul, logits[:, :, :, None, :r], shift, keys.sq[..., None, None])
     if noise is None:
         return Scores(ranked, pairs, None, None)
@@ -532,8 +542,16 @@ def _first_peak(w: EagerWriter, scores: torch.Tensor) -> torch.Tensor:
     return torch.mul(at_peak, countdown).amax(2)  # 1/3 of the CPU time of where(at_peak, countdown, 0)
 
 
-def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tensor | float) -> torch.Tensor:
-    """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`; the readings' columns written later)."""
+def _per_head(
+    w: EagerWriter,
+    feats: torch.Tensor,
+    keys: KeyNorms,
+    h: torch.Tensor | float,
+    scale: torch.Tensor | float = 1.0,
+) -> torch.Tensor:
+    """Per-(batch row, head) values ``[B, H, C]`` (:data:`HEAD`; the readings' columns written later).
+    A ``[B, H]`` tensor ``scale`` multiplies the scaled producers' columns here (a float one is
+    their gain in :func:`_affine`)."""
     b, nh, _, n = feats.shape
     tensor_h = isinstance(h, torch.Tensor)
     # never written: the columns of rho (gain 0) and of a float h (gain 0, offset h); a float h has
@@ -545,6 +563,8 @@ def _per_head(w: EagerWriter, feats: torch.Tensor, keys: KeyNorms, h: torch.Tens
     for name, producer in PRODUCERS.items():
         if isinstance(producer, PerHead):
             producer.write(w, head[..., HEAD[name]], head, keys)
+            if producer.scaled and isinstance(scale, torch.Tensor):
+                head[..., HEAD[name]].mul_(scale.to(head.dtype).expand(b, nh))
     if tensor_h:
         head[..., HEAD["bandwidth"]].copy_(h.expand(b, nh))
     return head
@@ -638,10 +658,16 @@ def _affine(
 
 
 def _logit_coefficients(
-    w: EagerWriter, scale: float, h: torch.Tensor | float, like: torch.Tensor
+    w: EagerWriter, scale: float | torch.Tensor, h: torch.Tensor | float, like: torch.Tensor
 ) -> torch.Tensor:
     """Multipliers of the pairs into logits: s and 1/h^2, ``[2, 1]`` (``[B, H, 1, 2, 1]`` for a
-    ``[B, H]`` h)."""
+    ``[B, H]`` h or s)."""
+    if isinstance(scale, torch.Tensor):
+        b, nh = like.shape[:2]
+        s = scale.float().expand(b, nh)
+        inv_h2 = (h.float() if isinstance(h, torch.Tensor) else torch.full_like(s, float(h))).reciprocal()
+        inv_h2 = inv_h2.square().expand(b, nh)
+        return torch.stack([s, inv_h2], -1).view(b, nh, 1, 2, 1)
     if isinstance(h, torch.Tensor):
         inv_h2 = h.float().reciprocal().square()  # [] or [B, H]
         coef = torch.stack([torch.full_like(inv_h2, scale), inv_h2], -1)

@@ -42,6 +42,7 @@ from nw_adapter.core.specification import (
     BETA_RANGE,
     H_EFF_BLIND_TOLERANCE,
     H_EFF_EDGE_TOLERANCE,
+    H_EFF_QUERY_TOLERANCE,
     fit_row_indices,
 )
 from nw_adapter.integration.stats.workspace import EagerWriter, f32
@@ -77,7 +78,7 @@ def write_readings(
     neg_entropy: torch.Tensor,
     valid_keys: torch.Tensor | None,
     inv_count: torch.Tensor | float,
-    scale: float,
+    scale: float | torch.Tensor,
     fit_rows: int | None,
 ) -> None:
     """The readings of every (batch row, head), written into ``out[name]`` (``[B, H]`` views).
@@ -95,10 +96,11 @@ def write_readings(
         neg_entropy: ``a.l_A = -H(A_j)`` per row ``[B, H, N]``.
         valid_keys: bool ``[B, 1, M, 1, 1]`` key mask or None.
         inv_count: 1 / the number of valid keys (float, or ``[B, 1, 1, 1, 1]``).
-        scale: the softmax scale s (the fit's start is s times the least-squares slope).
+        scale: the softmax scale s (the fit's start is s times the least-squares slope), a float or
+            ``[B, H]``.
         fit_rows: rows the bandwidth is fitted on (evenly spaced), None = all.
     """
-    slope = _write_shares(w, out, observed, valid_keys, inv_count)  # <L~, G~> / <G~, G~> [B, H]
+    slope, g_key_share = _write_shares(w, out, observed, valid_keys, inv_count)  # [B, H] each
     n = attn.shape[-1]
     a_bar = attn.mean(-1)  # A_bar [B, H, M]
     prior = torch.xlogy(a_bar, a_bar).sum(-1)  # -H(A_bar)
@@ -115,7 +117,7 @@ def write_readings(
         rows = w.constant(("fit rows", n, count, g.device), lambda: _rows(n, count, g.device))
     valid = None if valid_keys is None else valid_keys[..., 0]  # [B, 1, M, 1]
     beta, moments = _fit(w, shifted, valid, rows, scale, slope, moments_at_beta=count < n)
-    unidentified = _write_reason(w, out, beta, inv_count, scale)
+    unidentified = _write_reason(w, out, beta, inv_count, scale, g_key_share)
     w.write(out["h_eff"], torch.rsqrt, beta).masked_fill_(unidentified, float("nan"))
     if moments is None:  # every row fitted: no sampling error
         out["h_eff_se"].fill_(0.0)
@@ -132,17 +134,20 @@ def _write_reason(
     out: dict[str, torch.Tensor],
     beta: torch.Tensor,
     inv_count: torch.Tensor | float,
-    scale: float,
+    scale: float | torch.Tensor,
+    g_key_share: torch.Tensor,
 ) -> torch.Tensor:
     """h_eff's reason code into ``out["h_eff_reason"]`` ``[B, H]``, as the specification's
     :func:`~nw_adapter.core.specification.h_eff_reason_code`: 1 fewer than 2 valid keys, 2
     query-blind (``1 - r2_key < 1e-6``, or r2_key NaN: constant logits), 3 beta within 1e-3
-    (relative) of an end of its bracket, else 0. Returns the bool ``[B, H]`` of the cells whose
-    h_eff is not identified."""
+    (relative) of an end of its bracket, 4 the NW scores' query-dependent share below 1e-4
+    (``g_key_share``, r2_key of G, above ``1 - 1e-4``: a flat profile), else 0. Returns the bool
+    ``[B, H]`` of the cells whose h_eff is not identified."""
     low, high = (end * scale for end in BETA_RANGE)
     inside = (low * (1.0 + H_EFF_EDGE_TOLERANCE), high * (1.0 - H_EFF_EDGE_TOLERANCE))
     edge = torch.clamp(beta, *inside) != beta
-    code = w.write(out["h_eff_reason"], torch.mul, edge, 3.0)
+    flat = torch.le(g_key_share, 1.0 - H_EFF_QUERY_TOLERANCE).logical_not_()  # NaN share: flat too
+    code = w.write(out["h_eff_reason"], torch.mul, flat, 4.0).masked_fill_(edge, 3.0)
     seen = torch.le(out["r2_key"], 1.0 - H_EFF_BLIND_TOLERANCE)  # False for NaN: blind
     two = w.constant(("reason 2", beta.device), lambda: f32(2.0, beta.device))
     w.write(code, torch.where, seen, code, two)
@@ -164,10 +169,11 @@ def _write_shares(
     observed: torch.Tensor,
     valid_keys: torch.Tensor | None,
     inv_count: torch.Tensor | float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``r2_key`` and ``r2_nw`` from the row-centred keys-major pairs (``q.k``, ``G``) ``[B, H, M, 2, N]``
     over the valid keys; returns the least-squares slope ``<L~, G~> / <G~, G~>`` ``[B, H]`` (NaN
-    where G~ is 0), the fit's start."""
+    where G~ is 0), the fit's start, and ``r2_key`` of the NW scores ``n sum_i g_i^2 / <G~, G~>``
+    (``g_i`` the column means of G~; NaN where G~ is 0): 1 minus their query-dependent share."""
     n = observed.shape[-1]
     if valid_keys is None:
         centred = observed - observed.mean(2, keepdim=True)
@@ -179,12 +185,12 @@ def _write_shares(
     ll = (logit * logit).sum((-2, -1))
     lg = (logit * nw).sum((-2, -1))
     gg = (nw * nw).sum((-2, -1))
-    columns = logit.sum(-1)  # n b_i [B, H, M]
-    bias = torch.linalg.vector_norm(columns, dim=-1).square_()
-    w.write(out["r2_key"], torch.div, bias, ll * n)
+    columns = centred.sum(-1)  # n b_i and n g_i [B, H, M, 2]
+    bias = torch.linalg.vector_norm(columns, dim=2).square_()  # [B, H, 2]
+    w.write(out["r2_key"], torch.div, bias[..., 0], ll * n)
     explained = torch.where(gg > 0, lg.clamp_min(0.0).square() / gg, 0.0)  # 0 where G~ is 0
     w.write(out["r2_nw"], torch.div, explained, ll)
-    return lg / gg
+    return lg / gg, torch.div(bias[..., 1], gg * n)
 
 
 def _fit(
@@ -192,7 +198,7 @@ def _fit(
     shifted: torch.Tensor,
     valid: torch.Tensor | None,
     rows: torch.Tensor | None,
-    scale: float,
+    scale: float | torch.Tensor,
     slope: torch.Tensor,
     moments_at_beta: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -215,14 +221,19 @@ def _fit(
         zeroed = w.write(powers[:, :, 0], torch.mul, logits, valid)
     w.write(powers[:, :, 1], torch.square, zeroed)
     low, high = BETA_RANGE
-    ends = w.constant(
-        ("fit bracket", scale, logits.device), lambda: f32([low * scale, high * scale], logits.device)
-    )
+    if isinstance(scale, torch.Tensor):  # a per-head scale: [B, H, 2] ends, [B, H] start
+        s = scale.float().expand(b, nh)
+        ends = torch.stack([s * low, s * high], -1)
+        start = s
+    else:
+        ends = w.constant(
+            ("fit bracket", scale, logits.device), lambda: f32([low * scale, high * scale], logits.device)
+        )
+        # the start: s times the least-squares slope of the row-centred logits on G~ (the answer when
+        # A is an NW smoother, s log A = beta G + row constants), s where that slope is not positive
+        start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
     bracket = _bracket(logits, zeroed, ends)
     sides = w.constant(("fit sides", logits.device), lambda: f32([1.0, -1.0], logits.device))
-    # the start: s times the least-squares slope of the row-centred logits on G~ (the answer when A is
-    # an NW smoother, s log A = beta G + row constants), s where that slope is not positive
-    start = w.constant(("fit start", scale, logits.device), lambda: f32(scale, logits.device))
     beta = torch.clamp(torch.where(slope > 0, slope * scale, start), bracket[..., 0], bracket[..., 1])
     moments = w.workspace("fit moments", (b, nh, 3, n), logits.device)  # per row [1, psi_j, E_p[G'^2]_j]
     moments[:, :, 0].fill_(1.0)
@@ -245,11 +256,12 @@ def _fit(
 
 
 def _bracket(logits: torch.Tensor, shifted_zeroed: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """The bracket ``[B, H, 2]`` of beta: the range ``ends`` (``[lo, hi]``), collapsed onto an end
-    where the optimum lies at or beyond it (``L'(lo) >= 0``: the loss rises from the lower end,
-    e.g. an anti-NW head; ``L'(hi) <= 0``), so that Newton steps never bisect towards it.
+    """The bracket ``[B, H, 2]`` of beta: the range ``ends`` (``[lo, hi]``, or ``[B, H, 2]``),
+    collapsed onto an end where the optimum lies at or beyond it (``L'(lo) >= 0``: the loss rises
+    from the lower end, e.g. an anti-NW head; ``L'(hi) <= 0``), so that Newton steps never bisect
+    towards it.
     ``logits``, ``shifted_zeroed``: keys-major ``[B, H, M, n]``."""
-    p = torch.softmax(logits[:, :, None] * ends[:, None, None], -2)  # [B, H, 2, M, n]
+    p = torch.softmax(logits[:, :, None] * ends[..., None, None], -2)  # [B, H, 2, M, n]
     grad = (p * shifted_zeroed[:, :, None]).sum((-1, -2))  # n L' at both ends [B, H, 2]
     bracket = ends.expand(*grad.shape)
     bracket = torch.where(grad[..., :1] >= 0, bracket[..., :1], bracket)

@@ -51,13 +51,14 @@ def reference_statistics(
     readings: bool = True,
     fit_rows: int | None = 256,
     codes: bool = False,
+    key_norm_weight: float = 0.0,
 ) -> torch.Tensor:
     """Every statistic of one softmax, pooled per CFG half: ``[S, halves, H]`` in STAT_NAMES order.
 
     Args:
         q: queries ``[B, H, N, d]`` (float64 for a float64 reference).
         k: image keys ``[B, H, M, d]``.
-        scale: s, the stock softmax scale.
+        scale: s, the softmax scale (a float, or ``[B, H]``).
         h: the NW bandwidth: a float, a 0-d or a ``[B, H]`` tensor.
         draws: the nulls' random numbers; None = the nulls are NaN.
         valid: optional bool ``[B, M]`` mask of the keys that take part.
@@ -67,6 +68,7 @@ def reference_statistics(
         fit_rows: evenly spaced query rows of the readings' bandwidth fit (None = all).
         codes: append the h_eff reason code row (the rows of
             :data:`~nw_adapter.core.specification.STAT_ROWS`; 0 with the readings off).
+        key_norm_weight: c of the attention's scores ``q.k - c ||k||^2 / 2`` (1: a swapped head).
 
     Returns:
         ``[S, halves, H]`` (S + 1 rows with ``codes``) in the dtype of ``q``.
@@ -74,7 +76,10 @@ def reference_statistics(
     b, nh = q.shape[:2]
     k = k.to(q.dtype)
     h = torch.as_tensor(h, dtype=q.dtype, device=q.device).expand(b, nh)
-    x = Softmax(q, k, scale, h, None if valid is None else valid[:, None, :], draws, fit_rows)
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(q.dtype).expand(b, nh)
+    mask = None if valid is None else valid[:, None, :]
+    x = Softmax(q, k, scale, h, mask, draws, fit_rows, key_norm_weight)
     rows = []
     for statistic in SPECIFICATION.values():
         if (draws is None and statistic.needs_draws) or (not readings and statistic.reading):
