@@ -46,6 +46,8 @@ from nw_adapter.correlate.spec import (
     tiny_cache_dir,
     write_tiny_cache,
 )
+from nw_adapter.integration.families import TINY_MODELS as registry_tiny_models
+from nw_adapter.integration.families import tiny_model as registry_tiny_model
 
 __all__ = [
     "DEFAULT_IP_ADAPTER",
@@ -91,16 +93,9 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
-OFFLINE_MODELS: dict[str, str] = {
-    TINY: "SD 1.5, trained on digits",
-    **{name: f"{family.label}, random weights" for name, family in families.TINY_MODELS.items()},
-    **{
-        name: f"{families.FAMILIES[family].label}, trained on digits"
-        for name, family in families.TRAINED_FLOW_MODELS.items()
-    },
-}
-"""``--model`` names that need no download -> what they are: the trained tiny digits model
-(``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
+OFFLINE_MODELS: dict[str, str] = {model.name: model.label for model in registry_tiny_models}
+"""``--model`` names that need no download -> what they are: the registry's embedded models
+(:data:`~nw_adapter.integration.families.TINY_MODELS`)."""
 
 
 def _is_local(name: str) -> bool:
@@ -319,11 +314,23 @@ IMAGE_ENCODER_FILES: tuple[str, ...] = ("config.json", "model.safetensors", "pre
 
 
 def tiny_stand_in(name: str) -> str:
-    """The offline tiny model of the family ``name`` (a Hub id) belongs to, guessed from the id."""
-    lowered = name.lower()
-    if "stable-diffusion-3" in lowered or "sd3" in lowered:
-        return "tiny-sd3"
-    return "tiny-flux" if "flux" in lowered else "tiny"
+    """The embedded model to run offline instead of the Hub pipeline ``name``: one of its family's
+    (the trained one where there is one), else ``tiny``.
+
+    The family is read from the pipeline's cached ``model_index.json`` when there is one
+    (:func:`~nw_adapter.correlate.families.family_of_model`), else guessed from the id by the
+    registry (:func:`~nw_adapter.integration.families.family_of_hub_id`: the rows' ``hub_names``).
+    """
+    from nw_adapter.integration import families as registry
+
+    family = families.known_family_of_model(name) or registry.family_of_hub_id(name)
+    if family is None:
+        return TINY
+    ranked = (
+        *registry.tiny_models(family=family.name, trained=True),
+        *registry.tiny_models(family=family.name),
+    )
+    return ranked[0] if ranked else TINY
 
 
 def download_command(name: str, option: str, spec: ModelSpec | None = None) -> str:
@@ -357,7 +364,8 @@ def download_command(name: str, option: str, spec: ModelSpec | None = None) -> s
 def _offline_hint(name: str, option: str, spec: ModelSpec | None = None) -> str:
     login = " (gated: accept its licence on the Hub, then hf auth login)" if name in GATED_MODELS else ""
     tiny = tiny_stand_in(spec.model if spec is not None else name)
-    stand_in = f"--model {tiny}" + ("" if tiny == "tiny" else " (random weights: it tests the code only)")
+    embedded = registry_tiny_model(tiny)
+    stand_in = f"--model {tiny} ({embedded.label}{'' if embedded.trained else ': it tests the code only'})"
     return (
         f"{option} '{name}': not in the Hugging Face cache and the Hub cannot be reached (offline); "
         f"download the needed files once with network{login} ({download_command(name, option, spec)}), "

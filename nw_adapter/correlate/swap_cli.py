@@ -82,8 +82,8 @@ def reference_labels(
     if args.model not in DIGIT_MODELS:
         if args.labels is not None:
             raise CompareSwapError(
-                "--labels: class agreement needs a class judge, and only the digits models (--model tiny, "
-                "tiny-flux-digits) have one; drop --labels"
+                "--labels: class agreement needs a class judge, and only the digits models (--model "
+                f"{', '.join(DIGIT_MODELS)}) have one; drop --labels"
             )
         return None, "class agreement not measured: only the digits models have a class judge (a digits SVM)"
     if any(size not in (None, DIGIT_SIZE) for size in (args.height, args.width)):

@@ -9,6 +9,7 @@ hook's timestep units, the untrained control and the command line read the row.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from nw_adapter.integration.processors.base import NWProcessorBase
 from nw_adapter.integration.recorder import NWRecorder
 
 PROCESSORS = Path(families.__file__).parent / "processors"
+REPO = Path(families.__file__).resolve().parents[2]
 SHARED_MODULES = {"__init__", "base", "selection", "deferred"}  # every family's, no family's own
 
 
@@ -166,3 +168,71 @@ def test_the_command_line_reads_the_registry():
     assert cli_families.family_of_model("tiny") == "unet"
     assert RANDOM_WEIGHT_MODELS == families.tiny_models(trained=False)
     assert DIGIT_MODELS == families.tiny_models(trained=True)
+
+
+def _family_decisions(path: Path) -> list[str]:
+    """The places (``file:line``) in ``path`` that decide a family on their own: a comparison with a
+    family's name (``== "sd3"``, ``in ("flux", ...)``; ``"unet"`` only on a line with the word
+    ``family``, it is also the pipeline attribute) or with a class name of a row, a ``startswith``
+    of a row's class-name prefix, and any use of the registry's constants ``UNET``, ``SD3``, ``FLUX``."""
+    names = {family.name for family in FAMILIES}
+    classes = {name for row in FAMILIES for name in (*row.pipelines, *row.denoisers, *row.processors)}
+    constants = {"UNET", "SD3", "FLUX"}
+    source = path.read_text(encoding="utf-8")
+    found: list[str] = []
+
+    def strings(node: ast.AST) -> list[str]:
+        nodes = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+        where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and any(alias.name in constants for alias in node.names):
+            found.append(where)
+        elif (
+            isinstance(node, ast.Name | ast.Attribute)
+            and (getattr(node, "id", None) or node.attr) in constants
+        ):
+            found.append(where)
+        elif isinstance(node, ast.Compare):
+            values = [value for operand in (node.left, *node.comparators) for value in strings(operand)]
+            beside = "family" in lines[node.lineno - 1]
+            if any(v in classes or v in names - {"unet"} or (v == "unet" and beside) for v in values):
+                found.append(where)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "startswith":
+            prefixes = [value for argument in node.args for value in strings(argument)]
+            if any(name.startswith(prefix) for name in classes for prefix in prefixes if len(prefix) > 3):
+                found.append(where)
+    return found
+
+
+def test_no_module_outside_the_registry_decides_a_family():
+    """Which family a pipeline is, and what follows from it, is read from the registry's rows only:
+    no other module of the package, its scripts, companion pipelines or benchmarks compares with a
+    family's or a row's class name (issue 45; at b4d97d1 this finds 19 places in 4 files:
+    correlate/families.py, loading.py, option_table.py, run_model.py)."""
+    registry = Path(families.__file__).resolve()
+    files = [
+        path
+        for folder in ("nw_adapter", "scripts", "pipelines", "benchmarks")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path.resolve() != registry
+    ]
+    assert len(files) > 100
+    found = [place for path in files for place in _family_decisions(path)]
+    assert found == []
+
+
+def test_the_decision_finder_finds_each_kind_of_decision(tmp_path):
+    """The finder above on a module written with each kind of family decision (and one without)."""
+    module = tmp_path / "decides.py"
+    module.write_text(
+        "from nw_adapter.integration.families import SD3\n"
+        "def a(family):\n    return family == 'unet'\n"
+        "def b(name):\n    return name in ('flux', 'x')\n"
+        "def c(pipe):\n    return type(pipe).__name__.startswith('StableDiffusion3')\n"
+        "def d(pipe):\n    return getattr(pipe, 'unet', None) if 'unet' in dir(pipe) else None\n"
+    )
+    found = _family_decisions(module)
+    assert [place.split(":")[1] for place in found] == ["1", "3", "5", "7"]
