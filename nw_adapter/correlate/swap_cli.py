@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
         # the references are checked on their own (document_problem), so the note can say which changed
         expected = fingerprint(args.run.name, args, resolved)
         atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
-        document, why = reusable_document(out_dir, expected, infos, labels)
+        fingerprinted = options_record(args.run.name, args, resolved, fingerprinted=True)
+        document, why = reusable_document(out_dir, expected, infos, labels, fingerprinted)
         if document is None:
             if why:
                 note(args.quiet, f"{why}; computing it again")
