@@ -391,8 +391,55 @@ WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".bin", ".safetensors.index.
 """Endings of the weight files (or shard indexes) a component folder of a pipeline loads from."""
 
 
+def damaged_safetensors(path: Path) -> str | None:
+    """``'<path>' is empty`` or ``... is not a complete safetensors file`` when safetensors cannot open
+    the local file ``path`` (its header only is read; no torch), else None."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as weights:
+            weights.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        size = path.stat().st_size if path.is_file() else 0
+        what = (
+            "is empty"
+            if size == 0
+            else f"is not a complete safetensors file ({size} bytes: {_one_line(exc)})"
+        )
+        return f"'{path}' {what}"
+    return None
+
+
+def check_adapter_files(spec: ModelSpec, *, image_encoder_given: bool) -> None:
+    """Refuse a local IP-Adapter weight file or a local image encoder's weights that safetensors
+    cannot open, before the pipeline loads (one line naming the option and the file).
+
+    Raises:
+        ModelLoadError: ``--ip-adapter`` (or ``--image-encoder``, when given; else the adapter's)
+            ``'folder': 'file' is empty / not a complete safetensors file ...; the fix``.
+    """
+    weight_name = str(spec.weight_name or "")
+    if spec.ip_adapter and weight_name.endswith(".safetensors") and _is_local(spec.ip_adapter):
+        path = Path(spec.ip_adapter).expanduser() / (spec.subfolder or "") / weight_name
+        damaged = damaged_safetensors(path) if path.is_file() else None
+        if damaged is not None:
+            raise ModelLoadError(
+                f"--ip-adapter '{spec.ip_adapter}': {damaged}; download or copy the adapter again"
+            )
+    encoder = spec.image_encoder
+    if encoder and encoder != TINY and _is_local(encoder) and Path(encoder).expanduser().is_dir():
+        for path in sorted(Path(encoder).expanduser().glob("*.safetensors")):
+            damaged = damaged_safetensors(path)
+            if damaged is not None:
+                option = "--image-encoder" if image_encoder_given else "--ip-adapter's image encoder"
+                raise ModelLoadError(
+                    f"{option} '{encoder}': {damaged}; download or copy the image encoder again"
+                )
+
+
 def check_pipeline_folder(model: str) -> None:
-    """Refuse a local pipeline folder one of whose model components has no weight file.
+    """Refuse a local pipeline folder one of whose model components has no weight file, or a weight
+    file that safetensors cannot open, or whose ``model_index.json`` is not JSON.
 
     A component is a model where its folder holds a ``config.json`` (schedulers, tokenizers and
     feature extractors keep other files); it needs a file ending in one of :data:`WEIGHT_SUFFIXES`.
@@ -409,13 +456,19 @@ def check_pipeline_folder(model: str) -> None:
         return
     try:
         components = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # diffusers names a broken index itself
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"--model '{model}': its model_index.json is not valid JSON ({_one_line(exc)}); copy the "
+            "pipeline folder again (saved with save_pretrained)"
+        ) from None
     for name, entry in components.items() if isinstance(components, dict) else ():
         part = folder / name
         if name.startswith("_") or not isinstance(entry, list) or not (part / "config.json").is_file():
             continue
         if any(path.name.endswith(WEIGHT_SUFFIXES) for path in part.iterdir()):
+            damaged = next(filter(None, map(damaged_safetensors, sorted(part.glob("*.safetensors")))), None)
+            if damaged is not None:
+                raise ModelLoadError(f"--model '{model}': {damaged}; copy or download the pipeline again")
             continue
         library = entry[0] if entry else None
         expected = "diffusion_pytorch_model.safetensors" if library == "diffusers" else "model.safetensors"

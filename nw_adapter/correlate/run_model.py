@@ -146,6 +146,7 @@ def prepare_model(args: argparse.Namespace) -> RunModel:
     """
     from nw_adapter.correlate import families
     from nw_adapter.correlate.loading import (
+        check_adapter_files,
         check_hub_files,
         check_pipeline_folder,
         resolve_device,
@@ -158,7 +159,8 @@ def prepare_model(args: argparse.Namespace) -> RunModel:
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
     check_hub_files(spec)  # offline: what cannot be loaded, in one line, now
-    check_pipeline_folder(spec.model)  # a local folder without a component's weights, now
+    check_pipeline_folder(spec.model)  # a local folder without a component's weights, or damaged ones, now
+    check_adapter_files(spec, image_encoder_given=args.image_encoder is not None)  # damaged local weights
     family = families.family_of_model(spec.model)
     problem = family_problem(args, family)
     if problem:
