@@ -275,3 +275,21 @@ def test_verdict_false_positives(argv, words, workdir, monkeypatch, capsys):
     one_line(code, err, *words)
     assert not calls
     _unchanged(workdir)
+
+
+@pytest.mark.parametrize("script", ["train_tiny", "train_tiny_flow"])
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [("", "it is empty"), ('{"config": ', "is not valid JSON"), ("[1]", "holds a JSON list")],
+    ids=["empty", "truncated", "list"],
+)
+def test_a_damaged_training_log_is_one_line(script, content, words, workdir, monkeypatch, capsys):
+    """A resumed run's stages/log.json that is not a JSON object: one line naming it and the fix,
+    before any stage trains (before, json's traceback, exit 1)."""
+    stages = workdir / "run" / "stages"
+    stages.mkdir(parents=True)
+    (stages / "log.json").write_text(content)
+    code, err = call(load(script), ["--out", "run", "--quick", "--no-progress"], monkeypatch, capsys)
+    one_line(code, err, "cannot continue the training log", words, "pass a new --out")
+    assert sorted(p.name for p in stages.iterdir()) == ["log.json"]
+    assert (stages / "log.json").read_text() == content
