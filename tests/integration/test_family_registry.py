@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -236,3 +237,73 @@ def test_the_decision_finder_finds_each_kind_of_decision(tmp_path):
     )
     found = _family_decisions(module)
     assert [place.split(":")[1] for place in found] == ["1", "3", "5", "7"]
+
+
+_NEW_FAMILY = r"""
+import json, sys
+from pathlib import Path
+from nw_adapter.integration import families as registry
+
+row = registry.Family(
+    name="dit", label="DiT", pipelines=("DiT",), denoisers=("DiTLoadersMixin",),
+    processors={"DiTIPAdapterAttnProcessor": "NWDiTIPAdapterAttnProcessor"},
+    processor_module="nw_adapter.integration.processors.dit", flow=True,
+    encoder_argument="image_encoder_folder", ip_adapter="someone/dit-ip-adapter",
+    weight_name="ip.safetensors", image_encoder="someone/dit-encoder", example_pipeline="someone/dit-xl",
+    hub_names=("dit",),
+    end_to_end="its image keys are built another way",
+)
+registry.FAMILIES = (*registry.FAMILIES, row)  # one row added, as a new family would be
+registry._BY_NAME[row.name] = row
+registry._BY_DENOISER.update(dict.fromkeys(row.denoisers, row))
+registry._BY_PROCESSOR.update(dict.fromkeys(row.processors, row))
+
+from nw_adapter.correlate import families, loading
+from nw_adapter.correlate.option_table import OPTION_BY_DEST
+from nw_adapter.correlate.options import family_problem, parse_args
+from nw_adapter.correlate.spec import ModelSpec
+
+def problem(*argv):
+    return family_problem(parse_args([*argv, "--out", "o"]), "dit")
+
+folder = Path(sys.argv[1])
+(folder / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
+spec = families.resolve_flow_spec(ModelSpec(str(folder)), folder / "cache")
+print(json.dumps({
+    "family": families.family_of_model(str(folder)),
+    "spec": [spec.ip_adapter, spec.weight_name, spec.image_encoder],
+    "end_to_end": problem("--image", "a.png", "--end-to-end-control"),
+    "support_sets": problem("--support-set", "a.png,b.png"),
+    "scheduler": problem("--image", "a.png", "--scheduler", "ddim"),
+    "image_encoder": problem("--image", "a.png", "--image-encoder", "x/y"),
+    "true_cfg": problem("--image", "a.png", "--true-cfg-scale", "2", "--negative-prompt", ""),
+    "guidance_rescale": problem("--image", "a.png", "--guidance-rescale", "0.5"),
+    "help": [OPTION_BY_DEST[name].help for name in ("model", "ip_adapter", "weight_name", "image_encoder")],
+    "stand_in": loading.tiny_stand_in("someone/dit-xl"),
+}))
+"""
+
+
+def test_a_new_row_reaches_the_command_line(tmp_path):
+    """What a new family's row alone gives the command line (no other file changed): its pipelines are
+    recognised, its adapter defaults resolved and shown in --help, the runs and options it cannot
+    take refused in one line from the row's fields (run in a fresh interpreter: the option table
+    derives from the rows at import)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _NEW_FAMILY, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["family"] == "dit"
+    assert found["spec"] == ["someone/dit-ip-adapter", "ip.safetensors", "someone/dit-encoder"]
+    assert found["end_to_end"] == (
+        "the end-to-end control run (--end-to-end-control) cannot run on DiT: its image keys are built "
+        "another way; drop --end-to-end-control and use the per-layer control"
+    )
+    assert found["support_sets"] is None and found["image_encoder"] is None
+    assert found["scheduler"].startswith("--scheduler is not read by DiT pipelines; a flow-matching model")
+    assert found["true_cfg"].startswith("--true-cfg-scale is not read by DiT pipelines; only Flux pipelines")
+    assert found["guidance_rescale"].startswith("--guidance-rescale is not read by DiT pipelines")
+    model, adapter, weight, encoder = found["help"]
+    assert "DiT (e.g. someone/dit-xl)" in model and "someone/dit-ip-adapter for DiT" in adapter
+    assert "ip.safetensors for DiT" in weight and "someone/dit-encoder for DiT" in encoder
+    assert found["stand_in"] == "tiny"  # no embedded model of the family: the UNet one

@@ -293,3 +293,12 @@ def test_a_damaged_training_log_is_one_line(script, content, words, workdir, mon
     one_line(code, err, "cannot continue the training log", words, "pass a new --out")
     assert sorted(p.name for p in stages.iterdir()) == ["log.json"]
     assert (stages / "log.json").read_text() == content
+
+
+def test_every_script_parses_with_a_one_line_parser():
+    """No script builds a plain argparse parser (its errors are a usage block, and an --out of its own
+    is not checked): plug_in_field_study.py and verdict_false_positives.py did."""
+    plain = [
+        path.name for path in sorted(SCRIPTS.glob("*.py")) if "argparse.ArgumentParser(" in path.read_text()
+    ]
+    assert plain == []
