@@ -340,12 +340,14 @@ def model_folder_ready(
     run_dir: Path | None = None,
 ) -> bool:
     """Whether the inputs can be used (else print the one-line error and return False), checked
-    before anything is computed: ``model_dir`` a model folder, ``card`` (when given) a file with the
-    ``sections``' markers, ``run_dir`` (when given) a training run with its ``stages/log.json``.
-    Creates ``out``."""
+    before anything is computed: ``model_dir`` a model folder whose weight files safetensors can open,
+    ``card`` (when given) a file with the ``sections``' markers, ``run_dir`` (when given) a training
+    run with its ``stages/log.json``. Creates ``out``."""
     problem = None
     if not (model_dir / "model_index.json").is_file():
         problem = f"'{model_dir}' has no model_index.json; pass --model-dir"
+    elif (damaged := damaged_weights(model_dir)) is not None:
+        problem = f"--model-dir '{model_dir}': {damaged}; copy the model again or pass another --model-dir"
     elif card is not None:
         problem = card_problem(card, sections)
     if problem is None and run_dir is not None and not (run_dir / "stages" / "log.json").is_file():
@@ -355,6 +357,22 @@ def model_folder_ready(
         return False
     out.mkdir(parents=True, exist_ok=True)
     return True
+
+
+def damaged_weights(model_dir: Path) -> str | None:
+    """The first ``.safetensors`` file of ``model_dir`` that safetensors cannot open (empty, truncated,
+    another format), named with its size; None when every one opens (headers only are read)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(model_dir.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy") as weights:
+                weights.keys()
+        except (SafetensorError, OSError, ValueError):
+            size = path.stat().st_size
+            what = "is empty" if size == 0 else f"is not a complete safetensors file ({size} bytes)"
+            return f"{path.relative_to(model_dir)} {what}"
+    return None
 
 
 def card_problem(card: Path, sections: tuple[str, ...]) -> str | None:

@@ -33,26 +33,44 @@ from typing import Any
 import numpy as np
 import torch
 
+from nw_adapter.commands import ScriptParser, output_folder, whole_number
+
 MODELS = ("tiny", "tiny-flux-digits")
 KINDS = ("same", "mixed")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder (created; must not hold another run)")
+    parser = ScriptParser(prog="plug_in_field_study.py", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        type=output_folder("--out"),
+        required=True,
+        help="output folder (created; must not hold another run)",
+    )
     parser.add_argument(
         "--sections", default="exact,known,outcome", help="comma-separated: exact, known, outcome"
     )
     parser.add_argument("--sizes", default="1,2,4,8", help="support sizes m (1..10; default 1,2,4,8)")
     parser.add_argument(
-        "--sets-per-group", type=int, default=10, help="sets per (m, same/mixed) (default 10)"
+        "--sets-per-group",
+        type=whole_number("--sets-per-group", 1),
+        default=10,
+        help="sets per (m, same/mixed) (default 10)",
     )
-    parser.add_argument("--seeds", type=int, default=4, help="generations per set and arm (default 4)")
     parser.add_argument(
-        "--steps", type=int, default=25, help="denoising steps of the outcome study (default 25)"
+        "--seeds", type=whole_number("--seeds", 1), default=4, help="generations per set and arm (default 4)"
     )
     parser.add_argument(
-        "--tasks", type=int, default=40, help="training tasks per (m, kind) to fit tau (default 40)"
+        "--steps",
+        type=whole_number("--steps", 1, 1000),
+        default=25,
+        help="denoising steps of the outcome study (default 25)",
+    )
+    parser.add_argument(
+        "--tasks",
+        type=whole_number("--tasks", 1),
+        default=40,
+        help="training tasks per (m, kind) to fit tau (default 40)",
     )
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
     parser.add_argument(

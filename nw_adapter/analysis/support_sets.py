@@ -40,6 +40,7 @@ import torch
 
 from nw_adapter.analysis.consequence import encode_images
 from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.families import families_where, family_of_pipeline
 from nw_adapter.integration.latent_probe import LatentSupportProbe
 from nw_adapter.integration.latent_support import encode_references, latent_space
 from nw_adapter.integration.mixin import nw_processor
@@ -293,13 +294,22 @@ def observe_support_set(
         :class:`SupportSetRun`.
 
     Raises:
-        ValueError: no references, a call that passes its own IP-Adapter images or generator,
+        ValueError: no references, a pipeline of a family whose row says it takes no support set
+            (:attr:`~nw_adapter.integration.families.Family.support_sets`: SD 3.5), a call that
+            passes its own IP-Adapter images or generator,
             ``num_inference_steps`` < 1, a swap config, a judge that does not return one label per
             image.
     """
     references = list(references)
     if not references:
         raise ValueError("observe_support_set: no reference image; pass a list of one or more images")
+    family = family_of_pipeline(pipe)  # the registry's row says whether its pipeline takes a set
+    if family.support_sets is not None:
+        able = " or ".join(row.label for row in families_where(lambda row: row.support_sets is None))
+        raise ValueError(
+            f"observe_support_set: cannot run on {family.label}: {family.support_sets}; pass a {able} "
+            "pipeline"
+        )
     _check_call(call)
     config = config if config is not None else NWProcessorConfig(mode="observe")
     if config.mode != "observe":

@@ -20,11 +20,14 @@ import io
 import json
 from pathlib import Path
 
+from nw_adapter.integration.families import tiny_models
+
 CONTROL_DRAWS = 3
 """Control draws per run (``--control-draws``, the command line's default)."""
 
-MODELS: tuple[str, ...] = ("tiny-sd15-random", "tiny-sd3", "tiny-flux")
-"""Random-weight models: ``tiny-sd15-random`` is built here (SD 1.5 layout + a random base adapter)."""
+MODELS: tuple[str, ...] = ("tiny-sd15-random", *tiny_models(trained=False))
+"""Random-weight models: ``tiny-sd15-random`` is built here (SD 1.5 layout + a random base adapter), the
+others are the registry's random-weight embedded models (``tiny-sd3``, ``tiny-flux``)."""
 
 
 def reference_images(folder: Path, count: int) -> list[Path]:
@@ -59,9 +62,11 @@ def model_arguments(model: str, folder: Path, seed: int) -> list[str]:
             lambda p: save_tiny_ip_adapter(p, variant="base", sdxl=False, seed=seed),
         )
         return ["--model", str(pipeline), "--ip-adapter", str(adapter)]
-    from nw_adapter.correlate.families import TINY_MODELS, ensure_tiny_flow_models
+    from nw_adapter.correlate.families import ensure_tiny_flow_models
+    from nw_adapter.integration.families import family_named, tiny_model
 
-    pipeline, adapter, encoder = ensure_tiny_flow_models(TINY_MODELS[model], folder, seed=seed)
+    family = family_named(tiny_model(model).family)
+    pipeline, adapter, encoder = ensure_tiny_flow_models(family, folder, seed=seed)
     return ["--model", str(pipeline), "--ip-adapter", str(adapter), "--image-encoder", str(encoder)]
 
 

@@ -3,18 +3,10 @@
 What a family is, and every fact about it, is a row of :data:`nw_adapter.integration.families.FAMILIES`
 (the one table of the families; this module reads it and decides nothing on its own). ``--model``
 names a pipeline; its family is read from the pipeline itself (``model_index.json``'s
-``_class_name``: ``StableDiffusion3*`` is SD 3 / 3.5, ``Flux*`` is Flux, anything else a UNet
-pipeline), and each flow-matching family brings its public IP-Adapter as the default:
-
-============  ===============================  ==========================  ===================================
-family        ``--ip-adapter``                 ``--weight-name``           ``--image-encoder``
-============  ===============================  ==========================  ===================================
-SD 3 / 3.5    ``InstantX/SD3.5-Large-IP-Adapter``  ``ip-adapter.bin``     ``google/siglip-so400m-patch14-384``
-Flux          ``XLabs-AI/flux-ip-adapter``     ``ip_adapter.safetensors``  ``openai/clip-vit-large-patch14``
-============  ===============================  ==========================  ===================================
-
-(UNet pipelines keep :mod:`~nw_adapter.correlate.loading`'s SD 1.5 / SDXL defaults.) The embedded
-models (``tiny``, ``tiny-sd3``, ``tiny-flux``, ``tiny-flux-digits``) are the registry's
+``_class_name``, matched against the rows' ``pipelines`` prefixes), and a family with its own public
+IP-Adapter (the row's ``ip_adapter``, ``weight_name``, ``image_encoder``: SD 3 / 3.5 and Flux) brings
+it as the default; the other pipelines (UNets) keep :mod:`~nw_adapter.correlate.spec`'s SD 1.5 /
+SDXL defaults. The embedded models are the registry's
 :data:`~nw_adapter.integration.families.TINY_MODELS`: the random-weight ones are written once into
 the tiny-model cache from their builders and loaded like any local folder.
 
@@ -38,46 +30,24 @@ from nw_adapter.correlate.spec import (
     write_tiny_cache,
 )
 from nw_adapter.integration import families as registry
-from nw_adapter.integration.families import FLUX, SD3, UNET, Family
-
-FlowFamily = Family
-"""A flow-matching family's row (the registry's :class:`~nw_adapter.integration.families.Family`)."""
+from nw_adapter.integration.families import Family
 
 FAMILIES: dict[str, Family] = {family.name: family for family in registry.FAMILIES if family.ip_adapter}
 """The families with their own default adapter (SD 3, Flux), by name."""
-
-TINY_MODELS: dict[str, Family] = {
-    model.name: registry.family_named(model.family)
-    for model in registry.TINY_MODELS
-    if not model.shipped and model.family in FAMILIES
-}
-"""``--model`` names of the random-weight tiny flow models -> their family's row."""
-
-TRAINED_FLOW_MODELS: dict[str, str] = {
-    model.name: model.family for model in registry.TINY_MODELS if model.shipped and model.family in FAMILIES
-}
-"""``--model`` names of the *trained* flow-matching models shipped in the package -> their family:
-``tiny-flux-digits`` is :mod:`nw_adapter.models.tiny_flux_digits` (Flux + XLabs-layout adapter,
-trained on digits with support sets of 1-4 references)."""
 
 UNET_BLOCKS: dict[str, str] = {"down": "down_blocks", "mid": "mid_block", "up": "up_blocks"}
 """``--layers`` short names of UNet blocks -> the attention-processor name prefix."""
 
 __all__ = [
     "FAMILIES",
-    "FLUX",
-    "SD3",
-    "TINY_MODELS",
-    "TRAINED_FLOW_MODELS",
-    "UNET",
     "UNET_BLOCKS",
-    "FlowFamily",
     "call_kwargs",
     "check_scheduler",
     "check_weight_file",
     "ensure_tiny_flow_models",
     "family_of_class_name",
     "family_of_model",
+    "known_family_of_model",
     "family_of_pipeline",
     "layer_blocks",
     "load_ip_adapter",
@@ -127,6 +97,16 @@ def family_of_model(model: str) -> str:
     if tiny is not None:
         return tiny.family
     return family_of_class_name(_class_name_of(model))
+
+
+def known_family_of_model(model: str) -> Family | None:
+    """The row of ``--model``'s family where it can be read (an embedded model, or a pipeline whose
+    ``model_index.json`` is local or cached; offline, nothing is fetched), else None."""
+    tiny = registry.tiny_model(model)
+    if tiny is not None:
+        return registry.family_named(tiny.family)
+    class_name = _class_name_of(model)
+    return None if class_name is None else registry.family_of_pipeline_class(class_name)
 
 
 def ensure_tiny_flow_models(family: Family, cache: Path, *, seed: int = 0) -> tuple[Path, Path, Path]:
@@ -317,8 +297,9 @@ def call_kwargs(pipe: Any, true_cfg_scale: float) -> dict[str, Any]:
             extra["max_sequence_length"] = length
         return extra
     if true_cfg_scale != 1.0:
+        having = " and ".join(row.label for row in registry.families_where(lambda row: row.true_cfg))
         raise ModelLoadError(
-            f"--true-cfg-scale {true_cfg_scale}: only Flux pipelines have true CFG; use --guidance-scale"
+            f"--true-cfg-scale {true_cfg_scale}: only {having} pipelines have true CFG; use --guidance-scale"
         )
     return {}
 

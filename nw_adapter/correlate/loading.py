@@ -46,6 +46,8 @@ from nw_adapter.correlate.spec import (
     tiny_cache_dir,
     write_tiny_cache,
 )
+from nw_adapter.integration.families import TINY_MODELS as registry_tiny_models
+from nw_adapter.integration.families import tiny_model as registry_tiny_model
 
 __all__ = [
     "DEFAULT_IP_ADAPTER",
@@ -91,16 +93,9 @@ SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
-OFFLINE_MODELS: dict[str, str] = {
-    TINY: "SD 1.5, trained on digits",
-    **{name: f"{family.label}, random weights" for name, family in families.TINY_MODELS.items()},
-    **{
-        name: f"{families.FAMILIES[family].label}, trained on digits"
-        for name, family in families.TRAINED_FLOW_MODELS.items()
-    },
-}
-"""``--model`` names that need no download -> what they are: the trained tiny digits model
-(``tiny``) and the random-weight tiny SD 3.5 and Flux models."""
+OFFLINE_MODELS: dict[str, str] = {model.name: model.label for model in registry_tiny_models}
+"""``--model`` names that need no download -> what they are: the registry's embedded models
+(:data:`~nw_adapter.integration.families.TINY_MODELS`)."""
 
 
 def _is_local(name: str) -> bool:
@@ -319,11 +314,23 @@ IMAGE_ENCODER_FILES: tuple[str, ...] = ("config.json", "model.safetensors", "pre
 
 
 def tiny_stand_in(name: str) -> str:
-    """The offline tiny model of the family ``name`` (a Hub id) belongs to, guessed from the id."""
-    lowered = name.lower()
-    if "stable-diffusion-3" in lowered or "sd3" in lowered:
-        return "tiny-sd3"
-    return "tiny-flux" if "flux" in lowered else "tiny"
+    """The embedded model to run offline instead of the Hub pipeline ``name``: one of its family's
+    (the trained one where there is one), else ``tiny``.
+
+    The family is read from the pipeline's cached ``model_index.json`` when there is one
+    (:func:`~nw_adapter.correlate.families.family_of_model`), else guessed from the id by the
+    registry (:func:`~nw_adapter.integration.families.family_of_hub_id`: the rows' ``hub_names``).
+    """
+    from nw_adapter.integration import families as registry
+
+    family = families.known_family_of_model(name) or registry.family_of_hub_id(name)
+    if family is None:
+        return TINY
+    ranked = (
+        *registry.tiny_models(family=family.name, trained=True),
+        *registry.tiny_models(family=family.name),
+    )
+    return ranked[0] if ranked else TINY
 
 
 def download_command(name: str, option: str, spec: ModelSpec | None = None) -> str:
@@ -357,7 +364,8 @@ def download_command(name: str, option: str, spec: ModelSpec | None = None) -> s
 def _offline_hint(name: str, option: str, spec: ModelSpec | None = None) -> str:
     login = " (gated: accept its licence on the Hub, then hf auth login)" if name in GATED_MODELS else ""
     tiny = tiny_stand_in(spec.model if spec is not None else name)
-    stand_in = f"--model {tiny}" + ("" if tiny == "tiny" else " (random weights: it tests the code only)")
+    embedded = registry_tiny_model(tiny)
+    stand_in = f"--model {tiny} ({embedded.label}{'' if embedded.trained else ': it tests the code only'})"
     return (
         f"{option} '{name}': not in the Hugging Face cache and the Hub cannot be reached (offline); "
         f"download the needed files once with network{login} ({download_command(name, option, spec)}), "
@@ -383,8 +391,55 @@ WEIGHT_SUFFIXES: tuple[str, ...] = (".safetensors", ".bin", ".safetensors.index.
 """Endings of the weight files (or shard indexes) a component folder of a pipeline loads from."""
 
 
+def damaged_safetensors(path: Path) -> str | None:
+    """``'<path>' is empty`` or ``... is not a complete safetensors file`` when safetensors cannot open
+    the local file ``path`` (its header only is read; no torch), else None."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as weights:
+            weights.keys()
+    except (SafetensorError, OSError, ValueError) as exc:
+        size = path.stat().st_size if path.is_file() else 0
+        what = (
+            "is empty"
+            if size == 0
+            else f"is not a complete safetensors file ({size} bytes: {_one_line(exc)})"
+        )
+        return f"'{path}' {what}"
+    return None
+
+
+def check_adapter_files(spec: ModelSpec, *, image_encoder_given: bool) -> None:
+    """Refuse a local IP-Adapter weight file or a local image encoder's weights that safetensors
+    cannot open, before the pipeline loads (one line naming the option and the file).
+
+    Raises:
+        ModelLoadError: ``--ip-adapter`` (or ``--image-encoder``, when given; else the adapter's)
+            ``'folder': 'file' is empty / not a complete safetensors file ...; the fix``.
+    """
+    weight_name = str(spec.weight_name or "")
+    if spec.ip_adapter and weight_name.endswith(".safetensors") and _is_local(spec.ip_adapter):
+        path = Path(spec.ip_adapter).expanduser() / (spec.subfolder or "") / weight_name
+        damaged = damaged_safetensors(path) if path.is_file() else None
+        if damaged is not None:
+            raise ModelLoadError(
+                f"--ip-adapter '{spec.ip_adapter}': {damaged}; download or copy the adapter again"
+            )
+    encoder = spec.image_encoder
+    if encoder and encoder != TINY and _is_local(encoder) and Path(encoder).expanduser().is_dir():
+        for path in sorted(Path(encoder).expanduser().glob("*.safetensors")):
+            damaged = damaged_safetensors(path)
+            if damaged is not None:
+                option = "--image-encoder" if image_encoder_given else "--ip-adapter's image encoder"
+                raise ModelLoadError(
+                    f"{option} '{encoder}': {damaged}; download or copy the image encoder again"
+                )
+
+
 def check_pipeline_folder(model: str) -> None:
-    """Refuse a local pipeline folder one of whose model components has no weight file.
+    """Refuse a local pipeline folder one of whose model components has no weight file, or a weight
+    file that safetensors cannot open, or whose ``model_index.json`` is not JSON.
 
     A component is a model where its folder holds a ``config.json`` (schedulers, tokenizers and
     feature extractors keep other files); it needs a file ending in one of :data:`WEIGHT_SUFFIXES`.
@@ -401,13 +456,19 @@ def check_pipeline_folder(model: str) -> None:
         return
     try:
         components = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # diffusers names a broken index itself
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"--model '{model}': its model_index.json is not valid JSON ({_one_line(exc)}); copy the "
+            "pipeline folder again (saved with save_pretrained)"
+        ) from None
     for name, entry in components.items() if isinstance(components, dict) else ():
         part = folder / name
         if name.startswith("_") or not isinstance(entry, list) or not (part / "config.json").is_file():
             continue
         if any(path.name.endswith(WEIGHT_SUFFIXES) for path in part.iterdir()):
+            damaged = next(filter(None, map(damaged_safetensors, sorted(part.glob("*.safetensors")))), None)
+            if damaged is not None:
+                raise ModelLoadError(f"--model '{model}': {damaged}; copy or download the pipeline again")
             continue
         library = entry[0] if entry else None
         expected = "diffusion_pytorch_model.safetensors" if library == "diffusers" else "model.safetensors"

@@ -98,8 +98,11 @@ class Run:
         selectors: The options (destinations) that choose it; none for the default run.
         module: The module whose ``run(args) -> int`` does it.
         inputs: Options of which at least one must be given, and ``no_input``, the error otherwise.
-        families: Model families it runs on, each refused one with its line (``refused``);
-            None: every family, or no model at all.
+        family_limit: The field of the family registry's row
+            (:class:`~nw_adapter.integration.families.Family`) that says why the run cannot run on
+            that family (its text refuses the family; None there: it runs); empty: it runs on every
+            family, or loads no model.
+        family_fix: The fix that ends a family's refusal.
         one_process: Why it runs in one process (refused under ``accelerate launch``), or None
             when it splits its work over the processes.
         resumes: Whether finished work is matched by :func:`fingerprint` and reused.
@@ -114,7 +117,8 @@ class Run:
     module: str
     inputs: tuple[str, ...] = ()
     no_input: str = ""
-    refused: Mapping[str, str] = field(default_factory=dict)
+    family_limit: str = ""
+    family_fix: str = ""
     one_process: str | None = None
     resumes: bool = False
     kept: str = ""

@@ -15,7 +15,6 @@ from typing import Any
 
 from nw_adapter.correlate import option_values as values
 from nw_adapter.correlate.end_to_end_cli import MAX_DRAWS as MAX_END_TO_END_DRAWS
-from nw_adapter.correlate.families import FAMILIES, FLUX, SD3, UNET
 from nw_adapter.correlate.loading import DTYPES, SCHEDULERS
 from nw_adapter.correlate.option_rows import (
     COMPARE_SWAP,
@@ -31,7 +30,9 @@ from nw_adapter.correlate.option_rows import (
     Run,
 )
 from nw_adapter.correlate.spec import DEFAULT_IP_ADAPTER, DEFAULT_MODEL, EXAMPLE_DIR
+from nw_adapter.integration import families as registry
 from nw_adapter.integration.config import BANDWIDTH_RULES, MAX_CONTROL_DRAWS
+from nw_adapter.integration.families import Family, families_where
 
 __all__ = ["EVERY_RUN", "MODEL_RUNS", "OPTIONS", "OPTION_BY_DEST", "RUNS", "RUN_BY_NAME"]
 
@@ -45,6 +46,34 @@ def _call(name: str):
     """The record value of the pipeline call's family argument ``name``, left out when the call has none."""
     return lambda args, resolved: resolved.call.get(name, OMIT)
 
+
+def _families(rows: Sequence[Family]) -> frozenset[str]:
+    """The names of registry rows (an option's :attr:`~nw_adapter.correlate.option_rows.Option.families`)."""
+    return frozenset(row.name for row in rows)
+
+
+def _listed(words: Sequence[str], conjunction: str = "and") -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    words = list(words)
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {conjunction} {words[-1]}"
+
+
+def _labels(rows: Sequence[Family], conjunction: str = "and") -> str:
+    return _listed([row.label for row in rows], conjunction)
+
+
+def _per_family(rows: Sequence[Family], field: str) -> str:
+    """``<row's field> for <row's label>``, over the rows: the families' defaults in ``--help``."""
+    return "; ".join(f"{getattr(row, field)} for {row.label}" for row in rows)
+
+
+_TRUE_CFG = families_where(lambda row: row.true_cfg)
+_RESCALED = families_where(lambda row: row.guidance_rescale)
+_OWN_ADAPTER = families_where(lambda row: row.ip_adapter is not None)  # their own default adapter
+_OWN_ENCODER = families_where(lambda row: row.encoder_argument is not None)  # a separate image encoder
+_TINY = _listed(registry.tiny_models(), "or")
+_DIGITS = ", ".join(registry.tiny_models(trained=True))
+"""The embedded models of ``--model``, and those trained on digits (the registry's rows)."""
 
 POSTERIOR_SPACE = "x_t's: w_i = softmax_i(-||x_t - a_t s_i||^2 / 2 b_t^2), s_i references' latents"
 """What the support-set run's posterior columns are (recorded in support.json's options)."""
@@ -69,11 +98,8 @@ RUNS: tuple[Run, ...] = (
         module="nw_adapter.correlate.rho_cli",
         inputs=("image", "image_dir"),
         no_input=_NO_REFERENCE,
-        refused={
-            SD3: "--end-to-end-control does not support SD 3.5 (its image keys pass a per-head RMSNorm and "
-            "change with the timestep, so no weight scale matches them); drop the option and use the "
-            "per-layer control"
-        },
+        family_limit="end_to_end",
+        family_fix="drop --end-to-end-control and use the per-layer control",
         resumes=True,
         kept="finished images are kept, rerun the same command to resume",
         writes="as the rho run, with the end-to-end control's columns",
@@ -96,10 +122,8 @@ RUNS: tuple[Run, ...] = (
         title="the support-set run (--support-set/--support-dir)",
         selectors=("support_set", "support_dir"),
         module="nw_adapter.correlate.support_cli",
-        refused={
-            SD3: "support sets need one adapter's list of images, which diffusers' SD 3.5 pipeline does not "
-            "take (it fails on a list per adapter); use an SD 1.5 / SDXL or Flux model"
-        },
+        family_limit="support_sets",
+        family_fix="use a model of " + _labels(families_where(lambda row: row.support_sets is None), "or"),
         kept="an unfinished support-set run is not kept (its files are removed), rerun it",
         writes="support.json, support.csv, support_mass.png, sets/<key>/",
         records=(
@@ -159,10 +183,6 @@ def _calibration_meta(args: argparse.Namespace, _: Resolved) -> dict | None:
     return calibrate_meta(args)
 
 
-def _family_default(family: str, name: str) -> str:
-    return getattr(FAMILIES[family], name)
-
-
 _REFERENCES = "reference images"
 _MODEL = "model"
 _GENERATION = "generation"
@@ -172,7 +192,6 @@ _SWAP = "swap consequence (instead of the rho run)"
 _SUPPORT = "support sets (instead of the rho run)"
 _END_TO_END = "end-to-end control"
 _CALIBRATION = "calibration"
-_FLOW = frozenset({SD3, FLUX})
 
 OPTIONS: tuple[Option, ...] = (
     # reference images
@@ -191,49 +210,48 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--example-dir",), _REFERENCES,
         "print the folder of the bundled held-out digits digit_0.png ... digit_9.png (references for "
-        '--model tiny) and exit; e.g. --image-dir "$(%(prog)s --example-dir)"',
+        f'the digits models: --model {_DIGITS}) and exit; e.g. --image-dir "$(%(prog)s --example-dir)"',
         EVERY_RUN, action=ExampleDir,
     ),
     # model
     Option(
         ("--model",), _MODEL,
-        f"diffusers pipeline: Hub id, local folder, or 'tiny' (default {DEFAULT_MODEL}); SD 3.5 "
-        "(e.g. stabilityai/stable-diffusion-3.5-large) and Flux (e.g. black-forest-labs/FLUX.1-dev) "
-        "pipelines are recognised from the pipeline and get their family's adapter; 'tiny-sd3' and "
-        "'tiny-flux' are their offline tiny models (random weights)",
+        f"diffusers pipeline: Hub id, local folder, or an embedded model (default {DEFAULT_MODEL}); "
+        + _listed([f"{row.label} (e.g. {row.example_pipeline})" for row in _OWN_ADAPTER])
+        + " pipelines are recognised from the pipeline and get their family's adapter; offline, embedded: "
+        + ", ".join(f"{tiny.name} ({tiny.label})" for tiny in registry.TINY_MODELS),
         MODEL_RUNS, default=DEFAULT_MODEL,
-        parse=values.model_name("--model", "pass a Hub id, a local folder or tiny / tiny-sd3 / tiny-flux"),
+        parse=values.model_name("--model", f"pass a Hub id, a local folder or {_TINY}"),
         records=(Record("model", MODEL_RUNS, value=_resolved("model")),),
     ),
     Option(
         ("--ip-adapter",), _MODEL,
         f"IP-Adapter repository: Hub id, local folder, or 'tiny' (default {DEFAULT_IP_ADAPTER}; "
-        f"{_family_default(SD3, 'ip_adapter')} for SD 3.5, {_family_default(FLUX, 'ip_adapter')} for Flux; "
-        "the tiny adapter with --model tiny / tiny-sd3 / tiny-flux)",
+        f"{_per_family(_OWN_ADAPTER, 'ip_adapter')}; the embedded adapter with --model {_TINY})",
         MODEL_RUNS,
         parse=values.model_name("--ip-adapter", "pass a Hub id, a local folder or tiny, or omit it"),
     ),
     Option(
         ("--subfolder",), _MODEL,
-        "adapter subfolder (default models, sdxl_models for SDXL, none for SD 3.5 and Flux)", MODEL_RUNS,
+        f"adapter subfolder (default models, sdxl_models for SDXL, none for {_labels(_OWN_ADAPTER)})",
+        MODEL_RUNS,
     ),
     Option(
         ("--weight-name",), _MODEL,
         "weight file (default ip-adapter_sd15.safetensors; ip-adapter_sdxl.safetensors for SDXL; "
-        f"{_family_default(SD3, 'weight_name')} for SD 3.5; {_family_default(FLUX, 'weight_name')} for Flux)",
+        f"{_per_family(_OWN_ADAPTER, 'weight_name')})",
         MODEL_RUNS,
     ),
     Option(
         ("--image-encoder",), _MODEL,
-        f"image encoder of SD 3.5 / Flux adapters: Hub id or local folder (default "
-        f"{_family_default(SD3, 'image_encoder')} for SD 3.5, {_family_default(FLUX, 'image_encoder')} for "
-        "Flux)",
-        MODEL_RUNS, families=_FLOW,
+        f"image encoder of {_labels(_OWN_ENCODER)} adapters: Hub id or local folder (default "
+        f"{_per_family(_OWN_ENCODER, 'image_encoder')})",
+        MODEL_RUNS, families=_families(_OWN_ENCODER),
         family_fix="their adapter repository holds the image encoder: drop --image-encoder",
     ),
     Option(
         ("--scheduler",), _MODEL, "default: the model's own", MODEL_RUNS, choices=tuple(sorted(SCHEDULERS)),
-        families=frozenset({UNET}),
+        families=_families(families_where(lambda row: not row.flow)),
         family_fix="a flow-matching model keeps its own scheduler (its sigma schedule is part of the "
         "model): drop --scheduler",
         records=(
@@ -278,11 +296,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--guidance-rescale",), _GENERATION,
-        "SD 1.5 / SDXL: mix the guided noise prediction rescaled to the conditional one's standard "
+        f"{_labels(_RESCALED)}: mix the guided noise prediction rescaled to the conditional one's standard "
         "deviation by this factor, 0 to 1 (diffusers' guidance_rescale, Lin et al. 2023, against "
         "over-exposure; default 0, off)",
         MODEL_RUNS, default=0.0, parse=values.nonneg_float("--guidance-rescale", maximum=1.0),
-        families=frozenset({UNET}),
+        families=_families(_RESCALED),
         family_fix="its pipeline takes no guidance_rescale: drop --guidance-rescale",
         needs=Needs("guidance_scale", lambda scale: scale > 1, "--guidance-rescale rescales classifier-free "
                     "guidance, which --guidance-scale <= 1 turns off; raise --guidance-scale or drop "
@@ -291,10 +309,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--true-cfg-scale",), _GENERATION,
-        "Flux only: true classifier-free guidance with --negative-prompt when > 1 (two transformer passes "
-        "per step, reported as the cond / uncond halves); default 1.0",
-        MODEL_RUNS, default=1.0, parse=values.nonneg_float("--true-cfg-scale"), families=frozenset({FLUX}),
-        family_fix="only Flux pipelines have true classifier-free guidance: use --guidance-scale",
+        f"{_labels(_TRUE_CFG)} only: true classifier-free guidance with --negative-prompt when > 1 (two "
+        "transformer passes per step, reported as the cond / uncond halves); default 1.0",
+        MODEL_RUNS, default=1.0, parse=values.nonneg_float("--true-cfg-scale"), families=_families(_TRUE_CFG),
+        family_fix=f"only {_labels(_TRUE_CFG, 'and')} pipelines have true classifier-free guidance: use "
+        "--guidance-scale",
         records=(  # the rho run records the Flux call's arguments (below), the others the option
             Record("true_cfg_scale", MODEL_RUNS - RHO_RUNS),
             Record("true_cfg_scale", RHO_RUNS, value=_call("true_cfg_scale")),
@@ -333,7 +352,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--layers",), _NW,
-        "comma-separated blocks (down, mid, up for UNets; transformer_blocks for SD 3.5 / Flux) or "
+        "comma-separated blocks (down, mid, up for UNets; transformer_blocks for transformers) or "
         "attention-processor name prefixes",
         RHO_RUNS | {SUPPORT_SETS}, parse=values.layers,
         records=(Record("layers", RHO_RUNS | {SUPPORT_SETS}),),
@@ -418,8 +437,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--labels",), _SWAP,
-        "--compare-swap with --model tiny: the references' digit classes, comma-separated, in the order the "
-        "references are listed (the bundled held-out digits are recognised without it)",
+        f"--compare-swap with a digits model (--model {_DIGITS}): the references' digit classes, "
+        "comma-separated, in the order the references are listed (the bundled held-out digits are "
+        "recognised without it)",
         frozenset({COMPARE_SWAP}), metavar="DIGITS", parse=values.labels,
         records=(Record("labels", frozenset({COMPARE_SWAP}), value=_resolved("labels")),),
     ),
@@ -442,7 +462,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--end-to-end-control",), _END_TO_END,
         "generate every reference K more times with the untrained adapter in every layer (same seed and "
         "noise) and record those passes' statistics as {stat}_control_{k} columns; costs K more generations "
-        "per image (UNet and Flux)",
+        f"per image ({_labels(families_where(lambda row: row.end_to_end is None))})",
         frozenset({END_TO_END}), action="store_true", default=False,
         records=(Record("end_to_end_control", RHO_RUNS, value=_end_to_end_meta),),
     ),

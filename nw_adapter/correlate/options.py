@@ -198,16 +198,23 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = PROG) -> argpar
 
 
 def family_problem(args: argparse.Namespace, family: str) -> str | None:
-    """The one line refusing the model family for this run or an option given for it, or None."""
-    from nw_adapter.correlate.families import FAMILIES as FLOW_FAMILIES
+    """The one line refusing the model family for this run or an option given for it, or None.
+
+    Both read the family's row of the registry (:mod:`nw_adapter.integration.families`): the run's
+    :attr:`~nw_adapter.correlate.option_rows.Run.family_limit` field of it (why the run cannot run on
+    the family), and whether the family is among an option's
+    :attr:`~nw_adapter.correlate.option_rows.Option.families` (derived from the rows in the option table).
+    """
+    from nw_adapter.integration.families import family_named
 
     run: Run = args.run
-    if family in run.refused:
-        return run.refused[family]
-    label = FLOW_FAMILIES[family].label if family in FLOW_FAMILIES else "SD 1.5 / SDXL (UNet)"
+    row = family_named(family)
+    why = getattr(row, run.family_limit) if run.family_limit else None
+    if why is not None:
+        return f"{run.title} cannot run on {row.label}: {why}; {run.family_fix}"
     for option in OPTIONS:
         if option.families is not None and option.dest in args.given and family not in option.families:
-            return f"{option.name} is not read by {label} pipelines; {option.family_fix}"
+            return f"{option.name} is not read by {row.label} pipelines; {option.family_fix}"
     return None
 
 

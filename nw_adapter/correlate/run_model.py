@@ -29,7 +29,7 @@ class RunModel:
     Attributes:
         spec: The resolved spec (files and folders).
         shown: The spec as recorded (tiny models' cache paths named ``tiny``).
-        family: ``"unet"``, ``"sd3"`` or ``"flux"``.
+        family: The name of its row in the family registry (:mod:`nw_adapter.integration.families`).
         device: The torch device string.
         dtype: The torch dtype.
         pipe: The pipeline, once :meth:`load` ran.
@@ -98,30 +98,33 @@ class RunModel:
 
 
 def check_true_cfg(args: argparse.Namespace, family: str) -> None:
-    """Refuse a Flux ``--true-cfg-scale`` that diffusers would silently ignore.
+    """Refuse a ``--true-cfg-scale`` that diffusers would silently ignore, for a family whose row says
+    its pipeline takes one (:attr:`~nw_adapter.integration.families.Family.true_cfg`: Flux).
 
     ``FluxPipeline`` runs true CFG only when ``true_cfg_scale > 1`` AND a negative prompt is
     given; otherwise it logs a warning (hidden by this tool without ``-v``) and generates without
-    it, while the record would hold the scale that was asked for.
+    it, while the record would hold the scale that was asked for. (The other families refuse the
+    option while its row is read: :func:`~nw_adapter.correlate.options.family_problem`.)
 
     Raises:
         CLIError: the one line, before the model loads.
     """
-    from nw_adapter.correlate.families import FLUX
     from nw_adapter.correlate.options import CLIError
+    from nw_adapter.integration.families import family_named
 
     scale = args.true_cfg_scale
-    if family != FLUX or scale == 1.0:
+    row = family_named(family)
+    if not row.true_cfg or scale == 1.0:
         return
     if scale < 1.0:
         raise CLIError(
-            f"--true-cfg-scale {scale:g} has no effect: Flux runs true classifier-free guidance only for "
-            "scales > 1; pass a scale > 1 with --negative-prompt, or drop --true-cfg-scale"
+            f"--true-cfg-scale {scale:g} has no effect: {row.label} runs true classifier-free guidance only "
+            "for scales > 1; pass a scale > 1 with --negative-prompt, or drop --true-cfg-scale"
         )
     if args.negative_prompt is None:
         raise CLIError(
-            f"--true-cfg-scale {scale:g} needs --negative-prompt: Flux runs true classifier-free guidance "
-            "only against a negative prompt (without one diffusers ignores the scale); pass "
+            f"--true-cfg-scale {scale:g} needs --negative-prompt: {row.label} runs true classifier-free "
+            "guidance only against a negative prompt (without one diffusers ignores the scale); pass "
             "--negative-prompt TEXT ('' for an empty one) or drop --true-cfg-scale"
         )
 
@@ -143,6 +146,7 @@ def prepare_model(args: argparse.Namespace) -> RunModel:
     """
     from nw_adapter.correlate import families
     from nw_adapter.correlate.loading import (
+        check_adapter_files,
         check_hub_files,
         check_pipeline_folder,
         resolve_device,
@@ -155,7 +159,8 @@ def prepare_model(args: argparse.Namespace) -> RunModel:
         ModelSpec(args.model, args.ip_adapter, args.subfolder, args.weight_name, args.image_encoder)
     )
     check_hub_files(spec)  # offline: what cannot be loaded, in one line, now
-    check_pipeline_folder(spec.model)  # a local folder without a component's weights, now
+    check_pipeline_folder(spec.model)  # a local folder without a component's weights, or damaged ones, now
+    check_adapter_files(spec, image_encoder_given=args.image_encoder is not None)  # damaged local weights
     family = families.family_of_model(spec.model)
     problem = family_problem(args, family)
     if problem:

@@ -82,8 +82,8 @@ def reference_labels(
     if args.model not in DIGIT_MODELS:
         if args.labels is not None:
             raise CompareSwapError(
-                "--labels: class agreement needs a class judge, and only the digits models (--model tiny, "
-                "tiny-flux-digits) have one; drop --labels"
+                "--labels: class agreement needs a class judge, and only the digits models (--model "
+                f"{', '.join(DIGIT_MODELS)}) have one; drop --labels"
             )
         return None, "class agreement not measured: only the digits models have a class judge (a digits SVM)"
     if any(size not in (None, DIGIT_SIZE) for size in (args.height, args.width)):
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
         # the references are checked on their own (document_problem), so the note can say which changed
         expected = fingerprint(args.run.name, args, resolved)
         atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
-        document, why = reusable_document(out_dir, expected, infos, labels)
+        fingerprinted = options_record(args.run.name, args, resolved, fingerprinted=True)
+        document, why = reusable_document(out_dir, expected, infos, labels, fingerprinted)
         if document is None:
             if why:
                 note(args.quiet, f"{why}; computing it again")

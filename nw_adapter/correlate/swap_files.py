@@ -143,8 +143,42 @@ def _reference_problem(images: list, infos: Sequence[ReferenceImage], labels: li
     return None
 
 
+def _changed_entries(recorded: Any, current: dict, prefix: str = "") -> list[str]:
+    """``key: <recorded> then, <current> now`` for each entry of ``current`` (the options that enter the
+    fingerprint) whose recorded value differs; nested records (``model``) entry by entry."""
+    if not isinstance(recorded, dict):
+        return [f"{prefix.rstrip('.') or 'config'} is not a record"]
+    changed = []
+    for key, value in current.items():
+        then = recorded.get(key, "(not recorded)")
+        if isinstance(value, dict) and isinstance(then, dict):
+            changed += _changed_entries(then, value, f"{prefix}{key}.")
+        elif json.dumps(then, sort_keys=True, default=str) != json.dumps(value, sort_keys=True, default=str):
+            changed.append(f"{prefix}{key}: {then!r} then, {value!r} now")
+    return changed
+
+
+def _options_problem(document: dict, options: dict | None) -> str:
+    """Why the fingerprints differ, named: the recorded options that changed (at most three), else
+    the model's files (the fingerprint also holds the resolved model, which the record does not)."""
+    changed = _changed_entries(document.get("config"), options) if options is not None else []
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return f"{JSON_NAME} was made with other options ({'; '.join(changed[:3])}{more})"
+    if options is not None:
+        return (
+            f"{JSON_NAME} was made with the same recorded options but another model's files or by a version "
+            "that fingerprinted them otherwise"
+        )
+    return f"{JSON_NAME} was made with other options, rules, labels or another model"
+
+
 def document_problem(
-    document: Any, fingerprint: str, infos: Sequence[ReferenceImage], labels: list[int] | None = None
+    document: Any,
+    fingerprint: str,
+    infos: Sequence[ReferenceImage],
+    labels: list[int] | None = None,
+    options: dict | None = None,
 ) -> str | None:
     """Why a parsed ``compare_swap.json`` cannot be reused for this run (None: it can).
 
@@ -152,8 +186,9 @@ def document_problem(
     digest, with the fields the printed table reads, for the same references (keys and SHA-256, in
     order) and classes (``labels``, when given), made with the same fingerprint (the options), with
     exactly one row per (reference, rule) whose metrics are numbers. A changed reference list and
-    changed options are both named (the reference list as reordered or changed, with the files), not
-    one as the other.
+    changed options are both named (the reference list as reordered or changed, with the files; the
+    options, given ``options``, the run's options that enter the fingerprint, by the entries that
+    changed), not one as the other.
     """
     from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
 
@@ -179,7 +214,7 @@ def document_problem(
         return f"{JSON_NAME} has no valid list of references"
     reasons = [_reference_problem(images, infos, labels)]
     if document.get("fingerprint") != fingerprint:
-        reasons.append(f"{JSON_NAME} was made with other options, rules, labels or another model")
+        reasons.append(_options_problem(document, options))
     if any(reasons):
         return "; ".join(reason for reason in reasons if reason)
     rows, rules = document.get("per_reference"), document.get("rules")
@@ -200,7 +235,11 @@ def document_problem(
 
 
 def reusable_document(
-    out_dir: Path, fingerprint: str, infos: Sequence[ReferenceImage], labels: list[int] | None = None
+    out_dir: Path,
+    fingerprint: str,
+    infos: Sequence[ReferenceImage],
+    labels: list[int] | None = None,
+    options: dict | None = None,
 ) -> tuple[dict | None, str | None]:
     """``(document, None)`` when ``out_dir``'s ``compare_swap.json`` belongs to this run, else
     ``(None, why)`` (``why`` is None when there is no such file; see :func:`document_problem`).
@@ -218,7 +257,7 @@ def reusable_document(
         return None, f"{JSON_NAME} is unreadable ({exc.strerror or type(exc).__name__})"
     except ValueError:
         return None, f"{JSON_NAME} is not valid JSON (an interrupted or damaged file)"
-    why = document_problem(document, fingerprint, infos, labels)
+    why = document_problem(document, fingerprint, infos, labels, options)
     return (None, why) if why else (document, None)
 
 

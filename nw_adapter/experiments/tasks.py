@@ -19,9 +19,11 @@ Train / validation / test tasks of the synthetic families are split by seed
 from __future__ import annotations
 
 import math
+import zipfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -496,8 +498,30 @@ def load_feature_file(
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"feature file {str(path)!r} does not exist; pass an existing .npz or .npy file.")
+    try:
+        return _read_feature_file(path, labels_path)
+    except (EOFError, zipfile.BadZipFile, _Unreadable) as err:  # empty, truncated, or another format
+        raise ValueError(
+            f"{str(path)!r} (or its labels) is empty, truncated or not a NumPy file of numbers ({err}); "
+            "pass a complete .npz or .npy file."
+        ) from None
+
+
+class _Unreadable(Exception):
+    """``np.load`` refused the file's content (a damaged header, or pickled objects, never loaded)."""
+
+
+def _load(file: str | Path) -> Any:
+    try:
+        return np.load(file)
+    except ValueError as err:
+        raise _Unreadable(" ".join(str(err).split())[:160]) from None
+
+
+def _read_feature_file(path: Path, labels_path: str | Path | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`load_feature_file` once the path exists."""
     if path.suffix == ".npz":
-        with np.load(path) as data:
+        with _load(path) as data:
             keys = set(data.files)
             if {"features", "labels"} <= keys:
                 x, y = data["features"], data["labels"]
@@ -511,7 +535,7 @@ def load_feature_file(
     elif path.suffix == ".npy":
         if labels_path is None:
             raise ValueError(f"{str(path)!r} is a .npy feature matrix; pass its labels .npy as labels_path.")
-        x, y = np.load(path), np.load(labels_path)
+        x, y = _load(path), _load(labels_path)
     else:
         raise ValueError(f"feature file {str(path)!r} must end in .npz or .npy.")
     x = np.asarray(x, dtype=np.float64)

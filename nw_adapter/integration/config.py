@@ -78,7 +78,8 @@ class NWProcessorConfig:
             1 / attention scale), ``"fitted"`` (beta = 1/h^2 minimising CE(A || NW)),
             ``"schedule"`` (h = schedule_c * sigma_t / alpha_t of the current step),
             ``"median"`` (h^2 = median ||q - k||^2 / 2) or a positive float (fixed h).
-        schedule_c: the constant c of the ``"schedule"`` rule.
+        schedule_c: the constant c of the ``"schedule"`` rule (refused with another rule, which
+            would ignore it).
         layers: attention-processor name prefixes to act on (e.g. ``"up_blocks.1"`` or a
             full ``"...attn2.processor"`` name); None = every IP-Adapter layer. Layers not
             selected keep the stock processor.
@@ -208,6 +209,12 @@ class NWProcessorConfig:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
             raise _err("schedule_c", f"must be a positive finite float, got {c!r}", "pass e.g. 1.0")
         self.schedule_c = float(c)
+        if self.schedule_c != 1.0 and self.bandwidth != "schedule":
+            raise _err(
+                "schedule_c",
+                f"is read by bandwidth='schedule' only, and bandwidth is {self.bandwidth!r}",
+                "drop schedule_c or pass bandwidth='schedule'",
+            )
         self.layers = _str_tuple("layers", self.layers)
         self.map_layers = _str_tuple("map_layers", self.map_layers)
         self.heads = _int_tuple("heads", self.heads)

@@ -140,10 +140,11 @@ def _value_projection(trained: nn.Linear, text: nn.Linear | None) -> tuple[nn.Li
 def _check_family(adapter: UntrainedAdapter) -> None:
     """Refuse a family whose row says the end-to-end control cannot run on it
     (:attr:`~nw_adapter.integration.families.Family.end_to_end`)."""
-    reason = family_named(adapter.family).end_to_end
-    if reason is not None:
+    family = family_named(adapter.family)
+    if family.end_to_end is not None:
         raise NWInstallError(
-            f"end-to-end control: {reason}; use the per-layer control (untrained_control=True)"
+            f"end-to-end control: cannot run on {family.label}: {family.end_to_end}; use the per-layer "
+            "control (untrained_control=True)"
         )
 
 

@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,14 +72,20 @@ class Family:
             refused) and may shift the schedule by the image size.
         sigmas: The pipeline passes ``sigmas = linspace(1, 1 / steps, steps)`` to the scheduler.
         true_cfg: The pipeline call takes ``true_cfg_scale``.
+        guidance_rescale: The pipeline call takes ``guidance_rescale`` (diffusers' rescaled CFG).
         encoder_argument: How ``pipe.load_ip_adapter`` takes the image encoder: None (inside the
             adapter repository), ``"image_encoder_folder"`` (SD 3) or
             ``"image_encoder_pretrained_model_name_or_path"`` (Flux, with ``image_encoder_dtype``).
         ip_adapter: Default IP-Adapter (Hub id); None: the command line's SD 1.5 / SDXL defaults.
         weight_name: Its weight file.
         image_encoder: Its image encoder (Hub id), when separate from the adapter.
-        end_to_end: Why the end-to-end control cannot run on the family (None: it can).
-        support_sets: Why support sets cannot run on the family (None: they can).
+        example_pipeline: A Hub id of a pipeline of the family (for ``--help``).
+        hub_names: Lower-case fragments of the Hub ids of the family's pipelines. Read only where the
+            pipeline's class cannot be (offline, its ``model_index.json`` not cached): which embedded
+            model to suggest instead (:func:`family_of_hub_id`).
+        end_to_end: Why the end-to-end control cannot run on the family (None: it can); a reason
+            that follows "cannot run on <label>: ".
+        support_sets: Why support sets cannot run on the family (None: they can); the same.
     """
 
     name: str
@@ -94,10 +100,13 @@ class Family:
     flow: bool = False
     sigmas: bool = False
     true_cfg: bool = False
+    guidance_rescale: bool = False
     encoder_argument: str | None = None
     ip_adapter: str | None = None
     weight_name: str | None = None
     image_encoder: str | None = None
+    example_pipeline: str | None = None
+    hub_names: tuple[str, ...] = ()
     end_to_end: str | None = None
     support_sets: str | None = None
 
@@ -117,6 +126,7 @@ class TinyModel:
         builders: A model written once into the tiny-model cache from seeded builders: the names in
             ``module`` of the pipeline builder, the adapter builder and the image encoder's folder
             inside the adapter's; empty for a shipped model.
+        layout: Its pipeline's layout where more precise than the family's label (``"SD 1.5"``).
     """
 
     name: str
@@ -124,6 +134,7 @@ class TinyModel:
     trained: bool
     module: str
     builders: tuple[str, str, str] | tuple[()] = ()
+    layout: str | None = None
 
     @property
     def shipped(self) -> bool:
@@ -134,7 +145,7 @@ class TinyModel:
     def label(self) -> str:
         """What it is, for messages (``"Flux, trained on digits"``)."""
         what = "trained on digits" if self.trained else "random weights"
-        return f"{family_named(self.family).label}, {what}"
+        return f"{self.layout or family_named(self.family).label}, {what}"
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -148,6 +159,7 @@ FAMILIES: tuple[Family, ...] = (
             "IPAdapterAttnProcessor": "NWIPAdapterAttnProcessor",
         },
         processor_module="nw_adapter.integration.processors.unet",
+        guidance_rescale=True,
     ),
     Family(
         name=SD3,
@@ -162,13 +174,15 @@ FAMILIES: tuple[Family, ...] = (
         ip_adapter="InstantX/SD3.5-Large-IP-Adapter",
         weight_name="ip-adapter.bin",
         image_encoder="google/siglip-so400m-patch14-384",
+        example_pipeline="stabilityai/stable-diffusion-3.5-large",
+        hub_names=("stable-diffusion-3", "sd3"),
         end_to_end=(
-            "SD 3.5 is not supported (its image keys pass a per-head RMSNorm and change with the "
-            "timestep, so no weight scale matches them)"
+            "its image keys pass a per-head RMSNorm and change with the timestep, so no weight scale "
+            "matches them"
         ),
         support_sets=(
-            "support sets need one adapter's list of images, which diffusers' SD 3.5 pipeline does not "
-            "take (it fails on a list per adapter)"
+            "a support set is one adapter's list of images, which its pipeline does not take (diffusers' "
+            "SD 3.5 pipeline fails on a list per adapter)"
         ),
     ),
     Family(
@@ -187,6 +201,8 @@ FAMILIES: tuple[Family, ...] = (
         ip_adapter="XLabs-AI/flux-ip-adapter",
         weight_name="ip_adapter.safetensors",
         image_encoder="openai/clip-vit-large-patch14",
+        example_pipeline="black-forest-labs/FLUX.1-dev",
+        hub_names=("flux",),
     ),
 )
 """Every model family, one row each (order: how they are listed in messages)."""
@@ -198,7 +214,7 @@ pipelines are many: StableDiffusion, StableDiffusionXL, their img2img / inpaint 
 _TINY_FLOW = "nw_adapter.models.tiny_flow"
 
 TINY_MODELS: tuple[TinyModel, ...] = (
-    TinyModel("tiny", UNET, trained=True, module="nw_adapter.models.tiny_digits"),
+    TinyModel("tiny", UNET, trained=True, module="nw_adapter.models.tiny_digits", layout="SD 1.5"),
     TinyModel(
         "tiny-sd3", SD3, trained=False, module=_TINY_FLOW,
         builders=("save_tiny_sd3", "save_tiny_sd3_ip_adapter", "SIGLIP_FOLDER"),
@@ -242,6 +258,24 @@ def family_of_pipeline_class(class_name: str | None) -> Family:
         if any(name.startswith(prefix) for prefix in family.pipelines):
             return family
     return _BY_NAME[FALLBACK]
+
+
+def family_of_hub_id(repo_id: str) -> Family | None:
+    """The family whose :attr:`Family.hub_names` a Hub id contains (case-insensitive), or None.
+
+    A guess from the name, for where nothing else can be read (offline, the pipeline's
+    ``model_index.json`` not cached); :func:`family_of_pipeline_class` decides wherever the class is known.
+    """
+    lowered = repo_id.lower()
+    for family in FAMILIES:
+        if any(fragment in lowered for fragment in family.hub_names):
+            return family
+    return None
+
+
+def families_where(test: Callable[[Family], Any]) -> tuple[Family, ...]:
+    """The rows for which ``test(row)`` is true, in table order (``families_where(lambda f: f.flow)``)."""
+    return tuple(family for family in FAMILIES if test(family))
 
 
 def family_of_denoiser(denoiser: Any) -> Family | None:

@@ -4,8 +4,9 @@ The theory's posterior over m references and its plug-in NW field live in the sp
 denoiser's input. This module puts reference images there with the pipeline's own VAE and
 conventions, and says what the denoiser's output means:
 
-- :func:`latent_space`: the family of a pipeline (VP UNet: SD 1.5 / SDXL; rectified flow in the
-  sigma convention: SD 3, and Flux with its 2 x 2 packing), the kind of its denoiser's output
+- :func:`latent_space`: the path of a pipeline's family (its row of the family registry: VP for the
+  UNets, SD 1.5 / SDXL; rectified flow in the sigma convention for the flow-matching rows, SD 3, and
+  Flux with its 2 x 2 packing), the kind of its denoiser's output
   (``scheduler.config.prediction_type`` for VP: ``"epsilon"``, ``"v_prediction"`` or ``"sample"``;
   ``"flow"`` for the transformers) and the timestep unit of the denoiser's call;
 - :func:`encode_references`: ``vae.encode(image).latent_dist.mean`` at the generation's size, then
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from nw_adapter.integration.families import family_of_pipeline
 
 __all__ = [
     "LatentSpace",
@@ -64,23 +67,27 @@ def latent_space(pipe: Any) -> LatentSpace:
         ValueError: a pipeline with neither a UNet nor a transformer, or a VP scheduler whose
             prediction type has no x0 (one line naming it).
     """
+    attribute = next(
+        (name for name in ("unet", "transformer") if getattr(pipe, name, None) is not None), None
+    )
+    if attribute is None:
+        raise ValueError(
+            f"{type(pipe).__name__} has neither a unet nor a transformer; the latent support needs an "
+            "SD 1.5 / SDXL, SD 3 or Flux pipeline"
+        )
+    family = family_of_pipeline(pipe)  # the registry's row: flow matching or not, timestep units
+    if family.flow:
+        packed = hasattr(type(pipe), "_pack_latents")  # the pipeline's own packing of x_t (Flux)
+        return LatentSpace("flow", packed, "flow", attribute, family.timestep_scale)
     scheduler = getattr(pipe, "scheduler", None)
     config = getattr(scheduler, "config", {}) or {}
-    if getattr(pipe, "unet", None) is not None:
-        kind = config.get("prediction_type", "epsilon")
-        if kind not in ("epsilon", "v_prediction", "sample"):
-            raise ValueError(
-                f"the scheduler's prediction_type {kind!r} is none of epsilon, v_prediction, sample; "
-                "pass a scheduler configured for one of them"
-            )
-        return LatentSpace("vp", False, kind, "unet", 1.0)
-    if getattr(pipe, "transformer", None) is not None:
-        packed = hasattr(type(pipe), "_pack_latents")
-        return LatentSpace("flow", packed, "flow", "transformer", 1000.0 if packed else 1.0)
-    raise ValueError(
-        f"{type(pipe).__name__} has neither a unet nor a transformer; the latent support needs an SD 1.5 / "
-        "SDXL, SD 3 or Flux pipeline"
-    )
+    kind = config.get("prediction_type", "epsilon")
+    if kind not in ("epsilon", "v_prediction", "sample"):
+        raise ValueError(
+            f"the scheduler's prediction_type {kind!r} is none of epsilon, v_prediction, sample; "
+            "pass a scheduler configured for one of them"
+        )
+    return LatentSpace("vp", False, kind, attribute, family.timestep_scale)
 
 
 def default_size(pipe: Any) -> tuple[int, int]:

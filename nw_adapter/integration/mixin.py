@@ -89,6 +89,25 @@ def _timestep_scale(denoiser: torch.nn.Module) -> float:
     return 1.0 if family is None else family.timestep_scale
 
 
+def _check_noise_levels(pipe: Any, config: NWProcessorConfig) -> None:
+    """Refuse an option that needs the scheduler's noise level where there is no scheduler.
+
+    ``bandwidth="schedule"`` (h = c sigma_t / alpha_t) reads sigma_t / alpha_t of the current step
+    from ``pipe.scheduler`` through the step hook. Installed on a bare denoiser (or a pipeline without
+    a scheduler), every step's level is unknown: swap would fail at the first forward and observe
+    would record nothing. The other rules (matched, fitted, median, a fixed h) need no scheduler.
+
+    Raises:
+        NWInstallError: the one line, with the fix.
+    """
+    if config.bandwidth == "schedule" and getattr(pipe, "scheduler", None) is None:
+        raise NWInstallError(
+            f"bandwidth='schedule' needs the scheduler's sigma_t / alpha_t of every step, and "
+            f"{type(pipe).__name__} has no scheduler; install on the pipeline (apply_nw_processor(pipe, "
+            "...), not its denoiser) or pick a rule that needs none (matched, fitted, median or a number)"
+        )
+
+
 def _make_config(config: NWProcessorConfig | None, options: dict[str, Any]) -> NWProcessorConfig:
     if config is not None and options:
         raise NWConfigError(
@@ -138,8 +157,9 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
         The :class:`~nw_adapter.integration.recorder.NWRecorder` receiving the statistics.
 
     Raises:
-        NWInstallError: before ``load_ip_adapter`` (or with xFormers processors), or an adapter
-            the untrained control does not support (with ``untrained_control=True``).
+        NWInstallError: before ``load_ip_adapter`` (or with xFormers processors), an adapter
+            the untrained control does not support (with ``untrained_control=True``), or
+            ``bandwidth="schedule"`` without a scheduler (``pipe`` a bare denoiser).
         NWConfigError: an invalid option, or a ``layers`` prefix that matches no IP-Adapter layer.
         (Both are ``ValueError`` subclasses, :mod:`nw_adapter.integration.errors`.)
 
@@ -151,6 +171,7 @@ def apply_nw_processor(pipe: Any, config: NWProcessorConfig | None = None, **opt
     """
     config = _make_config(config, options)
     unet = _unet_of(pipe)
+    _check_noise_levels(pipe, config)
     remove_nw_processor(pipe)
     originals = dict(unet.attn_processors)
     ip_layers = [n for n, p in originals.items() if is_ip_processor(p)]

@@ -4,9 +4,10 @@ A run of ``correlate.py`` reuses finished work only when the fingerprint of its 
 SHA-256 of a JSON object, :func:`nw_adapter.correlate.sweep.fingerprint`) equals the one saved
 with that work. :func:`captured_identities` runs the command line in-process on the tiny models
 and records every object it fingerprints; ``data/identities_f073761.json`` holds what the version
-at commit f073761 fingerprinted for :data:`CASES` (written by running this file at that commit:
-``python tests/correlate/resume_identities.py``), so a test can check that the current version
-fingerprints the same objects, i.e. that a run begun by that version still resumes.
+at commit f073761 fingerprinted for :data:`CASES` and :data:`CHANGED` (written by running this file
+at that commit: ``python tests/correlate/resume_identities.py``), so a test can check that the
+current version fingerprints the same objects for :data:`CASES`, i.e. that a run begun by that
+version still resumes, and exactly what changed for :data:`CHANGED`.
 
 Machine-specific paths are written as placeholders (:func:`portable`): the repository as
 ``<repo>``, the tiny-model cache as ``<cache>``.
@@ -63,8 +64,20 @@ CASES: dict[str, list[str]] = {
         "--compare-swap", "--image", _digit(3), "--model", "tiny", "--steps", "1", "--swap-rules", "0.5",
         "--labels", "3", "--seed", "2", "--scheduler", "euler",
     ],
+    "rho-tiny-flux-digits": ["--image", _digit(3), "--model", "tiny-flux-digits", "--steps", "1"],
 }  # fmt: skip
 """Command lines (``--out`` added per run) covering every option that enters a fingerprint."""
+
+CHANGED: dict[str, list[str]] = {
+    "compare-swap-tiny-flux-digits": [
+        "--compare-swap", "--image", _digit(3), "--model", "tiny-flux-digits", "--steps", "1",
+        "--swap-rules", "matched",
+    ],
+}  # fmt: skip
+"""Command lines whose fingerprinted objects changed since f073761, so a run begun by that version is
+computed again (with a note naming what changed): f073761's compare-swap run recorded the shipped
+``tiny-flux-digits``' image encoder by its install path (its ``families.shown_spec`` named only the
+tiny models built into the cache ``tiny``), where its rho run and this version record ``"tiny"``."""
 
 
 def portable(value: Any, cache: Path) -> Any:
@@ -75,6 +88,17 @@ def portable(value: Any, cache: Path) -> Any:
         return [portable(item, cache) for item in value]
     if isinstance(value, str):
         return value.replace(str(cache), "<cache>").replace(str(REPO), "<repo>")
+    return value
+
+
+def unportable(value: Any, cache: Path) -> Any:
+    """The inverse of :func:`portable`: the placeholders back to this machine's paths."""
+    if isinstance(value, dict):
+        return {key: unportable(item, cache) for key, item in value.items()}
+    if isinstance(value, list):
+        return [unportable(item, cache) for item in value]
+    if isinstance(value, str):
+        return value.replace("<cache>", str(cache)).replace("<repo>", str(REPO))
     return value
 
 
@@ -115,7 +139,7 @@ def main() -> None:
     found = {}
     with tempfile.TemporaryDirectory() as folder:
         cache = Path(folder) / "cache"
-        for name, argv in CASES.items():
+        for name, argv in {**CASES, **CHANGED}.items():
             found[name] = captured_identities(argv, Path(folder) / name, cache)
             print(name, len(found[name]), file=sys.stderr)
     DATA.parent.mkdir(exist_ok=True)

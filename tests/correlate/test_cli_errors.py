@@ -468,8 +468,11 @@ def test_download_hints_fetch_diffusers_folders_only_and_say_what_is_gated() -> 
     assert "--exclude 'text_encoders/*'" in command and "--include 'model_index.json'" in command
     hint = _offline_hint(sd35, "--model")
     assert "gated: accept its licence on the Hub, then hf auth login" in hint
-    assert "--model tiny-sd3 (random weights" in hint and "--model tiny " not in hint
-    assert "--model tiny-flux" in _offline_hint("black-forest-labs/FLUX.1-dev", "--model")
+    assert (
+        "--model tiny-sd3 (Stable Diffusion 3 / 3.5, random weights" in hint and "--model tiny " not in hint
+    )
+    flux = _offline_hint("black-forest-labs/FLUX.1-dev", "--model")
+    assert flux.endswith("--model tiny-flux-digits (Flux, trained on digits)")  # the family's trained one
     assert "gated" not in _offline_hint("stable-diffusion-v1-5/stable-diffusion-v1-5", "--model")
     encoder = "google/siglip-so400m-patch14-384"
     spec = ModelSpec(sd35, "InstantX/SD3.5-Large-IP-Adapter", "", "ip-adapter.bin", image_encoder=encoder)

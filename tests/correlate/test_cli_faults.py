@@ -189,6 +189,60 @@ def test_a_model_folder_without_unet_weights_is_one_line_naming_the_safetensors_
     assert ".bin" not in err and not (tmp_path / "out").exists()
 
 
+def _damaged(tmp_path: Path, kind: str) -> tuple[list, str]:
+    """A copy of an embedded model's files with one damaged, the options naming it, and the words."""
+    from nw_adapter.correlate.spec import TINY_DIGITS_DIR
+    from nw_adapter.models import tiny_flux_digits
+
+    if kind == "adapter":
+        adapter = tmp_path / "adapter"
+        shutil.copytree(TINY_DIGITS_DIR / "models", adapter / "models")
+        weights = adapter / "models" / "ip-adapter_sd15.safetensors"
+        weights.write_bytes(weights.read_bytes()[:30000])
+        return [*TINY, "--ip-adapter", adapter], f"--ip-adapter '{adapter}': '{weights}' is not a complete"
+    if kind == "image encoder":
+        encoder = tmp_path / "encoder"
+        shutil.copytree(Path(tiny_flux_digits.SHIPPED_DIR) / "ip-adapter" / "image_encoder", encoder)
+        weights = encoder / "model.safetensors"
+        weights.write_bytes(b"")
+        argv = ["--model", "tiny-flux-digits", "--image-encoder", encoder, "--steps", "1"]
+        return argv, f"--image-encoder '{encoder}': '{weights}' is empty"
+    model = tmp_path / "model"
+    shutil.copytree(TINY_DIGITS_DIR, model, ignore=shutil.ignore_patterns("examples"))
+    argv = ["--model", model, "--ip-adapter", "tiny", "--steps", "1"]
+    if kind == "model index":
+        (model / "model_index.json").write_text("{")
+        return argv, f"--model '{model}': its model_index.json is not valid JSON"
+    weights = model / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return argv, f"--model '{model}': '{weights}' is not a complete safetensors file (1000 bytes"
+
+
+@pytest.mark.parametrize("kind", ["adapter", "image encoder", "model weights", "model index"])
+@pytest.mark.parametrize("run_name", ["rho", "compare-swap", "support"])
+def test_damaged_local_weights_are_one_line_before_the_pipeline_loads(
+    kind, run_name, tmp_path, capsys, monkeypatch
+):
+    """A truncated or empty local weight file (the adapter's, its image encoder's, a pipeline
+    component's) or a broken model_index.json: one line naming the option and the file, before the
+    pipeline loads (before, the adapter's after the pipeline had loaded, the others as diffusers'
+    error after ~10 s)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded")
+
+    monkeypatch.setattr(loading, "build_pipeline", refuse)
+    options, words = _damaged(tmp_path, kind)
+    inputs = {
+        "rho": ["--image", digit(3)],
+        "compare-swap": ["--compare-swap", "--image", digit(3)],
+        "support": ["--support-set", f"{digit(3)},{digit(7)}"],
+    }[run_name]
+    code, _, err = run([*inputs, *options, "--out", tmp_path / "out"], capsys)
+    one_line(code, err, words)
+    assert not (tmp_path / "out").exists()
+
+
 # --- --replot --------------------------------------------------------------------------------------
 
 

@@ -152,3 +152,27 @@ def test_a_local_folder_with_a_bare_name_is_still_a_model(tmp_path: Path, monkey
     loading.check_model_name("owner/name")  # no error: a Hub id
     with pytest.raises(ModelLoadError, match="--ip-adapter 'tiny-sd3'.*did you mean tiny\\?"):
         loading.check_model_name("tiny-sd3", "--ip-adapter")
+
+
+@pytest.mark.parametrize(
+    ("repo_id", "stand_in"),
+    [
+        ("stabilityai/stable-diffusion-3.5-large", "tiny-sd3"),  # SD 3's only embedded model (random)
+        ("black-forest-labs/FLUX.1-dev", "tiny-flux-digits"),  # Flux's trained one before its random one
+        ("stable-diffusion-v1-5/stable-diffusion-v1-5", "tiny"),
+        ("someone/a-model", "tiny"),  # no row's hub_names: the UNet default
+    ],
+)
+def test_the_offline_stand_in_is_an_embedded_model_of_the_registrys_family(
+    repo_id: str, stand_in: str, monkeypatch
+) -> None:
+    """Offline, the line names an embedded model of the family the registry's rows give the id
+    (its hub_names; the cached model_index.json where there is one), with what it is."""
+    from nw_adapter.integration.families import tiny_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert loading.tiny_stand_in(repo_id) == stand_in
+    hint = loading._offline_hint(repo_id, "--model")
+    assert hint.endswith(f"run offline with --model {stand_in} ({tiny_model(stand_in).label}" + (
+        ")" if tiny_model(stand_in).trained else ": it tests the code only)"
+    ))  # fmt: skip

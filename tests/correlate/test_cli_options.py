@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from option_walk import NEEDED, SAMPLES, context, option_argv, takes_value
-from resume_identities import CASES, DATA, captured_identities
+from resume_identities import CASES, CHANGED, DATA, REPO, captured_identities, unportable
 
 from nw_adapter.correlate.cli import main
 from nw_adapter.correlate.option_table import OPTION_BY_DEST, OPTIONS, RUN_BY_NAME, RUNS
@@ -176,6 +176,45 @@ def test_a_run_of_the_version_at_f073761_still_resumes(case, tmp_path) -> None:
     """The objects fingerprinted for resuming equal those of f073761 (recorded from its real runs)."""
     recorded = json.loads(DATA.read_text())[case]
     assert captured_identities(CASES[case], tmp_path / "out", tmp_path / "cache") == recorded
+
+
+def test_a_compare_swap_run_of_f073761_on_tiny_flux_digits_is_computed_again_naming_why(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """f073761's compare-swap run recorded (and fingerprinted) the shipped tiny-flux-digits' image
+    encoder by its install path, where this version records "tiny" (as the rho run did then and
+    does now): that entry is the only difference, so such a run cannot resume. Its compare_swap.json
+    (rebuilt here: f073761's fingerprint and recorded model) is computed again, and the note names
+    that entry."""
+    from nw_adapter.correlate import sweep
+    from nw_adapter.correlate.sweep import DIGEST_FIELD, content_digest
+
+    name = "compare-swap-tiny-flux-digits"
+    then = json.loads(DATA.read_text())[name]
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    now = captured_identities(CHANGED[name], out, cache)
+    assert len(then) == len(now) == 1
+    install = "<repo>/nw_adapter/models/weights/tiny_flux_digits/ip-adapter/image_encoder"
+    assert then[0]["model"]["image_encoder"] == install and now[0]["model"]["image_encoder"] == "tiny"
+    assert {**then[0], "model": {**then[0]["model"], "image_encoder": "tiny"}} == now[0]  # nothing else
+
+    path = out / "compare_swap.json"
+    document = json.loads(path.read_text())
+    assert document["fingerprint"] == sweep.fingerprint(unportable(now[0], cache))
+    document["config"]["model"]["image_encoder"] = install.replace("<repo>", str(REPO))  # as f073761 wrote
+    document["fingerprint"] = sweep.fingerprint(unportable(then[0], cache))
+    document[DIGEST_FIELD] = content_digest(document)
+    path.write_text(json.dumps(document))
+    monkeypatch.setenv("NW_ADAPTER_CACHE", str(cache))
+    capsys.readouterr()
+    assert main([*CHANGED[name], "--out", str(out), "-q"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "compare_swap.json" in line]
+    assert len(notes) == 1, notes
+    encoder = install.replace("<repo>", str(REPO))
+    assert (
+        f"model.image_encoder: '{encoder}' then, 'tiny' now" in notes[0] and "computing it again" in notes[0]
+    )
+    assert json.loads(path.read_text())["fingerprint"] == sweep.fingerprint(unportable(now[0], cache))
 
 
 def test_the_help_of_every_option_is_one_sentence_without_line_breaks() -> None:

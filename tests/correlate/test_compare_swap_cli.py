@@ -337,6 +337,27 @@ def _first_schema_version(document: dict) -> None:
     document["schema_version"] = 1  # plain t intervals, no conclusion: its summary is not today's
 
 
+def test_a_document_of_other_options_names_the_entries_that_changed(finished):
+    """With the run's fingerprinted options, the note names each recorded entry that changed (nested
+    ones by their path); the same recorded options under another fingerprint are the model's files."""
+    from nw_adapter.correlate.images import validate_images
+    from nw_adapter.correlate.swap_files import document_problem
+
+    document = json.loads((finished["out"] / JSON_NAME).read_text())
+    infos = validate_images([(example_image_path(digit), "--image") for digit in DIGITS])
+    config = document["config"]
+    options = {"steps": config["steps"] + 1, "model": {**config["model"], "weight_name": "other.bin"}}
+    why = document_problem(document, "0" * 64, infos, options=options)
+    assert why == (
+        f"{JSON_NAME} was made with other options (steps: {config['steps']!r} then, {config['steps'] + 1!r} "
+        f"now; model.weight_name: {config['model']['weight_name']!r} then, 'other.bin' now)"
+    )
+    same = {"steps": config["steps"], "model": config["model"]}
+    assert "same recorded options but another model's files" in document_problem(
+        document, "0" * 64, infos, options=same
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [

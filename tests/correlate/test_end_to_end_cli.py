@@ -15,6 +15,7 @@ from nw_adapter.correlate.end_to_end_cli import MATCHED, MAX_DRAWS, end_to_end_m
 from nw_adapter.correlate.options import CLIError, family_problem, parse_args
 from nw_adapter.integration import end_to_end
 from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.families import FAMILIES
 
 torch.set_num_threads(1)
 
@@ -72,11 +73,12 @@ def test_combinations_that_cannot_run_are_named(argv, message) -> None:
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("family", ["unet", "sd3", "flux"])
-def test_the_families_it_runs_on(family) -> None:
-    problem = family_problem(_parse("--end-to-end-control"), family)
-    assert (problem is not None) == (family == "sd3")
-    assert problem is None or "does not support SD 3.5" in problem
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda row: row.name)
+def test_the_families_it_runs_on_are_the_registrys(family) -> None:
+    """The refusal reads the row's end_to_end field (SD 3.5's: its keys pass a per-head RMSNorm)."""
+    problem = family_problem(_parse("--end-to-end-control"), family.name)
+    assert (problem is not None) == (family.end_to_end is not None) == (family.name == "sd3")
+    assert problem is None or (family.label in problem and family.end_to_end in problem)
 
 
 def test_argument_handling_imports_no_torch() -> None:

@@ -191,10 +191,10 @@ def test_digit_support_sets_have_the_asked_sizes_and_classes(tmp_path):
 
 
 def test_the_digit_models_are_the_trained_digits_models():
-    from nw_adapter.correlate.families import TRAINED_FLOW_MODELS
-    from nw_adapter.correlate.spec import DIGIT_MODELS, TINY
+    from nw_adapter.correlate.spec import DIGIT_MODELS
+    from nw_adapter.integration.families import TINY_MODELS
 
-    assert set(DIGIT_MODELS) == {TINY, *TRAINED_FLOW_MODELS}
+    assert set(DIGIT_MODELS) == {model.name for model in TINY_MODELS if model.trained}
 
 
 def test_a_flux_digits_support_set_run_judges_classes(capsys, tmp_path):

@@ -154,6 +154,28 @@ def test_bad_input_exits_2(tmp_path, args, capsys):
     assert not (tmp_path / "o" / "results").exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "words"),
+    [
+        ("empty.npz", b"", "is empty, truncated or not a NumPy file"),
+        ("other.npz", b"\x89PNG\r\n\x1a\n" + bytes(40), "is empty, truncated or not a NumPy file"),
+        ("truncated.npy", b"\x93NUMPY\x01\x00v\x00{'descr'", "is empty, truncated or not a NumPy file"),
+    ],
+    ids=["empty-npz", "not-numpy", "truncated-npy"],
+)
+def test_a_damaged_feature_file_is_one_line_naming_it(tmp_path, name, content, words, capsys):
+    """Before, an empty .npz was numpy's EOFError traceback (exit 1) and a truncated .npy numpy's
+    header error without the file or a fix."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    labels = ["--labels", str(path)] if name.endswith(".npy") else []
+    code = main(["--out", str(tmp_path / "o"), "--quick", "--features", str(path), *labels])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert words in err and str(path) in err and "pass a complete .npz or .npy file" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_script_bad_input_one_line_exit_2(tmp_path):
     proc = subprocess.run(
         [

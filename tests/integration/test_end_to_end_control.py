@@ -286,7 +286,7 @@ def test_flux_end_to_end_control(tiny_flux_dir, tiny_flux_ip_adapter_dir) -> Non
 
 def test_sd3_is_refused_naming_the_limit(tiny_sd3_dir, tiny_sd3_ip_adapter_dir) -> None:
     pipe = load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
-    with pytest.raises(NWInstallError, match="SD 3.5 is not supported .* per-head RMSNorm"):
+    with pytest.raises(NWInstallError, match="cannot run on Stable Diffusion 3 / 3.5: .* per-head RMSNorm"):
         end_to_end_control(pipe, dict(prompt="a cat", ip_adapter_image=random_image(1, 32)))
 
 

@@ -9,7 +9,9 @@ hook's timestep units, the untrained control and the command line read the row.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,7 @@ from nw_adapter.integration.processors.base import NWProcessorBase
 from nw_adapter.integration.recorder import NWRecorder
 
 PROCESSORS = Path(families.__file__).parent / "processors"
+REPO = Path(families.__file__).resolve().parents[2]
 SHARED_MODULES = {"__init__", "base", "selection", "deferred"}  # every family's, no family's own
 
 
@@ -166,3 +169,141 @@ def test_the_command_line_reads_the_registry():
     assert cli_families.family_of_model("tiny") == "unet"
     assert RANDOM_WEIGHT_MODELS == families.tiny_models(trained=False)
     assert DIGIT_MODELS == families.tiny_models(trained=True)
+
+
+def _family_decisions(path: Path) -> list[str]:
+    """The places (``file:line``) in ``path`` that decide a family on their own: a comparison with a
+    family's name (``== "sd3"``, ``in ("flux", ...)``; ``"unet"`` only on a line with the word
+    ``family``, it is also the pipeline attribute) or with a class name of a row, a ``startswith``
+    of a row's class-name prefix, and any use of the registry's constants ``UNET``, ``SD3``, ``FLUX``."""
+    names = {family.name for family in FAMILIES}
+    classes = {name for row in FAMILIES for name in (*row.pipelines, *row.denoisers, *row.processors)}
+    constants = {"UNET", "SD3", "FLUX"}
+    source = path.read_text(encoding="utf-8")
+    found: list[str] = []
+
+    def strings(node: ast.AST) -> list[str]:
+        nodes = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+        where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and any(alias.name in constants for alias in node.names):
+            found.append(where)
+        elif (
+            isinstance(node, ast.Name | ast.Attribute)
+            and (getattr(node, "id", None) or node.attr) in constants
+        ):
+            found.append(where)
+        elif isinstance(node, ast.Compare):
+            values = [value for operand in (node.left, *node.comparators) for value in strings(operand)]
+            beside = "family" in lines[node.lineno - 1]
+            if any(v in classes or v in names - {"unet"} or (v == "unet" and beside) for v in values):
+                found.append(where)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "startswith":
+            prefixes = [value for argument in node.args for value in strings(argument)]
+            if any(name.startswith(prefix) for name in classes for prefix in prefixes if len(prefix) > 3):
+                found.append(where)
+    return found
+
+
+def test_no_module_outside_the_registry_decides_a_family():
+    """Which family a pipeline is, and what follows from it, is read from the registry's rows only:
+    no other module of the package, its scripts, companion pipelines or benchmarks compares with a
+    family's or a row's class name (issue 45; at b4d97d1 this finds 19 places in 4 files:
+    correlate/families.py, loading.py, option_table.py, run_model.py)."""
+    registry = Path(families.__file__).resolve()
+    files = [
+        path
+        for folder in ("nw_adapter", "scripts", "pipelines", "benchmarks")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path.resolve() != registry
+    ]
+    assert len(files) > 100
+    found = [place for path in files for place in _family_decisions(path)]
+    assert found == []
+
+
+def test_the_decision_finder_finds_each_kind_of_decision(tmp_path):
+    """The finder above on a module written with each kind of family decision (and one without)."""
+    module = tmp_path / "decides.py"
+    module.write_text(
+        "from nw_adapter.integration.families import SD3\n"
+        "def a(family):\n    return family == 'unet'\n"
+        "def b(name):\n    return name in ('flux', 'x')\n"
+        "def c(pipe):\n    return type(pipe).__name__.startswith('StableDiffusion3')\n"
+        "def d(pipe):\n    return getattr(pipe, 'unet', None) if 'unet' in dir(pipe) else None\n"
+    )
+    found = _family_decisions(module)
+    assert [place.split(":")[1] for place in found] == ["1", "3", "5", "7"]
+
+
+_NEW_FAMILY = r"""
+import json, sys
+from pathlib import Path
+from nw_adapter.integration import families as registry
+
+row = registry.Family(
+    name="dit", label="DiT", pipelines=("DiT",), denoisers=("DiTLoadersMixin",),
+    processors={"DiTIPAdapterAttnProcessor": "NWDiTIPAdapterAttnProcessor"},
+    processor_module="nw_adapter.integration.processors.dit", flow=True,
+    encoder_argument="image_encoder_folder", ip_adapter="someone/dit-ip-adapter",
+    weight_name="ip.safetensors", image_encoder="someone/dit-encoder", example_pipeline="someone/dit-xl",
+    hub_names=("dit",),
+    end_to_end="its image keys are built another way",
+)
+registry.FAMILIES = (*registry.FAMILIES, row)  # one row added, as a new family would be
+registry._BY_NAME[row.name] = row
+registry._BY_DENOISER.update(dict.fromkeys(row.denoisers, row))
+registry._BY_PROCESSOR.update(dict.fromkeys(row.processors, row))
+
+from nw_adapter.correlate import families, loading
+from nw_adapter.correlate.option_table import OPTION_BY_DEST
+from nw_adapter.correlate.options import family_problem, parse_args
+from nw_adapter.correlate.spec import ModelSpec
+
+def problem(*argv):
+    return family_problem(parse_args([*argv, "--out", "o"]), "dit")
+
+folder = Path(sys.argv[1])
+(folder / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
+spec = families.resolve_flow_spec(ModelSpec(str(folder)), folder / "cache")
+print(json.dumps({
+    "family": families.family_of_model(str(folder)),
+    "spec": [spec.ip_adapter, spec.weight_name, spec.image_encoder],
+    "end_to_end": problem("--image", "a.png", "--end-to-end-control"),
+    "support_sets": problem("--support-set", "a.png,b.png"),
+    "scheduler": problem("--image", "a.png", "--scheduler", "ddim"),
+    "image_encoder": problem("--image", "a.png", "--image-encoder", "x/y"),
+    "true_cfg": problem("--image", "a.png", "--true-cfg-scale", "2", "--negative-prompt", ""),
+    "guidance_rescale": problem("--image", "a.png", "--guidance-rescale", "0.5"),
+    "help": [OPTION_BY_DEST[name].help for name in ("model", "ip_adapter", "weight_name", "image_encoder")],
+    "stand_in": loading.tiny_stand_in("someone/dit-xl"),
+}))
+"""
+
+
+def test_a_new_row_reaches_the_command_line(tmp_path):
+    """What a new family's row alone gives the command line (no other file changed): its pipelines are
+    recognised, its adapter defaults resolved and shown in --help, the runs and options it cannot
+    take refused in one line from the row's fields (run in a fresh interpreter: the option table
+    derives from the rows at import)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _NEW_FAMILY, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["family"] == "dit"
+    assert found["spec"] == ["someone/dit-ip-adapter", "ip.safetensors", "someone/dit-encoder"]
+    assert found["end_to_end"] == (
+        "the end-to-end control run (--end-to-end-control) cannot run on DiT: its image keys are built "
+        "another way; drop --end-to-end-control and use the per-layer control"
+    )
+    assert found["support_sets"] is None and found["image_encoder"] is None
+    assert found["scheduler"].startswith("--scheduler is not read by DiT pipelines; a flow-matching model")
+    assert found["true_cfg"].startswith("--true-cfg-scale is not read by DiT pipelines; only Flux pipelines")
+    assert found["guidance_rescale"].startswith("--guidance-rescale is not read by DiT pipelines")
+    model, adapter, weight, encoder = found["help"]
+    assert "DiT (e.g. someone/dit-xl)" in model and "someone/dit-ip-adapter for DiT" in adapter
+    assert "ip.safetensors for DiT" in weight and "someone/dit-encoder for DiT" in encoder
+    assert found["stand_in"] == "tiny"  # no embedded model of the family: the UNet one

@@ -11,6 +11,7 @@ from tiny_helpers import SIZE
 from tiny_helpers import generate as _run
 
 from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.mixin import (
     active_recorder,
     apply_nw_processor,
@@ -146,6 +147,46 @@ def test_apply_on_bare_unet(pipe):
     assert all(pipe.unet.attn_processors[n] is before[n] for n in before)
     with pytest.raises(ValueError, match="no `unet`"):
         apply_nw_processor(object())
+
+
+def test_the_schedule_rule_on_a_bare_denoiser_is_refused_at_install(pipe):
+    """bandwidth="schedule" reads sigma_t / alpha_t from the pipeline's scheduler: on the bare UNet
+    (no scheduler) it is one NWInstallError at install naming the fix, and nothing changes (before, it
+    was accepted and swap failed at the first forward, observe recorded no step)."""
+    before = dict(pipe.unet.attn_processors)
+    for mode in ("swap", "observe"):
+        with pytest.raises(
+            NWInstallError, match=r"bandwidth='schedule' needs the scheduler.*apply_nw_processor\(pipe"
+        ):
+            apply_nw_processor(pipe.unet, mode=mode, bandwidth="schedule")
+        assert all(pipe.unet.attn_processors[n] is before[n] for n in before)
+        assert not pipe.unet._forward_pre_hooks
+    # on the pipeline it runs: every step has its bandwidth h = sigma_t / alpha_t
+    with nw_processor(pipe, bandwidth="schedule", layers="mid_block", nulls=False) as rec:
+        _run(pipe)
+    assert rec.to_records() and all(np.isfinite(r["bandwidth"]) for r in rec.to_records())
+
+
+@pytest.mark.parametrize("rule", ["matched", "fitted", "median", 0.5])
+def test_the_other_rules_need_no_scheduler(pipe, rule):
+    """Every other bandwidth rule runs on the bare UNet, in swap (the image changes) and observe
+    (every step recorded)."""
+    stock = _run(pipe)
+    with nw_processor(pipe.unet, mode="swap", bandwidth=rule, layers="mid_block"):
+        swapped = _run(pipe)
+    assert not np.array_equal(stock, swapped)
+    with nw_processor(pipe.unet, mode="observe", bandwidth=rule, layers="mid_block", nulls=False) as rec:
+        _run(pipe)
+    assert {r["step"] for r in rec.to_records()} == set(range(len(pipe.scheduler.timesteps)))
+    assert rec.failed_steps_line(see=None) is None
+
+
+def test_schedule_c_without_the_schedule_rule_is_refused():
+    """schedule_c is read by bandwidth="schedule" only: with another rule it would be ignored."""
+    with pytest.raises(NWConfigError, match="schedule_c.*bandwidth='schedule'"):
+        NWProcessorConfig(bandwidth="matched", schedule_c=2.0)
+    assert NWProcessorConfig(bandwidth="schedule", schedule_c=2.0).schedule_c == 2.0
+    assert NWProcessorConfig(bandwidth="fitted", schedule_c=1.0).bandwidth == "fitted"  # the default
 
 
 def test_xformers_ip_processors_get_a_clear_error(pipe):

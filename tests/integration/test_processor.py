@@ -272,8 +272,8 @@ def test_statistics_match_brute_force(rule):
         store_maps=True,
         map_dtype="float32",
         seed=3,
-        schedule_c=0.5,
         null_rows=10,
+        **({"schedule_c": 0.5} if rule == "schedule" else {}),  # read by that rule only (refused else)
     )
     rec.begin_step(call=0, step=0, timestep=torch.tensor(500), alpha=0.6, sigma=0.8)
     attn(x, (text, ip))

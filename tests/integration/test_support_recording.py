@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_helpers import random_image
 
 from nw_adapter.core.specification import STAT_ROWS
 from nw_adapter.core.support import support_statistics
@@ -111,3 +112,21 @@ def test_observe_support_set_refuses_bad_calls(digits_pipe, references, call, me
         observe_support_set(digits_pipe, references, **call)
     with pytest.raises(ValueError, match="observes"):
         observe_support_set(digits_pipe, ["x"], config=NWProcessorConfig(mode="swap"))
+
+
+def test_observe_support_set_refuses_a_family_whose_row_takes_no_set(tiny_sd3_dir, tiny_sd3_ip_adapter_dir):
+    """SD 3.5 (the registry row's ``support_sets``): one line before any generation, not diffusers'
+    failure on a list per adapter."""
+    from diffusers import StableDiffusion3Pipeline
+    from flow_helpers import load_sd3
+
+    from nw_adapter.analysis.support_sets import observe_support_set
+    from nw_adapter.integration.families import family_named
+
+    pipe = load_sd3(StableDiffusion3Pipeline, tiny_sd3_dir, tiny_sd3_ip_adapter_dir)
+    before = dict(pipe.transformer.attn_processors)
+    row = family_named("sd3")
+    with pytest.raises(ValueError, match=f"cannot run on {row.label}: .*list per adapter") as error:
+        observe_support_set(pipe, [random_image(1, 32), random_image(2, 32)], num_inference_steps=1)
+    assert "\n" not in str(error.value) and "Stable Diffusion 1.5 / XL or Flux pipeline" in str(error.value)
+    assert all(pipe.transformer.attn_processors[name] is before[name] for name in before)

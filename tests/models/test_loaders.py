@@ -39,6 +39,6 @@ def test_the_default_cache_is_the_one_the_cli_uses(monkeypatch, tmp_path):
 
     monkeypatch.setenv("NW_ADAPTER_CACHE", str(tmp_path))
     assert loaders.cache_dir() == loading.tiny_cache_dir() == tmp_path
-    model, adapter, _ = families.ensure_tiny_flow_models(families.FAMILIES[families.SD3], tmp_path)
+    model, adapter, _ = families.ensure_tiny_flow_models(families.FAMILIES["sd3"], tmp_path)
     assert model == loaders.flow_cache_folder(0) / "sd3"
     assert adapter == loaders.flow_cache_folder(0) / "sd3-ip-adapter"

@@ -217,3 +217,88 @@ def test_paper_subset_refuses_an_empty_out(workdir, monkeypatch, capsys):
 def test_draw_counts_are_one_line(script, argv, words, monkeypatch, capsys):
     code, err = call(load(script), argv, monkeypatch, capsys)
     one_line(code, err, *words)
+
+
+def test_evaluate_tiny_refuses_a_model_folder_with_damaged_weights(workdir, monkeypatch, capsys):
+    """A truncated weight file of --model-dir is one line naming it, before anything loads (before,
+    diffusers' traceback after --out was created)."""
+    import shutil
+
+    from nw_adapter.models.tiny_digits import SHIPPED_DIR
+
+    model = workdir.parent / "model"
+    shutil.copytree(SHIPPED_DIR, model, ignore=shutil.ignore_patterns("examples"))
+    unet = model / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:1000])
+    module = load("evaluate_tiny")
+    calls = _spy(monkeypatch, module, "quality")
+    code, err = call(module, ["quality", "--model-dir", str(model), "--out", "e"], monkeypatch, capsys)
+    one_line(code, err, "unet/diffusion_pytorch_model.safetensors is not a complete safetensors file")
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--out", ""], ["--out is empty"]),
+        (["--out", "taken"], ["--out 'taken' is a file"]),
+        (["--out", "run", "--seeds", "x"], ["--seeds must be a whole number"]),
+    ],
+    ids=["empty-out", "file-out", "seeds-x"],
+)
+def test_plug_in_field_study(argv, words, workdir, monkeypatch, capsys):
+    """Before, --out '' was the current folder ('exists and is not an empty folder') after argparse's
+    usage block: six lines."""
+    module = load("plug_in_field_study")
+    calls = _spy(monkeypatch, module, "exact_field_errors")
+    code, err = call(module, argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--out", ""], ["--out is empty"]),
+        (["--out", "taken"], ["--out 'taken' is a file"]),
+        (["--out", "run", "--steps", "0"], ["--steps"]),
+    ],
+    ids=["empty-out", "file-out", "steps-0"],
+)
+def test_verdict_false_positives(argv, words, workdir, monkeypatch, capsys):
+    """Before, --out '' ran every model in the current folder (104 s, its models/ written there)."""
+    module = load("verdict_false_positives")
+    calls = _spy(monkeypatch, module, "count_verdicts")
+    code, err = call(module, argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not calls
+    _unchanged(workdir)
+
+
+@pytest.mark.parametrize("script", ["train_tiny", "train_tiny_flow"])
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [("", "it is empty"), ('{"config": ', "is not valid JSON"), ("[1]", "holds a JSON list")],
+    ids=["empty", "truncated", "list"],
+)
+def test_a_damaged_training_log_is_one_line(script, content, words, workdir, monkeypatch, capsys):
+    """A resumed run's stages/log.json that is not a JSON object: one line naming it and the fix,
+    before any stage trains (before, json's traceback, exit 1)."""
+    stages = workdir / "run" / "stages"
+    stages.mkdir(parents=True)
+    (stages / "log.json").write_text(content)
+    code, err = call(load(script), ["--out", "run", "--quick", "--no-progress"], monkeypatch, capsys)
+    one_line(code, err, "cannot continue the training log", words, "pass a new --out")
+    assert sorted(p.name for p in stages.iterdir()) == ["log.json"]
+    assert (stages / "log.json").read_text() == content
+
+
+def test_every_script_parses_with_a_one_line_parser():
+    """No script builds a plain argparse parser (its errors are a usage block, and an --out of its own
+    is not checked): plug_in_field_study.py and verdict_false_positives.py did."""
+    plain = [
+        path.name for path in sorted(SCRIPTS.glob("*.py")) if "argparse.ArgumentParser(" in path.read_text()
+    ]
+    assert plain == []

@@ -167,6 +167,9 @@ def run_flux_training(
         The model folder.
     """
     out = Path(out)
+    stage_machinery.read_training_log(
+        out / "stages" / "log.json"
+    )  # a damaged log of an earlier run: one line, now
     with stage_machinery._training_lock(out, _cleanup):
         return _run(out, config, progress=progress)
 

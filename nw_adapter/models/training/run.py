@@ -45,7 +45,14 @@ from nw_adapter.models.tiny_digits import (
     save_tokenizer,
 )
 
-__all__ = ["STAGE2_PROMPTS", "StageMismatchError", "TrainingConfig", "open_training_log", "run_training"]
+__all__ = [
+    "STAGE2_PROMPTS",
+    "StageMismatchError",
+    "TrainingConfig",
+    "open_training_log",
+    "read_training_log",
+    "run_training",
+]
 
 STAGE2_PROMPTS = ("", "a photograph", "a handwritten digit")
 """Class-free prompts of stage 2 (the CLI's default prompt is ``"a photograph"``)."""
@@ -396,8 +403,32 @@ def run_training(
     Returns:
         The model folder ``out/tiny_digits``.
     """
+    read_training_log(Path(out) / "stages" / "log.json")  # a damaged log of an earlier run: one line, now
     with _training_lock(Path(out)):
         return _run_training(Path(out), config, progress=progress)
+
+
+def read_training_log(log_path: Path) -> dict:
+    """The entries of an earlier run's ``stages/log.json`` (empty when there is none).
+
+    Raises:
+        StageMismatchError: a log that is not a JSON object (empty, truncated, edited): its entries
+            would be lost; one line naming the file and the fix.
+    """
+    if not log_path.is_file():
+        return {}
+    try:
+        log = json.loads(log_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        problem = "is empty" if log_path.stat().st_size == 0 else f"is not valid JSON ({type(exc).__name__})"
+    else:
+        if isinstance(log, dict):
+            return log
+        problem = f"holds a JSON {type(log).__name__}, not the log's object"
+    raise StageMismatchError(
+        f"cannot continue the training log {log_path}: it {problem}; pass a new --out, or move that file "
+        "away to start a new log"
+    )
 
 
 def open_training_log(log_path: Path, config) -> Callable[..., None]:
@@ -415,7 +446,7 @@ def open_training_log(log_path: Path, config) -> Callable[..., None]:
     Returns:
         ``record(name, started, losses, **extra)``.
     """
-    log = json.loads(log_path.read_text()) if log_path.is_file() else {}
+    log = read_training_log(log_path)
     log.update(config=asdict(config), torch=torch.__version__, python=platform.python_version())
 
     def record(name: str, started: float, losses: list[float], **extra) -> None:
