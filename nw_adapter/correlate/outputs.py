@@ -323,26 +323,13 @@ def write_outputs(report: dict, out_dir: Path) -> str:
     ``bandwidth.png`` needs the fitted bandwidths (``h_eff``) in the records; without them it is not
     drawn (and an older one in ``out_dir`` is removed, so it never describes another run).
     """
-    from nw_adapter.correlate.plotting import counted, plot_bandwidth, plot_rho
-    from nw_adapter.correlate.report import (
-        format_report,
-        random_weights_note,
-        repeated_timestep_note,
-        write_report_files,
-    )
+    from nw_adapter.correlate.plotting import plot_bandwidth, plot_report_rho
+    from nw_adapter.correlate.report import format_report, write_report_files
 
     config = report.get("config", {})
     model = (config.get("model") or {}).get("model")
     write_report_files(report, out_dir)
-    plot_rho(
-        report["blocks"],
-        out_dir / "rho.png",
-        title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
-        f"{counted(len(report.get('images', [])), 'reference')}",
-        note="; ".join(n for n in (random_weights_note(report), repeated_timestep_note(report)) if n) or None,
-        units=report["records"],
-        half=report["half"],
-    )
+    plot_report_rho(report, out_dir / "rho.png")
     drawn = plot_bandwidth(
         report["records"],
         report["half"],
