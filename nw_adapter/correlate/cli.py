@@ -39,13 +39,14 @@ import contextlib
 import math
 import os
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from nw_adapter.atomic import WriteError
-from nw_adapter.commands import OneLineParser, invoked_as, note
+from nw_adapter.commands import OneLineParser, invoked_as, note, progress_line
 from nw_adapter.correlate import support_cli, swap_cli
 from nw_adapter.correlate.end_to_end_cli import (
     add_end_to_end_arguments,
@@ -626,7 +627,15 @@ def _image_worker(
             )
         return entry, records
 
-    return work
+    def work_and_report(key: str) -> tuple[dict, list[dict]]:  # a plain line per reference in a log
+        start = time.perf_counter()
+        result = work(key)
+        seconds = time.perf_counter() - start
+        done = f"reference {list(infos).index(key) + 1} of {len(infos)} done in {seconds:.0f} s: {key}"
+        progress_line(args.quiet, show_progress_bars(args), done)
+        return result
+
+    return work_and_report
 
 
 def check_layers(layers: Sequence[str] | None, pipe: Any) -> None:
