@@ -223,6 +223,7 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
     from nw_adapter import atomic
     from nw_adapter.correlate import families
     from nw_adapter.correlate import support_report as report
+    from nw_adapter.correlate.html_report import write_support_report
     from nw_adapter.correlate.loading import (
         ModelSpec,
         build_pipeline,
@@ -307,6 +308,7 @@ def run(args: argparse.Namespace, *, bars: bool, check_true_cfg: Any) -> int:
         atomic.atomic_write_text(out_dir / report.CSV_NAME, csv_text(rows) if rows else "set\n")
         report.plot_sweep(document, out_dir / report.FIGURE_NAME, title=f"support sets, {args.model}")
         write_json(out_dir / report.JSON_NAME, document)
+        write_support_report(out_dir, document)  # report.html
     if not judged:
         note(args.quiet, "classes not judged: the digit judge reads the digits models' 32 x 32 images only")
     print(report.format_document(document))

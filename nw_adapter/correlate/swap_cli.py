@@ -269,6 +269,7 @@ def _compare(
     """Load the model and run :func:`compare_swap`; returns ``(comparison, scheduler class name)``."""
     from nw_adapter.analysis.consequence import compare_swap
     from nw_adapter.correlate import families
+    from nw_adapter.correlate.html_report.images import IMAGE_CAP as REPORT_IMAGE_CAP
     from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.correlate.loading import build_pipeline
     from nw_adapter.models.digits_quality import digit_judge
@@ -292,7 +293,8 @@ def _compare(
             seed=args.seed,
             judge=digit_judge() if labels is not None else None,
             labels=labels,
-            keep_images=False,
+            keep_images=True,  # at the report's size
+            kept_size=REPORT_IMAGE_CAP,
             **call,
         )
     except (
@@ -328,6 +330,7 @@ def run(
     """
     from nw_adapter import atomic
     from nw_adapter.correlate import families
+    from nw_adapter.correlate.html_report import remove_report, write_swap_report
     from nw_adapter.correlate.loading import ModelSpec, resolve_device, resolve_dtype, resolve_spec
     from nw_adapter.correlate.outputs import OutputLock
     from nw_adapter.correlate.report import write_json
@@ -373,6 +376,7 @@ def run(
             if why:
                 note(args.quiet, f"{why}; computing it again")
             remove_outputs(out_dir)
+            remove_report(out_dir)  # report.html of another comparison
             result, scheduler_class = _compare(
                 args, spec, infos, labels, device=device, dtype=dtype, bars=bars
             )
@@ -380,9 +384,11 @@ def run(
             document = build_document(result, config=config, infos=infos, labels=labels, fingerprint=expected)
             atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
             write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
+            write_swap_report(out_dir, document, result)  # report.html, with the images
         else:
             note(args.quiet, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
             if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
+            write_swap_report(out_dir, document)  # report.html: this document's is kept
     print(format_document(document))
     return 0
