@@ -56,7 +56,9 @@ def test_the_end_to_end_controls_report_says_which_control_ran(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "control: end-to-end, a second generation with the untrained adapter in every layer" in printed
     report = page(out)
-    assert "control: end-to-end, a second generation" in report and "rho, end-to-end control (1 draw)" in report
+    assert (
+        "control: end-to-end, a second generation" in report and "rho, end-to-end control (1 draw)" in report
+    )
 
 
 def test_a_support_set_run_writes_its_report(tmp_path, capsys) -> None:
@@ -65,7 +67,9 @@ def test_a_support_set_run_writes_its_report(tmp_path, capsys) -> None:
     capsys.readouterr()
     report = page(out)
     assert 'data-report-kind="support-sets"' in report and 'id="support-masses"' in report
-    assert "0: digit_3.png, attention" in report and "1: digit_7.png, NW at the schedule's h (theory)" in report
+    assert (
+        "0: digit_3.png, attention" in report and "1: digit_7.png, NW at the schedule's h (theory)" in report
+    )
 
 
 def test_compare_swap_writes_its_images_and_a_resumed_run_keeps_them(tmp_path, capsys) -> None:

@@ -249,10 +249,14 @@ def test_nw_adapter_report_of_a_recorder_its_records_and_a_folder(pages, tmp_pat
         nw_adapter.report(3)
 
 
-def test_importing_the_package_or_the_report_module_loads_no_plotly() -> None:
+def test_importing_the_package_the_report_module_or_asking_for_help_loads_no_plotly() -> None:
     code = (
-        "import sys, nw_adapter, nw_adapter.correlate.html_report, nw_adapter.correlate.outputs\n"
+        "import sys, contextlib, io, nw_adapter\n"
+        "import nw_adapter.correlate.html_report, nw_adapter.correlate.outputs\n"
+        "from nw_adapter.correlate.cli import main\n"
         "nw_adapter.report\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('plotly', 'torch', 'selenium')))"
     )
     done = subprocess.run(

@@ -72,6 +72,10 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: now
 .gallery figure { margin: 0; text-align: center; font-size: 0.8em; width: 146px; }
 .gallery img { width: 128px; height: auto; image-rendering: pixelated; border: 1px solid #ccc; }
 .gallery figcaption { margin-top: 3px; }
+.cards { display: flex; flex-wrap: wrap; gap: 10px 18px; }
+.card { border: 1px solid #e3e3e3; border-radius: 4px; padding: 4px 8px; }
+.card h4 { margin: 2px 0; font-size: 0.9em; }
+.card .gallery { margin: 4px 0; gap: 8px; }
 details { margin: 6px 0; }
 summary { cursor: pointer; }
 pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 0.85em; }

@@ -39,8 +39,8 @@ __all__ = [
     "plan_maps",
 ]
 
-MAP_VALUES_CAP = 600_000
-"""Most map values a report embeds (over every reference, step, choice and map kind): about 4 MB of
+MAP_VALUES_CAP = 400_000
+"""Most map values a report embeds (over every reference, step, choice and map kind): about 3.5 MB of
 JSON text at 5 decimals."""
 
 TOKEN_CAP = 16
@@ -355,16 +355,21 @@ def maps_figure(reference: ReferenceMaps, *, spread: float, diff_spread: float, 
 
 
 def scales(references: Sequence[ReferenceMaps]) -> tuple[float, float, float]:
-    """``(spread, diff_spread, uniform)``: one colour scale per map kind over every embedded map."""
+    """``(spread, diff_spread, uniform)``: one colour scale per map kind for the whole report, set by
+    the maps of every layer's and head's mean (every token, step and reference: the default view, and
+    what ``attention_maps.png`` draws); a single layer or head beyond it saturates the scale's end
+    (its values are on hover). ``spread`` is the largest deviation of A or W from the even share
+    ``uniform`` = 1 / tokens, ``diff_spread`` the largest |A - W|."""
     spread = diff = 0.0
     uniform = math.nan
     for reference in references:
         for choice in reference.choices:
+            if choice.layers is not None or choice.heads is not None:
+                continue
             for step in reference.steps():
-                attn = reference.grid("attn", step, choice)[choice.token]
-                nw = reference.grid("nw", step, choice)[choice.token]
-                tokens = reference.grid("attn", step, choice).shape[0]
-                uniform = 1.0 / tokens
+                attn = reference.grid("attn", step, choice)
+                nw = reference.grid("nw", step, choice)
+                uniform = 1.0 / attn.shape[0]
                 spread = max(
                     spread, float(np.nanmax(np.abs(attn - uniform))), float(np.nanmax(np.abs(nw - uniform)))
                 )

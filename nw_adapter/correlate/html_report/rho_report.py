@@ -170,7 +170,9 @@ def rho_report(
         section.parts.append(
             '<p class="note">Per reference: the menu picks the layers, heads and image token; the slider '
             "picks the step. One colour scale for every A and W panel (white: the even share 1/tokens), "
-            "one for every A - W (white: 0), the same across references, steps and choices.</p>"
+            "one for every A - W (white: 0), the same across references, steps and choices; set by the "
+            "maps of every layer's mean (a single layer beyond it saturates the colour; hover for the "
+            "values).</p>"
         )
         for index, reference in enumerate(stored):
             figure = maps_figure(reference, spread=spread, diff_spread=diff, uniform=uniform)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nw_adapter.correlate.html_report.document import Report, config_rows, escape, number, table_html
+from nw_adapter.correlate.html_report.document import Markup, Report, config_rows, escape, number, table_html
 from nw_adapter.correlate.html_report.images import read_image
 from nw_adapter.correlate.html_report.rho_figures import TEMPLATE
 from nw_adapter.correlate.html_report.rho_report import gallery_html
@@ -192,7 +192,7 @@ def groups_figure(sets: Sequence[Mapping[str, Any]]):
                             mode="lines",
                             line={"width": 0},
                             fill="tonexty",
-                            fillcolor="rgba(120,120,120,0.15)",
+                            fillcolor=_fill(colour),
                             legendgroup=name,
                             showlegend=False,
                             hoverinfo="skip",
@@ -226,6 +226,12 @@ def groups_figure(sets: Sequence[Mapping[str, Any]]):
     return fig
 
 
+def _fill(colour: str, alpha: float = 0.15) -> str:
+    """``#rrggbb`` as a translucent ``rgba(...)`` (a band in its line's colour)."""
+    red, green, blue = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({red},{green},{blue},{alpha})"
+
+
 def _summary_table(summary: Sequence[Mapping[str, Any]]) -> str:
     from nw_adapter.correlate.support_report import GROUP_COUNTS, GROUP_FIELDS
 
@@ -242,19 +248,19 @@ def _summary_table(summary: Sequence[Mapping[str, Any]]) -> str:
         for name in GROUP_FIELDS:
             stat = row.get(name) or {}
             interval = (
-                f" [{number(stat.get('low'))}, {number(stat.get('high'))}]"
-                if stat.get("low") is not None
-                else ""
+                f"<br>[{number(stat['low'])}, {number(stat['high'])}]" if stat.get("low") is not None else ""
             )
-            cells.append(f"{number(stat.get('mean'))}{interval}")
+            cells.append(Markup(f"{number(stat.get('mean'))}{interval}"))
         for name in GROUP_COUNTS:
             stat = row.get(name) or {}
             if not stat.get("n"):
                 cells.append("-")
                 continue
             p = stat.get("p_above_chance")
-            interval = f" [{stat['low']:.0%}, {stat['high']:.0%}]" if stat.get("low") is not None else ""
-            cells.append(f"{stat['count']}/{stat['n']}{interval}" + ("" if p is None else f", p {p:.2g}"))
+            interval = f"<br>[{stat['low']:.0%}, {stat['high']:.0%}]" if stat.get("low") is not None else ""
+            cells.append(
+                Markup(f"{stat['count']}/{stat['n']}{interval}" + ("" if p is None else f"<br>p {p:.2g}"))
+            )
         rows.append(cells)
     return table_html(header, rows, numeric=[True, False, True] + [True] * (len(header) - 3))
 
@@ -297,46 +303,49 @@ def support_report(
     if figure is not None:
         page.add_figure(section, figure, "support-groups")
     section = page.section("Mass per reference", "masses")
-    if sets:
+    drawn = [entry for entry in sets if entry.get("steps") and entry["num_refs"] >= 2]
+    if len(drawn) < len(sets):
+        section.parts.append(
+            f'<p class="note">{len(sets) - len(drawn)} set(s) of one reference: no masses to share '
+            "(the menu holds the others).</p>"
+        )
+    if drawn:
         page.add_figure(
             section,
-            masses_figure(sets),
+            masses_figure(drawn),
             "support-masses",
             caption="x: step (denoiser call; timestep and h on hover); y: the attention mass on each "
             "reference (solid) and the NW weights' at the schedule's h, the theory's prediction (dashed); "
             "the menu picks the set.",
         )
     section = page.section("References and generations", "images")
+    cards = []
     for entry in sets[:SETS_SHOWN]:
-        section.parts.append(
-            f"<h3>{escape(entry['key'])} (m={entry['num_refs']}, {escape(entry['classes'])})</h3>"
-        )
         items = []
         for r, reference in enumerate(entry["references"]):
             label = reference.get("label") if reference.get("label") is not None else reference.get("judged")
             caption = f"CLIP-I {number(reference.get('clip_cosine'))}" + (
                 f", class {label}" if label is not None else ""
             )
-            items.append(
-                (
-                    f"reference {_name(entry, r)}",
-                    read_image(reference["file"]) if reference.get("file") else None,
-                    caption,
-                )
+            picture = read_image(reference["file"]) if reference.get("file") else None
+            items.append((f"reference {_name(entry, r)}", picture, caption))
+        generated = None
+        if out_dir is not None and entry.get("generated"):
+            generated = read_image(out_dir / entry["generated"])
+        if entry.get("winner") is None:
+            caption = "one reference: no winner" if entry["num_refs"] < 2 else "no winner (a tie at the end)"
+        else:
+            caption = (
+                f"attention's winner {entry['winner']} from step {entry.get('decided_step')}, "
+                f"NW's {entry.get('winner_nw')}"
             )
-        generated = (
-            read_image(out_dir / entry["generated"])
-            if out_dir is not None and entry.get("generated")
-            else None
-        )
-        caption = (
-            f"winner {entry.get('winner')} from step {entry.get('decided_step')}, "
-            f"NW winner {entry.get('winner_nw')}, "
-            f"CLIP-nearest {entry.get('clip_nearest')}"
-            + (f", judged {entry['judged_generated']}" if entry.get("judged_generated") is not None else "")
-        )
+        caption += f"; CLIP-nearest {entry.get('clip_nearest')}"
+        if entry.get("judged_generated") is not None:
+            caption += f", judged {entry['judged_generated']}"
         items.append(("generated", generated, caption))
-        section.parts.append(gallery_html(items))
+        title = f"{escape(entry['key'])} (m={entry['num_refs']}, {escape(entry['classes'])})"
+        cards.append(f'<div class="card"><h4>{title}</h4>{gallery_html(items)}</div>')
+    section.parts.append(f'<div class="cards">{"".join(cards)}</div>')
     if len(sets) > SETS_SHOWN:
         section.parts.append(
             f'<p class="note">the images of the first {SETS_SHOWN} of {len(sets)} sets are shown '
