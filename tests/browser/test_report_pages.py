@@ -273,3 +273,13 @@ def test_importing_the_package_the_report_module_or_asking_for_help_loads_no_plo
 
 def test_escape_keeps_markup_out_of_the_page() -> None:
     assert escape('<script>"x"</script>') == "&lt;script&gt;&quot;x&quot;&lt;/script&gt;"
+
+
+@pytest.mark.parametrize(("uniform", "spread"), [(0.25, 0.1), (0.25, 0.6), (0.5, 0.7)])
+def test_the_weight_colour_scale_is_white_at_the_even_share_inside_a_weights_range(uniform, spread) -> None:
+    from nw_adapter.correlate.html_report.maps_figure import weight_scale
+
+    scale = weight_scale(uniform, spread)
+    assert 0.0 <= scale["cmin"] < uniform < scale["cmax"] <= 1.0
+    (white,) = [x for x, colour in scale["colorscale"] if colour == "#f7f7f7"]
+    assert scale["cmin"] + white * (scale["cmax"] - scale["cmin"]) == pytest.approx(uniform, abs=1e-6)

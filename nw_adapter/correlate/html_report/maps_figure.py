@@ -312,10 +312,7 @@ def maps_figure(reference: ReferenceMaps, *, spread: float, diff_spread: float, 
             }
         ],
         coloraxis={
-            "colorscale": "RdBu",
-            "reversescale": True,
-            "cmin": uniform - spread,
-            "cmax": uniform + spread,
+            **weight_scale(uniform, spread),
             "colorbar": {
                 **bar,
                 "x": 1.0,
@@ -323,8 +320,7 @@ def maps_figure(reference: ReferenceMaps, *, spread: float, diff_spread: float, 
             },
         },
         coloraxis2={
-            "colorscale": "RdBu",
-            "reversescale": True,
+            "colorscale": [[x, c] for x, c in zip((0.0, 0.25, 0.5, 0.75, 1.0), DIVERGING, strict=True)],
             "cmin": -diff_spread,
             "cmax": diff_spread,
             "colorbar": {**bar, "x": 1.08, "title": {"text": "A - W (white: 0)", "side": "right"}},
@@ -352,6 +348,24 @@ def maps_figure(reference: ReferenceMaps, *, spread: float, diff_spread: float, 
             col=col,
         )
     return fig
+
+
+DIVERGING = ("#2166ac", "#92c5de", "#f7f7f7", "#f4a582", "#b2182b")
+"""Blue (less) through white to red (more): the colours of every heat map (matplotlib's RdBu_r ends)."""
+
+
+def weight_scale(uniform: float, spread: float) -> dict[str, Any]:
+    """The A / W colour axis: white at the even share ``uniform``, red above, blue below, reaching
+    ``uniform +- spread`` but never below 0 or above 1 (a weight's range): where it is cut, white
+    stays at ``uniform`` and that side of the scale is shorter."""
+    low, high = max(0.0, uniform - spread), min(1.0, uniform + spread)
+    middle = (uniform - low) / (high - low) if high > low else 0.5
+    stops = [0.0, middle / 2, middle, (1 + middle) / 2, 1.0]
+    return {
+        "colorscale": [[round(x, 6), c] for x, c in zip(stops, DIVERGING, strict=True)],
+        "cmin": low,
+        "cmax": high,
+    }
 
 
 def scales(references: Sequence[ReferenceMaps]) -> tuple[float, float, float]:
