@@ -187,13 +187,13 @@ def rho_report(
 
     if pictures:
         section = page.section("References and generations", "images")
-        items = []
+        cards = []
         for name, reference, generated in pictures:
-            items += [
-                (name, reference, "reference (the IP-Adapter image)"),
-                (name, generated, "its generation"),
-            ]
-        section.parts.append(gallery_html(items))
+            pair = gallery_html(
+                [("reference", reference, "the IP-Adapter image"), ("generated", generated, "")]
+            )
+            cards.append(f'<div class="card"><h4>{escape(name)}</h4>{pair}</div>')
+        section.parts.append(f'<div class="cards">{"".join(cards)}</div>')
         if any(reference is None for _, reference, _ in pictures):
             section.parts.append(
                 '<p class="note">a reference without its image: its file is no longer where the run read it '

@@ -133,7 +133,9 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
         results = _results(entry)
         row += [_result_cell(results[k]) if k in results else "-" for k in nested]
         rows.append(row)
-    numeric = [c in ("mean", "p", "n", "margin", "theory") for c in columns] + [False] * len(nested)
+    numeric = [c in ("mean", "interval", "p", "n", "margin", "theory") for c in columns] + [False] * len(
+        nested
+    )
     return table_html(header, rows, numeric=numeric)
 
 
