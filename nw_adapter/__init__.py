@@ -50,6 +50,7 @@ _LAZY = {
     "format_verdict": "nw_adapter.correlate.verdict",
     "comparison_records": "nw_adapter.correlate.comparisons",
     "scale_matched_keys": "nw_adapter.correlate.comparisons",
+    "report": "nw_adapter.correlate.html_report.build",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -162,12 +162,12 @@ def remove_outputs(out_dir: Path) -> list[Path]:
         The files removed.
     """
     from nw_adapter.atomic import remove_regular_file
-    from nw_adapter.correlate.outputs import SET_FILES
+    from nw_adapter.correlate.outputs import REPORT_HTML, SET_FILES
     from nw_adapter.correlate.support_report import CSV_NAME, FIGURE_NAME, JSON_NAME
     from nw_adapter.correlate.sweep import is_regular_file
 
     removed = []
-    paths = [out_dir / JSON_NAME, out_dir / CSV_NAME, out_dir / FIGURE_NAME]
+    paths = [out_dir / JSON_NAME, out_dir / CSV_NAME, out_dir / FIGURE_NAME, out_dir / REPORT_HTML]
     sets = out_dir / "sets"
     folders = [] if sets.is_symlink() or not sets.is_dir() else sorted(sets.iterdir())
     folders = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]
@@ -282,6 +282,7 @@ def _generate(
     from nw_adapter.analysis.records import csv_text
     from nw_adapter.correlate import support_report as report
     from nw_adapter.correlate.console import show_progress_bars
+    from nw_adapter.correlate.html_report import write_support_report
     from nw_adapter.correlate.options import options_record
     from nw_adapter.correlate.report import write_json
     from nw_adapter.correlate.run_model import check_layers
@@ -313,5 +314,6 @@ def _generate(
     }
     atomic.atomic_write_text(out_dir / report.CSV_NAME, csv_text(rows) if rows else "set\n")
     report.plot_sweep(document, out_dir / report.FIGURE_NAME, title=f"support sets, {args.model}")
-    write_json(out_dir / report.JSON_NAME, document)  # last: the marker of a finished run
+    write_json(out_dir / report.JSON_NAME, document)  # the marker of a finished run
+    write_support_report(out_dir, document)  # report.html
     return document

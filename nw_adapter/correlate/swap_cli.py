@@ -120,6 +120,7 @@ def _compare(
 ) -> Any:
     """Load the model and run :func:`compare_swap`; returns the comparison."""
     from nw_adapter.analysis.consequence import compare_swap
+    from nw_adapter.correlate.html_report.images import IMAGE_CAP as REPORT_IMAGE_CAP
     from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.models.digits_quality import digit_judge
 
@@ -133,7 +134,8 @@ def _compare(
             seed=args.seed,
             judge=digit_judge() if labels is not None else None,
             labels=labels,
-            keep_images=False,
+            keep_images=True,  # at the report's size
+            kept_size=REPORT_IMAGE_CAP,
             **model.call_arguments(args),
         )
     except ValueError as exc:  # compare_swap's input errors (e.g. a pipeline without image encoder)
@@ -156,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from nw_adapter import atomic
     from nw_adapter.correlate.console import library_output, quiet_libraries, show_progress_bars
+    from nw_adapter.correlate.html_report import remove_report, write_swap_report
     from nw_adapter.correlate.images import collect_image_paths, validate_images
     from nw_adapter.correlate.options import fingerprint, options_record
     from nw_adapter.correlate.outputs import SWAP_RUN, OutputLock, check_apart, check_output_dir
@@ -194,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 note(args.quiet, f"{why}; computing it again")
             remove_outputs(out_dir)
+            remove_report(out_dir)  # report.html of another comparison
             with library_output(args):
                 result = _compare(args, model, infos, labels, bars=bars)
             config = options_record(args.run.name, args, model.resolved(labels=label_source, judge=judge))
@@ -201,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
                 write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
+                write_swap_report(out_dir, document, result)  # report.html, with the images
             except atomic.WriteError:
                 remove_outputs(out_dir)  # no rows file without its document
                 raise
@@ -208,5 +213,6 @@ def run(args: argparse.Namespace) -> int:
             note(args.quiet, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
             if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
+            write_swap_report(out_dir, document)  # report.html: this document's is kept
     print(format_document(document))
     return 0
