@@ -1,4 +1,5 @@
-"""Output folders of the four kinds of run, written from synthetic data in a second (no model).
+"""Output folders of the four kinds of run, each written in a second or two: three from synthetic
+data (no model), the support sets by the command line on the trained tiny model.
 
 Each is what the command line leaves in ``--out`` (its ``rho.json`` / ``support.json`` /
 ``compare_swap.json``, the generated images, maps and x0 estimates), built with the command line's
@@ -7,8 +8,8 @@ own document builders, and its ``report.html`` written by the command line's own
 - :func:`rho_run`: two references, PNDM's repeated timestep, three blocks, the per-layer control
   (2 draws), stored maps at three steps (four image tokens, two grids);
 - :func:`end_to_end_run`: the same records under the end-to-end control's meta, no maps;
-- :func:`support_run`: two support sets (m = 2 and m = 3) with a later version's extra per-reference
-  column (``mass_latent``);
+- :func:`support_run`: two support sets (m = 2 and m = 3), run by the command line on the trained
+  tiny model (the support-set run reads the theory's posterior from a real generation);
 - :func:`swap_run`: three references, two rules, with the comparison's images.
 """
 
@@ -24,6 +25,8 @@ LAYERS = ("down_blocks.0.attentions.0.a", "mid_block.attentions.0.a", "up_blocks
 TIMESTEPS = (981.0, 961.0, 961.0, 941.0, 500.0, 1.0)  # PNDM: steps 1 and 2 share a timestep
 MAP_STEPS = (0, 3, 5)
 TOKENS = 4
+SUPPORT_SETS = ((3, 7), (1, 4, 6))
+"""The example digits of :func:`support_run`'s two sets."""
 
 
 def digit(path: Path, value: int, size: int = 32) -> Path:
@@ -152,69 +155,23 @@ def end_to_end_run(out: Path) -> dict:
 
 
 def support_run(out: Path) -> dict:
-    """A support-set run's ``--out`` (two sets) and its ``report.html``; returns ``support.json``."""
-    from nw_adapter.analysis.support_sets import SupportSetRun
-    from nw_adapter.correlate import support_report
-    from nw_adapter.correlate.html_report import write_support_report
-    from nw_adapter.correlate.report import write_json
+    """A support-set run's ``--out`` and its ``report.html``, written by the command line itself on the
+    trained tiny model (two sets, m = 2 and m = 3, of its example digits, 4 steps: about a second);
+    returns ``support.json``."""
+    import contextlib
+    import io
+    import json
 
-    refs = out.parent / f"{out.name}-references"
-    refs.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for key, members in (("pair", (3, 7)), ("triple", (1, 4, 6))):
-        m = len(members)
-        files = [digit(refs / f"digit_{v}.png", v) for v in members]
-        steps = []
-        for step in range(8):
-            lead = min(0.95, 1.0 / m + 0.08 * step)
-            mass = [lead] + [(1 - lead) / (m - 1)] * (m - 1)
-            nw = [1.0 / m + 0.02 * step] + [(1 - 1.0 / m - 0.02 * step) / (m - 1)] * (m - 1)
-            steps.append(
-                {
-                    "step": step,
-                    "timestep": 981.0 - 140 * step,
-                    "h_schedule": 10 * 0.5**step,
-                    "ref_h_nw": 10 * 0.5**step,
-                    "num_refs": m,
-                    "mass": mass,
-                    "mass_nw": nw,
-                    "mass_latent": list(reversed(mass)),
-                    "ref_entropy": 0.5,
-                    "ref_entropy_nw": 0.6,
-                    "ref_row_entropy": 0.4 * math.log(m),
-                    "ref_row_entropy_nw": 0.9 * math.log(m),
-                    "cells": 24,
-                }
-            )
-        run = SupportSetRun(
-            image=None,
-            records=[],
-            clip_cosine=[0.8 - 0.1 * i for i in range(m)],
-            clip_embedding="image_embeds",
-            judged=[members[0], *members],
-            steps=steps,
-        )
-        folder = out / "sets" / key
-        folder.mkdir(parents=True, exist_ok=True)
-        digit(folder / "generated.png", members[0])
-        listed = [{"file": str(f), "sha256": "0" * 64} for f in files]
-        entries.append(support_report.set_entry(key, listed, run, f"sets/{key}/generated.png", list(members)))
-    config = {
-        "model": {"model": "tiny"},
-        "steps": 8,
-        "seed": 0,
-        "guidance_scale": 7.5,
-        "scheduler_class": "PNDMScheduler",
-    }
-    document = {
-        "schema": support_report.SUPPORT_SCHEMA,
-        "config": config,
-        "sets": entries,
-        "summary": support_report.group_summary(entries),
-    }
-    write_json(out / support_report.JSON_NAME, document)
-    write_support_report(out, document)
-    return document
+    from nw_adapter.correlate.cli import main
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    sets = [",".join(str(example_image_path(d)) for d in members) for members in SUPPORT_SETS]
+    argv = ["--model", "tiny", "--steps", "4", "-qq", "--out", str(out)]
+    for files in sets:
+        argv += ["--support-set", files]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    return json.loads((out / "support.json").read_text(encoding="utf-8"))
 
 
 def swap_run(out: Path) -> tuple[dict, object]:

@@ -68,8 +68,9 @@ def test_a_support_set_run_writes_its_report(tmp_path, capsys) -> None:
     report = page(out)
     assert 'data-report-kind="support-sets"' in report and 'id="support-masses"' in report
     assert (
-        "0: digit_3.png, attention" in report and "1: digit_7.png, NW at the schedule's h (theory)" in report
+        "0: digit_3.png, attention mass" in report and "1: digit_7.png, latent posterior (theory)" in report
     )
+    assert 'id="support-x0"' in report and "NW at the schedule" not in report
 
 
 def test_compare_swap_writes_its_images_and_a_resumed_run_keeps_them(tmp_path, capsys) -> None:

@@ -6,7 +6,7 @@ own writers). Per page the test reads the rendered DOM: the verdict (or conclusi
 document's, every figure is drawn and its legend names exactly the expected series, the page asked
 for no resource (everything is inline), the console holds no error; on the maps, moving the step
 slider changes the heat map shown and its title, and the menu changes the choice; on the support
-sets, the menu changes the set drawn. A screenshot of each page is saved under
+sets, the menu changes the set drawn and the title its winners. A screenshot of each page is saved under
 ``$NW_ADAPTER_SCREENSHOTS`` (default: ``report-screenshots`` in pytest's temporary folder).
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them) and selenium; without
@@ -165,6 +165,10 @@ def _choose(driver, div: str, label: str) -> None:
     time.sleep(0.3)
 
 
+def _title(driver, div: str) -> str:
+    return driver.execute_script(f"return document.querySelector('#{div} .gtitle').textContent")
+
+
 def _visible_traces(driver, div: str) -> int:
     return driver.execute_script(
         f"return document.getElementById('{div}').data.filter(t => t.visible !== false).length"
@@ -225,11 +229,20 @@ def test_every_kind_of_report_renders_offline_in_chromium(browser, runs, screens
     folder, document = runs["support"]
     _open(browser, folder / "report.html")
     rows = browser.execute_script("return document.querySelectorAll('#summary table tbody tr').length")
-    assert rows == len(document["summary"])
+    assert rows == 3 * len(document["summary"])  # the console's three tables: last step, decided, counts
     first, second = document["sets"]
-    assert _visible_traces(browser, "support-masses") == 2 * 3 + 1  # 2 references x (A, NW, latent) + 1/m
+    # per reference the attention mass and the latent posterior, 1/m, and the two entropy shares
+    assert _visible_traces(browser, "support-masses") == 2 * 2 + 1 + 2
+    assert _title(browser, "support-masses").startswith(f"{first['key']} (m=2, mixed): winner A ")
     _choose(browser, "support-masses", f"{second['key']} (m={second['num_refs']})")
-    assert _visible_traces(browser, "support-masses") == 3 * 3 + 1
+    assert _visible_traces(browser, "support-masses") == 3 * 2 + 1 + 2
+    title = _title(browser, "support-masses")
+    assert title.startswith(f"{second['key']} (m=3, mixed): ")
+    assert f"generated latent nearest {second['final_nearest']}" in title
+    assert _legend(browser, "support-x0")[-2:] == [
+        "0: the plug-in field (the posterior's NW mean)",
+        "1: the references' mean (where the posterior is even)",
+    ]
     assert browser.execute_script("return document.querySelectorAll('#images img').length") == 2 + 1 + 3 + 1
     _common_checks(browser, "support", screenshots)
 

@@ -132,15 +132,47 @@ def test_the_verdict_renders_fields_of_later_versions_and_anchors_side_by_side()
     assert "calibration" in page and "false_positive_rate" in page  # the verdict's field of a later version
 
 
-def test_the_support_report_draws_every_per_reference_column_and_the_consoles_legend(pages) -> None:
+def test_the_support_report_shows_the_attention_beside_the_latent_posterior_in_the_consoles_words(
+    pages,
+) -> None:
+    """Per set each reference's attention mass beside the theory's posterior over the references'
+    latents (the values of ``support.json``), the entropy shares, the winners and the nearest
+    reference of the generated latent; the console's tables, labels and legend; x0 against the
+    plug-in field over h; no head-space NW column."""
+    from nw_adapter.correlate import support_report as console
     from nw_adapter.correlate.html_report.support_report import support_legend
 
-    page = html.unescape(text(pages["base"] / "support" / REPORT_NAME))
-    assert support_legend() in page and support_legend().startswith("concentration = ")
-    names = re.findall(r'"name":"([^"]+)"', page)
-    for r, file in enumerate(("digit_3.png", "digit_7.png")):
-        for column in ("attention", "NW at the schedule's h (theory)", "mass_latent"):
-            assert f"{r}: {file}, {column}" in names  # each reference beside the theory and a later column
+    document = pages["support"]
+    raw = text(pages["base"] / "support" / REPORT_NAME)
+    page = html.unescape(raw)
+    assert support_legend() == console.LEGEND and console.LEGEND in page and console.HEADER in page
+    assert console.format_document(document).splitlines()[-1] == console.LEGEND  # the console's own line
+    for _, columns in console.TABLES:
+        assert all(f"<th>{label}</th>" in page for _, label in columns)
+    assert all(f"<th>{label}</th>" in page for label in console.COUNT_LABELS)
+    assert all(f"<dt>{term}</dt><dd>{words}</dd>" in page for term, words in console.READINGS.items())
+    call = r'document.getElementById\("([\w-]+)"\)\)\s*\{\s*Plotly.newPlot\(\s*"[\w-]+",\s*(\[.*?\]),\s*\{'
+    figures = {div: json.loads(spec) for div, spec in re.findall(call, raw, re.S)}
+    assert set(figures) == {"support-groups", "support-x0", "support-masses"}
+    traces = {trace["name"]: trace for trace in figures["support-masses"]}
+    for entry in document["sets"]:
+        for r, reference in enumerate(entry["references"]):
+            name = Path(reference["file"]).name
+            for arm, key in (("attention mass", "mass"), ("latent posterior (theory)", "posterior")):
+                drawn = traces[f"{r}: {name}, {arm}"]["y"]
+                assert drawn == pytest.approx([s[key][r] for s in entry["steps"]], abs=1e-5)
+        assert f"winner A {entry['winner']} from step {entry['decided_step']}" in page
+        assert f"posterior {entry['posterior_winner']} from step {entry['posterior_decided_step']}" in page
+        assert f"generated latent nearest {entry['final_nearest']}" in page
+    first = {t["name"]: t["y"] for t in figures["support-masses"] if t["visible"]}  # the menu's first set
+    shares = first["entropy / log m, latent posterior (theory)"]
+    assert shares == pytest.approx(
+        [s["posterior_entropy_share"] for s in document["sets"][0]["steps"]], abs=1e-5
+    )
+    assert "mass_nw" not in raw and "NW at the schedule" not in page  # the head-space NW is gone
+    x0 = [t for t in figures["support-x0"] if t.get("showlegend") is not False]
+    assert [t["name"] for t in x0][:2] == ["m=2, mixed (1 set)", "m=3, mixed (1 set)"]
+    assert x0[0]["y"] == pytest.approx([s["x0_nw_ratio"] for s in document["sets"][0]["steps"]], abs=1e-5)
 
 
 def test_the_swap_report_holds_every_image_with_its_numbers_and_the_conclusion(pages) -> None:

@@ -60,6 +60,7 @@ div.wide { overflow-x: auto; }
 table { border-collapse: collapse; margin: 6px 0 10px; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: left; vertical-align: top; }
 th { background: #f5f5f7; font-weight: 600; }
+span.key { white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .verdict-line { font-size: 1.08em; font-weight: 600; margin: 8px 0; padding: 8px 12px;
                 background: #f0f4fa; border-left: 4px solid #1f77b4; }
@@ -76,6 +77,7 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: now
 .card { border: 1px solid #e3e3e3; border-radius: 4px; padding: 4px 8px; }
 .card h4 { margin: 2px 0; font-size: 0.9em; }
 .card .gallery { margin: 4px 0; gap: 8px; }
+.card.support .gallery figure:last-child { width: 196px; }
 details { margin: 6px 0; }
 summary { cursor: pointer; }
 pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 0.85em; }

@@ -41,15 +41,15 @@ AXES_LEGEND: dict[str, str] = {
 :data:`~nw_adapter.analysis.records.COLUMN_LEGEND`, the console's)."""
 
 
-def gallery_html(items: Sequence[tuple[str, Any, str]]) -> str:
+def gallery_html(items: Sequence[tuple[str, Any, str | Sequence[str]]]) -> str:
     """A row of images with captions: ``(title, PIL image or None, caption)`` each (a missing image is
-    left out, its caption kept)."""
+    left out, its caption kept; a caption given as lines is shown one line each)."""
     figures = []
     for title, image, caption in items:
         body = f'<img alt="{escape(title)}" src="{data_uri(image)}">' if image is not None else ""
-        figures.append(
-            f"<figure>{body}<figcaption><b>{escape(title)}</b><br>{escape(caption)}</figcaption></figure>"
-        )
+        lines = [caption] if isinstance(caption, str) else list(caption)
+        text = "<br>".join(escape(line) for line in lines)
+        figures.append(f"<figure>{body}<figcaption><b>{escape(title)}</b><br>{text}</figcaption></figure>")
     return f'<div class="gallery">{"".join(figures)}</div>'
 
 
