@@ -25,54 +25,27 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.library_output import library_output
 from nw_adapter.models import tiny_digits, tiny_flow, tiny_flux_digits
 
 TINY_DIGITS_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 """The adapter file of the shipped model (layout of ``h94/IP-Adapter``: ``models/<file>``)."""
 
 
-@contextlib.contextmanager
-def quiet_loading(verbose: bool = False) -> Iterator[None]:
+def quiet_loading(verbose: bool = False) -> contextlib.AbstractContextManager[None]:
     """Within the block, loading prints what the command line prints: nothing but errors.
 
     diffusers' and transformers' loggers at error level (the torchvision fallback note of the
     image processors, diffusers' float32 cast note), their progress bars ("Loading pipeline
     components", "Loading weights") off and the libraries' deprecation warnings hidden; the previous
     levels and bar settings are restored afterwards. ``verbose=True`` changes nothing (the loaders'
-    ``verbose=`` argument: the libraries' own output, as ``-v`` gives on the command line).
+    ``verbose=`` argument: the libraries' own output, as ``-v`` gives on the command line). The
+    command line's mechanism: :func:`nw_adapter.library_output.library_output`.
     """
-    if verbose:
-        yield
-        return
-    from transformers.utils import logging as transformers_logging
-
-    # transformers first: importing diffusers' pipelines already logs the image processors' notes
-    level, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
-    transformers_logging.set_verbosity_error()
-    try:
-        from diffusers.utils import logging as diffusers_logging
-    finally:
-        transformers_logging.set_verbosity(level)
-    loggers = (diffusers_logging, transformers_logging)
-    levels = [diffusers_logging.get_verbosity(), level]
-    enabled = [diffusers_logging.is_progress_bar_enabled(), bars]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            for log in loggers:
-                log.set_verbosity_error()
-                log.disable_progress_bar()
-            yield
-    finally:
-        for log, level, was_enabled in zip(loggers, levels, enabled, strict=True):
-            log.set_verbosity(level)
-            (log.enable_progress_bar if was_enabled else log.disable_progress_bar)()
+    return library_output(verbose=verbose, bars=verbose)
 
 
 def cache_dir() -> Path:
