@@ -562,6 +562,7 @@ def compare_swap(
     labels: Sequence[Any] | None = None,
     keep_images: bool = True,
     kept_size: int | None = None,
+    on_reference_done: Callable[[int, int], None] | None = None,
     **call_kwargs: Any,
 ) -> SwapComparison:
     """Generate stock and swap images from every reference and measure how far the swap moves them.
@@ -586,6 +587,8 @@ def compare_swap(
             ``seed_images``), measured at full size either way.
         kept_size: Keep them at most this many pixels on the longer side (None: as generated); the
             command line keeps what its report embeds.
+        on_reference_done: Called with ``(index, number of references)`` after each reference's
+            generations and measurements (the command line's progress line in a log).
         **call_kwargs: Further pipeline call arguments (e.g. ``height``, ``negative_prompt``); not
             ``generator``, ``latents`` (the seeds are ``seed``), ``ip_adapter_image``,
             ``ip_adapter_image_embeds`` (the references) or ``output_type``, which it sets itself.
@@ -656,6 +659,8 @@ def compare_swap(
             seed_images.append(_kept(other_seed, kept_size))
             for name in names:
                 swap_images[name].append(_kept(swaps[name], kept_size))
+        if on_reference_done is not None:
+            on_reference_done(index, len(references))
     settings = {
         "prompt": prompt,
         "num_inference_steps": num_inference_steps,

@@ -11,7 +11,8 @@
   of a report;
 - :func:`draw_image_maps` draws one image's ``attention_maps.png`` from its saved files;
 - :func:`replot` redraws everything of a finished run without loading a model;
-- :func:`remove_interrupted_writes` removes what a killed run's atomic writes left behind.
+- :func:`remove_interrupted_writes` removes what a killed run's atomic writes left behind (every run
+  kind's).
 
 Every problem is an :class:`OutputError` whose message is one line naming the fix.
 """
@@ -383,14 +384,21 @@ def is_image_output(name: str) -> bool:
 _PROBE = re.compile(rf"^{re.escape(PROBE_PREFIX)}[a-z0-9_]{{8}}$")
 
 
-def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[Path]:
-    """Remove the temporary files a killed run left in ``out_dir`` and ``out_dir/images/<key>``.
+def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = (), *, run: str = RHO_RUN) -> list[Path]:
+    """Remove the temporary files a killed run of kind ``run`` left in ``out_dir`` and its folders.
 
     Only the project's own: temporary files of atomic writes (``.rho.<8 characters>.tmp.json``,
-    see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of this tool's file
-    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` and the manifest in an
-    image folder), and write-check probes (``.nw-adapter-write-check-<8 characters>``); never in a
-    folder reached through a symbolic link. Call it under the output lock, before anything is written.
+    see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of the run's file names
+    there, and write-check probes (``.nw-adapter-write-check-<8 characters>``); never in a folder
+    reached through a symbolic link. Per run (:data:`RHO_RUN`, :data:`SWAP_RUN`, :data:`SUPPORT_RUN`):
+
+    - a rho run: :data:`REPORT_FILES` and ``report.html`` in ``out_dir``; :data:`IMAGE_OUTPUT` and
+      the manifest in ``images/<key>`` of the given ``keys``;
+    - ``--compare-swap``: ``compare_swap.json``, ``compare_swap.csv`` and ``report.html``;
+    - support sets: ``support.json``, ``support.csv``, ``support_mass.png`` and ``report.html``;
+      :data:`SET_FILES` in every folder of ``sets/`` (a run removes every earlier set's files).
+
+    Call it under the output lock, before anything is written.
 
     Returns:
         The removed files.
@@ -398,15 +406,28 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
     from nw_adapter import atomic
 
     out_dir = Path(out_dir)
-    removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in (*REPORT_FILES, REPORT_HTML))
-    images = out_dir / "images"
-    folders = [] if images.is_symlink() else [image_dir(out_dir, key) for key in keys]
+    if run == SUPPORT_RUN:
+        names = {*(name for name in _support_files() if name != "sets"), REPORT_HTML}
+        container = out_dir / "sets"
+        listed = [] if container.is_symlink() or not container.is_dir() else sorted(container.iterdir())
+        folders = [folder for folder in listed if folder.is_dir()]
+        is_folder_own = SET_FILES.__contains__
+    elif run == SWAP_RUN:
+        names, container, folders = {*_swap_files(), REPORT_HTML}, None, []
+        is_folder_own = None
+    else:
+        names, container = {*REPORT_FILES, REPORT_HTML}, out_dir / "images"
+        folders = [] if container.is_symlink() else [image_dir(out_dir, key) for key in keys]
+
+        def is_folder_own(name: str) -> bool:
+            return is_image_output(name) or name == MANIFEST_NAME
+
     folders = [folder for folder in folders if not folder.is_symlink()]  # never through a link
+    removed = atomic.remove_interrupted_writes(out_dir, names.__contains__)
     for folder in folders:
-        removed += atomic.remove_interrupted_writes(
-            folder, lambda name: is_image_output(name) or name == MANIFEST_NAME
-        )
-    for folder in (out_dir, *([] if images.is_symlink() else [images]), *folders):
+        removed += atomic.remove_interrupted_writes(folder, is_folder_own)
+    containers = [] if container is None or container.is_symlink() else [container]
+    for folder in (out_dir, *containers, *folders):
         if folder.is_dir():
             for path in folder.iterdir():
                 if _PROBE.match(path.name) and path.is_file() and not path.is_symlink():

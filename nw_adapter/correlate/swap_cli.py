@@ -42,7 +42,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from nw_adapter.commands import note
+from nw_adapter.commands import note, progress_line
 from nw_adapter.correlate.images import ReferenceImage
 from nw_adapter.integration.config import BANDWIDTH_RULES as DEFAULT_RULES  # consequence's, without torch
 
@@ -118,7 +118,10 @@ def _compare(
     *,
     bars: bool,
 ) -> Any:
-    """Load the model and run :func:`compare_swap`; returns the comparison."""
+    """Load the model and run :func:`compare_swap`, a progress line per reference where no bar is
+    drawn (:func:`~nw_adapter.commands.progress_line`); returns the comparison."""
+    import time
+
     from nw_adapter.analysis.consequence import compare_swap
     from nw_adapter.correlate.html_report.images import IMAGE_CAP as REPORT_IMAGE_CAP
     from nw_adapter.correlate.images import load_reference_image
@@ -126,6 +129,14 @@ def _compare(
 
     pipe = model.load(args, bars=bars)
     references = [load_reference_image(info.path)[0] for info in infos]
+    started = [time.perf_counter()]
+
+    def done(index: int, count: int) -> None:  # a plain line per reference in a log
+        now = time.perf_counter()
+        text = f"reference {index + 1} of {count} done in {now - started[0]:.0f} s: {infos[index].key}"
+        progress_line(args.quiet, bars, text)
+        started[0] = now
+
     try:
         return compare_swap(
             pipe,
@@ -136,6 +147,7 @@ def _compare(
             labels=labels,
             keep_images=True,  # at the report's size
             kept_size=REPORT_IMAGE_CAP,
+            on_reference_done=done,
             **model.call_arguments(args),
         )
     except ValueError as exc:  # compare_swap's input errors (e.g. a pipeline without image encoder)
@@ -161,13 +173,18 @@ def run(args: argparse.Namespace) -> int:
     from nw_adapter.correlate.html_report import remove_report, write_swap_report
     from nw_adapter.correlate.images import collect_image_paths, validate_images
     from nw_adapter.correlate.options import fingerprint, options_record
-    from nw_adapter.correlate.outputs import SWAP_RUN, OutputLock, check_apart, check_output_dir
+    from nw_adapter.correlate.outputs import (
+        SWAP_RUN,
+        OutputLock,
+        check_apart,
+        check_output_dir,
+        remove_interrupted_writes,
+    )
     from nw_adapter.correlate.report import write_json
     from nw_adapter.correlate.run_model import prepare_model
     from nw_adapter.correlate.swap_files import (
         CSV_NAME,
         JSON_NAME,
-        SWAP_FILES,
         build_document,
         format_document,
         read_text,
@@ -191,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         resolved = model.resolved(labels=label_source, judge=judge)
         # the references are checked on their own (document_problem), so the note can say which changed
         expected = fingerprint(args.run.name, args, resolved)
-        atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
+        remove_interrupted_writes(out_dir, run=SWAP_RUN)  # a killed run's files, report.html's too
         document, why = reusable_document(out_dir, expected, infos, labels)
         if document is None:
             if why:

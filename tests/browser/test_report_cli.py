@@ -63,8 +63,14 @@ def test_the_end_to_end_controls_report_says_which_control_ran(tmp_path, capsys)
 
 def test_a_support_set_run_writes_its_report(tmp_path, capsys) -> None:
     out = tmp_path / "support"
-    assert main([*TINY, "--steps", "3", "--support-set", ",".join(digits(3, 7)), "--out", str(out)]) == 0
-    capsys.readouterr()
+    argv = [*TINY, "--steps", "3", "--support-set", ",".join(digits(3, 7)), "--out", str(out)]
+    assert main([*argv, "--support-set", ",".join(digits(1, 4))]) == 0
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("progress: ")]
+    assert [line.split(" done in ")[0] for line in progress] == [
+        "progress: set 1 of 2",
+        "progress: set 2 of 2",
+    ]
+    assert progress[0].endswith(": set00")  # stderr is no terminal here (a log): a plain line per set
     report = page(out)
     assert 'data-report-kind="support-sets"' in report and 'id="support-masses"' in report
     assert (
