@@ -193,13 +193,15 @@ def sets_figure(sets: Sequence[Mapping[str, Any]]):
         if len(sets) > 1
         else [],
     )
+    last = max((int(s["step"]) for entry in sets for s in entry.get("steps") or []), default=0)
+    fig.update_xaxes(dtick=max(1, math.ceil(last / 10)))  # whole steps
     fig.update_xaxes(title_text="step (denoiser call)", row=2, col=1)
     fig.update_yaxes(range=[-0.02, 1.02])
     return fig
 
 
 def _bands(fig: Any, x: list, matrix: np.ndarray, *, colour: str, dash: str, name: str, row: int,
-           showlegend: bool, hover: str, share: bool = True) -> None:  # fmt: skip
+           showlegend: bool, hover: str, share: bool = True, markers: bool = False) -> None:  # fmt: skip
     """Mean over sets (rows of ``matrix``) per column, with its 95% t band where two or more sets
     (``share``: clipped to [0, 1], as the console's table clips a share's interval)."""
     import plotly.graph_objects as go
@@ -232,7 +234,8 @@ def _bands(fig: Any, x: list, matrix: np.ndarray, *, colour: str, dash: str, nam
         go.Scatter(
             x=x,
             y=[_value(v) for v in stats[:, 0]],
-            mode="lines",
+            mode="lines+markers" if markers else "lines",
+            marker={"size": 4},
             name=name,
             legendgroup=name,
             showlegend=showlegend,
@@ -339,7 +342,7 @@ def x0_figure(sets: Sequence[Mapping[str, Any]]):
             lowest, highest = min(lowest, min(kept)), max(highest, max(kept))
         _bands(fig, x, np.array(ratio, dtype=float), colour=_COLOURS[g % len(_COLOURS)], dash="solid",
                name=_group_label(m, classes, members), row=1, showlegend=True, hover="h %{x:.3g}",
-               share=False)  # fmt: skip
+               share=False, markers=True)  # fmt: skip
     if highest > 0:
         for level, name, colour in (
             (0.0, "0: the plug-in field (the posterior's NW mean)", "#d62728"),
@@ -544,7 +547,8 @@ def support_report(
             section,
             figure,
             "support-x0",
-            caption=f"x0 / NW mean: {READINGS['x0 / NW mean']}; per step, mean over the group's sets "
+            caption=f"x0 / NW mean: {READINGS['x0 / NW mean']}; per step (a point per denoiser call: "
+            "two calls at one timestep, as PNDM's, are two points at one h), mean over the group's sets "
             "with its 95% t band (the conditional half).",
         )
     section = page.section("Per set", "masses")
