@@ -521,4 +521,5 @@ def test_support_set_figure_names_every_reference_and_fits_a_column() -> None:
     labels = fig.axes[0].get_legend_handles_labels()[1]
     named = [label for label in labels if "attention" in label]
     assert named == [f"{r}: digit_{r}.png, attention" for r in range(4)]
-    assert len(labels) == 8 and sum("latent posterior" in label for label in labels) == 4
+    assert len(labels) == 9 and sum("latent posterior" in label for label in labels) == 4
+    assert labels[-1] == "1/m, an even share"  # the dotted line says what it is

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from subprocess_limits import SUBPROCESS_TIMEOUT_S
 
 import nw_adapter
 from nw_adapter.correlate.html_report import REPORT_NAME, Report, write_swap_report
@@ -297,7 +298,7 @@ def test_importing_the_package_the_report_module_or_asking_for_help_loads_no_plo
         text=True,
         cwd=REPO,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-        timeout=600,
+        timeout=SUBPROCESS_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().replace("'", '"')) == []
