@@ -51,6 +51,7 @@ _LAZY = {
     "comparison_records": "nw_adapter.correlate.comparisons",
     "observe_call": "nw_adapter.integration.calibration",
     "scale_matched_keys": "nw_adapter.correlate.comparisons",
+    "report": "nw_adapter.correlate.html_report.build",
 }
 
 __all__ = ["__version__", *_LAZY]

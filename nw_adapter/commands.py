@@ -78,6 +78,13 @@ def note(quiet: int, text: str, *, shown: bool = True) -> None:
         print(f"note: {text}", file=sys.stderr)
 
 
+def progress_line(quiet: int, bars: bool, text: str) -> None:
+    """Print ``progress: text`` on stderr where no progress bar is drawn (stderr not a terminal: a
+    log file), unless ``-q``: a long run is never silent for minutes in a log."""
+    if quiet == 0 and not bars:
+        print(f"progress: {text}", file=sys.stderr, flush=True)
+
+
 def one_line_argument_error(message: str) -> str:
     """argparse's message in one line, without its ``argument --x:`` prefix where the rest names ``--x``.
 

@@ -82,34 +82,52 @@ def assert_printable(fig, max_width: float = PAGE_INCHES) -> None:
     assert min(sizes) >= 5.5
 
 
-def make_records(references: int = 3, steps: int = 6, seed: int = 0) -> list[dict]:
-    """Command-line records (``reference`` key) of ``references`` images over ``steps`` steps."""
+def make_records(
+    references: int = 3,
+    steps: int = 6,
+    seed: int = 0,
+    timesteps=None,
+    spread: float = 0.05,
+    control: bool = True,
+) -> list[dict]:
+    """Command-line records (``reference`` key) of ``references`` images over ``steps`` steps
+    (``timesteps``: one per step, e.g. PNDM's repeated one; ``spread``: of rho across references)."""
     rng = np.random.default_rng(seed)
+    timesteps = timesteps or [981.0 - 980.0 * step / (steps - 1) for step in range(steps)]
     records = []
     for ref in range(references):
-        level = rng.normal(0, 0.05)
-        for step in range(steps):
+        level = rng.normal(0, spread)
+        for step, timestep in enumerate(timesteps):
             for layer in LAYERS:
                 for head in range(2):
                     for half in ("uncond", "cond"):
                         h = 10.0 * 0.5**step
-                        records.append({
+                        record = {
                             "reference": f"digit_{ref}-{ref:08x}", "call": 0, "step": step,
-                            "timestep": 981.0 - 980.0 * step / (steps - 1), "alpha": 0.5, "sigma": 0.5,
+                            "timestep": float(timestep), "alpha": 0.5, "sigma": 0.5, "model": "tiny",
                             "h_schedule": h, "layer": layer, "block": layer.split("_")[0], "head": head,
                             "half": half, "adapter": 0, "image": 0, "scale": 1.0, "num_keys": 4,
-                            "rho": 0.7 + level + rng.normal(0, 0.03), "kl": 0.1,
+                            "rho": min(1.0, 0.7 + level + rng.normal(0, 0.03)), "kl": 0.1,
                             "rho_perm_null": rng.normal(0, 0.05), "rho_norm_matched_null": 0.6 + level,
-                            "rho_spread_null": 0.7 + level, "rho_control_0": 0.8 + level,
-                            "rho_control_1": 0.78 + level, "key_scale_0": 1.2, "key_scale_1": 1.3,
-                            "nw_gain": 0.01, "h_eff": 3.0 * math.exp(rng.normal(0, 0.1)),
-                            "h_eff_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
-                            "h_eff_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
+                            "rho_spread_null": 0.7 + level, "nw_gain": 0.01,
+                            "h_eff": 3.0 * math.exp(rng.normal(0, 0.1)),
                             "logit_scale": 0.5 / h**2 * math.exp(rng.normal(0, 0.1)),
-                            "logit_scale_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
-                            "logit_scale_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
-                        })  # fmt: skip
+                        }  # fmt: skip
+                        if control:
+                            record.update({
+                                "rho_control_0": 0.8 + level, "rho_control_1": 0.78 + level,
+                                "key_scale_0": 1.2, "key_scale_1": 1.3,
+                                "h_eff_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
+                                "h_eff_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
+                                "logit_scale_control_0": 2.0 * math.exp(rng.normal(0, 0.1)),
+                                "logit_scale_control_1": 2.1 * math.exp(rng.normal(0, 0.1)),
+                            })  # fmt: skip
+                        records.append(record)
     return records
+
+
+PNDM_TIMESTEPS = (981.0, 961.0, 961.0, 941.0, 500.0, 1.0)
+"""PNDM's warm-up: its second timestep is evaluated twice (steps 1 and 2)."""
 
 
 def cli_report(references: int = 3):
@@ -172,19 +190,95 @@ def test_rec_plot_is_the_command_lines_rho_figure() -> None:
     assert all(len(bands(ax)) == 1 for ax in panels)
 
 
-def test_summary_prints_one_line_per_step_of_one_half_with_a_legend() -> None:
-    records = Records(make_records(2, steps=25))
-    summary = records.summary()
+def test_summary_prints_the_command_lines_columns_notes_and_legend() -> None:
+    from nw_adapter.correlate.report import format_legend, format_table
+
+    summary = Records(make_records(2, steps=25)).summary()
     assert len(summary) == 50  # every (call, step, half) row is kept
-    lines = repr(summary).splitlines()
+    text = repr(summary)
+    lines = text.splitlines()
     assert lines[0].startswith("cond half: mean over layers, heads, adapters and images per step")
-    assert len(lines) == 1 + 1 + 25 + 1  # what it shows, the header, 25 steps, the legend
-    header = lines[1].split()
-    assert header[:3] == ["step", "t", "rho"] and len(header) <= 10
-    assert max(len(line) for line in lines[1:-1]) <= 80
-    assert "perm-null" in lines[-1] and "rho-ctrl" in lines[-1]
+    assert lines[1] == "control: untrained-adapter draws (kind not recorded), 2 draws"
+    cond = [row for row in summary if row["half"] == "cond"]
+    assert format_table(cond) in text and format_legend(cond) in text  # the command line's, to the character
+    assert lines[2].split()[:3] == ["step", "timestep", "rho"] and "rho-ctrl" in lines[2]
+    assert len(lines) == 2 + 1 + 25 + 1 + len(lines[2].split())  # notes, header, steps, legend of each column
     assert summary[0]["key_scale"] == pytest.approx(math.sqrt(1.2 * 1.3))  # geometric mean over draws
     assert summary.table(half="uncond").startswith("uncond half")
+
+
+def test_summary_without_a_control_neither_prints_nor_defines_its_columns() -> None:
+    text = repr(Records(make_records(2, control=False)).summary())
+    assert "rho-ctrl" not in text and "gain-ctrl" not in text
+    assert "control: none recorded" in text
+
+
+def test_summary_and_rec_plot_carry_the_pndm_note_the_command_line_prints() -> None:
+    from nw_adapter.correlate.report import build_report, repeated_timestep_note
+
+    records = Records(make_records(2, timesteps=PNDM_TIMESTEPS))
+    records.context = {"scheduler": "PNDMScheduler", "bandwidth": "matched", "control": "per-layer"}
+    config = {"steps": 5, "scheduler_class": "PNDMScheduler"}
+    cli = repeated_timestep_note(build_report(list(records), config=config, images=[], versions={}))
+    note = "PNDMScheduler calls the denoiser twice at one timestep (steps 1 and 2 share t=961)"
+    assert cli.startswith(note)
+    assert f"note: {note}" in repr(records.summary())
+    assert note in " ".join(records.plot()._suptitle.get_text().split())
+
+
+def test_rho_figure_under_pndm_neither_pools_the_shared_timestep_nor_doubles_the_references() -> None:
+    """Two references, PNDM's two calls at one timestep: the band is over 2 references (not 4), and
+    every line runs over the steps, the two calls side by side (no vertical jump at one x)."""
+    from matplotlib.collections import PolyCollection
+
+    records = Records(make_records(2, timesteps=PNDM_TIMESTEPS))
+    fig = records.plot()
+    assert_printable(fig)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "rho: 95% t interval over 2 references" in legend
+    for ax in (ax for ax in fig.axes if ax.get_title()):
+        (rho,) = [line for line in ax.get_lines() if line.get_label() == "rho (attention vs NW)"]
+        x = rho.get_xdata()
+        assert list(x) == list(range(len(PNDM_TIMESTEPS)))  # one point per denoiser call
+        (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+        assert len({round(v[0], 6) for v in band.get_paths()[0].vertices}) == len(PNDM_TIMESTEPS)
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert labels[0] == "0\nt=981" and labels[-1] == "5\nt=1"  # each tick names its timestep
+
+
+def test_a_band_reaching_past_rhos_range_is_cut_marked_and_inside_the_axes() -> None:
+    records = make_records(2, spread=0.0)
+    for record in records:  # references 0.2 apart: the t interval over 2 reaches past 1 (and far below)
+        record["rho"] = 0.75 if record["reference"].startswith("digit_0") else 0.95
+    fig = Records(records).plot()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "interval cut at rho's range [-1, 1]" in legend
+    for ax in (ax for ax in fig.axes if ax.get_title()):
+        low, high = ax.get_ylim()
+        for band in bands(ax):
+            ys = band.get_paths()[0].vertices[:, 1]
+            assert low <= ys.min() and ys.max() <= high  # the axes hold the whole band
+
+
+def test_rec_plot_has_the_command_lines_title_and_names_its_control() -> None:
+    from nw_adapter.correlate.plotting import report_rho_figure
+    from nw_adapter.correlate.report import build_report
+
+    records = Records(make_records(3))
+    records.context = {"bandwidth": "matched", "control": "per-layer"}
+    config = {"steps": 6, "bandwidth": "matched", "model": {"model": "tiny"}}
+    report = build_report(list(records), config=config, images=[{}] * 3, versions={}, targets=(),
+                          control={"kind": "per-layer", "draws": 2})  # fmt: skip
+    ours, cli = records.plot()._suptitle.get_text(), report_rho_figure(report)._suptitle.get_text()
+    assert ours == cli
+    assert ours.splitlines()[0] == "tiny, 6 steps, bandwidth matched, 3 references"
+    assert "control: scale-matched untrained keys in every layer" in " ".join(ours.split())
+    end_to_end = {**report, "control": {"kind": "end-to-end", "draws": 2}}
+    fig = report_rho_figure(end_to_end)
+    assert "rho, end-to-end control (2 draws)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "control: end-to-end" in " ".join(fig._suptitle.get_text().split())
+    bare = Records(make_records(2, control=False)).plot()
+    assert "control: none recorded" in " ".join(bare._suptitle.get_text().split())
 
 
 def test_bandwidth_figure_fits_a_column_with_intervals_over_images() -> None:
@@ -231,6 +325,7 @@ def test_attention_maps_share_one_scale_per_kind_with_labelled_bars_and_name_the
     fig = attention_maps_figure(generated, make_panels(), previews=previews, reference="digit_3-0a1b2c3d")
     assert_printable(fig)
     assert "digit_3-0a1b2c3d" in fig._suptitle.get_text()
+    assert "the 2 most-attended of 4 image tokens" in " ".join(fig._suptitle.get_text().split())
     weights = [ax for ax in fig.axes if ax.get_title().startswith(("A\n", "NW\n"))]
     assert weights  # column titles on the first row
     limits = overlay_limits(fig)
@@ -426,4 +521,5 @@ def test_support_set_figure_names_every_reference_and_fits_a_column() -> None:
     labels = fig.axes[0].get_legend_handles_labels()[1]
     named = [label for label in labels if "attention" in label]
     assert named == [f"{r}: digit_{r}.png, attention" for r in range(4)]
-    assert len(labels) == 8 and sum("latent posterior" in label for label in labels) == 4
+    assert len(labels) == 9 and sum("latent posterior" in label for label in labels) == 4
+    assert labels[-1] == "1/m, an even share"  # the dotted line says what it is

@@ -273,8 +273,9 @@ class SwapComparison:
             or ``"last_hidden_state mean"``.
         settings: The generation settings (prompt, steps, guidance, seed, extra call arguments).
         stock_images: ``(H, W, 3)`` float32 stock generations in ``[0, 1]``, one per reference
-            (empty when ``keep_images=False``).
+            (empty when ``keep_images=False``; at most ``kept_size`` pixels a side when given).
         swap_images: rule -> list of ``(H, W, 3)`` float32 swap generations, one per reference.
+        seed_images: the stock generations from the other seed (the control), one per reference.
     """
 
     rules: tuple
@@ -283,6 +284,7 @@ class SwapComparison:
     settings: dict[str, Any]
     stock_images: list[np.ndarray] = field(default_factory=list, repr=False)
     swap_images: dict[Any, list[np.ndarray]] = field(default_factory=dict, repr=False)
+    seed_images: list[np.ndarray] = field(default_factory=list, repr=False)
 
     @property
     def judged(self) -> bool:
@@ -528,6 +530,21 @@ def _generate(pipe: Any, reference: Any, seed: int, arguments: dict[str, Any]) -
     return np.clip(np.asarray(output, dtype=np.float32), 0.0, 1.0)
 
 
+def _kept(image: np.ndarray, size: int | None) -> np.ndarray:
+    """``image`` ``(H, W, 3)`` in [0, 1] as kept: unchanged, or resized (Lanczos) so its longer side
+    is at most ``size`` pixels (float32 in [0, 1] either way)."""
+    if size is None or max(image.shape[:2]) <= size:
+        return image
+    from PIL import Image
+
+    height, width = image.shape[:2]
+    scale = size / max(height, width)
+    pixels = Image.fromarray((np.clip(image, 0.0, 1.0) * 255.0).round().astype(np.uint8))
+    size_kept = (max(1, round(width * scale)), max(1, round(height * scale)))
+    small = pixels.resize(size_kept, Image.Resampling.LANCZOS)
+    return np.asarray(small, dtype=np.float32) / 255.0
+
+
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a[None], b[None]).clamp(-1.0, 1.0))
 
@@ -544,6 +561,8 @@ def compare_swap(
     judge: Callable[[list[Any]], Sequence[Any]] | None = None,
     labels: Sequence[Any] | None = None,
     keep_images: bool = True,
+    kept_size: int | None = None,
+    on_reference_done: Callable[[int, int], None] | None = None,
     **call_kwargs: Any,
 ) -> SwapComparison:
     """Generate stock and swap images from every reference and measure how far the swap moves them.
@@ -564,7 +583,12 @@ def compare_swap(
         seed: Seed of reference 0; reference ``i`` uses ``seed + i``.
         judge: Optional classifier: list of PIL images -> list of labels.
         labels: The references' true labels (needs ``judge``).
-        keep_images: Keep the generations in the result (``stock_images``, ``swap_images``).
+        keep_images: Keep the generations in the result (``stock_images``, ``swap_images``,
+            ``seed_images``), measured at full size either way.
+        kept_size: Keep them at most this many pixels on the longer side (None: as generated); the
+            command line keeps what its report embeds.
+        on_reference_done: Called with ``(index, number of references)`` after each reference's
+            generations and measurements (the command line's progress line in a log).
         **call_kwargs: Further pipeline call arguments (e.g. ``height``, ``negative_prompt``); not
             ``generator``, ``latents`` (the seeds are ``seed``), ``ip_adapter_image``,
             ``ip_adapter_image_embeds`` (the references) or ``output_type``, which it sets itself.
@@ -598,6 +622,7 @@ def compare_swap(
     rows: list[dict[str, Any]] = []
     stock_images: list[np.ndarray] = []
     swap_images: dict[Any, list[np.ndarray]] = {name: [] for name in names}
+    seed_images: list[np.ndarray] = []
     for index, reference in enumerate(references):
         stock = _generate(pipe, reference, seed + index, arguments)
         other_seed = _generate(pipe, reference, seed + len(references) + index, arguments)
@@ -630,9 +655,12 @@ def compare_swap(
                 )
             rows.append(row)
         if keep_images:
-            stock_images.append(stock)
+            stock_images.append(_kept(stock, kept_size))
+            seed_images.append(_kept(other_seed, kept_size))
             for name in names:
-                swap_images[name].append(swaps[name])
+                swap_images[name].append(_kept(swaps[name], kept_size))
+        if on_reference_done is not None:
+            on_reference_done(index, len(references))
     settings = {
         "prompt": prompt,
         "num_inference_steps": num_inference_steps,
@@ -647,4 +675,5 @@ def compare_swap(
         settings=settings,
         stock_images=stock_images,
         swap_images=swap_images,
+        seed_images=seed_images,
     )

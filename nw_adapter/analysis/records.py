@@ -36,7 +36,7 @@ from nw_adapter.integration.schema import (
     STAT_NAMES,
     SUMMARY_STATS,
     block_of,  # noqa: F401 (re-exported)
-    control_label,
+    control_draws,
     control_mean_fields,
     finite_mean,
 )
@@ -185,46 +185,208 @@ def csv_text(
     return buffer.getvalue()
 
 
-_SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("call", "call", "{:d}"),
-    ("step", "step", "{:d}"),
-    ("timestep", "t", "{:.0f}"),
-    ("rho", "rho", "{:.3f}"),
-    ("rho_perm_null", "perm-null", "{:.3f}"),
-    ("rho_norm_matched_null", "norm-null", "{:.3f}"),
-    ("rho_spread_null", "spread-null", "{:.3f}"),
-    ("rho_control", "rho-ctrl", "{:.3f}"),
-    ("kl", "KL", "{:.4f}"),
-    ("count", "records", "{:d}"),
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("step", "step", "{:>4d}"),
+    ("timestep", "timestep", "{:>8.0f}"),
+    ("rho", "rho", "{:>6.3f}"),
+    ("rho_perm_null", "perm-null", "{:>9.3f}"),
+    ("rho_norm_matched_null", "norm-null", "{:>9.3f}"),
+    ("rho_spread_null", "spread-null", "{:>11.3f}"),
+    ("kl", "KL", "{:>7.4f}"),
+    ("nw_gain", "nw-gain", "{:>7.4f}"),
+    ("rho_control", "rho-ctrl", "{:>8.3f}"),
+    ("nw_gain_control", "gain-ctrl", "{:>9.4f}"),
+    ("frac_rho_gt_0_9", "rho>0.9", "{:>7.3f}"),
 )
-"""(key, header, format) of the columns :meth:`Summary.table` prints (the main ones)."""
+"""(row key, header, format) of each column of the step table: the command line's terminal table
+and :meth:`Summary.table` (at most 105 characters wide).
 
-_SUMMARY_LEGEND = (
-    "perm-null / norm-null / spread-null: rho of the permutation, norm-matched and q.k-spread nulls; "
-    "rho-ctrl: rho of the scale-matched control (the untrained adapter's keys rescaled to the trained "
-    "keys' RMS norm; mean over its draws; its key_scale and other readings are in the rows); "
-    "KL: KL(A || NW); records: records averaged"
-)
+The scale-matched control's columns (:data:`OPTIONAL_COLUMNS`: the means over its draws; its change
+of scale ``key_scale`` is in the rows) are shown only when some row has them; every other statistic
+(Pearson, n_eff, the q.k spread ratio, the key-norm CV, r2_key, h_eff ...) is in the rows themselves
+(``rho.json``'s ``table`` / ``steps``, ``rho.csv``, ``summary[i]``).
+"""
+
+OPTIONAL_COLUMNS: frozenset[str] = frozenset({"rho_control", "nw_gain_control"})
+"""Table columns printed only when recorded (the untrained-adapter control on)."""
+
+COLUMN_LEGEND: dict[str, str] = {
+    "step": "denoiser call (0 = the first)",
+    "timestep": "the scheduler's timestep t at that call",
+    "rho": "Spearman rho of attention vs NW (Gaussian-kernel) weights per query row, from logits",
+    "rho_perm_null": "rho with the keys permuted: chance level",
+    "rho_norm_matched_null": "rho of random query directions with the same norms",
+    "rho_spread_null": "rho with each row's q.k kept and the key norms shuffled: what q.k spread alone gives",
+    "kl": "KL divergence of the attention A from the NW weights: sum of A log(A / NW) over the tokens",
+    "nw_gain": "KL to the query-averaged attention minus KL to the best NW fit (> 0: NW predicts better)",
+    "rho_control": "rho of the scale-matched control (untrained keys at the trained keys' RMS; draws' mean)",
+    "nw_gain_control": "nw-gain of the scale-matched control (mean over its draws)",
+    "frac_rho_gt_0_9": "fraction of (layer, head) records with rho > 0.9",
+}
+"""What each column of :data:`TABLE_COLUMNS` shows (row key -> words), printed under the table
+(:func:`format_legend`); docs/cli.md and the HTML report have the same words."""
+
+LEGEND_HEADING = "legend (means over layers, heads and reference images):"
+
+
+def shown_columns(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]] = TABLE_COLUMNS) -> list:
+    """``columns`` less the optional ones (:data:`OPTIONAL_COLUMNS`) no row has a value for."""
+    return [
+        column for column in columns
+        if column[0] not in OPTIONAL_COLUMNS or any(_present(row.get(column[0])) for row in rows)
+    ]  # fmt: skip
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]] | None = None) -> str:
+    """The step table of aggregated rows (:data:`TABLE_COLUMNS`, the optional ones where recorded).
+
+    Missing (None or NaN) values print as ``nan``. Every number is the row's value rounded to the
+    shown precision, so the table can be checked against ``rho.json``'s ``table``.
+    """
+    columns = shown_columns(rows) if columns is None else list(columns)
+    widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in columns]
+    widths = [max(w, len(h)) for w, (_, h, _) in zip(widths, columns, strict=True)]
+    lines = ["  ".join(h.rjust(w) for w, (_, h, _) in zip(widths, columns, strict=True))]
+    for row in rows:
+        cells = []
+        for w, (key, _, fmt) in zip(widths, columns, strict=True):
+            value = row.get(key)
+            text = "nan" if not _present(value) else fmt.format(int(value) if "d" in fmt else value).strip()
+            cells.append(text.rjust(w))
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def format_legend(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]] | None = None) -> str:
+    """The legend of the columns :func:`format_table` shows for ``rows``: one line per column.
+
+    :data:`LEGEND_HEADING`, then ``  <header>  <words>``, the headers as the table prints them,
+    aligned; at most 105 characters a line, as the table.
+    """
+    columns = shown_columns(rows) if columns is None else list(columns)
+    width = max(len(header) for _, header, _ in columns)
+    words = {**COLUMN_LEGEND, "call": "pipeline call (one per generation)"}
+    lines = [f"  {header:<{width}}  {words[key]}" for key, header, _ in columns]
+    return "\n".join([LEGEND_HEADING, *lines])
+
+
+def repeated_timesteps(step_rows: Sequence[dict]) -> dict[float, list[int]]:
+    """Timesteps shared by several steps (PNDM's warm-up evaluates one timestep twice).
+
+    Args:
+        step_rows: Rows with ``step`` and ``timestep`` (e.g. ``rho.json``'s ``steps``), of one call.
+
+    Returns:
+        ``{timestep: [step, ...]}`` for every timestep that more than one step has.
+    """
+    by_timestep: dict[float, set[int]] = {}
+    for row in step_rows:
+        if row.get("timestep") is not None and math.isfinite(float(row["timestep"])):
+            by_timestep.setdefault(float(row["timestep"]), set()).add(int(row["step"]))
+    return {t: sorted(steps) for t, steps in by_timestep.items() if len(steps) > 1}
+
+
+def repeated_timestep_note(
+    step_rows: Sequence[dict], *, scheduler: str | None = None, requested: int | None = None
+) -> str | None:
+    """One sentence explaining repeated timesteps (documented choice: steps are denoiser calls).
+
+    A "step" is one call of the denoiser (the entries of ``scheduler.timesteps``). PNDM (SD 1.5's
+    default scheduler) calls it twice at its second timestep, so N steps give N + 1 calls and two
+    of them share a timestep; both are kept, labelled and drawn apart, never pooled.
+
+    Args:
+        step_rows: rows with ``step`` and ``timestep`` of one call.
+        scheduler: the scheduler's class name (default "the scheduler").
+        requested: the number of steps asked for (``--steps``), if known.
+    """
+    repeats = repeated_timesteps(step_rows)
+    if not repeats:
+        return None
+    calls = len({int(row["step"]) for row in step_rows})
+    parts = [f"steps {' and '.join(map(str, steps))} share t={t:.0f}" for t, steps in sorted(repeats.items())]
+    count = f"{calls} denoiser calls for {requested} steps" if requested else f"{calls} denoiser calls"
+    shared = "; ".join(parts)
+    return f"{scheduler or 'the scheduler'} calls the denoiser twice at one timestep ({shared}): {count}"
+
+
+CONTROL_NAMES: dict[str | None, str] = {
+    "per-layer": "scale-matched control",
+    "end-to-end": "end-to-end control",
+    None: "control",
+}
+"""How figures and tables name the draws' mean of each kind of control (``rho.json``'s
+``control.kind``; None: a kind the records do not tell)."""
+
+CONTROL_DESCRIPTIONS: dict[str | None, str] = {
+    "per-layer": "scale-matched untrained keys in every layer, the same queries",
+    "end-to-end": "end-to-end, a second generation with the untrained adapter in every layer",
+    None: "untrained-adapter draws (kind not recorded)",
+}
+"""What each kind of control is, in the one line every figure and table carries."""
+
+
+def control_name(kind: str | None, draws: int) -> str:
+    """``"scale-matched control (3 draws)"``, ``"end-to-end control (1 draw)"``: the draws' mean of
+    the control of ``kind`` (``"per-layer"``, ``"end-to-end"``, None when not told)."""
+    name = CONTROL_NAMES.get(kind, CONTROL_NAMES[None])
+    return f"{name} ({draws} draw{'' if draws == 1 else 's'})"
+
+
+def control_line(kind: str | None, draws: int) -> str:
+    """The line that says which control ran: ``"control: none recorded"`` without one, else
+    ``"control: <what it is>, K draws"``."""
+    if not draws:
+        return "control: none recorded (the control's columns are absent)"
+    description = CONTROL_DESCRIPTIONS.get(kind, CONTROL_DESCRIPTIONS[None])
+    return f"control: {description}, {draws} draw{'' if draws == 1 else 's'}"
+
+
+def records_control(records: Sequence[dict]) -> int:
+    """The number of control draws K whose columns the records hold (0: no control)."""
+    return control_draws({name for r in records for name in r})
+
+
+def figure_title(
+    model: str | None, steps: int | None, bandwidth: Any, units: int, noun: str = "reference"
+) -> str:
+    """The title of ``rho.png`` and of :meth:`Records.plot`: ``"tiny, 25 steps, bandwidth matched,
+    3 references"`` (a part that is not known is left out)."""
+    parts = [str(model)] if model else []
+    if steps:
+        parts.append(f"{steps} steps")
+    if bandwidth is not None:
+        parts.append(f"bandwidth {bandwidth}")
+    parts.append(f"{units} {noun}{'' if units == 1 else 's'}")
+    return ", ".join(parts)
 
 
 class Summary(list):
     """The rows of :meth:`Records.summary`: a plain list of dicts that prints as a table.
 
     Every row (one per call, step and CFG half) keeps every statistic; printed, it is one line per
-    step of one half (:meth:`table`).
+    step of one half (:meth:`table`): the command line's columns, notes and legend.
 
     ``empty_reason``: why there are no rows, when it is known (e.g. swap mode without statistics).
     ``error``: one line on the steps whose side computation failed in every layer (their rows are
     missing), printed above the table (``NWRecorder.summary``).
+    ``context``: what the records say of their run (:attr:`Records.context`: the scheduler, the
+    control's kind), for the notes.
     """
 
     empty_reason: str | None = None
     error: str | None = None
+    context: dict[str, Any] | None = None
 
     def table(self, half: str | None = None) -> str:
-        """The rows of one CFG half as an aligned text table: one line per (call,) step, the main
-        statistics only, under a line saying what the numbers are and over a legend of the columns;
-        the ``error`` line, if any, above it.
+        """The rows of one CFG half as the command line's table: a line saying what the numbers are
+        (with the notes the command line prints: which control ran, steps that share a timestep),
+        one line per (call,) step in the columns of :data:`TABLE_COLUMNS`, and the legend of the
+        columns shown (:func:`format_legend`); the ``error`` line, if any, above it.
 
         Args:
             half: the CFG half (default ``cond`` if present, else ``all``, else ``uncond``); every
@@ -241,27 +403,23 @@ class Summary(list):
         halves = sorted({r.get("half") for r in self})
         if not rows:
             return f"(no rows of half {half!r}; halves: {', '.join(map(str, halves))})"
-        calls = {r.get("call") for r in rows}
-        columns = [
-            c
-            for c in _SUMMARY_COLUMNS
-            if any(c[0] in r and r[c[0]] is not None for r in rows) and (c[0] != "call" or len(calls) > 1)
-        ]
-        cells = [[header for _, header, _ in columns]]
-        for row in rows:
-            line = []
-            for key, _, fmt in columns:
-                value = row.get(key)
-                is_nan = value is None or (isinstance(value, float) and not math.isfinite(value))
-                line.append("nan" if is_nan else fmt.format(value))
-            cells.append(line)
-        widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+        calls = sorted({r.get("call") for r in rows})
+        columns = shown_columns(rows)
+        if len(calls) > 1:
+            columns = [("call", "call", "{:>4d}"), *columns]
         others = [h for h in halves if h != half]
+        context = self.context or {}
+        draws = max(int(r.get("control_draws") or 0) for r in rows)
+        notes = [control_line(context.get("control"), draws)]
+        repeated = repeated_timestep_note(
+            [r for r in rows if r.get("call") == calls[0]], scheduler=context.get("scheduler")
+        )
+        if repeated:
+            notes.append(f"note: {repeated}")
         heading = f"{half} half: mean over layers, heads, adapters and images per step" + (
             f" (other halves: table(half={others[0]!r}))" if others else ""
         )
-        body = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-        return "\n".join([heading, *body, _SUMMARY_LEGEND])
+        return "\n".join([heading, *notes, format_table(rows, columns), format_legend(rows, columns)])
 
     def __repr__(self) -> str:
         return self.table()
@@ -275,7 +433,7 @@ def _series(rows: Sequence[dict], key: str) -> Any:
     return np.array([np.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
 
 
-_NULL_STYLES: dict[str, tuple[str, str, str]] = {
+NULL_STYLES: dict[str, tuple[str, str, str]] = {
     "rho_perm_null": ("permutation null (keys shuffled)", "0.45", ":"),
     "rho_norm_matched_null": ("norm-matched null (random query directions)", "#ff7f0e", "--"),
     "rho_spread_null": ("q.k-spread null (key norms shuffled)", "#9467bd", "-."),
@@ -283,9 +441,11 @@ _NULL_STYLES: dict[str, tuple[str, str, str]] = {
 """Label, colour and line style of each null of rho in the figures (THEORY.md section 4)."""
 
 CONTROL_RHO = "rho_control"
-_CONTROL_STYLE = ("rho, " + control_label(0).split(" (")[0], "0.1", "-")
-"""rho of the same queries against the scale-matched control's keys (the draws' mean): drawn when it
-was recorded, labelled :func:`~nw_adapter.integration.schema.control_label` with its draws."""
+CONTROL_COLOR = "0.1"
+"""rho of the same queries against the control's keys (the draws' mean): drawn when it was recorded,
+labelled ``"rho, "`` + :func:`control_name` of the control's kind and draws."""
+
+RHO_LABEL = "rho (attention vs NW)"
 
 
 def _panel_title(name: str, panel_key: str | None) -> str:
@@ -316,16 +476,23 @@ def unit_key(records: Sequence[dict]) -> str | None:
     return None
 
 
+RHO_RANGE = (-1.0, 1.0)
+"""The values rho can take: an interval beyond them is cut there (and the figures mark the cut)."""
+
+
 def unit_intervals(
     records: Sequence[dict], panel_key: str | None, *, half: str | None, stat: str = "rho"
-) -> dict[tuple[Any, float], tuple[float, float, int]]:
-    """Student t 95% interval of ``stat`` over the independent units, per (panel, timestep).
+) -> dict[tuple[Any, int], tuple[float, float, int, bool, bool]]:
+    """Student t 95% interval of ``stat`` over the independent units, per (panel, step).
 
     Per unit (:func:`unit_key`), the mean over its layers and heads (:func:`aggregate`); then
-    :func:`nw_adapter.core.intervals.t_interval` over the units of each (panel, step).
+    :func:`nw_adapter.core.intervals.t_interval` over the units of each (panel, step). Keyed by
+    the step (the denoiser call), never by the timestep: PNDM's two calls at one timestep are two
+    points of the band, not one point of twice the units.
 
     Returns:
-        ``{(panel, timestep): (low, high, n units)}``; empty with fewer than two units.
+        ``{(panel, step): (low, high, n units, cut low, cut high)}``, the interval cut to
+        :data:`RHO_RANGE` (for rho) and whether it was; empty with fewer than two units.
     """
     from nw_adapter.core.intervals import t_interval
 
@@ -333,17 +500,18 @@ def unit_intervals(
     if key is None:
         return {}
     by = (key, panel_key, "step") if panel_key else (key, "step")
-    per_unit: dict[tuple[Any, float], list[float]] = {}
+    per_unit: dict[tuple[Any, int], list[float]] = {}
     for row in aggregate(records, by, half=half):
         value = row.get(stat)
         if value is not None and math.isfinite(value):
             panel = row[panel_key] if panel_key else None
-            per_unit.setdefault((panel, float(row["timestep"])), []).append(float(value))
+            per_unit.setdefault((panel, int(row["step"])), []).append(float(value))
+    bottom, top = RHO_RANGE if stat == "rho" else (-math.inf, math.inf)
     out = {}
     for where, values in per_unit.items():
         if len(values) >= 2:
             _, low, high = t_interval(values)
-            out[where] = (max(-1.0, low), min(1.0, high), len(values))  # rho lies in [-1, 1]
+            out[where] = (max(bottom, low), min(top, high), len(values), low < bottom, high > top)
     return out
 
 
@@ -351,6 +519,22 @@ RHO_COLOR = "#1f77b4"
 """The colour of rho in every panel (the legend names it once)."""
 
 RHO_BAND_LABEL = "rho: 95% t interval over {n} {unit}s"
+CUT_LABEL = "interval cut at rho's range [-1, 1]"
+
+
+def step_ticks(
+    steps: Sequence[int], timesteps: Sequence[float], most: int = 5
+) -> tuple[list[int], list[str]]:
+    """At most ``most`` evenly spaced steps (the first and the last among them) and their labels
+    ``"<step>\\nt=<timestep>"``: the x axis of a figure over denoiser calls names both."""
+    import numpy as np
+
+    order = sorted(set(zip(steps, timesteps, strict=True)))
+    if not order:
+        return [], []
+    picks = sorted({int(i) for i in np.linspace(0, len(order) - 1, min(most, len(order))).round()})
+    chosen = [order[i] for i in picks]
+    return [s for s, _ in chosen], [f"{s}\nt={t:.0f}" if math.isfinite(t) else f"{s}" for s, t in chosen]
 
 
 def rho_figure(
@@ -361,21 +545,27 @@ def rho_figure(
     note: str | None = None,
     units: Sequence[dict] | None = None,
     half: str | None = None,
+    control: str | None = None,
 ):
-    """rho against the timestep beside each of its three nulls, one panel per block (or one).
+    """rho over the denoising steps beside each of its three nulls, one panel per block (or one).
 
     Each null is its own named line (permutation, norm-matched, q.k-spread): a rho on or under
     any of them is not evidence of NW-like attention beyond what that null gives. When the rows
-    hold ``rho_control`` (the scale-matched untrained-adapter control, the mean over its draws),
-    it is drawn too: a rho on or under it is what the architecture gives at the trained keys'
-    scale without adapter training. With the records of two or more
-    independent units (``units``: reference images, or pipeline calls), rho carries its 95%
-    Student t interval over the units as a band (:func:`unit_intervals`). Printed at a paper's
-    width (7 in for three panels, 3.5 in for one) with 7-9 pt text; the legend is under the
-    panels and names every line.
+    hold ``rho_control`` (the control, the mean over its draws), it is drawn too, named by its kind:
+    a rho on or under it is what the architecture gives without adapter training. With the records
+    of two or more independent units (``units``: reference images, or pipeline calls), rho carries
+    its 95% Student t interval over the units as a band (:func:`unit_intervals`); where that interval
+    reaches past rho's range [-1, 1] it is cut there and marked (a triangle at the cut), and the
+    axes always hold the whole band.
+
+    The x axis is the step, the denoiser call (each tick also names its timestep): PNDM calls the
+    denoiser twice at one timestep, and those two calls are two points, never pooled. Under the
+    title: ``note`` and the line saying which control ran (:func:`control_line`). Printed at a
+    paper's width (7 in for three panels, 3.5 in for one) with 7-9 pt text; the legend is under
+    the panels and names every line.
 
     Args:
-        rows: :func:`aggregate` rows (``timestep``, ``rho`` and the nulls of
+        rows: :func:`aggregate` rows (``step``, ``timestep``, ``rho`` and the nulls of
             :data:`~nw_adapter.integration.schema.NULL_STATS`), with ``panel_key`` among their keys.
         panel_key: the key whose values get a panel each (``"block"``: down, mid, up; the
             layers of SD3 / Flux transformers are one panel, "all IP layers"); None: one panel of
@@ -384,6 +574,8 @@ def rho_figure(
             are wrapped to the figure's width.
         units: the records behind ``rows`` (with ``reference`` or ``call``), for the band.
         half: the CFG half of ``rows`` (the band's records are filtered to it).
+        control: the control's kind (``rho.json``'s ``control.kind``: ``"per-layer"``,
+            ``"end-to-end"``; None when not told).
 
     Returns:
         A :class:`matplotlib.figure.Figure` (the Agg canvas: the pyplot backend is untouched).
@@ -403,75 +595,80 @@ def rho_figure(
         raise ValueError("rows: nothing to plot (did the run record any layer and step?)")
     bands = unit_intervals(units or [], panel_key, half=half)
     unit = unit_key(units or [])
+    draws = max(int(r.get("control_draws") or 0) for r in rows)
     width = 7.0 if len(panels) > 1 else 3.5
-    heading = "\n".join(t for t in (title, note) if t)
-    heading = wrap_title(heading, width - 0.2, 8) if heading else ""
-    lines = heading.count("\n") + 1 if heading else 0
-    legend_rows = 6 if len(panels) == 1 else 3
-    fig = Figure(figsize=(width, 2.5 + 0.14 * (lines + legend_rows)), layout="constrained")
+    heading = "\n".join(t for t in (title, note, control_line(control, draws)) if t)
+    heading = wrap_title(heading, width - 0.2, 8)
+    lines = heading.count("\n") + 1
+    legend_rows = 7 if len(panels) == 1 else 4
+    fig = Figure(figsize=(width, 2.7 + 0.14 * (lines + legend_rows)), layout="constrained")
     lowest = min(
-        float(np.nanmin(_series(rows, key)))
-        for key in ("rho", *NULL_STATS)
-        if any(r.get(key) is not None for r in rows)
-    )
+        [float(np.nanmin(_series(rows, key))) for key in ("rho", *NULL_STATS, CONTROL_RHO)
+         if any(r.get(key) is not None for r in rows)]
+        + [band[0] for band in bands.values()]
+    )  # fmt: skip
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (name, panel_rows) in zip(axes, panels, strict=True):
-        panel_rows = sorted(panel_rows, key=lambda r: -float(r["timestep"]))
-        t = _series(panel_rows, "timestep")
+        panel_rows = sorted(panel_rows, key=lambda r: int(r["step"]))
+        x = _series(panel_rows, "step")
         for stat in NULL_STATS:
-            label, color, style = _NULL_STYLES[stat]
-            ax.plot(t, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.0, label=label)
+            label, color, style = NULL_STYLES[stat]
+            ax.plot(x, _series(panel_rows, stat), color=color, linestyle=style, linewidth=1.0, label=label)
         if any(r.get(CONTROL_RHO) is not None for r in panel_rows):
-            _, color, style = _CONTROL_STYLE
-            label = "rho, " + control_label(max(int(r.get("control_draws") or 0) for r in rows))
-            control = _series(panel_rows, CONTROL_RHO)
-            ax.plot(t, control, color=color, linestyle=style, linewidth=1.0, label=label)
+            label = "rho, " + control_name(control, draws)
+            ax.plot(x, _series(panel_rows, CONTROL_RHO), color=CONTROL_COLOR, linewidth=1.0, label=label)
         panel = name if panel_key else None
-        band = [bands.get((panel, float(x)), (math.nan, math.nan, 0)) for x in t]
-        if any(n for *_, n in band):
-            n_units = max(n for *_, n in band)
+        band = [bands.get((panel, int(s)), (math.nan, math.nan, 0, False, False)) for s in x]
+        if any(b[2] for b in band):
             ax.fill_between(
-                t,
+                x,
                 [b[0] for b in band],
                 [b[1] for b in band],
                 color=RHO_COLOR,
                 alpha=0.25,
                 linewidth=0,
-                label=RHO_BAND_LABEL.format(n=n_units, unit=unit),
+                label=RHO_BAND_LABEL.format(n=max(b[2] for b in band), unit=unit),
             )
+            for index, marker in ((3, "v"), (4, "^")):  # the interval cut at rho's range: a mark
+                cut = [(s, b[index - 3]) for s, b in zip(x, band, strict=True) if b[index]]
+                if cut:
+                    ax.plot(
+                        [c[0] for c in cut],
+                        [c[1] for c in cut],
+                        linestyle="none",
+                        marker=marker,
+                        markersize=3.5,
+                        color=RHO_COLOR,
+                        label=CUT_LABEL,
+                    )
         ax.plot(
-            t,
+            x,
             _series(panel_rows, "rho"),
             marker="o",
             markersize=2,
             linewidth=1.4,
             color=RHO_COLOR,
-            label="rho (attention vs NW)",
+            label=RHO_LABEL,
         )
         ax.axhline(0.0, color="0.3", linewidth=0.6)
-        ax.set_xlim(max(1000.0, float(np.nanmax(t))), min(0.0, float(np.nanmin(t))))
-        ax.set_xticks([1000, 500, 0])
-        ax.set_ylim(max(-1.05, min(-0.2, lowest - 0.05)), 1.05)
-        ax.set_xlabel("timestep (denoising \u2192)", fontsize=8)
+        ticks, labels = step_ticks([int(s) for s in x], list(_series(panel_rows, "timestep")))
+        ax.set_xticks(ticks, labels)
+        ax.set_xlim(float(np.nanmin(x)) - 0.5, float(np.nanmax(x)) + 0.5)
+        ax.set_ylim(max(-1.08, min(-0.2, lowest - 0.05)), 1.08)
         ax.set_title(_panel_title(name, panel_key), fontsize=9)
-        ax.tick_params(labelsize=7)
+        ax.tick_params(labelsize=6.5)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("Spearman rho", fontsize=8)
-    handles, labels = axes[0].get_legend_handles_labels()
-    first = [labels.index("rho (attention vs NW)")] + [
-        i for i, s in enumerate(labels) if s.startswith(_CONTROL_STYLE[0]) or s.startswith("rho: 95%")
-    ]
-    order = first + [i for i, s in enumerate(labels) if "null" in s]
-    fig.legend(
-        [handles[i] for i in order],
-        [labels[i] for i in order],
-        loc="outside lower center",
-        ncol=1 if len(panels) == 1 else 2,
-        fontsize=7,
-        frameon=False,
-    )
-    if heading:
-        fig.suptitle(heading, fontsize=8)
+    axes[len(axes) // 2].set_xlabel("step (denoiser call) and its timestep t; denoising \u2192", fontsize=7)
+    seen: dict[str, Any] = {}
+    for ax in axes:  # every label once, whichever panel drew it
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    first = [RHO_LABEL, *(s for s in seen if s.startswith(("rho, ", "rho: 95%"))), CUT_LABEL]
+    order = [s for s in first if s in seen] + [s for s in seen if "null" in s]
+    fig.legend([seen[s] for s in order], order, loc="outside lower center", ncol=1 if len(panels) == 1 else 2,
+               fontsize=7, frameon=False)  # fmt: skip
+    fig.suptitle(heading, fontsize=8)
     return fig
 
 
@@ -490,6 +687,10 @@ class Records(list):
     Attributes:
         empty_reason: why nothing was recorded, when the recorder knows (swap mode records no
             statistics unless asked); the summary and the figure say it.
+        context: what the records do not say of their run, where the recorder knows it
+            (:func:`recorder_records`): ``bandwidth`` (the rule), ``scheduler`` (its class name),
+            ``control`` (the control's kind, ``"per-layer"``), for the figure's title and the
+            summary's notes; empty for plain records.
 
     Example:
         >>> records = rec.records()          # NWRecorder.records()
@@ -498,14 +699,31 @@ class Records(list):
     """
 
     empty_reason: str | None = None
+    context: dict[str, Any] = {}  # replaced per instance (recorder_records), never mutated
 
     def summary(self) -> Summary:
         """One row per (call, step, half): the means of :func:`aggregate` over layers, heads,
-        adapters and images, with the step's timestep and noise level."""
+        adapters and images, with the step's timestep and noise level; printed as the command
+        line's table (:meth:`Summary.table`)."""
         rows = aggregate(self, ("call", "step", "half"), step_columns=STEP_COLUMNS, optional_stats=True)
         summary = Summary(rows)
         summary.empty_reason = self.empty_reason
+        summary.context = dict(self.context)
         return summary
+
+    def title(self) -> str:
+        """The title of :meth:`plot`, in the command line's words (:func:`figure_title`): the model
+        (the records' ``model``), the steps (the distinct timesteps of the first call: PNDM's
+        repeated one counts once, as ``--steps`` does), the bandwidth rule (:attr:`context`) and the
+        number of independent units (reference images, else pipeline calls)."""
+        models = sorted({str(r["model"]) for r in self if r.get("model")})
+        first = min((r.get("call", 0) for r in self), default=0)
+        timesteps = {r.get("timestep") for r in self if r.get("call", 0) == first}
+        unit = "reference" if all("reference" in r for r in self) else "call"
+        units = len({r.get(unit, 0) for r in self})
+        noun = "reference" if unit == "reference" else "pipeline call"
+        return figure_title(", ".join(models) or None, len(timesteps) or None, self.context.get("bandwidth"),
+                            units, noun)  # fmt: skip
 
     def csv_text(self) -> str:
         """The records as CSV text (:func:`csv_text`; an empty run: the header of every field)."""
@@ -538,8 +756,8 @@ class Records(list):
         over its draws, when recorded), one panel per UNet block (SD3 / Flux: one panel of all IP layers), the
         means over layers and heads; with two or more reference images (the ``reference`` key
         of the command line's records) or pipeline calls, a band of rho's 95% Student t interval
-        over them (:func:`rho_figure`). Unlike the command line it has no title: the run's
-        model, steps and bandwidth are the caller's to state.
+        over them (:func:`rho_figure`); the command line's title (:meth:`title`), its note on steps
+        that share a timestep and its line on which control ran.
 
         Args:
             half: CFG half to draw (default ``cond`` if recorded, else ``all``, else ``uncond``).
@@ -557,7 +775,13 @@ class Records(list):
         if not rows:
             halves = sorted({r["half"] for r in self})
             raise ValueError(f"plot: no records of half {half!r}; pick one of {halves}")
-        fig = rho_figure(rows, panel_key=panel, units=self, half=half)
+        first = min(r.get("call", 0) for r in self)
+        note = repeated_timestep_note(
+            [r for r in aggregate(self, ("call", "step"), half=half) if r["call"] == first],
+            scheduler=self.context.get("scheduler"),
+        ) if all("call" in r for r in self) else None  # fmt: skip
+        fig = rho_figure(rows, panel_key=panel, units=self, half=half, title=self.title(), note=note,
+                         control=self.context.get("control"))  # fmt: skip
         if path is not None:
             save_figure(fig, path)
         return fig
@@ -569,6 +793,15 @@ def recorder_records(recorder: Any, key_set: str | None = "ip") -> Records:
     ``key_set``; empty ones say why when the recorder was told to record no statistics."""
     records = Records(recorder.to_records(key_set))
     config = recorder.config
+    scheduler = getattr(getattr(recorder, "pipe", None), "scheduler", None)
+    records.context = {
+        "bandwidth": config.bandwidth,
+        "scheduler": None if scheduler is None else type(scheduler).__name__,
+        "control": "per-layer" if config.untrained_control else None,
+    }
+    saved = (getattr(recorder, "source", None) or {}).get("context")
+    if recorder.loaded_records and saved:  # a recorder of a file: the file's run
+        records.context = dict(saved)
     if not records and not recorder.loaded_records and not config.record_statistics:
         records.empty_reason = (
             f"{config.mode} mode records no statistics unless asked; pass statistics=True to "

@@ -1,7 +1,9 @@
 """The records file of :meth:`NWRecorder.to_json` / :meth:`NWRecorder.from_json`.
 
 ``to_json`` writes ``{"schema": "nw-adapter/records", "schema_version": 1, "config", "records",
-"summary", "skipped"}`` (strict JSON: NaN is ``null``); suggested name ``records.json``. The
+"summary", "skipped", "context"}`` (strict JSON: NaN is ``null``; ``context``: what the records do
+not say of their run, its bandwidth rule, scheduler class and control kind,
+:attr:`~nw_adapter.analysis.records.Records.context`); suggested name ``records.json``. The
 command line's report ``rho.json`` (schema ``nw-adapter/rho``) holds the same ``records`` and
 is read back the same way. Every record is checked on reading
 (:func:`~nw_adapter.analysis.validation.check_records_file`).
@@ -50,6 +52,7 @@ def records_document(recorder: Any) -> dict[str, Any]:
         "records": [{k: _json_safe(v) for k, v in r.items()} for r in records],
         "summary": [{k: _json_safe(v) for k, v in r.items()} for r in records.summary()],
         SKIPPED_FIELD: recorder.skipped(),
+        "context": dict(records.context),
     }
 
 
@@ -61,6 +64,18 @@ class SavedRecords:
     config: NWProcessorConfig
     records: list[dict[str, Any]]
     source: dict[str, Any]
+
+
+def _report_context(document: dict[str, Any]) -> dict[str, Any]:
+    """The :attr:`~nw_adapter.analysis.records.Records.context` of a ``rho.json``: its bandwidth
+    rule, scheduler class and control kind."""
+    config = document.get("config") if isinstance(document.get("config"), dict) else {}
+    control = document.get("control") if isinstance(document.get("control"), dict) else {}
+    return {
+        "bandwidth": config.get("bandwidth"),
+        "scheduler": config.get("scheduler_class"),
+        "control": control.get("kind"),
+    }
 
 
 def read_records_file(path: str | os.PathLike) -> SavedRecords:
@@ -90,4 +105,7 @@ def read_records_file(path: str | os.PathLike) -> SavedRecords:
     numbers = {*STAT_NAMES, *OPTIONAL_STATS}
     records = [{k: (math.nan if v is None and k in numbers else v) for k, v in r.items()} for r in renamed]
     source = {"path": str(path), "schema": schema, "config": document.get("config")}
+    context = document.get("context") if schema == RECORDS_SCHEMA else _report_context(document)
+    if isinstance(context, dict):  # what the records do not say of their run (Records.context)
+        source["context"] = {k: context.get(k) for k in ("bandwidth", "scheduler", "control")}
     return SavedRecords(config, records, source)

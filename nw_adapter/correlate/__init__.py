@@ -7,8 +7,10 @@
   folders, the embedded tiny model);
 - :mod:`~nw_adapter.correlate.report`: aggregation, table, JSON/CSV;
 - :mod:`~nw_adapter.correlate.verdict`: the verdict, its clauses tested over reference images;
-- :mod:`~nw_adapter.correlate.plotting`: figures (rho against timestep, h_eff against the
-  schedule's h, maps over the image);
+- :mod:`~nw_adapter.correlate.plotting`: figures (rho over the steps, the bandwidth path, maps over
+  the image);
+- :mod:`~nw_adapter.correlate.html_report`: ``report.html`` of every run and ``nw_adapter.report``
+  (plotly, imported inside functions);
 - :mod:`~nw_adapter.correlate.maps`: stored maps as arrays, per image token, averaged over
   layers, heads and steps;
 - :mod:`~nw_adapter.correlate.previews`: the x0 estimate at a step, captured by a UNet hook;

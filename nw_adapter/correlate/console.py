@@ -2,16 +2,15 @@
 
 Progress bars only without ``-q`` and when stderr is a terminal; the libraries' own warnings and
 notes only with ``-v`` (:func:`quiet_libraries` before they are imported, :func:`library_output`
-around the work). Importing this module imports no library.
+around the work; both :mod:`nw_adapter.library_output`'s, which the notebook loaders use too).
+Importing this module imports no library.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
-from collections.abc import Iterator
 
 __all__ = ["library_output", "quiet_libraries", "show_progress_bars"]
 
@@ -27,41 +26,17 @@ def show_progress_bars(args: argparse.Namespace) -> bool:
 
 
 def quiet_libraries(args: argparse.Namespace) -> None:
-    """Keep library warnings (and, without bars, their progress bars) off stderr, before importing them.
+    """Keep library warnings (and, without bars, their progress bars) off stderr, before importing them
+    (:func:`nw_adapter.library_output.quiet_library_environment`; a variable the user set is kept)."""
+    from nw_adapter.library_output import quiet_library_environment
 
-    Set only where the user has not chosen: an environment variable already set is kept.
-    """
-    if not args.verbose:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-        os.environ.setdefault("HF_HUB_VERBOSITY", "error")
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    if not show_progress_bars(args):
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_library_environment(verbose=args.verbose, bars=show_progress_bars(args))
 
 
-@contextlib.contextmanager
-def library_output(args: argparse.Namespace) -> Iterator[None]:
-    """Within the block: libraries' loggers at error level (unless ``-v``), their bars off (unless shown).
+def library_output(args: argparse.Namespace) -> contextlib.AbstractContextManager[None]:
+    """Within the block: the libraries' loggers at error level and their warnings hidden (unless
+    ``-v``), their bars off (unless shown): :func:`nw_adapter.library_output.library_output`, the
+    notebook loaders' mechanism too. Restores the previous levels and bar settings afterwards."""
+    from nw_adapter.library_output import library_output as output
 
-    Restores the previous levels and bar settings afterwards (the command line also runs in-process
-    in tests and notebooks).
-    """
-    import diffusers
-    import transformers
-
-    verbose, bars = args.verbose, show_progress_bars(args)
-    loggers = (diffusers.utils.logging, transformers.utils.logging)
-    levels = [log.get_verbosity() for log in loggers]
-    enabled = [log.is_progress_bar_enabled() for log in loggers]
-    try:
-        for log in loggers:
-            if not verbose:
-                log.set_verbosity_error()
-            if not bars:
-                log.disable_progress_bar()
-        yield
-    finally:
-        for log, level, was_enabled in zip(loggers, levels, enabled, strict=True):
-            log.set_verbosity(level)
-            (log.enable_progress_bar if was_enabled else log.disable_progress_bar)()
+    return output(verbose=args.verbose, bars=show_progress_bars(args))

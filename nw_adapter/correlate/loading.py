@@ -478,25 +478,13 @@ def check_pipeline_folder(model: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _quiet_loading(verbose: bool):
+def _quiet_loading(verbose: bool) -> contextlib.AbstractContextManager[None]:
     """diffusers' and transformers' loggers at critical level while loading (unless ``verbose``):
-    a loading error becomes this module's one line, and is not printed before it too."""
-    if verbose:
-        yield
-        return
-    import diffusers
-    import transformers
+    a loading error becomes this module's one line, and is not printed before it too (their bars as
+    the caller set them; :func:`nw_adapter.library_output.library_output`)."""
+    from nw_adapter.library_output import CRITICAL, library_output
 
-    loggers = (diffusers.utils.logging, transformers.utils.logging)
-    levels = [log.get_verbosity() for log in loggers]
-    try:
-        for log in loggers:
-            log.set_verbosity(log.CRITICAL)
-        yield
-    finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.set_verbosity(level)
+    return library_output(verbose=verbose, bars=True, level=CRITICAL)
 
 
 def build_pipeline(

@@ -7,10 +7,12 @@
   read as this tool's, written or deleted), and that the folder holds no files of the other kind of
   run (a rho run and a ``--compare-swap`` run never share a folder, :func:`check_run_kind`);
 - :class:`OutputLock` keeps two runs off one ``--out``;
-- :func:`write_outputs` writes ``rho.json``, ``rho.csv``, ``rho.png`` and ``bandwidth.png`` of a report;
+- :func:`write_outputs` writes ``rho.json``, ``rho.csv``, ``rho.png``, ``bandwidth.png`` and ``report.html``
+  of a report;
 - :func:`draw_image_maps` draws one image's ``attention_maps.png`` from its saved files;
 - :func:`replot` redraws everything of a finished run without loading a model;
-- :func:`remove_interrupted_writes` removes what a killed run's atomic writes left behind.
+- :func:`remove_interrupted_writes` removes what a killed run's atomic writes left behind (every run
+  kind's).
 
 Every problem is an :class:`OutputError` whose message is one line naming the fix.
 """
@@ -159,6 +161,7 @@ def check_output_dir(out: Path, keys: Sequence[str] = (), *, run: str = RHO_RUN)
         *REPORT_FILES,
         *_swap_files(),
         *(name for name in _support_files() if name != "sets"),
+        REPORT_HTML,
         LOCK_NAME,
     ):
         check_entry(out, name)
@@ -363,6 +366,9 @@ def skipped_note(recorder: Any, mode: str, name: str) -> str | None:
 REPORT_FILES: tuple[str, ...] = ("rho.json", "rho.csv", "rho.png", "bandwidth.png")
 """The merged report's files in ``--out``."""
 
+REPORT_HTML = "report.html"
+"""The interactive report every run kind writes in ``--out`` (:mod:`nw_adapter.correlate.html_report`)."""
+
 
 IMAGE_OUTPUT = re.compile(
     r"^(result\.json|generated\.png|maps\.safetensors|attention_maps\.png|rho_joint\.csv|x0_step\d+\.png)$"
@@ -378,14 +384,21 @@ def is_image_output(name: str) -> bool:
 _PROBE = re.compile(rf"^{re.escape(PROBE_PREFIX)}[a-z0-9_]{{8}}$")
 
 
-def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[Path]:
-    """Remove the temporary files a killed run left in ``out_dir`` and ``out_dir/images/<key>``.
+def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = (), *, run: str = RHO_RUN) -> list[Path]:
+    """Remove the temporary files a killed run of kind ``run`` left in ``out_dir`` and its folders.
 
     Only the project's own: temporary files of atomic writes (``.rho.<8 characters>.tmp.json``,
-    see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of this tool's file
-    names there (:data:`REPORT_FILES` in ``out_dir``, :data:`IMAGE_OUTPUT` and the manifest in an
-    image folder), and write-check probes (``.nw-adapter-write-check-<8 characters>``); never in a
-    folder reached through a symbolic link. Call it under the output lock, before anything is written.
+    see :func:`nw_adapter.atomic.temporary_target`) whose destination is one of the run's file names
+    there, and write-check probes (``.nw-adapter-write-check-<8 characters>``); never in a folder
+    reached through a symbolic link. Per run (:data:`RHO_RUN`, :data:`SWAP_RUN`, :data:`SUPPORT_RUN`):
+
+    - a rho run: :data:`REPORT_FILES` and ``report.html`` in ``out_dir``; :data:`IMAGE_OUTPUT` and
+      the manifest in ``images/<key>`` of the given ``keys``;
+    - ``--compare-swap``: ``compare_swap.json``, ``compare_swap.csv`` and ``report.html``;
+    - support sets: ``support.json``, ``support.csv``, ``support_mass.png`` and ``report.html``;
+      :data:`SET_FILES` in every folder of ``sets/`` (a run removes every earlier set's files).
+
+    Call it under the output lock, before anything is written.
 
     Returns:
         The removed files.
@@ -393,15 +406,28 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
     from nw_adapter import atomic
 
     out_dir = Path(out_dir)
-    removed = atomic.remove_interrupted_writes(out_dir, lambda name: name in REPORT_FILES)
-    images = out_dir / "images"
-    folders = [] if images.is_symlink() else [image_dir(out_dir, key) for key in keys]
+    if run == SUPPORT_RUN:
+        names = {*(name for name in _support_files() if name != "sets"), REPORT_HTML}
+        container = out_dir / "sets"
+        listed = [] if container.is_symlink() or not container.is_dir() else sorted(container.iterdir())
+        folders = [folder for folder in listed if folder.is_dir()]
+        is_folder_own = SET_FILES.__contains__
+    elif run == SWAP_RUN:
+        names, container, folders = {*_swap_files(), REPORT_HTML}, None, []
+        is_folder_own = None
+    else:
+        names, container = {*REPORT_FILES, REPORT_HTML}, out_dir / "images"
+        folders = [] if container.is_symlink() else [image_dir(out_dir, key) for key in keys]
+
+        def is_folder_own(name: str) -> bool:
+            return is_image_output(name) or name == MANIFEST_NAME
+
     folders = [folder for folder in folders if not folder.is_symlink()]  # never through a link
+    removed = atomic.remove_interrupted_writes(out_dir, names.__contains__)
     for folder in folders:
-        removed += atomic.remove_interrupted_writes(
-            folder, lambda name: is_image_output(name) or name == MANIFEST_NAME
-        )
-    for folder in (out_dir, *([] if images.is_symlink() else [images]), *folders):
+        removed += atomic.remove_interrupted_writes(folder, is_folder_own)
+    containers = [] if container is None or container.is_symlink() else [container]
+    for folder in (out_dir, *containers, *folders):
         if folder.is_dir():
             for path in folder.iterdir():
                 if _PROBE.match(path.name) and path.is_file() and not path.is_symlink():
@@ -412,36 +438,26 @@ def remove_interrupted_writes(out_dir: Path, keys: Iterable[str] = ()) -> list[P
 
 def remove_report(out_dir: Path) -> None:
     """Remove the merged report of a previous run (before any of its images changes)."""
-    for name in REPORT_FILES:
+    for name in (*REPORT_FILES, REPORT_HTML):
         remove_regular_file(Path(out_dir) / name)
 
 
 def write_outputs(report: dict, out_dir: Path) -> str:
-    """Write ``rho.json``, ``rho.csv``, ``rho.png`` and ``bandwidth.png`` of a report; return what to print.
+    """Write ``rho.json``, ``rho.csv``, ``rho.png``, ``bandwidth.png`` and ``report.html`` of a report; return
+    what to print.
 
     ``bandwidth.png`` needs the fitted bandwidths (``h_eff``) in the records; without them it is not
     drawn (and an older one in ``out_dir`` is removed, so it never describes another run).
     """
-    from nw_adapter.correlate.plotting import counted, plot_bandwidth, plot_rho
-    from nw_adapter.correlate.report import (
-        format_report,
-        random_weights_note,
-        repeated_timestep_note,
-        write_report_files,
-    )
+    from nw_adapter.correlate.html_report import write_rho_report
+    from nw_adapter.correlate.plotting import plot_bandwidth, plot_report_rho
+    from nw_adapter.correlate.report import format_report, write_report_files
 
     config = report.get("config", {})
     model = (config.get("model") or {}).get("model")
     write_report_files(report, out_dir)
-    plot_rho(
-        report["blocks"],
-        out_dir / "rho.png",
-        title=f"{model}, {config.get('steps')} steps, bandwidth {config.get('bandwidth')}, "
-        f"{counted(len(report.get('images', [])), 'reference')}",
-        note="; ".join(n for n in (random_weights_note(report), repeated_timestep_note(report)) if n) or None,
-        units=report["records"],
-        half=report["half"],
-    )
+    plot_report_rho(report, out_dir / "rho.png")
+    write_rho_report(report, out_dir)  # report.html
     drawn = plot_bandwidth(
         report["records"],
         report["half"],
@@ -473,7 +489,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
     from nw_adapter.correlate.report import build_report
 
     out = out.expanduser()
-    for name in (*REPORT_FILES, LOCK_NAME):  # read and rewritten: none may be a link or a folder
+    for name in (*REPORT_FILES, REPORT_HTML, LOCK_NAME):  # read and rewritten: none may be a link or a folder
         check_entry(out, name, option="--replot")
     path = out / "rho.json"
     try:

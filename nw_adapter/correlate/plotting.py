@@ -33,16 +33,45 @@ def rho_figure(
     note: str | None = None,
     units: Sequence[dict] | None = None,
     half: str | None = None,
+    control: str | None = None,
 ):
-    """rho against the timestep, one panel per block, beside its three nulls.
+    """rho over the denoising steps, one panel per block, beside its three nulls and the control.
 
     :func:`nw_adapter.analysis.records.rho_figure` of ``rho.json``'s ``blocks`` rows (see
     :func:`nw_adapter.correlate.report.aggregate`); ``note`` is a line under the title (e.g. why
-    two steps share a timestep: they are drawn at the same x). ``units``: the run's records (with
-    their ``reference`` key) and ``half`` their CFG half: with two or more reference images, rho
-    carries its 95% Student t interval over them.
+    two steps share a timestep: they are two points of the x axis, the step). ``units``: the run's
+    records (with their ``reference`` key) and ``half`` their CFG half: with two or more reference
+    images, rho carries its 95% Student t interval over them. ``control``: the control's kind
+    (``rho.json``'s ``control.kind``), named in the legend and in the line under the title.
     """
-    return records.rho_figure(block_rows, panel_key="block", title=title, note=note, units=units, half=half)
+    return records.rho_figure(
+        block_rows, panel_key="block", title=title, note=note, units=units, half=half, control=control
+    )
+
+
+def report_rho_figure(report: dict):
+    """:func:`rho_figure` of a ``rho.json`` report with the command line's title and notes: the
+    model, steps, bandwidth and references (:func:`nw_adapter.analysis.records.figure_title`, the
+    title :meth:`Records.plot <nw_adapter.analysis.records.Records.plot>` gives too), the
+    random-weights warning, the note on steps that share a timestep and the control's kind."""
+    from nw_adapter.correlate.report import random_weights_note, repeated_timestep_note
+
+    config = report.get("config", {})
+    title = records.figure_title(
+        (config.get("model") or {}).get("model"),
+        config.get("steps"),
+        config.get("bandwidth"),
+        len(report.get("images", [])) or len({r.get("reference") for r in report.get("records", [])}),
+    )
+    notes = [n for n in (random_weights_note(report), repeated_timestep_note(report)) if n]
+    return rho_figure(
+        report["blocks"],
+        title=title,
+        note="; ".join(notes) or None,
+        units=report["records"],
+        half=report["half"],
+        control=(report.get("control") or {}).get("kind"),
+    )
 
 
 def plot_rho(
@@ -53,9 +82,16 @@ def plot_rho(
     note: str | None = None,
     units: Sequence[dict] | None = None,
     half: str | None = None,
+    control: str | None = None,
 ) -> Path:
     """Write :func:`rho_figure` to ``path`` (PNG, atomically) and return ``path``."""
-    return records.save_figure(rho_figure(block_rows, title=title, note=note, units=units, half=half), path)
+    fig = rho_figure(block_rows, title=title, note=note, units=units, half=half, control=control)
+    return records.save_figure(fig, path)
+
+
+def plot_report_rho(report: dict, path: str | os.PathLike) -> Path:
+    """Write :func:`report_rho_figure` to ``path`` (PNG, atomically): the command line's ``rho.png``."""
+    return records.save_figure(report_rho_figure(report), path)
 
 
 @dataclass(frozen=True)
@@ -190,9 +226,10 @@ def attention_maps_figure(
     uniform = panels[0].uniform
     spread = max(float(np.abs(m - uniform).max()) for p in panels for m in (p.attn, p.nw)) or 1e-12
     diff_spread = max(float(np.abs(p.attn - p.nw).max()) for p in panels) or 1e-12
+    tokens = round(1 / uniform)
     title = (
         (f"reference {reference}: " if reference else "")
-        + f"image-branch attention A and NW weights W per image token, mean over "
+        + f"image-branch attention A and NW weights W of {_shown_tokens(shown, tokens)}, mean over "
         f"{counted(len(panels[0].layers), 'layer')} and the stored heads; one colour scale for every A and "
         "W panel, one for every A - NW"
     )
@@ -232,7 +269,6 @@ def attention_maps_figure(
         for col in range(len(row_panels), shown):
             for group in range(3):
                 axes[row][1 + col + shown * group].set_visible(False)
-    tokens = round(1 / uniform)
     middle_col = 1 + 2 * shown
     for mappable, where, centre, half_width, label in (
         (
@@ -252,6 +288,13 @@ def attention_maps_figure(
         bar.set_label(label, fontsize=7)
     fig.suptitle(title, fontsize=8)
     return fig
+
+
+def _shown_tokens(shown: int, tokens: int) -> str:
+    """``"the 2 most-attended of 4 image tokens"``, or ``"all 4 image tokens"``."""
+    if shown >= tokens:
+        return f"all {counted(tokens, 'image token')}" if tokens > 1 else "the 1 image token"
+    return f"the {shown} most-attended of {counted(tokens, 'image token')} (over the run)"
 
 
 def plot_attention_maps(

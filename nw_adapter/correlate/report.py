@@ -29,9 +29,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.analysis.records import COLUMN_LEGEND as COLUMN_LEGEND  # re-exported
+from nw_adapter.analysis.records import OPTIONAL_COLUMNS as OPTIONAL_COLUMNS  # re-exported
 from nw_adapter.analysis.records import RHO_THRESHOLD as RHO_THRESHOLD  # re-exported
+from nw_adapter.analysis.records import TABLE_COLUMNS as TABLE_COLUMNS  # re-exported
 from nw_adapter.analysis.records import aggregate as aggregate_records
-from nw_adapter.analysis.records import analysis_half, csv_text
+from nw_adapter.analysis.records import analysis_half, control_line, csv_text, records_control
+from nw_adapter.analysis.records import format_legend as format_legend  # re-exported
+from nw_adapter.analysis.records import format_table as format_table  # re-exported
+from nw_adapter.analysis.records import repeated_timestep_note as records_note
+from nw_adapter.analysis.records import repeated_timesteps as repeated_timesteps  # re-exported
 from nw_adapter.analysis.validation import REPORT_SCHEMA, REPORT_SCHEMA_VERSION
 from nw_adapter.atomic import atomic_write_json, atomic_write_text
 from nw_adapter.correlate.verdict import format_readings
@@ -51,46 +58,6 @@ STAT_FIELDS: tuple[str, ...] = SUMMARY_STATS
 
 RECORD_FIELDS: tuple[str, ...] = ("reference", *RECORD_KEYS, *RUN_KEYS, *STAT_FIELDS)
 """Column order of ``rho.csv``: the statistics in reporting order (extra record keys follow, sorted)."""
-
-TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("step", "step", "{:>4d}"),
-    ("timestep", "timestep", "{:>8.0f}"),
-    ("rho", "rho", "{:>6.3f}"),
-    ("rho_perm_null", "perm-null", "{:>9.3f}"),
-    ("rho_norm_matched_null", "norm-null", "{:>9.3f}"),
-    ("rho_spread_null", "spread-null", "{:>11.3f}"),
-    ("kl", "KL", "{:>7.4f}"),
-    ("nw_gain", "nw-gain", "{:>7.4f}"),
-    ("rho_control", "rho-ctrl", "{:>8.3f}"),
-    ("nw_gain_control", "gain-ctrl", "{:>9.4f}"),
-    ("frac_rho_gt_0_9", "rho>0.9", "{:>7.3f}"),
-)
-"""(row key, header, format) of each terminal-table column (at most 105 characters wide).
-
-The scale-matched control's columns (:data:`OPTIONAL_COLUMNS`: the means over its draws; its change
-of scale ``key_scale`` is in the rows of ``rho.json``) are shown only when some row
-has them; every other statistic (Pearson, n_eff, the q.k spread ratio, the key-norm CV, r2_key,
-h_eff ...) is in ``rho.json``'s ``table`` / ``steps`` rows and in ``rho.csv``.
-"""
-
-OPTIONAL_COLUMNS: frozenset[str] = frozenset({"rho_control", "nw_gain_control"})
-"""Table columns printed only when recorded (the untrained-adapter control on)."""
-
-COLUMN_LEGEND: dict[str, str] = {
-    "step": "denoiser call (0 = the first)",
-    "timestep": "the scheduler's timestep t at that call",
-    "rho": "Spearman rho of attention vs NW (Gaussian-kernel) weights per query row, from logits",
-    "rho_perm_null": "rho with the keys permuted: chance level",
-    "rho_norm_matched_null": "rho of random query directions with the same norms",
-    "rho_spread_null": "rho with each row's q.k kept and the key norms shuffled: what q.k spread alone gives",
-    "kl": "KL divergence of the attention A from the NW weights: sum of A log(A / NW) over the tokens",
-    "nw_gain": "KL to the query-averaged attention minus KL to the best NW fit (> 0: NW predicts better)",
-    "rho_control": "rho of the scale-matched control (untrained keys at the trained keys' RMS; draws' mean)",
-    "nw_gain_control": "nw-gain of the scale-matched control (mean over its draws)",
-    "frac_rho_gt_0_9": "fraction of (layer, head) records with rho > 0.9",
-}
-"""What each column of :data:`TABLE_COLUMNS` shows (row key -> words), printed under the table
-(:func:`format_legend`); docs/cli.md has the same words."""
 
 
 def aggregate(
@@ -123,46 +90,6 @@ def select_steps(step_rows: Sequence[dict], targets: Sequence[float] = PAPER_TIM
 
     chosen = {closest(t) for t in targets}
     return [step_rows[i] for i in sorted(chosen)]
-
-
-def _shown_columns(rows: Sequence[dict]) -> list[tuple[str, str, str]]:
-    """:data:`TABLE_COLUMNS` less the optional ones no row has a value for."""
-    return [
-        column for column in TABLE_COLUMNS
-        if column[0] not in OPTIONAL_COLUMNS or any(row.get(column[0]) is not None for row in rows)
-    ]  # fmt: skip
-
-
-def format_table(rows: Sequence[dict]) -> str:
-    """Terminal table of the given aggregated step rows (see :data:`TABLE_COLUMNS`).
-
-    Missing (NaN) values print as ``nan``. Every number is the JSON value rounded to the
-    shown precision, so the table can be checked against ``rho.json``'s ``table``.
-    """
-    columns = _shown_columns(rows)
-    widths = [len(fmt.format(0 if "d" in fmt else 0.0)) for _, _, fmt in columns]
-    widths = [max(w, len(h)) for w, (_, h, _) in zip(widths, columns, strict=True)]
-    lines = ["  ".join(h.rjust(w) for w, (_, h, _) in zip(widths, columns, strict=True))]
-    for row in rows:
-        cells = []
-        for w, (key, _, fmt) in zip(widths, columns, strict=True):
-            value = row.get(key)
-            text = "nan" if value is None else fmt.format(int(value) if "d" in fmt else value).strip()
-            cells.append(text.rjust(w))
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
-def format_legend(rows: Sequence[dict]) -> str:
-    """The legend of the columns :func:`format_table` shows for ``rows``: one line per column.
-
-    ``legend (means over layers, heads and reference images):`` then ``  <header>  <words>``, the
-    headers as the table prints them, aligned; at most 105 characters a line, as the table.
-    """
-    columns = _shown_columns(rows)
-    width = max(len(header) for _, header, _ in columns)
-    lines = [f"  {header:<{width}}  {COLUMN_LEGEND[key]}" for key, header, _ in columns]
-    return "\n".join(["legend (means over layers, heads and reference images):", *lines])
 
 
 def parse_table(text: str) -> list[dict]:
@@ -298,38 +225,24 @@ def write_report_files(report: dict, out_dir: str | os.PathLike) -> dict[str, Pa
     }
 
 
-def repeated_timesteps(step_rows: Sequence[dict]) -> dict[float, list[int]]:
-    """Timesteps shared by several steps (PNDM's warm-up evaluates one timestep twice).
-
-    Args:
-        step_rows: Rows with ``step`` and ``timestep`` (e.g. ``rho.json``'s ``steps``).
-
-    Returns:
-        ``{timestep: [step, ...]}`` for every timestep that more than one step has.
-    """
-    by_timestep: dict[float, list[int]] = {}
-    for row in step_rows:
-        if row.get("timestep") is not None:
-            by_timestep.setdefault(float(row["timestep"]), []).append(int(row["step"]))
-    return {t: sorted(steps) for t, steps in by_timestep.items() if len(steps) > 1}
-
-
 def repeated_timestep_note(report: dict) -> str | None:
-    """One sentence explaining repeated timesteps (documented choice: steps are denoiser calls).
+    """One sentence explaining repeated timesteps (documented choice: steps are denoiser calls):
+    :func:`nw_adapter.analysis.records.repeated_timestep_note` of the report's ``steps``, naming
+    its scheduler and the steps asked for."""
+    config = report.get("config") or {}
+    return records_note(
+        report.get("steps", []), scheduler=config.get("scheduler_class"), requested=config.get("steps")
+    )
 
-    A "step" in the table is one call of the denoiser (the entries of ``scheduler.timesteps``).
-    PNDM (SD 1.5's default scheduler) calls it twice at its second timestep, so ``--steps N``
-    gives N + 1 steps and two of them share a timestep; both are kept and labelled, not merged.
-    """
-    repeats = repeated_timesteps(report.get("steps", []))
-    if not repeats:
-        return None
-    calls = len(report.get("steps", []))
-    requested = (report.get("config") or {}).get("steps")
-    parts = [f"steps {' and '.join(map(str, steps))} share t={t:.0f}" for t, steps in sorted(repeats.items())]
-    scheduler = (report.get("config") or {}).get("scheduler_class") or "the scheduler"
-    count = f"{calls} denoiser calls for {requested} steps" if requested else f"{calls} denoiser calls"
-    return f"{scheduler} calls the denoiser twice at one timestep ({'; '.join(parts)}): {count}"
+
+def control_kind_and_draws(report: dict) -> tuple[str | None, int]:
+    """The control of a report: ``(kind, draws)`` from its ``control`` meta (``"per-layer"``,
+    ``"end-to-end"``), else from its records' columns (kind None); ``(None, 0)`` without one."""
+    meta = report.get("control") or {}
+    draws = records_control(report.get("records", []))
+    if meta and not draws:
+        draws = int(meta.get("draws") or 0)
+    return meta.get("kind"), draws
 
 
 RANDOM_WEIGHT_MODELS: tuple[str, ...] = tiny_models(trained=False)
@@ -364,7 +277,8 @@ def format_report(report: dict) -> str:
     if note:
         context += f"; note: {note}"
     table = report["table"]
-    lines = [context, format_table(table), format_legend(table)]
+    control = control_line(*control_kind_and_draws(report))
+    lines = [context, control, format_table(table), format_legend(table)]
     calibrated = format_readings(report["verdict"])
     if calibrated:
         lines.append(calibrated)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nw_adapter.commands import note
+from nw_adapter.commands import note, progress_line
 from nw_adapter.correlate.console import library_output, quiet_libraries, show_progress_bars
 from nw_adapter.correlate.images import ReferenceImage, collect_image_paths, validate_images
 from nw_adapter.correlate.options import END_TO_END, CLIError
@@ -150,7 +151,15 @@ def _image_worker(
             )
         return entry, records
 
-    return work
+    def work_and_report(key: str) -> tuple[dict, list[dict]]:  # a plain line per reference in a log
+        start = time.perf_counter()
+        result = work(key)
+        seconds = time.perf_counter() - start
+        done = f"reference {list(infos).index(key) + 1} of {len(infos)} done in {seconds:.0f} s: {key}"
+        progress_line(args.quiet, show_progress_bars(args), done)
+        return result
+
+    return work_and_report
 
 
 def run(args: argparse.Namespace) -> int:

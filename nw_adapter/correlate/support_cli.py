@@ -24,8 +24,9 @@ the winner and its step, the per-step masses, and the summary per group of sets)
 ``support_mass.png`` (:func:`~nw_adapter.correlate.support_report.plot_sweep`). On the digits models
 the class judge (:func:`nw_adapter.models.digits_quality.digit_judge`, 32 x 32 images) labels the
 generation and each reference. Every run recomputes its sets (no resume): it first removes the
-files of an earlier support-set run in ``--out``, and an interrupted or failed run removes what
-it wrote.
+files of an earlier support-set run in ``--out`` (a killed run's temporary files too), and an
+interrupted or failed run removes what it wrote. Where stderr is no terminal (a log), a plain
+progress line per set.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nw_adapter.commands import note
+from nw_adapter.commands import note, progress_line
 from nw_adapter.correlate.option_values import MAX_SET_REFERENCES as MAX_REFERENCES
 
 __all__ = ["MAX_REFERENCES", "SupportSetError", "SupportSetInput", "collect_sets", "run"]
@@ -162,12 +163,12 @@ def remove_outputs(out_dir: Path) -> list[Path]:
         The files removed.
     """
     from nw_adapter.atomic import remove_regular_file
-    from nw_adapter.correlate.outputs import SET_FILES
+    from nw_adapter.correlate.outputs import REPORT_HTML, SET_FILES
     from nw_adapter.correlate.support_report import CSV_NAME, FIGURE_NAME, JSON_NAME
     from nw_adapter.correlate.sweep import is_regular_file
 
     removed = []
-    paths = [out_dir / JSON_NAME, out_dir / CSV_NAME, out_dir / FIGURE_NAME]
+    paths = [out_dir / JSON_NAME, out_dir / CSV_NAME, out_dir / FIGURE_NAME, out_dir / REPORT_HTML]
     sets = out_dir / "sets"
     folders = [] if sets.is_symlink() or not sets.is_dir() else sorted(sets.iterdir())
     folders = [folder for folder in folders if folder.is_dir() and not folder.is_symlink()]
@@ -201,7 +202,13 @@ def run(args: argparse.Namespace) -> int:
     import contextlib
 
     from nw_adapter.correlate.console import library_output, quiet_libraries
-    from nw_adapter.correlate.outputs import SUPPORT_RUN, OutputLock, check_apart, check_output_dir
+    from nw_adapter.correlate.outputs import (
+        SUPPORT_RUN,
+        OutputLock,
+        check_apart,
+        check_output_dir,
+        remove_interrupted_writes,
+    )
     from nw_adapter.correlate.run_model import join_processes, prepare_model
     from nw_adapter.correlate.spec import DIGIT_MODELS
     from nw_adapter.correlate.sweep import is_distributed_launch, is_main_launch_process
@@ -222,6 +229,8 @@ def run(args: argparse.Namespace) -> int:
     with lock:  # before the model: a second run is refused at once
         model = prepare_model(args)  # SD 3.5 is refused here (the run table), before loading
         state = join_processes(model, args.device)
+        if state.is_main_process:
+            remove_interrupted_writes(out_dir, run=SUPPORT_RUN)  # a killed run's, report.html's too
         if state.is_main_process and remove_outputs(out_dir):
             note(args.quiet, f"the files of an earlier support-set run in {out_dir} were removed")
         state.wait_for_everyone()  # nothing is written before the earlier run's files are gone
@@ -276,12 +285,16 @@ def _generate(
     judged: bool,
     state: Any,
 ) -> dict | None:
-    """Load the model, generate and observe this process's sets; on the main process gather every
-    set, write the report files and return ``support.json``'s document (None on the others)."""
+    """Load the model, generate and observe this process's sets (a progress line per set where no
+    bar is drawn); on the main process gather every set, write the report files and return
+    ``support.json``'s document (None on the others)."""
+    import time
+
     from nw_adapter import atomic
     from nw_adapter.analysis.records import csv_text
     from nw_adapter.correlate import support_report as report
     from nw_adapter.correlate.console import show_progress_bars
+    from nw_adapter.correlate.html_report import write_support_report
     from nw_adapter.correlate.options import options_record
     from nw_adapter.correlate.report import write_json
     from nw_adapter.correlate.run_model import check_layers
@@ -298,8 +311,14 @@ def _generate(
         from nw_adapter.models.digits_quality import digit_judge
 
         judge, known = digit_judge(), known_digit_labels()
+    bars = show_progress_bars(args)
+    done = []
     with state.split_between_processes(list(enumerate(sets))) as mine:
-        done = [_observe(args, pipe, call, config, judge, known, out_dir, i, s) for i, s in mine]
+        for i, s in mine:  # a plain line per set in a log (no bar drawn)
+            start = time.perf_counter()
+            done.append(_observe(args, pipe, call, config, judge, known, out_dir, i, s))
+            seconds = time.perf_counter() - start
+            progress_line(args.quiet, bars, f"set {i + 1} of {len(sets)} done in {seconds:.0f} s: {s[0].key}")
     done = sorted(gather(done, state), key=lambda item: item[0])
     if not state.is_main_process:
         return None
@@ -313,5 +332,6 @@ def _generate(
     }
     atomic.atomic_write_text(out_dir / report.CSV_NAME, csv_text(rows) if rows else "set\n")
     report.plot_sweep(document, out_dir / report.FIGURE_NAME, title=f"support sets, {args.model}")
-    write_json(out_dir / report.JSON_NAME, document)  # last: the marker of a finished run
+    write_json(out_dir / report.JSON_NAME, document)  # the marker of a finished run
+    write_support_report(out_dir, document)  # report.html
     return document

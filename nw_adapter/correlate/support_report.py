@@ -257,7 +257,8 @@ def _count(stat: dict[str, Any]) -> str:
     return f"{stat['count']}/{stat['n']}" + ("" if p is None else f" p{p:.2g}")
 
 
-_TABLES = (
+#: The console's group tables: (title, ((summary field, column label), ...)); the report's too.
+TABLES = (
     (
         "last step",
         (
@@ -274,12 +275,47 @@ _TABLES = (
 )
 
 
+#: The console's labels of :data:`GROUP_COUNTS` (the counts table's columns).
+COUNT_LABELS = ("CLIP=winner", "latent=winner", "class=winner", "class in refs")
+
+HEADER = (
+    "support sets (cond half; A = attention mass per reference, means over layers and heads; posterior = "
+    "the theory's w_i(x_t) over the references' latents, in the space of x_t)"
+)
+"""The first line of the terminal report: what A and the posterior are."""
+
+LEGEND = (
+    "concentration = (largest share - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
+    "[95% t interval over sets, clipped to [0, 1]]; CLIP=winner / latent=winner: sets whose CLIP-nearest "
+    "reference / whose generated latent's nearest reference is the attention's winner; class=winner: "
+    "whose generation the judge gives the winner's class; p: exact one-sided binomial test over sets "
+    "against chance 1/m"
+)
+"""The last line of the terminal report: the legend of its tables."""
+
+READINGS = {
+    "winner A": "the reference of the largest attention mass at the last step; 'from step s': the first step "
+    "from which it keeps the lead to the end",
+    "posterior winner": "the reference the latent posterior favours at the last step, and the step from "
+    "which it keeps the lead",
+    "generated latent nearest": "the reference whose VAE latent is nearest the generated latent (the "
+    "distances in brackets)",
+    "CLIP-I": "cosine of the generation's and the reference's embeddings in the pipeline's image encoder; "
+    "nearest: the largest",
+    "row entropy/log m A": "each query row's entropy over references, averaged over rows, as a share of "
+    "log m",
+    "entropy/log m posterior": "the latent posterior's entropy over references as a share of log m; n_eff = "
+    "1 / sum_i w_i^2, from 1 (one reference) to m (even)",
+    "x0 / NW mean": "||x0 - m_h|| / ||x0 - mean of the references||: the learned denoiser's x0 estimate "
+    "against the plug-in field's (the posterior's NW mean m_h = sum_i w_i s_i); 0: the model is the "
+    "plug-in, 1 by construction wherever the posterior is even",
+}
+"""The per-set readings, in the words of the terminal report's set lines (the HTML report's legend)."""
+
+
 def format_document(document: dict[str, Any]) -> str:
     """The terminal report: one line per set, then the groups' tables."""
-    lines = [
-        "support sets (cond half; A = attention mass per reference, means over layers and heads; posterior = "
-        "the theory's w_i(x_t) over the references' latents, in the space of x_t)"
-    ]
+    lines = [HEADER]
     for e in document["sets"]:
         clip = ", ".join(f"{r['clip_cosine']:.3f}" for r in e["references"])
         shown = [r["label"] if r.get("label") is not None else r["judged"] for r in e["references"]]
@@ -299,7 +335,7 @@ def format_document(document: dict[str, Any]) -> str:
             f"generated latent nearest {e['final_nearest']} [{distances}]; CLIP-I [{clip}] nearest "
             f"{e['clip_nearest']}{mass}{classes}"
         )
-    for title, columns in _TABLES:
+    for title, columns in TABLES:
         lines += ["", f"{title}:"]
         lines.append(
             f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:<26}" for _, label in columns)
@@ -309,21 +345,16 @@ def format_document(document: dict[str, Any]) -> str:
                 f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
                 + " ".join(f"{_cell(row[name]):<26}" for name, _ in columns)
             )
-    labels = ("CLIP=winner", "latent=winner", "class=winner", "class in refs")
     lines += ["", "counts over sets:"]
-    lines.append(f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:>15}" for label in labels))
+    lines.append(
+        f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:>15}" for label in COUNT_LABELS)
+    )
     for row in document["summary"]:
         lines.append(
             f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
             + " ".join(f"{_count(row[name]):>15}" for name in GROUP_COUNTS)
         )
-    lines.append(
-        "concentration = (largest share - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
-        "[95% t interval over sets, clipped to [0, 1]]; CLIP=winner / latent=winner: sets whose CLIP-nearest "
-        "reference / whose generated latent's nearest reference is the attention's winner; class=winner: "
-        "whose generation the judge gives the winner's class; p: exact one-sided binomial test over sets "
-        "against chance 1/m"
-    )
+    lines.append(LEGEND)
     return "\n".join(lines)
 
 
@@ -364,7 +395,7 @@ def set_figure(entry: dict[str, Any], *, title: str | None = None):
         if all("posterior" in s for s in steps):
             ax.plot(x, [s["posterior"][r] for s in steps], color=color, linewidth=1.0, linestyle="--",
                     label=f"{r}: latent posterior")  # fmt: skip
-    ax.axhline(1.0 / entry["num_refs"], color="0.5", linestyle=":", linewidth=0.8)
+    ax.axhline(1.0 / entry["num_refs"], color="0.5", linestyle=":", linewidth=0.8, label="1/m, an even share")
     ax.set_xlabel("denoising progress (step / last step)", fontsize=8)
     ax.set_ylabel("share of reference", fontsize=8)
     ax.set_ylim(-0.02, 1.02)
@@ -377,11 +408,13 @@ def set_figure(entry: dict[str, Any], *, title: str | None = None):
 
 
 def _band(ax: Any, x: np.ndarray, per_set: np.ndarray, color: str, style: str, label: str) -> None:
-    """Mean over sets with its 95% t band (two or more sets)."""
+    """Mean over sets with its 95% t band (two or more sets), clipped to [0, 1] as the table's
+    intervals are (every value drawn is a share)."""
     from nw_adapter.core.intervals import t_interval
 
     stats = np.array([t_interval(column[np.isfinite(column)]) if np.isfinite(column).any()
                       else (math.nan,) * 3 for column in per_set.T])  # fmt: skip
+    stats[:, 1:] = np.clip(stats[:, 1:], 0.0, 1.0)
     ax.plot(x, stats[:, 0], color=color, linestyle=style, linewidth=1.1, label=label)
     if per_set.shape[0] >= 2:
         ax.fill_between(x, stats[:, 1], stats[:, 2], color=color, alpha=0.18 if style == "-" else 0.08,
@@ -402,7 +435,7 @@ def sweep_figure(document: dict[str, Any], *, title: str | None = None):
     on the leading reference, ``(max_r share_r - 1/m) / (1 - 1/m)`` (:func:`concentration`), and (b)
     the entropy over references as a share of log m (the attention's query rows; the posterior's);
     the attention mass solid, the theory's latent posterior dashed, 95% t bands over sets (two or
-    more). 3.5 in wide. None when no set has m >= 2."""
+    more; clipped to [0, 1]). 3.5 in wide. None when no set has m >= 2."""
     from matplotlib.figure import Figure
 
     from nw_adapter.analysis.records import wrap_title

@@ -42,7 +42,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from nw_adapter.commands import note
+from nw_adapter.commands import note, progress_line
 from nw_adapter.correlate.images import ReferenceImage
 from nw_adapter.integration.config import BANDWIDTH_RULES as DEFAULT_RULES  # consequence's, without torch
 
@@ -118,13 +118,25 @@ def _compare(
     *,
     bars: bool,
 ) -> Any:
-    """Load the model and run :func:`compare_swap`; returns the comparison."""
+    """Load the model and run :func:`compare_swap`, a progress line per reference where no bar is
+    drawn (:func:`~nw_adapter.commands.progress_line`); returns the comparison."""
+    import time
+
     from nw_adapter.analysis.consequence import compare_swap
+    from nw_adapter.correlate.html_report.images import IMAGE_CAP as REPORT_IMAGE_CAP
     from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.models.digits_quality import digit_judge
 
     pipe = model.load(args, bars=bars)
     references = [load_reference_image(info.path)[0] for info in infos]
+    started = [time.perf_counter()]
+
+    def done(index: int, count: int) -> None:  # a plain line per reference in a log
+        now = time.perf_counter()
+        text = f"reference {index + 1} of {count} done in {now - started[0]:.0f} s: {infos[index].key}"
+        progress_line(args.quiet, bars, text)
+        started[0] = now
+
     try:
         return compare_swap(
             pipe,
@@ -133,7 +145,9 @@ def _compare(
             seed=args.seed,
             judge=digit_judge() if labels is not None else None,
             labels=labels,
-            keep_images=False,
+            keep_images=True,  # at the report's size
+            kept_size=REPORT_IMAGE_CAP,
+            on_reference_done=done,
             **model.call_arguments(args),
         )
     except ValueError as exc:  # compare_swap's input errors (e.g. a pipeline without image encoder)
@@ -156,15 +170,21 @@ def run(args: argparse.Namespace) -> int:
     """
     from nw_adapter import atomic
     from nw_adapter.correlate.console import library_output, quiet_libraries, show_progress_bars
+    from nw_adapter.correlate.html_report import remove_report, write_swap_report
     from nw_adapter.correlate.images import collect_image_paths, validate_images
     from nw_adapter.correlate.options import fingerprint, options_record
-    from nw_adapter.correlate.outputs import SWAP_RUN, OutputLock, check_apart, check_output_dir
+    from nw_adapter.correlate.outputs import (
+        SWAP_RUN,
+        OutputLock,
+        check_apart,
+        check_output_dir,
+        remove_interrupted_writes,
+    )
     from nw_adapter.correlate.report import write_json
     from nw_adapter.correlate.run_model import prepare_model
     from nw_adapter.correlate.swap_files import (
         CSV_NAME,
         JSON_NAME,
-        SWAP_FILES,
         build_document,
         format_document,
         read_text,
@@ -188,13 +208,14 @@ def run(args: argparse.Namespace) -> int:
         resolved = model.resolved(labels=label_source, judge=judge)
         # the references are checked on their own (document_problem), so the note can say which changed
         expected = fingerprint(args.run.name, args, resolved)
-        atomic.remove_interrupted_writes(out_dir, lambda name: name in SWAP_FILES)
+        remove_interrupted_writes(out_dir, run=SWAP_RUN)  # a killed run's files, report.html's too
         fingerprinted = options_record(args.run.name, args, resolved, fingerprinted=True)
         document, why = reusable_document(out_dir, expected, infos, labels, fingerprinted)
         if document is None:
             if why:
                 note(args.quiet, f"{why}; computing it again")
             remove_outputs(out_dir)
+            remove_report(out_dir)  # report.html of another comparison
             with library_output(args):
                 result = _compare(args, model, infos, labels, bars=bars)
             config = options_record(args.run.name, args, model.resolved(labels=label_source, judge=judge))
@@ -202,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
                 write_json(out_dir / JSON_NAME, document)  # last: the marker of a finished run
+                write_swap_report(out_dir, document, result)  # report.html, with the images
             except atomic.WriteError:
                 remove_outputs(out_dir)  # no rows file without its document
                 raise
@@ -209,5 +231,6 @@ def run(args: argparse.Namespace) -> int:
             note(args.quiet, f"resumed: {JSON_NAME} of the same options and references reused from {out_dir}")
             if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
+            write_swap_report(out_dir, document)  # report.html: this document's is kept
     print(format_document(document))
     return 0

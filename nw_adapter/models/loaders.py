@@ -23,14 +23,29 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
 
+from nw_adapter.library_output import library_output
 from nw_adapter.models import tiny_digits, tiny_flow, tiny_flux_digits
 
 TINY_DIGITS_WEIGHT_NAME = "ip-adapter_sd15.safetensors"
 """The adapter file of the shipped model (layout of ``h94/IP-Adapter``: ``models/<file>``)."""
+
+
+def quiet_loading(verbose: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Within the block, loading prints what the command line prints: nothing but errors.
+
+    diffusers' and transformers' loggers at error level (the torchvision fallback note of the
+    image processors, diffusers' float32 cast note), their progress bars ("Loading pipeline
+    components", "Loading weights") off and the libraries' deprecation warnings hidden; the previous
+    levels and bar settings are restored afterwards. ``verbose=True`` changes nothing (the loaders'
+    ``verbose=`` argument: the libraries' own output, as ``-v`` gives on the command line). The
+    command line's mechanism: :func:`nw_adapter.library_output.library_output`.
+    """
+    return library_output(verbose=verbose, bars=verbose)
 
 
 def cache_dir() -> Path:
@@ -49,26 +64,29 @@ def flow_cache_folder(seed: int = 0) -> Path:
     return cache_dir() / f"tiny-flow-{tiny_flow.flow_builder_fingerprint()}-seed{seed}"
 
 
-def load_tiny_digits(*, pipeline_class: Any = None, device: str = "cpu") -> Any:
+def load_tiny_digits(*, pipeline_class: Any = None, device: str = "cpu", verbose: bool = False) -> Any:
     """The trained tiny digits model, with its IP-Adapter loaded (no network, no cache written).
 
     Args:
         pipeline_class: a Stable Diffusion pipeline class (default ``StableDiffusionPipeline``;
             for example :class:`~nw_adapter.pipelines.StableDiffusionNWPipeline`).
         device: where to put it.
+        verbose: show the libraries' own notes and progress bars while loading (default: quiet,
+            as the command line, :func:`quiet_loading`).
 
     Returns:
         The pipeline, float32, progress bar disabled; 32 x 32 images by default.
     """
-    if pipeline_class is None:
-        from diffusers import StableDiffusionPipeline
-
-        pipeline_class = StableDiffusionPipeline
     folder = tiny_digits.SHIPPED_DIR
-    pipe = pipeline_class.from_pretrained(folder)
-    pipe.load_ip_adapter(folder, subfolder="models", weight_name=TINY_DIGITS_WEIGHT_NAME)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe if device == "cpu" else pipe.to(device)
+    with quiet_loading(verbose):
+        if pipeline_class is None:
+            from diffusers import StableDiffusionPipeline
+
+            pipeline_class = StableDiffusionPipeline
+        pipe = pipeline_class.from_pretrained(folder)
+        pipe.load_ip_adapter(folder, subfolder="models", weight_name=TINY_DIGITS_WEIGHT_NAME)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe if device == "cpu" else pipe.to(device)
 
 
 TINY_FLUX_DIGITS_CALL: dict[str, int] = {
@@ -81,7 +99,7 @@ to 512 x 512 pixels and 512 T5 tokens; the model was trained at 32 x 32 and 32 t
 FLUX.1-schnell is called with ``max_sequence_length=256``)."""
 
 
-def load_tiny_flux_digits(*, pipeline_class: Any = None, device: str = "cpu") -> Any:
+def load_tiny_flux_digits(*, pipeline_class: Any = None, device: str = "cpu", verbose: bool = False) -> Any:
     """The trained tiny Flux digits model, with its IP-Adapter loaded (no network, no cache written).
 
     ``from_pretrained`` on the shipped folder, then ``load_ip_adapter`` with the XLabs file layout
@@ -95,16 +113,22 @@ def load_tiny_flux_digits(*, pipeline_class: Any = None, device: str = "cpu") ->
         pipeline_class: a Flux pipeline class (default ``FluxPipeline``; for example
             :class:`~nw_adapter.pipelines.FluxNWPipeline`).
         device: where to put it.
+        verbose: show the libraries' own notes and progress bars while loading (default: quiet).
 
     Returns:
         The pipeline, float32, progress bar disabled.
     """
-    pipe = tiny_flux_digits.load_pipeline(pipeline_class=pipeline_class)
-    return pipe if device == "cpu" else pipe.to(device)
+    with quiet_loading(verbose):
+        pipe = tiny_flux_digits.load_pipeline(pipeline_class=pipeline_class)
+        return pipe if device == "cpu" else pipe.to(device)
 
 
 def load_tiny_sd3(
-    *, seed: int = 0, folder: str | os.PathLike | None = None, pipeline_class: Any = None
+    *,
+    seed: int = 0,
+    folder: str | os.PathLike | None = None,
+    pipeline_class: Any = None,
+    verbose: bool = False,
 ) -> Any:
     """A random-weight tiny SD 3.5 pipeline with its IP-Adapter (InstantX layout) loaded.
 
@@ -112,13 +136,20 @@ def load_tiny_sd3(
         seed: seed of the random weights.
         folder: where to write the models once (default :func:`flow_cache_folder`).
         pipeline_class: default ``StableDiffusion3Pipeline``.
+        verbose: show the libraries' own notes and progress bars while loading (default: quiet).
     """
     target = flow_cache_folder(seed) if folder is None else Path(folder)
-    return tiny_flow.tiny_sd3_pipeline(target, seed=seed, pipeline_class=pipeline_class)
+    with quiet_loading(verbose):
+        return tiny_flow.tiny_sd3_pipeline(target, seed=seed, pipeline_class=pipeline_class)
 
 
 def load_tiny_flux(
-    *, seed: int = 0, folder: str | os.PathLike | None = None, adapters: int = 1, pipeline_class: Any = None
+    *,
+    seed: int = 0,
+    folder: str | os.PathLike | None = None,
+    adapters: int = 1,
+    pipeline_class: Any = None,
+    verbose: bool = False,
 ) -> Any:
     """A random-weight tiny Flux pipeline with ``adapters`` IP-Adapters (XLabs layout) loaded.
 
@@ -127,9 +158,13 @@ def load_tiny_flux(
         folder: where to write the models once (default :func:`flow_cache_folder`).
         adapters: how many adapters to load (several adapters, one image each).
         pipeline_class: default ``FluxPipeline``.
+        verbose: show the libraries' own notes and progress bars while loading (default: quiet).
     """
     target = flow_cache_folder(seed) if folder is None else Path(folder)
-    return tiny_flow.tiny_flux_pipeline(target, seed=seed, adapters=adapters, pipeline_class=pipeline_class)
+    with quiet_loading(verbose):
+        return tiny_flow.tiny_flux_pipeline(
+            target, seed=seed, adapters=adapters, pipeline_class=pipeline_class
+        )
 
 
 def tiny_digit_image(digit: int) -> Any:

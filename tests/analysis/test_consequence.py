@@ -79,6 +79,7 @@ def test_stock_generation_is_bit_identical_to_a_plain_call(pipe, references, res
         np.testing.assert_array_equal(result.stock_images[index], own)
         # the seed control: the same reference from seed + n + i
         other = np.clip(_plain_call(pipe, reference, 5 + len(references) + index), 0.0, 1.0)
+        np.testing.assert_array_equal(result.seed_images[index], other)  # kept for the report
         row = result.per_reference[index * len(RULES)]
         assert row["abs_diff_other_seed"] == pytest.approx(float(np.abs(other - own).mean()))
         assert row["abs_diff_other_seed"] > 0
@@ -129,6 +130,18 @@ def test_a_judge_that_answers_one_class_keeps_only_that_class(pipe, references):
     (row,) = comparison.summary()
     assert row["rule"] == 2.0 and row["stock_kept"] == 1 and row["swap_kept"] == 1
     assert comparison.stock_images == [] and comparison.swap_images == {2.0: []}
+
+
+def test_kept_size_keeps_small_images_and_measures_the_full_ones(pipe, references):
+    """The command line keeps thumbnails for its report; the numbers are those of the full images."""
+    common = {"rules": (2.0,), "num_inference_steps": 1}
+    small = compare_swap(pipe, references[:2], kept_size=16, **common)
+    full = compare_swap(pipe, references[:2], **common)
+    assert small.per_reference == full.per_reference
+    for images in (small.stock_images, small.seed_images, small.swap_images[2.0]):
+        assert [image.shape for image in images] == [(16, 16, 3)] * 2
+        assert all(image.dtype == np.float32 and 0.0 <= image.min() <= image.max() <= 1.0 for image in images)
+    assert full.stock_images[0].shape == (32, 32, 3)
 
 
 def test_t_interval_is_scipys_one_sample_interval():

@@ -85,10 +85,10 @@ def verdict_start(lines: list[str]) -> int:
 def printed_table(stdout: str) -> tuple[str, str]:
     """The printed table and verdict (the legend between them checked: one line per column shown)."""
     lines = stdout.strip().splitlines()
-    assert lines[0].startswith("attention vs NW weights")
+    assert lines[0].startswith("attention vs NW weights") and lines[1].startswith("control: ")
     index = verdict_start(lines)
     legend = next(i for i, line in enumerate(lines) if line.startswith("legend (means over layers"))
-    table = lines[1:legend]
+    table = lines[2:legend]
     assert [line.split()[0] for line in lines[legend + 1 : index]] == table[0].split()
     return "\n".join(table), "\n".join(lines[index:])
 
@@ -126,6 +126,7 @@ def test_files_and_schema(baseline, photos) -> None:
         ".nw-adapter.lock",
         *(["bandwidth.png"] if fitted else []),
         "images",
+        "report.html",
         "rho.csv",
         "rho.json",
         "rho.png",

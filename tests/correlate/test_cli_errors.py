@@ -383,6 +383,8 @@ def test_write_failure_mid_run_exits_2_and_keeps_finished_images(
     assert (out / "rho.json").is_file()
     monkeypatch.setattr(Image.Image, "save", save)
     code, stdout, err = run_main(argv, capsys)
+    progress, err = err.splitlines()[:-1], err.splitlines()[-1] + "\n"  # the finished reference's line first
+    assert [line.split(" done in ")[0] for line in progress] == ["progress: reference 1 of 2"]
     line = assert_one_line_error(code, err, "cannot write", "generated", "No space left on device")
     assert "finished images are kept" in line and stdout == ""
     finished = [p for p in (out / "images").glob("*/result.json")]

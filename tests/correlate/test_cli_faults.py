@@ -25,7 +25,8 @@ def run(argv: list, capsys) -> tuple[int, str, str]:
 
 
 def one_line(code: int, err: str, *words: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
+    # a finished reference's progress line (stderr is not a terminal here) comes before the error
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("progress: ")]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("correlate.py: error: "), err
     assert "Traceback" not in err
     for word in words:
@@ -280,12 +281,16 @@ def test_a_failed_compare_swap_write_keeps_no_rows_file(tmp_path, capsys, monkey
 
 
 def test_a_failed_report_write_keeps_the_images_and_no_report_in_part(tmp_path, capsys, monkeypatch):
-    import nw_adapter.correlate.plotting as plotting
+    import nw_adapter.analysis.records as records
 
-    def fail(*args, **kwargs):
-        raise WriteError("cannot write rho.png (No space left on device)")
+    written = records.save_figure
 
-    monkeypatch.setattr(plotting, "plot_rho", fail)
+    def fail(figure, path, *args, **kwargs):  # the write of rho.png, whichever function draws it
+        if Path(path).name == "rho.png":
+            raise WriteError("cannot write rho.png (No space left on device)")
+        return written(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(records, "save_figure", fail)
     out = tmp_path / "out"
     code, _, err = run(["--image", digit(3), *TINY, "--no-untrained-control", "--out", out], capsys)
     one_line(code, err, "rho.png", "finished images are kept")

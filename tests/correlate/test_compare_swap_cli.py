@@ -88,6 +88,18 @@ def test_writes_parseable_files_and_prints_the_table(finished):
     assert "stock keeps class" in printed and "bundled held-out digits" in printed
 
 
+def test_a_log_gets_a_plain_progress_line_per_reference(finished):
+    """stderr is no terminal here (a log): no bar, one line per reference, in order."""
+    progress = [line for line in finished["stderr"].splitlines() if line.startswith("progress: ")]
+    assert [line.split(" done in ")[0] for line in progress] == [
+        "progress: reference 1 of 2",
+        "progress: reference 2 of 2",
+    ]
+    keys = [line.rsplit(": ", 1)[1] for line in progress]
+    assert [key.split("-")[0] for key in keys] == ["digit_3", "digit_7"]  # <stem>-<digest>: the reference
+    assert "\r" not in finished["stderr"] and "%|" not in finished["stderr"]
+
+
 def test_printed_table_has_bounded_intervals_units_a_legend_and_a_conclusion(finished):
     document = json.loads((finished["out"] / JSON_NAME).read_text())
     printed = finished["stdout"]
@@ -132,12 +144,14 @@ def test_resume_reuses_without_generating(finished, capsys, monkeypatch, tmp_pat
     before, rows = (out / JSON_NAME).read_text(), (out / CSV_NAME).read_text()
     (out / CSV_NAME).unlink()  # the rows file is written again from the JSON
     (out / ".compare_swap.abcd1234.tmp.json").write_text("{")  # a killed write's leftover
+    (out / ".report.abcd1234.tmp.html").write_text("<!DOCTYPE html>")  # a killed report's
     calls = []
     monkeypatch.setattr(consequence, "compare_swap", lambda *a, **k: calls.append(a))
     code, printed, err = run([*BASE, *images_args(), "--out", out], capsys)
     assert code == 0 and not calls and "resumed" in err
     assert (out / JSON_NAME).read_text() == before and (out / CSV_NAME).read_text() == rows
     assert not (out / ".compare_swap.abcd1234.tmp.json").exists()
+    assert not (out / ".report.abcd1234.tmp.html").exists()
     assert comparison_of(json.loads(before)).table() in printed
 
 

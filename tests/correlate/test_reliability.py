@@ -187,6 +187,35 @@ def test_next_run_removes_killed_writes_temporary_files_and_nothing_else(tmp_pat
     assert all(p.read_text() == "x" for p in users) and (out / ".rho.dir45678.tmp.json").is_dir()
 
 
+@pytest.mark.parametrize("kind", ["compare-swap", "support-sets"])
+def test_each_run_kind_removes_its_own_killed_writes_and_nothing_else(tmp_path, kind):
+    """A killed ``--compare-swap`` or support-set run leaves its atomic writes' temporary files
+    (report.html's too); the next run of that kind removes them, and no user's file."""
+    from nw_adapter.correlate.outputs import remove_interrupted_writes
+
+    out = tmp_path / "out"
+    sets = out / "sets" / "pair"
+    sets.mkdir(parents=True)
+    ours = [out / ".report.ab12cd34.tmp.html", out / ".nw-adapter-write-check-ab12cd34"]
+    if kind == "compare-swap":
+        ours += [out / ".compare_swap.ab12cd34.tmp.json", out / ".compare_swap.zz12cd34.tmp.csv"]
+        theirs = [out / ".support.ab12cd34.tmp.json", sets / ".generated.ab12cd34.tmp.png"]  # another run's
+    else:
+        ours += [out / ".support.ab12cd34.tmp.json", out / ".support_mass.ab12cd34.tmp.png",
+                 sets / ".generated.ab12cd34.tmp.png", sets / ".mass.ab12cd34.tmp.png"]  # fmt: skip
+        theirs = [out / ".compare_swap.ab12cd34.tmp.json", sets / ".rho.ab12cd34.tmp.json"]
+    users = [
+        out / ".report.notes.tmp.html",
+        out / ".mine.ab12cd34.tmp.html",
+        sets / "generated.ab12cd34.tmp.png",
+    ]
+    for path in ours + theirs + users:
+        path.write_text("x")
+    removed = remove_interrupted_writes(out, run=kind)
+    assert sorted(removed) == sorted(ours) and not any(p.exists() for p in ours)
+    assert all(p.read_text() == "x" for p in theirs + users)
+
+
 def test_temporary_target_and_removal(tmp_path):
     import tempfile
 

@@ -361,7 +361,8 @@ def test_rho_plot_carries_the_repeated_timestep_note() -> None:
     report = build_report(make_records(timesteps=(667, 334, 334, 1)), config=config, images=[], versions={})
     note = repeated_timestep_note(report)
     fig = rho_figure(report["blocks"], title="run", note=note)
-    assert " ".join(fig._suptitle.get_text().split()) == f"run {note}"  # wrapped to the figure's width
+    title = " ".join(fig._suptitle.get_text().split())  # wrapped to the figure's width
+    assert title.startswith(f"run {note} control: ")
 
 
 def test_rho_figure_draws_each_null_as_its_own_named_line() -> None:

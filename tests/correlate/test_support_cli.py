@@ -173,6 +173,33 @@ def test_end_to_end_run_writes_the_support_columns_and_the_report(finished):
     assert groups == {(2, "mixed"), (2, "same")}
 
 
+def test_the_next_run_removes_a_killed_runs_temporary_files(finished, tmp_path, capsys, monkeypatch):
+    """A killed run leaves its atomic writes' temporary files (report.html's, a set's image); the next
+    run removes them under its lock before it generates (interrupted here at once), and no user's
+    file."""
+    import nw_adapter.correlate.support_cli as support_cli
+
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    mixed, twice = out / "sets" / "mixed", out / "sets" / "twice"
+    ours = [out / ".report.ab12cd34.tmp.html", out / ".support.ab12cd34.tmp.json",
+            mixed / ".generated.ab12cd34.tmp.png", twice / ".mass.zz12cd34.tmp.png"]  # fmt: skip
+    users = [out / ".report.notes.tmp.html", mixed / ".sketch.ab12cd34.tmp.png"]
+    for path in ours + users:
+        path.write_text("x")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(support_cli, "_generate", interrupted)
+    sets = finished.parent / "sets"
+    code, _, err = run(["--model", "tiny", "--steps", "2", "--support-dir", sets, "--out", out, "-q"], capsys)
+    assert code == 130, err
+    assert not any(path.exists() for path in ours)
+    assert all(path.read_text() == "x" for path in users)
+    assert not (out / "support.json").exists() and not (out / "report.html").exists()
+
+
 def test_digit_support_sets_have_the_asked_sizes_and_classes(tmp_path):
     import re
 

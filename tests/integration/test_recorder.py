@@ -130,11 +130,16 @@ def test_summary_prints_as_a_table(observed):
     text = repr(summary)
     lines = text.splitlines()
     assert lines[0].startswith("cond half: mean over layers, heads, adapters and images per step")
-    assert lines[1].split()[:5] == ["call", "step", "t", "rho", "perm-null"]
+    assert lines[1].startswith("control: ")  # which control ran, as the command line says it
+    notes = 3 if lines[2].startswith("note: ") else 2  # PNDM's shared timestep, as the command line
+    header = lines[notes].split()
+    assert header[:5] == ["call", "step", "timestep", "rho", "perm-null"]
     cond = [r for r in summary if r["half"] == "cond"]
-    assert len(lines) == 2 + len(cond) + 1 and lines[-1].startswith("perm-null / norm-null")
+    legend = lines[notes + 1 + len(cond) :]
+    assert legend[0].startswith("legend") and len(legend) == 1 + len(header)  # every column shown, defined
     first = cond[0]
-    assert lines[2].split()[:3] == [str(first["call"]), str(first["step"]), f"{first['timestep']:.0f}"]
+    row = lines[notes + 1].split()
+    assert row[:3] == [str(first["call"]), str(first["step"]), f"{first['timestep']:.0f}"]
     assert str(summary) == text and isinstance(summary, list)
     assert all("frac_rho_gt_0_9" in row for row in summary)  # the rows keep every statistic
 

@@ -42,3 +42,32 @@ def test_the_default_cache_is_the_one_the_cli_uses(monkeypatch, tmp_path):
     model, adapter, _ = families.ensure_tiny_flow_models(families.FAMILIES["sd3"], tmp_path)
     assert model == loaders.flow_cache_folder(0) / "sd3"
     assert adapter == loaders.flow_cache_folder(0) / "sd3-ip-adapter"
+
+
+def test_loading_in_a_notebook_is_as_quiet_as_the_command_line():
+    """A fresh interpreter (a notebook's first load): the trained tiny models load without a line on
+    stderr (no torchvision fallback note, no float32 cast note, no progress bars); ``verbose=True``
+    shows the libraries' own output, so the quiet one is not an accident of the environment."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from subprocess_limits import SUBPROCESS_TIMEOUT_S
+
+    script = (
+        "import sys, nw_adapter\n"
+        "nw_adapter.load_tiny_digits(); nw_adapter.load_tiny_flux_digits()\n"
+        "print('---', file=sys.stderr)\n"
+        "nw_adapter.load_tiny_digits(verbose=True)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "PYTHONPATH": str(repo)}
+    for name in ("TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=SUBPROCESS_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr
+    quiet, _, verbose = done.stderr.partition("---\n")
+    assert quiet == ""
+    assert "Loading pipeline components" in verbose and "float32" in verbose

@@ -1,0 +1,227 @@
+"""The verdict as HTML, read generically from the dict :func:`nw_adapter.correlate.verdict.verdict` returns.
+
+Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval,
+p, n, margin and every other field a part carries); any further list of entries of a clause
+(``reported``, or anchors added in later versions) is a table of its own, and a part's or entry's
+nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter, the control and the
+exact head side by side) are columns side by side. Fields this module does not know are shown, not
+dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
+:data:`~nw_adapter.correlate.verdict.STATUS_WORDS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nw_adapter.correlate.html_report.document import Markup, escape, number, table_html
+
+__all__ = ["verdict_html"]
+
+_PART_ORDER = (
+    "label",
+    "test",
+    "mean",
+    "interval",
+    "p",
+    "n",
+    "draws",
+    "margin",
+    "significant",
+    "measured",
+    "theory",
+    "caveat",
+    "reason",
+)
+_HIDDEN = {"key", "low", "high", "se", "dropped_references", "dropped_draws", "missing"}
+_KNOWN_TOP = {
+    "conclusion",
+    "evidence",
+    "images",
+    "unit",
+    "method",
+    "alpha",
+    "confidence",
+    "half",
+    "draws",
+    "duplicates_merged",
+    "merged",
+    "per_image",
+    "clauses",
+    "skipped",
+    "nonfinite",
+}
+
+
+def _signed(value: Any) -> str:
+    """A verdict number as the console prints it: signed, 3 decimals (``nan`` when missing)."""
+    return "nan" if not isinstance(value, int | float) or isinstance(value, bool) else f"{value:+.3f}"
+
+
+def _p(value: Any) -> str:
+    """A p-value as the console prints it."""
+    if not isinstance(value, int | float):
+        return "n/a"
+    return f"{value:.1e}" if value < 1e-3 else f"{value:.3f}"
+
+
+def _interval(entry: Mapping[str, Any]) -> str:
+    low, high = entry.get("low"), entry.get("high")
+    if low is None or high is None:
+        return "n/a"
+    return f"[{_signed(low)}, {_signed(high)}]"
+
+
+def _is_result(value: Any) -> bool:
+    return isinstance(value, Mapping) and "mean" in value
+
+
+def _result_cell(value: Mapping[str, Any]) -> str:
+    p = f", p {_p(value['p'])}" if value.get("p") is not None else ""
+    n = f", n {value['n']}" if value.get("n") is not None else ""
+    return f"{_signed(value.get('mean'))} {_interval(value)}{p}{n}"
+
+
+def _results(entry: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The nested results of an entry, by name: a field holding a result, or each result of a field
+    that holds several (``{"adapter": {...}, "control": {...}, "exact_head": {...}}``)."""
+    found: dict[str, Mapping[str, Any]] = {}
+    for key, value in entry.items():
+        if _is_result(value):
+            found[key] = value
+        elif isinstance(value, Mapping) and value and all(_is_result(v) for v in value.values()):
+            found.update({str(name): result for name, result in value.items()})
+    return found
+
+
+def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
+    """A table of a clause's parts (or reported values, anchors ...): the known fields in the
+    console's order and number formats, the nested results side by side (one column each), every
+    other field after them."""
+    entries = [e for e in entries if isinstance(e, Mapping)]
+    if not entries:
+        return ""
+    nested: list[str] = []
+    holders: set[str] = set()
+    for entry in entries:
+        for name in _results(entry):
+            if name not in nested:
+                nested.append(name)
+        holders |= {k for k, v in entry.items() if isinstance(v, Mapping) and _results({k: v})}
+    present = {k for e in entries for k in e} - holders
+    columns = [c for c in _PART_ORDER if c in present or (c == "interval" and "low" in present)]
+    columns += sorted(k for k in present - set(columns) - _HIDDEN if k not in ("low", "high"))
+    columns = [c for c in columns if c == "interval" or any(e.get(c) is not None for e in entries)]
+    header = [c.replace("_", " ") for c in columns] + [
+        f"{k.replace('_', ' ')}: mean [95% interval]" for k in nested
+    ]
+    rows = []
+    for entry in entries:
+        row: list[Any] = []
+        for column in columns:
+            value = entry.get(column)
+            if column == "interval":
+                row.append(_interval(entry))
+            elif column in ("mean", "margin", "theory") and isinstance(value, int | float):
+                row.append(_signed(value) if column == "mean" else f"{value:g}")
+            elif column == "p":
+                row.append(_p(value))
+            elif column == "draws":
+                row.append(value or "-")
+            else:
+                row.append(value if not isinstance(value, Mapping | list) else escape(value))
+        results = _results(entry)
+        row += [_result_cell(results[k]) if k in results else "-" for k in nested]
+        rows.append(row)
+    numeric = [c in ("mean", "interval", "p", "n", "margin", "theory") for c in columns] + [False] * len(
+        nested
+    )
+    return table_html(header, rows, numeric=numeric)
+
+
+def _status(clause: Mapping[str, Any], images: int) -> Markup:
+    from nw_adapter.correlate.verdict import STATUS_WORDS
+
+    holds = clause.get("holds")
+    if holds is True:
+        return Markup(f'<span class="status-met">{STATUS_WORDS[True]}</span>')
+    if holds is False:
+        return Markup(f'<span class="status-not-met">{STATUS_WORDS[False]}</span>')
+    reason = clause.get("reason")
+    words = "needs several reference images" if images < 2 and not reason else f"{STATUS_WORDS[None]}"
+    if reason:
+        words += f": {reason}"
+    return Markup(f'<span class="status-other">{escape(words)}</span>')
+
+
+def _plain(value: Any) -> str:
+    """Any JSON value as HTML: a mapping as a two-column table, a list of mappings as a table."""
+    if isinstance(value, Mapping):
+        if all(_is_result(v) for v in value.values()) and value:  # results side by side
+            return table_html(list(value), [[_result_cell(v) for v in value.values()]])
+        return table_html(["field", "value"], [[str(k), Markup(_plain(v))] for k, v in value.items()])
+    if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+        return _entries_table(value)
+    return number(value) if not isinstance(value, str) else escape(value)
+
+
+def verdict_html(result: Mapping[str, Any]) -> str:
+    """The verdict: its conclusion line, the unit line, per clause its status and tables, the
+    skipped values, the per-image values (folded), any other field, the method and the legend."""
+    from nw_adapter.correlate.verdict import LEGEND
+
+    images = int(result.get("images") or 0)
+    parts = [f'<p class="verdict-line" id="verdict-line">verdict: {escape(result.get("conclusion", ""))}</p>']
+    draws = result.get("draws") or 0
+    merged = result.get("duplicates_merged") or 0
+    parts.append(
+        f'<p class="note">unit: {escape(result.get("unit", "reference image"))}, one seed each, n {images}'
+        + (f" ({merged} of the same content merged: counted once)" if merged else "")
+        + (f", {draws} control draws" if draws else "")
+        + f"; mean [95% interval], one-sided, alpha {escape(result.get('alpha', 0.05))}</p>"
+    )
+    for key, clause in (result.get("clauses") or {}).items():
+        if not isinstance(clause, Mapping):
+            continue
+        label = escape(clause.get("label", key))
+        parts.append(f'<h3 data-clause="{escape(key)}">{label}: {_status(clause, images)}</h3>')
+        if isinstance(clause.get("parts"), list):
+            parts.append(_entries_table(clause["parts"]))
+        for name, value in clause.items():
+            if name in ("parts", "label", "short", "holds", "reason"):
+                continue
+            if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+                title = "reported (not tested)" if name == "reported" else name.replace("_", " ")
+                parts.append(f'<p class="note">{escape(title)}:</p>{_entries_table(value)}')
+            elif isinstance(value, Mapping) and value:
+                parts.append(f'<p class="note">{escape(name.replace("_", " "))}:</p>{_plain(value)}')
+    skipped = result.get("skipped") or {}
+    if skipped:
+        rows = [
+            [
+                column,
+                entry.get("count"),
+                "; ".join(f"{why}: {n}" for why, n in (entry.get("reasons") or {}).items()),
+            ]
+            for column, entry in skipped.items()
+            if isinstance(entry, Mapping)
+        ]
+        parts.append('<p class="note">skipped (left out of the means):</p>')
+        parts.append(table_html(["column", "values", "reasons"], rows, numeric=[False, True, False]))
+    for name in sorted(set(result) - _KNOWN_TOP):  # fields of later versions: shown, not dropped
+        parts.append(f"<h3>{escape(name.replace('_', ' '))}</h3>{_plain(result[name])}")
+    per_image = result.get("per_image") or []
+    if per_image:
+        scalars = [k for k in per_image[0] if not isinstance(per_image[0][k], list | Mapping)]
+        rows = [[row.get(k) for k in scalars] for row in per_image]
+        parts.append(
+            f"<details><summary>per reference image: every part's value ({len(per_image)} images)</summary>"
+            f"{table_html(scalars, rows, numeric=[k != 'reference' for k in scalars])}</details>"
+        )
+    if result.get("method"):
+        parts.append(f'<p class="note">method: {escape(result["method"])}</p>')
+    legend = "".join(f"<li>{escape(entry)}</li>" for entry in LEGEND)
+    parts.append(
+        f'<details open><summary>legend of the verdict</summary><ul class="legend">{legend}</ul></details>'
+    )
+    return "".join(parts)
