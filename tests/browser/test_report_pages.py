@@ -133,6 +133,27 @@ def test_the_verdict_renders_fields_of_later_versions_and_anchors_side_by_side()
     assert "calibration" in page and "false_positive_rate" in page  # the verdict's field of a later version
 
 
+def test_the_controls_path_in_the_report_is_the_verdicts_matched_once_per_run() -> None:
+    """The control's line divides out the per-step scale matching (matched once per run, as the
+    verdict reads it): a control whose matched logit scale follows only its per-step key scale (1/h)
+    has exponent 0 in the verdict and in the figure (main at 7b2f1f0 drew the per-step matched
+    values: exponent +1)."""
+    import report_inputs
+
+    from nw_adapter.correlate.html_report.rho_figures import bandwidth_figure
+    from nw_adapter.correlate.verdict import verdict
+
+    records = report_inputs.records(["a", "b", "c"])
+    for record in records:
+        for k in range(2):
+            record[f"key_scale_{k}"] = 1.0 / record["h_schedule"]
+            record[f"logit_scale_control_{k}"] = (1.5 + k) / record["h_schedule"]
+    reported = {e["key"]: e for e in verdict(records)["clauses"]["bandwidth"]["reported"]}
+    assert reported["exponent_control"]["mean"] == pytest.approx(0.0, abs=1e-9)
+    (control,) = [t for t in bandwidth_figure(records, "cond").data if "control" in t.name]
+    assert control.name.endswith("exponent +0.000") or control.name.endswith("exponent -0.000")
+
+
 def test_the_support_report_shows_the_attention_beside_the_latent_posterior_in_the_consoles_words(
     pages,
 ) -> None:

@@ -68,6 +68,14 @@ def _step_axis(rows: Sequence[dict]) -> tuple[list[int], list[float | None]]:
     return [int(r["step"]) for r in rows], _series(rows, "timestep")
 
 
+def whole_steps(rows: Sequence[dict]) -> dict[str, Any]:
+    """A step axis's ticks on whole steps (at most about 12 of them): plotly would put ticks at half
+    steps on a short run."""
+    steps = {int(r["step"]) for r in rows}
+    span = max(steps, default=0) - min(steps, default=0)
+    return {"tick0": 0, "dtick": max(1, math.ceil(span / 12))}
+
+
 def _hover(name: str) -> str:
     return f"{name}<br>step %{{x}} (t=%{{customdata:.0f}})<br>%{{y:.3f}}<extra></extra>"
 
@@ -194,6 +202,7 @@ def rho_blocks_figure(records: Sequence[dict], half: str, *, control: str | None
         },
     )
     fig.update_xaxes(title_text="step (denoiser call)", row=1, col=(len(names) + 1) // 2)
+    fig.update_xaxes(**whole_steps(rows))
     fig.update_yaxes(title_text="Spearman rho", row=1, col=1)
     return fig
 
@@ -274,6 +283,7 @@ def rho_layers_figure(records: Sequence[dict], half: str, *, control: str | None
             }
         ],
         xaxis_title="step (denoiser call)",
+        xaxis=whole_steps(rows),
         yaxis_title="Spearman rho",
     )
     return fig
@@ -281,90 +291,63 @@ def rho_layers_figure(records: Sequence[dict], half: str, *, control: str | None
 
 def bandwidth_figure(records: Sequence[dict], half: str, *, control: str | None = None):
     """The bandwidth path: ``logit_scale`` (the RMS of the row-centred logits, the branch's inverse
-    temperature) against the schedule's h per step, log-log; per step the geometric mean over
-    units of the verdict's per-unit means (:func:`nw_adapter.correlate.verdict.image_step_means`)
-    with the 95% t interval over units, for the adapter and the control (the mean over its draws),
-    and the line of exponent 2 (an exact NW head, ``logit_scale = c / h^2``). The exponent in each
-    legend entry is ``-d log logit_scale / d log h``, the mean over units (the verdict's).
+    temperature) against the schedule's h per step, log-log; the lines of ``bandwidth.png``
+    (:func:`nw_adapter.correlate.bandwidth_path.bandwidth_lines`): per step the geometric mean over
+    units with its 95% t interval, for the adapter, the control (the mean over its draws, its scale
+    matched once per run as the verdict reads it) and, in a calibrated run, the exact NW head measured
+    in the same pipeline; and the line of exponent 2 (an exact NW head, ``logit_scale = c / h^2``).
+    The exponent in each legend entry is ``-d log logit_scale / d log h`` (theory 2), the verdict's.
 
     Returns:
         The figure, or None when no step has a positive ``logit_scale`` and h.
     """
     import plotly.graph_objects as go
 
-    from nw_adapter.core.intervals import t_interval
-    from nw_adapter.correlate.verdict import image_step_means, slope_on_log_h
-    from nw_adapter.integration.schema import control_column, control_draws
+    from nw_adapter.correlate.bandwidth_path import ARMS, bandwidth_lines, guide
+    from nw_adapter.integration.schema import control_draws
 
+    lines = bandwidth_lines(records, half)
+    if not lines or lines[0].arm != "adapter":
+        return None
     draws = control_draws({name for r in records for name in r})
-    by_unit = image_step_means(records, half, draws)
-    controls = [f"log_{control_column('logit_scale', k)}" for k in range(draws)]
-    for rows in by_unit.values():
-        for row in rows:
-            logs = [row[name] for name in controls if row.get(name) is not None]
-            row["log_control"] = float(np.mean(logs)) if logs else None
-    arms = [("log_logit_scale", "adapter", rec.RHO_COLOR, "circle")]
-    if draws:
-        arms.append(("log_control", rec.control_name(control, draws), "#ff7f0e", "square"))
+    symbols = {"adapter": "circle", "control": "square", "exact": "triangle-up"}
+    names = {"adapter": "adapter", "control": rec.control_name(control, draws), "exact": ARMS["exact"][0]}
     fig = go.Figure()
-    centre = None
     seen: list[float] = []
-    for key, label, color, symbol in arms:
-        per_step: dict[int, list[tuple[float, float]]] = {}
-        for rows in by_unit.values():
-            for row in rows:
-                h = row.get("h_schedule")
-                if row.get(key) is not None and h is not None and h > 0 and math.isfinite(h):
-                    per_step.setdefault(int(row["step"]), []).append((math.log(h), row[key]))
-        if not per_step:
-            continue
-        steps = sorted(per_step, key=lambda s: -np.mean([p[0] for p in per_step[s]]))
-        xs = [float(np.exp(np.mean([p[0] for p in per_step[s]]))) for s in steps]
-        stats = [t_interval([p[1] for p in per_step[s]]) for s in steps]
-        ys = [float(np.exp(m)) for m, _, _ in stats]
-        seen += ys + [float(np.exp(v)) for _, lo, hi in stats for v in (lo, hi) if math.isfinite(v)]
-        n = max(len(per_step[s]) for s in steps)
-        sloped = ["log_logit_scale"] if key == "log_logit_scale" else controls
-        exponents = [
-            v
-            for rows in by_unit.values()
-            for name in sloped
-            if (v := slope_on_log_h(rows, name, -1.0)) is not None
-        ]
-        exponent = f", exponent {np.mean(exponents):+.3f}" if exponents else ""
+    for line in lines:
+        label, color = names[line.arm], ARMS[line.arm][1]
+        ys, lows, highs = line.mean, line.low, line.high
+        seen += ys + [v for v in (*lows, *highs) if math.isfinite(v)]
+        exponent = "" if line.exponent is None else f", exponent {line.exponent:+.3f}"
         error = None
-        if n >= 2:
+        if line.units >= 2:
             error = {
                 "type": "data",
                 "symmetric": False,
-                "array": [float(np.exp(hi)) - y for (_, _, hi), y in zip(stats, ys, strict=True)],
-                "arrayminus": [y - float(np.exp(lo)) for (_, lo, _), y in zip(stats, ys, strict=True)],
+                "array": [round(hi - y, 6) for hi, y in zip(highs, ys, strict=True)],
+                "arrayminus": [round(y - lo, 6) for lo, y in zip(lows, ys, strict=True)],
                 "thickness": 1,
                 "width": 2,
             }
         fig.add_trace(
             go.Scatter(
-                x=xs,
-                y=ys,
-                customdata=steps,
+                x=[round(h, 6) for h in line.h],
+                y=[round(y, 6) for y in ys],
+                customdata=line.steps,
                 error_y=error,
                 mode="lines+markers",
-                name=f"{label}: {n} units{exponent}",
-                marker={"color": color, "symbol": symbol, "size": 6},
+                name=f"{label}: {line.units} units{exponent}",
+                marker={"color": color, "symbol": symbols[line.arm], "size": 6},
                 line={"color": color, "width": 1.4},
                 hovertemplate=f"{label}<br>step %{{customdata}}<br>h %{{x:.4g}}"
                 "<br>logit_scale %{y:.4g}<extra></extra>",
             )
         )
-        if key == "log_logit_scale":
-            centre = (float(np.mean(np.log(xs))), float(np.mean(np.log(ys))), min(xs), max(xs))
-    if centre is None:
-        return None
-    grid = np.linspace(math.log(centre[2]), math.log(centre[3]), 30)
+    xs, ys = guide(lines[0])
     fig.add_trace(
         go.Scatter(
-            x=np.exp(grid).round(6).tolist(),
-            y=np.exp(centre[1] - 2.0 * (grid - centre[0])).round(6).tolist(),
+            x=[round(x, 6) for x in xs],
+            y=[round(y, 6) for y in ys],
             mode="lines",
             name="exponent 2: an exact NW head (c / h^2)",
             line={"color": "#555", "dash": "dot"},
