@@ -137,6 +137,8 @@ class CalibratedCall:
         pure_noise_steps: steps of the exact pass not recorded because h is infinite there.
         meta: ``{"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c"}``
             (None without calibration): rho.json's ``calibration`` entry.
+        recorder: the first pass's :class:`~nw_adapter.integration.recorder.NWRecorder` (its
+            skipped pairs, failed steps and context; its own records lack the exact columns).
     """
 
     records: list[dict[str, Any]]
@@ -146,6 +148,7 @@ class CalibratedCall:
     unmatched: int = 0
     pure_noise_steps: list[int] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] | None = None
+    recorder: Any = None
 
 
 def _config(config: NWProcessorConfig | Mapping[str, Any] | None) -> NWProcessorConfig:
@@ -208,9 +211,9 @@ def observe_call(
         exact_config(config, schedule_c=float(schedule_c)) if calibrate else None
     )  # checked before generating
     replay = RandomStateReplay(call_kwargs)
-    output, records, _ = observed_call(pipe, config, call_kwargs)
+    output, records, first = observed_call(pipe, config, call_kwargs)
     if exact is None:
-        return CalibratedCall(records, output)
+        return CalibratedCall(records, output, recorder=first)
     with replay.replay(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exact_output, exact_records, recorder = observed_call(pipe, exact, call_kwargs)
@@ -222,4 +225,4 @@ def observe_call(
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     unmatched = merge_exact(records, exact_records)
     meta = {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": float(schedule_c)}
-    return CalibratedCall(records, output, exact_output, exact_records, unmatched, pure_noise, meta)
+    return CalibratedCall(records, output, exact_output, exact_records, unmatched, pure_noise, meta, first)

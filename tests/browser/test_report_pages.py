@@ -401,6 +401,50 @@ def test_nw_adapter_report_of_a_recorder_its_records_and_a_folder(pages, tmp_pat
         nw_adapter.report(3)
 
 
+def test_nw_adapter_report_of_calibrated_calls_shows_the_calibrated_verdict() -> None:
+    """The notebook route of a calibration: ``nw_adapter.report`` of ``observe_call(...,
+    calibrate=True)`` results (one digit each) shows what the command line's report shows: the
+    records' own verdict, the calibrated table, the exact head's verdict and its measured line."""
+    import torch
+
+    pipe = nw_adapter.load_tiny_digits()
+    pipe.set_progress_bar_config(disable=True)
+    config = nw_adapter.NWProcessorConfig(untrained_control=True, untrained_draws=2)
+    calls = [
+        nw_adapter.observe_call(
+            pipe,
+            {
+                "prompt": "a photograph",
+                "ip_adapter_image": nw_adapter.tiny_digit_image(d),
+                "num_inference_steps": 4,
+                "generator": torch.Generator().manual_seed(0),
+            },
+            config=config,
+            calibrate=True,
+        )
+        for d in (2, 5, 8)
+    ]
+    page = nw_adapter.report(calls)
+    result = nw_adapter.verdict(
+        [{"reference": f"call {i}", **r} for i, call in enumerate(calls) for r in call.records]
+    )
+    shown = html.unescape(page.to_html())
+    assert f'id="verdict-line">verdict: {result["conclusion"]}<' in shown
+    header, body = _table(shown, "readings")
+    assert header == ["reading", "adapter", "exact NW head", "control"] and len(body) == 8
+    assert result["anchors"]["exact"]["verdict"]["evidence"] is True
+    assert (
+        f"calibration, the exact head in this pipeline: {result['anchors']['exact']['verdict']['conclusion']}"
+        in shown
+    )
+    assert "calibrated: the exact NW head at the schedule's h = 1 sigma_t / alpha_t" in shown
+    assert "control: scale-matched untrained keys in every layer, the same queries, 2 draws" in shown
+    assert (
+        f"exact NW head (measured): 3 units, exponent {result['anchors']['exact']['exponent']:+.3f}" in shown
+    )
+    assert nw_adapter.report(calls[0]).title.endswith("4 steps, bandwidth matched, 1 reference")
+
+
 def test_importing_the_package_the_report_module_or_asking_for_help_loads_no_plotly() -> None:
     code = (
         "import sys, contextlib, io, nw_adapter\n"
