@@ -157,6 +157,33 @@ def test_the_trained_adapter_between_its_anchors(request, model, exact_low) -> N
     assert rows["r2_nw"]["exact"]["mean"] == pytest.approx(1.0, abs=1e-4)
 
 
+def test_one_step_leaves_the_exact_heads_path_not_measured(sd15) -> None:
+    """One denoising step: no slope on log h, so the bandwidth clause is "not measured" with its
+    reason, for the adapter and for the exact head, which gets neither the positive conclusion nor
+    "not met" (main at 7b2f1f0: "bandwidth clause not met" for both); its NW form is still read
+    (r2_nw 1.000, met)."""
+    from nw_adapter.correlate.verdict import SINGLE_H_REASON
+
+    records = []
+    config = NWProcessorConfig(untrained_control=True)
+    for digit in range(3):
+        result = observe_call(sd15, _call(digit, steps=1), config=config, calibrate=True)
+        records += [{"reference": f"digit{digit}", **r} for r in result.records]
+    assert {r["step"] for r in records} == {0}
+    outcome = verdict(records)
+    own = outcome["anchors"]["exact"]["verdict"]
+    for clauses in (outcome["clauses"], own["clauses"]):
+        bandwidth = clauses["bandwidth"]
+        assert bandwidth["status"] == "not measured" and bandwidth["reason"] == SINGLE_H_REASON, bandwidth
+    assert own["evidence"] is False and own["clauses"]["nw_form"]["status"] == "met"
+    assert own["conclusion"] == (
+        "no evidence of kernel smoothing on the schedule (3 reference images): bandwidth clause not "
+        "measured, NW-form clause met"
+    )
+    assert outcome["clauses"]["rise"]["status"] == "not measured"
+    assert outcome["anchors"]["exact"]["exponent"] is None and outcome["position"]["path"] is None
+
+
 # --- the command line: --calibrate ----------------------------------------------------------------
 
 
