@@ -944,9 +944,17 @@ def _anchors(adapter: Sequence[dict], exact: Sequence[dict] | None) -> dict[str,
     return {"control": control, "exact": measured}
 
 
+ANCHOR_RESOLUTION = 0.01
+"""Anchors closer than this on an axis do not define a position on it (None): 0.01 is the smallest
+exponent difference counted (:data:`MARGINS`) and 1% of r2_nw's range. SD 3.5's RMS-normalised keys
+give its control r2_nw 1.000000002, the exact head's 1: the tiny SD 3.5 adapter's r2_nw 0.71 read
+"form +174203791" of the way to the exact head, and "nearer the exact head" (main at 7b2f1f0)."""
+
+
 def _position(value: float | None, low: float | None, high: float | None) -> float | None:
-    """Where ``value`` lies from ``low`` (0) to ``high`` (1); None when undefined or the anchors coincide."""
-    if value is None or low is None or high is None or abs(high - low) < 1e-9:
+    """Where ``value`` lies from ``low`` (0) to ``high`` (1); None when undefined or the anchors are
+    closer than :data:`ANCHOR_RESOLUTION`."""
+    if value is None or low is None or high is None or abs(high - low) < ANCHOR_RESOLUTION:
         return None
     return (value - low) / (high - low)
 

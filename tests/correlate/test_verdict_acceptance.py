@@ -523,3 +523,24 @@ def test_a_zero_spread_effect_outside_its_band_is_not_met_by_its_value(schedule)
     part = next(p for p in result["clauses"]["bandwidth"]["parts"] if p["key"] == "exponent_theory")
     assert part["se"] == 0.0 and part["p"] == 1.0 and part["status"] == "not met", part
     assert result["evidence"] is False
+
+
+def test_anchors_that_coincide_on_an_axis_place_nothing_on_it() -> None:
+    """A control already of the NW form (SD 3.5's RMS-normalised keys: r2_nw 1.000000002, the exact
+    head's 1) defines no position on the form axis: the adapter is placed by its path alone (main at
+    7b2f1f0: "form +174203791 of the way", "nearer the exact head" for an adapter on the control's
+    path)."""
+    from tests.correlate.test_verdict import make_records
+
+    records = make_records(images=4, exponent=0.0, form=0.71)
+    for record in records:
+        for k in range(3):
+            record[f"r2_nw_control_{k}"] = 1.0 + 2e-9  # as SD 3.5 read it
+    result = verdict(records)
+    assert result["anchors"]["control"]["r2_nw"] == pytest.approx(1.0)
+    position = result["position"]
+    assert position["form"] is None and abs(position["path"]) < 0.1 and position["nearer"] == "control"
+    assert (
+        "nearer the control (path" in result["conclusion"]
+        and "form" not in result["conclusion"].split(";")[1]
+    )
