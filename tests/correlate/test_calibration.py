@@ -17,8 +17,10 @@ Small: 4 - 6 bundled digits, 8 - 10 steps (about 1 s per generation on one core)
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +300,38 @@ def test_the_exact_pass_stacks_its_steps_and_equals_the_per_layer_path(sd15) -> 
                 name
             )
     assert len({r["bandwidth_exact"] for r in stacked.records}) > 1  # several steps' h in one stack
+
+
+def test_a_calibrated_sd3_run_writes_what_the_plain_run_writes(tmp_path, capsys) -> None:
+    """The rho run's three kinds share one path from the generation to the files: on tiny-sd3 with
+    the schedule's bandwidth (its pure-noise step not recorded), ``--calibrate`` writes the plain
+    run's per-image files (``rho_joint.csv``: the joint key set's records, the same as the plain run's
+    plus the exact head's columns) and prints its per-image lines, the skipped note and the steps
+    without statistics (main at 7b2f1f0: neither the file nor the lines)."""
+    import csv
+
+    def run(name: str, *extra: str) -> tuple[Path, list[str]]:
+        out = tmp_path / name
+        argv = ["--model", "tiny-sd3", "--steps", "2", "--bandwidth", "schedule", "--out", str(out), *extra]
+        for digit in (3, 5):
+            argv += ["--image", str(tiny_digit_path(digit))]
+        code, _, err = _cli(argv, capsys)
+        assert code == 0, err
+        return out, [
+            line for line in err.splitlines() if not line.startswith(("progress:", "WARNING: tiny-sd3"))
+        ]
+
+    plain, plain_err = run("plain")
+    calibrated, calibrated_err = run("calibrated", "--calibrate")
+    assert calibrated_err == plain_err and len(plain_err) == 4  # per image: the skipped note, the failed step
+    assert all("Warning" not in line for line in calibrated_err)
+    for folder in sorted((plain / "images").iterdir()):
+        twin = calibrated / "images" / folder.name
+        assert sorted(p.name for p in twin.iterdir()) == sorted(p.name for p in folder.iterdir())
+        with open(folder / "rho_joint.csv") as a, open(twin / "rho_joint.csv") as b:
+            joint, joint_calibrated = list(csv.DictReader(a)), list(csv.DictReader(b))
+        assert {r["key_set"] for r in joint_calibrated} == {"joint"} and len(joint_calibrated) == len(joint)
+        assert [r["rho"] for r in joint_calibrated] == [r["rho"] for r in joint]  # the same first pass
+        assert all(math.isfinite(float(r["rho_exact"])) for r in joint_calibrated)
+    document = json.loads((calibrated / "rho.json").read_text())
+    assert all(image["joint_records"].endswith("rho_joint.csv") for image in document["images"])
