@@ -238,39 +238,28 @@ def test_evaluate_tiny_refuses_a_model_folder_with_damaged_weights(workdir, monk
     _unchanged(workdir)
 
 
-@pytest.mark.parametrize(
-    ("argv", "words"),
-    [
-        (["--out", ""], ["--out is empty"]),
-        (["--out", "taken"], ["--out 'taken' is a file"]),
-        (["--out", "run", "--seeds", "x"], ["--seeds must be a whole number"]),
-    ],
-    ids=["empty-out", "file-out", "seeds-x"],
-)
-def test_plug_in_field_study(argv, words, workdir, monkeypatch, capsys):
-    """Before, --out '' was the current folder ('exists and is not an empty folder') after argparse's
-    usage block: six lines."""
-    module = load("plug_in_field_study")
-    calls = _spy(monkeypatch, module, "exact_field_errors")
-    code, err = call(module, argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
+STUDIES = {"plug_in_field_study": "exact_field_errors", "verdict_false_positives": "count_verdicts"}
+"""The two study scripts and the function each runs first (spied: it must not run on bad input)."""
 
 
 @pytest.mark.parametrize(
-    ("argv", "words"),
+    ("script", "argv", "words"),
     [
-        (["--out", ""], ["--out is empty"]),
-        (["--out", "taken"], ["--out 'taken' is a file"]),
-        (["--out", "run", "--steps", "0"], ["--steps"]),
+        *((script, ["--out", ""], ["--out is empty"]) for script in STUDIES),
+        *((script, ["--out", "taken"], ["--out 'taken' is a file"]) for script in STUDIES),
+        ("plug_in_field_study", ["--out", "run", "--seeds", "x"], ["--seeds must be a whole number"]),
+        ("verdict_false_positives", ["--out", "run", "--steps", "0"], ["--steps"]),
     ],
-    ids=["empty-out", "file-out", "steps-0"],
+    ids=["study-empty-out", "fp-empty-out", "study-file-out", "fp-file-out", "study-seeds-x", "fp-steps-0"],
 )
-def test_verdict_false_positives(argv, words, workdir, monkeypatch, capsys):
-    """Before, --out '' ran every model in the current folder (104 s, its models/ written there)."""
-    module = load("verdict_false_positives")
-    calls = _spy(monkeypatch, module, "count_verdicts")
+def test_the_study_scripts_check_their_options_before_running(
+    script, argv, words, workdir, monkeypatch, capsys
+):
+    """Before, plug_in_field_study.py's --out '' was the current folder ('exists and is not an empty
+    folder') after argparse's usage block: six lines; verdict_false_positives.py's --out '' ran every
+    model in the current folder (104 s, its models/ written there)."""
+    module = load(script)
+    calls = _spy(monkeypatch, module, STUDIES[script])
     code, err = call(module, argv, monkeypatch, capsys)
     one_line(code, err, *words)
     assert not calls
