@@ -18,7 +18,16 @@ import numpy as np
 
 from nw_adapter.analysis import records as rec
 
-__all__ = ["TEMPLATE", "bandwidth_figure", "rho_blocks_figure", "rho_layers_figure"]
+__all__ = [
+    "TEMPLATE",
+    "bandwidth_figure",
+    "dotted_line",
+    "dropdown",
+    "lay_out",
+    "rho_blocks_figure",
+    "rho_layers_figure",
+    "whole_steps",
+]
 
 _DASH = {"-": "solid", ":": "dot", "--": "dash", "-.": "dashdot"}
 
@@ -49,6 +58,51 @@ TEMPLATE: dict[str, Any] = {
 """A small plotly template (plotly's default one adds ~10 kB of JSON to every figure)."""
 
 
+def lay_out(
+    fig: Any,
+    title: str,
+    *,
+    height: int = 460,
+    legend: dict[str, Any] | None = None,
+    bottom: int = 120,
+    top: int | None = None,
+    title_size: int = 14,
+    title_y: float | None = None,
+    **layout: Any,
+) -> Any:
+    """The report's layout of a figure: :data:`TEMPLATE`, its title (``title_size`` px, at
+    ``title_y``), the height, the legend's place (default below the plot) and the bottom (and top)
+    margin; ``layout``: the figure's own further settings (axes, menus)."""
+    heading: dict[str, Any] = {"text": title, "font": {"size": title_size}}
+    if title_y is not None:
+        heading["y"] = title_y
+    margin = {"b": bottom} if top is None else {"b": bottom, "t": top}
+    fig.update_layout(
+        template=TEMPLATE, height=height, legend=legend or {"y": -0.2}, margin=margin, title=heading, **layout
+    )
+    return fig
+
+
+def dropdown(buttons: list[dict[str, Any]], y: float, *, showactive: bool | None = True) -> dict[str, Any]:
+    """A figure's menu (plotly's ``updatemenus`` entry): ``buttons`` in a drop-down at the top left,
+    its top at ``y`` (in the plot's height)."""
+    menu: dict[str, Any] = {"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": y}
+    menu["yanchor"] = "top"
+    if showactive is not None:
+        menu["showactive"] = showactive
+    return menu
+
+
+def dotted_line(x: Sequence[float], y: Sequence[float], name: str, color: str, width: float | None = None):
+    """A reference line (a guide, a level, a diagonal): dotted, in the legend, without hover."""
+    import plotly.graph_objects as go
+
+    line: dict[str, Any] = {"color": color, "dash": "dot"}
+    if width is not None:
+        line["width"] = width
+    return go.Scatter(x=list(x), y=list(y), mode="lines", name=name, line=line, hoverinfo="skip")
+
+
 def colour(name: str) -> str:
     """A matplotlib colour (``"0.45"`` grey levels included) as CSS."""
     from matplotlib.colors import to_hex
@@ -68,12 +122,14 @@ def _step_axis(rows: Sequence[dict]) -> tuple[list[int], list[float | None]]:
     return [int(r["step"]) for r in rows], _series(rows, "timestep")
 
 
-def whole_steps(rows: Sequence[dict]) -> dict[str, Any]:
-    """A step axis's ticks on whole steps (at most about 12 of them): plotly would put ticks at half
-    steps on a short run."""
-    steps = {int(r["step"]) for r in rows}
-    span = max(steps, default=0) - min(steps, default=0)
-    return {"tick0": 0, "dtick": max(1, math.ceil(span / 12))}
+def whole_steps(last: int) -> dict[str, Any]:
+    """A step axis's ticks on whole steps, about 10 of them up to step ``last`` (plotly would put ticks
+    at half steps on a short run)."""
+    return {"dtick": max(1, math.ceil(last / 10))}
+
+
+def _last_step(rows: Sequence[dict]) -> int:
+    return max((int(r["step"]) for r in rows), default=0)
 
 
 def _hover(name: str) -> str:
@@ -191,18 +247,10 @@ def rho_blocks_figure(records: Sequence[dict], half: str, *, control: str | None
                 col=col,
             )
             shown.add(label)
-    fig.update_layout(
-        template=TEMPLATE,
-        height=430,
-        legend={"y": -0.22},
-        margin={"b": 110},
-        title={
-            "text": "rho over denoising, per block (click a legend entry to hide or show it)",
-            "font": {"size": 14},
-        },
-    )
+    title = "rho over denoising, per block (click a legend entry to hide or show it)"
+    lay_out(fig, title, height=430, legend={"y": -0.22}, bottom=110)
     fig.update_xaxes(title_text="step (denoiser call)", row=1, col=(len(names) + 1) // 2)
-    fig.update_xaxes(**whole_steps(rows))
+    fig.update_xaxes(**whole_steps(_last_step(rows)))
     fig.update_yaxes(title_text="Spearman rho", row=1, col=1)
     return fig
 
@@ -265,25 +313,14 @@ def rho_layers_figure(records: Sequence[dict], half: str, *, control: str | None
         buttons.append(
             {"label": label, "method": "update", "args": [{"visible": visible}, {"title.text": title}]}
         )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=460,
-        legend={"y": -0.2},
-        margin={"b": 120, "t": 90},
-        title={"text": "rho of every IP layer", "font": {"size": 14}, "y": 0.97},
-        updatemenus=[
-            {
-                "buttons": buttons,
-                "direction": "down",
-                "x": 0,
-                "xanchor": "left",
-                "y": 1.13,
-                "yanchor": "top",
-                "showactive": True,
-            }
-        ],
+    lay_out(
+        fig,
+        "rho of every IP layer",
+        top=90,
+        title_y=0.97,
+        updatemenus=[dropdown(buttons, 1.13)],
         xaxis_title="step (denoiser call)",
-        xaxis=whole_steps(rows),
+        xaxis=whole_steps(_last_step(rows)),
         yaxis_title="Spearman rho",
     )
     return fig
@@ -344,29 +381,14 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, control: str | None 
             )
         )
     xs, ys = guide(lines[0])
-    fig.add_trace(
-        go.Scatter(
-            x=[round(x, 6) for x in xs],
-            y=[round(y, 6) for y in ys],
-            mode="lines",
-            name="exponent 2: an exact NW head (c / h^2)",
-            line={"color": "#555", "dash": "dot"},
-            hoverinfo="skip",
-        )
-    )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=460,
-        legend={"y": -0.2},
-        margin={"b": 120},
-        title={
-            "text": "bandwidth path: logit_scale against the schedule's h (log-log)",
-            "font": {"size": 14},
-        },
+    name = "exponent 2: an exact NW head (c / h^2)"
+    fig.add_trace(dotted_line([round(x, 6) for x in xs], [round(y, 6) for y in ys], name, "#555"))
+    return lay_out(
+        fig,
+        "bandwidth path: logit_scale against the schedule's h (log-log)",
         xaxis={"type": "log", "title": "schedule bandwidth h = sigma_t / alpha_t"},
         yaxis={"type": "log", "title": "logit_scale (RMS of row-centred logits)", "range": _log_range(seen)},
     )
-    return fig
 
 
 def _log_range(values: Sequence[float]) -> list[float]:
