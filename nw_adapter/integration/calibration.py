@@ -187,7 +187,8 @@ def observe_call(
         one plain call); the processors are removed, also after an exception.
 
     Raises:
-        NWConfigError: a configuration that is not observe, or a bad ``schedule_c``.
+        NWConfigError: a configuration that is not observe, a bad ``schedule_c`` (the configuration's
+            own rule), or ``schedule_c`` other than 1 without ``calibrate`` (it would be ignored).
         NWInstallError: NW processors already installed.
 
     Example:
@@ -199,17 +200,16 @@ def observe_call(
     config = _config(config)
     if isinstance(calibrate, bool) is False:
         raise NWConfigError(f"observe_call: calibrate must be True or False, got {calibrate!r}")
-    if (
-        isinstance(schedule_c, bool)
-        or not isinstance(schedule_c, int | float)
-        or not (math.isfinite(schedule_c) and schedule_c > 0)
-    ):
-        raise NWConfigError(f"observe_call: schedule_c must be a finite number > 0, got {schedule_c!r}")
+    exact = exact_config(config, schedule_c=schedule_c)  # schedule_c checked by the config's rule, now
+    if not calibrate:
+        if exact.schedule_c != 1.0:
+            raise NWConfigError(
+                f"observe_call: schedule_c={schedule_c!r} sets the exact head's bandwidth of calibrate=True, "
+                "which is off; pass calibrate=True or leave schedule_c at 1.0"
+            )
+        exact = None
     if active_recorder(pipe) is not None:
         raise NWInstallError("observe_call: remove the installed NW processors first (it installs its own)")
-    exact = (
-        exact_config(config, schedule_c=float(schedule_c)) if calibrate else None
-    )  # checked before generating
     replay = RandomStateReplay(call_kwargs)
     output, records, first = observed_call(pipe, config, call_kwargs)
     if exact is None:
@@ -224,5 +224,5 @@ def observe_call(
         if others or "the NW side computation failed" not in str(warning.message):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     unmatched = merge_exact(records, exact_records)
-    meta = {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": float(schedule_c)}
+    meta = {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": exact.schedule_c}
     return CalibratedCall(records, output, exact_output, exact_records, unmatched, pure_noise, meta, first)

@@ -133,6 +133,25 @@ def test_calibrate_merges_the_exact_head_and_keeps_the_pipeline_as_after_one_cal
     assert active_recorder(sd15) is None
 
 
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"calibrate": True, "schedule_c": 0}, "schedule_c"),
+        ({"calibrate": True, "schedule_c": "1"}, "schedule_c"),
+        ({"calibrate": True, "schedule_c": math.inf}, "schedule_c"),
+        ({"schedule_c": 2.0}, "which is off; pass calibrate=True"),
+    ],
+)
+def test_observe_call_refuses_a_schedule_c_it_cannot_use(sd15, options, words) -> None:
+    """schedule_c is checked by the configuration's own rule (one check, not a copy of it), before
+    anything runs, and refused without calibrate=True, where it would be ignored."""
+    from nw_adapter.integration.errors import NWConfigError
+
+    with pytest.raises(NWConfigError, match=words):
+        observe_call(sd15, _call(3, steps=1), **options)
+    assert active_recorder(sd15) is None
+
+
 @pytest.mark.parametrize(("model", "exact_low"), [("sd15", 1.9), ("flux", 1.6)])
 def test_the_trained_adapter_between_its_anchors(request, model, exact_low) -> None:
     """The trained tiny adapters, calibrated (6 digits, 8 steps): no evidence, nearer the control
