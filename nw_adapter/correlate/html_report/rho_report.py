@@ -172,7 +172,12 @@ def rho_report(
             bandwidth,
             "bandwidth-path",
             caption="Per step, the geometric mean over units with its 95% t interval; the exponent is "
-            "-d log logit_scale / d log h (2 for an exact NW head, 0 for a fixed temperature).",
+            "-d log logit_scale / d log h (2 for an exact NW head, 0 for a fixed temperature)"
+            + (
+                "; the exact NW head's line is measured in the same pipeline (--calibrate)."
+                if isinstance(calibration, Mapping)
+                else "."
+            ),
         )
 
     stored = [m for m in maps if m.steps()]
