@@ -17,14 +17,12 @@ to ``observe``, and the load average before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 import torch
 
-from benchmarks.timing import add_ratios, machine_info, time_interleaved
-from nw_adapter.atomic import atomic_write_text
+from benchmarks.timing import add_ratios, ratio_cells, time_interleaved, write_measurement
 from nw_adapter.integration.calibration import observe_call
 from nw_adapter.integration.config import NWProcessorConfig
 
@@ -52,10 +50,7 @@ def measure(model: str, *, steps: int, repeats: int) -> dict[str, Any]:
         "calibrate": lambda: observe_call(pipe, kwargs(), config=config, calibrate=True),
     }
     results = time_interleaved(variants, repeats=repeats)
-    add_ratios(results, "observe")
-    for name in VARIANTS:
-        results[name]["cpu"]["ratio"] = results[name]["cpu"]["median"] / results["observe"]["cpu"]["median"]
-    return results
+    return add_ratios(results, "observe")  # wall and CPU ratios
 
 
 def table(results: dict[str, dict[str, Any]], steps: int) -> str:
@@ -64,12 +59,7 @@ def table(results: dict[str, dict[str, Any]], steps: int) -> str:
     ]
     for model, by_variant in results.items():
         for name in VARIANTS:
-            r = by_variant[name]
-            lines.append(
-                f"  {model:16s} {name:9s} wall {r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]  "
-                f"CPU {r['cpu']['median']:.3f} [{r['cpu']['q1']:.3f}-{r['cpu']['q3']:.3f}]  "
-                f"x{r['ratio']:.2f} / x{r['cpu']['ratio']:.2f}"
-            )
+            lines.append(f"  {model:16s} {name:9s} {ratio_cells(by_variant[name])}")
     return "\n".join(lines)
 
 
@@ -83,13 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     results = {model: measure(model, steps=args.steps, repeats=args.repeats) for model in MODELS}
-    load_after = os.getloadavg()
-    text = table(results, args.steps)
-    text += f"\nload average (1, 5, 15 min) before {load_before}, after {load_after}"
-    print(text)
-    out = {"machine": machine_info(), "threads": args.threads, "steps": args.steps, "results": results}
-    out.update(loadavg_before=load_before, loadavg_after=load_after, table=text)
-    atomic_write_text(args.out, json.dumps(out, indent=1))
+    record = {"threads": args.threads, "steps": args.steps, "results": results}
+    write_measurement(args.out, table(results, args.steps), record, (load_before, os.getloadavg()))
     return 0
 
 

@@ -17,14 +17,12 @@ average before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 import torch
 
-from benchmarks.timing import add_ratios, machine_info, time_interleaved
-from nw_adapter.atomic import atomic_write_text
+from benchmarks.timing import add_ratios, ratio_cells, time_interleaved, write_measurement
 from nw_adapter.integration.end_to_end import end_to_end_control
 from nw_adapter.integration.mixin import nw_processor
 
@@ -58,21 +56,13 @@ def measure(*, steps: int, repeats: int) -> dict[str, Any]:
         "e2e_k3": lambda: end_to_end_control(pipe, kwargs(), draws=3),
     }
     results = time_interleaved(variants, repeats=repeats)
-    add_ratios(results, "observe")
-    for name in VARIANTS:
-        results[name]["cpu"]["ratio"] = results[name]["cpu"]["median"] / results["observe"]["cpu"]["median"]
-    return results
+    return add_ratios(results, "observe")  # wall and CPU ratios
 
 
 def table(results: dict[str, Any], steps: int) -> str:
     lines = [f"trained tiny digits, {steps} DDIM steps, CFG: median s [q1-q3], ratio to observe (wall / CPU)"]
     for name in VARIANTS:
-        r = results[name]
-        lines.append(
-            f"  {name:8s} wall {r['median']:.3f} [{r['q1']:.3f}-{r['q3']:.3f}]  "
-            f"CPU {r['cpu']['median']:.3f} [{r['cpu']['q1']:.3f}-{r['cpu']['q3']:.3f}]  "
-            f"x{r['ratio']:.2f} / x{r['cpu']['ratio']:.2f}"
-        )
+        lines.append(f"  {name:8s} {ratio_cells(results[name])}")
     return "\n".join(lines)
 
 
@@ -86,13 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     results = measure(steps=args.steps, repeats=args.repeats)
-    load_after = os.getloadavg()
-    text = table(results, args.steps)
-    text += f"\nload average (1, 5, 15 min) before {load_before}, after {load_after}"
-    print(text)
-    out = {"machine": machine_info(), "threads": args.threads, "steps": args.steps, "results": results}
-    out.update(loadavg_before=load_before, loadavg_after=load_after, table=text)
-    atomic_write_text(args.out, json.dumps(out, indent=1))
+    record = {"threads": args.threads, "steps": args.steps, "results": results}
+    write_measurement(args.out, table(results, args.steps), record, (load_before, os.getloadavg()))
     return 0
 
 

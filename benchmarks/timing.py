@@ -197,6 +197,35 @@ def add_ratios(results: dict[str, dict[str, Any]], baseline: str) -> dict[str, d
     return results
 
 
+def ratio_cells(entry: dict[str, Any]) -> str:
+    """One variant's timing as the ratio tables print it: ``wall median [q1-q3]  CPU median [q1-q3]
+    x<wall ratio> / x<CPU ratio>`` (an entry of :func:`time_interleaved` after :func:`add_ratios`)."""
+    cpu = entry["cpu"]
+    return (
+        f"wall {entry['median']:.3f} [{entry['q1']:.3f}-{entry['q3']:.3f}]  "
+        f"CPU {cpu['median']:.3f} [{cpu['q1']:.3f}-{cpu['q3']:.3f}]  "
+        f"x{entry['ratio']:.2f} / x{cpu['ratio']:.2f}"
+    )
+
+
+def write_measurement(
+    path: str, text: str, record: dict[str, Any], loads: tuple[tuple[float, ...], tuple[float, ...]]
+) -> str:
+    """Print ``text`` with the load average before and after the measurement and write ``record`` as
+    JSON to ``path`` (atomically) with the machine, the loads and the printed table; returns the text."""
+    import json
+
+    from nw_adapter.atomic import atomic_write_text
+
+    before, after = loads
+    text += f"\nload average (1, 5, 15 min) before {before}, after {after}"
+    print(text)
+    out = {"machine": machine_info(), **record}
+    out.update(loadavg_before=before, loadavg_after=after, table=text)
+    atomic_write_text(path, json.dumps(out, indent=1))
+    return text
+
+
 def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     """The machine and software versions the numbers were measured with (and the GPU, on CUDA)."""
     import diffusers

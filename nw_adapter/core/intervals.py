@@ -357,11 +357,12 @@ class TwoLevelTest:
 
 
 def _complete_cases(differences: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """Drop the draws without any finite value, then the references missing a kept draw."""
+    """Drop the draws without any finite value, then the references missing a kept draw (every
+    reference when no draw is kept: no reference has a value)."""
     finite = np.isfinite(differences)
     keep_draws = finite.any(0)
     kept = differences[:, keep_draws]
-    keep_refs = np.isfinite(kept).all(1)
+    keep_refs = np.isfinite(kept).all(1) & bool(keep_draws.any())
     return kept[keep_refs], int((~keep_refs).sum()), int((~keep_draws).sum())
 
 
@@ -454,7 +455,8 @@ def two_level_test(
     it is the one-sample t test of ``d_r - margin`` (``b`` cannot be estimated:
     :data:`ONE_DRAW_CAVEAT`).
 
-    Draws without any finite value are dropped, then references missing a value of a kept draw.
+    Draws without any finite value are dropped, then references missing a value of a kept draw (with
+    no draw kept, every reference: ``n`` 0).
 
     Args:
         differences: ``[R, K]`` trained minus control, per reference and draw.

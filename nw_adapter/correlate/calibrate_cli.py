@@ -38,14 +38,7 @@ def calibrate_meta(args: argparse.Namespace) -> dict[str, Any] | None:
     return {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": c}
 
 
-def run_calibrated(
-    args: argparse.Namespace,
-    pipe: Any,
-    config: Any,
-    call_kwargs: Mapping[str, Any],
-    *,
-    key_set: str | None = "ip",
-) -> tuple[Any, list[dict[str, Any]]]:
+def run_calibrated(args: argparse.Namespace, pipe: Any, config: Any, call_kwargs: Mapping[str, Any]) -> Any:
     """Run one reference's observed call and its exact-head pass.
 
     Args:
@@ -53,10 +46,10 @@ def run_calibrated(
         pipe: The loaded pipeline, no NW processors installed.
         config: The run's ``NWProcessorConfig`` (observe).
         call_kwargs: The pipeline call's keyword arguments, ``generator`` included.
-        key_set: Keep the records of this key set (None: all).
 
     Returns:
-        ``(the adapter's pipeline output, its records with the exact head's columns)``.
+        The :class:`~nw_adapter.integration.calibration.CalibratedCall`: the adapter's output, its
+        pass's recorder, its records of every key set with the exact head's columns.
 
     Raises:
         NWConfigError / NWInstallError: from :func:`~nw_adapter.integration.calibration.observe_call`.
@@ -64,6 +57,4 @@ def run_calibrated(
     from nw_adapter.integration.calibration import observe_call
 
     c = args.calibrate_c if args.calibrate_c is not None else 1.0
-    result = observe_call(pipe, call_kwargs, config=config, calibrate=True, schedule_c=c)
-    records = [r for r in result.records if key_set is None or r.get("key_set", "ip") == key_set]
-    return result.output, records
+    return observe_call(pipe, call_kwargs, config=config, calibrate=True, schedule_c=c)

@@ -45,14 +45,7 @@ def end_to_end_meta(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def run_end_to_end(
-    args: argparse.Namespace,
-    pipe: Any,
-    config: Any,
-    call_kwargs: Mapping[str, Any],
-    *,
-    key_set: str | None = "ip",
-) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+def run_end_to_end(args: argparse.Namespace, pipe: Any, config: Any, call_kwargs: Mapping[str, Any]) -> Any:
     """Run one reference's trained call and its end-to-end control passes.
 
     Args:
@@ -61,10 +54,10 @@ def run_end_to_end(
         pipe: The loaded pipeline, no NW processors installed.
         config: The run's ``NWProcessorConfig`` (observe).
         call_kwargs: The pipeline call's keyword arguments, ``generator`` included.
-        key_set: Keep the records of this key set (None: all).
 
     Returns:
-        ``(trained pipeline output, records with the control columns, control meta)``.
+        The :class:`~nw_adapter.integration.end_to_end.EndToEndResult`: the trained output, its
+        pass's recorder, its records of every key set with the control columns, the control meta.
 
     Raises:
         NWConfigError / NWInstallError: from
@@ -72,7 +65,7 @@ def run_end_to_end(
     """
     from nw_adapter.integration.end_to_end import end_to_end_control
 
-    result = end_to_end_control(
+    return end_to_end_control(
         pipe,
         call_kwargs,
         draws=args.end_to_end_draws,
@@ -80,5 +73,3 @@ def run_end_to_end(
         scale_match=args.end_to_end_scale_match,
         recorder_config=config,
     )
-    records = [r for r in result.records if key_set is None or r.get("key_set", "ip") == key_set]
-    return result.trained_output, records, result.control

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -379,17 +380,20 @@ def shown_spec(model: str, ip_adapter: str | None, image_encoder: str | None, sp
     )
 
 
-def write_joint_records(recorder: Any, folder: Path) -> Path | None:
+def write_joint_records(records: Sequence[dict], folder: Path) -> Path | None:
     """SD 3.5: write the joint-key-set records (image + IP keys) as ``rho_joint.csv`` in ``folder``.
 
     ``rho.json`` reports the comparison over the IP keys (every family's); this file keeps SD 3.5's
-    second comparison, over its one image-branch softmax's whole key set. Written atomically;
-    None (nothing written) for the other families.
+    second comparison, over its one image-branch softmax's whole key set (with a calibrated run's
+    ``_exact`` columns where the records carry them). ``records``: a pass's records of every key set.
+    Written atomically; None (nothing written) for the other families.
     """
-    records = recorder.records(key_set="joint")
-    if not records:
+    from nw_adapter.analysis.records import Records
+
+    joint = Records(r for r in records if r.get("key_set") == "joint")
+    if not joint:
         return None
-    return records.to_csv(folder / "rho_joint.csv")
+    return joint.to_csv(folder / "rho_joint.csv")
 
 
 def layer_blocks(layer_names: list[str]) -> list[str]:

@@ -311,10 +311,6 @@ def plot_attention_maps(
     return records.save_figure(fig, path)
 
 
-def _positive(value: object) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value) and value > 0
-
-
 def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = None):
     """The bandwidth path: ``logit_scale`` against the schedule's h per step, log-log, in the verdict's
     convention: the exponent ``-d log logit_scale / d log h`` (theory 2).
@@ -331,8 +327,9 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     calibrated run, the exact NW head *measured* in the same pipeline (its ``_exact`` columns). The
     legend gives each line's exponent as the verdict computes it (the mean over images of the
     per-image OLS exponents, :func:`~nw_adapter.correlate.verdict.slope_on_log_h`; the control's
-    over images and draws). The dotted guide through the trained points' centre has exponent 2.
-    3.5 in wide (a paper's column).
+    over images and draws). The dotted guide through the trained points' centre has exponent 2. The
+    lines are :func:`nw_adapter.correlate.bandwidth_path.bandwidth_lines` (the report's figure draws
+    the same). 3.5 in wide (a paper's column).
 
     Returns:
         A :class:`matplotlib.figure.Figure`, or None when no step has a positive ``logit_scale`` and
@@ -341,77 +338,42 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     from matplotlib.figure import Figure
 
     from nw_adapter.analysis.records import wrap_title
-    from nw_adapter.core.intervals import t_interval
-    from nw_adapter.correlate.verdict import EXACT, image_step_means, slope_on_log_h
+    from nw_adapter.correlate.bandwidth_path import ARMS, bandwidth_lines, guide
 
-    draws = control_draws({name for r in records for name in r})
-    by_image = image_step_means(records, half, draws)
-    exact_images = image_step_means(records, half, 0, EXACT)
-    controls = [f"log_control_path_{k}" for k in range(draws)]
-    for rows in by_image.values():  # the control's line: per step, the mean over its draws
-        for row in rows:
-            logs = [row[name] for name in controls if row.get(name) is not None]
-            row["log_control"] = float(np.mean(logs)) if logs else None
-    lines = (
-        (by_image, "log_logit_scale", ("log_logit_scale",), "trained adapter", "#1f77b4", "o"),
-        (by_image, "log_control", controls, control_label(draws), "#ff7f0e", "s"),
-        (exact_images, "log_logit_scale", ("log_logit_scale",), "exact NW head (measured)", "#2ca02c", "^"),
-    )
-
-    def points(rows: Sequence[dict], key: str) -> list[tuple[int, float, float]]:
-        return [(r["step"], math.log(r["h_schedule"]), r[key]) for r in rows
-                if r.get(key) is not None and _positive(r.get("h_schedule"))]  # fmt: skip
-
-    if not any(points(rows, "log_logit_scale") for rows in by_image.values()):
+    lines = bandwidth_lines(records, half)
+    if not lines or lines[0].arm != "adapter":
         return None
+    draws = control_draws({name for r in records for name in r})
+    markers = {"adapter": "o", "control": "s", "exact": "^"}
     fig = Figure(figsize=(3.5, 3.9), layout="constrained")
     ax = fig.subplots()
-    centre: tuple[float, float] | None = None
-    for images, key, sloped, label, color, marker in lines:
-        per_step: dict[int, list[tuple[float, float]]] = {}
-        for rows in images.values():
-            for step, x, y in points(rows, key):
-                per_step.setdefault(step, []).append((x, y))
-        if not per_step:
-            continue
-        # each image's exponent, -(OLS slope of the line's log logit_scale on log h) (the control's:
-        # over its draws), as the verdict computes it
-        exponents = [v for rows in images.values() for name in sloped
-                     if (v := slope_on_log_h(rows, name, -1.0)) is not None]  # fmt: skip
-        order = sorted(per_step, key=lambda step: np.mean([p[0] for p in per_step[step]]))
-        xs = np.array([np.mean([p[0] for p in per_step[s]]) for s in order])
-        stats = np.array([t_interval([p[1] for p in per_step[s]]) for s in order])  # [steps, 3]
-        n = max(len(per_step[s]) for s in order)
-        exponent = f", exponent {np.mean(exponents):+.2f}" if exponents else ""
-        y = np.exp(stats[:, 0])
+    for line in lines:
+        name, color = ARMS[line.arm]
+        label = control_label(draws) if line.arm == "control" else name
+        exponent = "" if line.exponent is None else f", exponent {line.exponent:+.2f}"
+        y = np.array(line.mean)
         errors = None
-        if n >= 2:
-            errors = np.vstack([y - np.exp(stats[:, 1]), np.exp(stats[:, 2]) - y])
+        if line.units >= 2:
+            errors = np.vstack([y - np.array(line.low), np.array(line.high) - y])
         ax.errorbar(
-            np.exp(xs),
+            line.h,
             y,
             yerr=errors,
             color=color,
-            marker=marker,
+            marker=markers[line.arm],
             markersize=2.5,
             linewidth=1.0,
             elinewidth=0.7,
             capsize=1.5,
-            label=f"{label}: {counted(n, 'image')}{exponent}",
+            label=f"{label}: {counted(line.units, 'image')}{exponent}",
         )
-        if images is by_image and key == "log_logit_scale":
-            centre = (float(np.mean(xs)), float(np.mean(stats[:, 0])))
-    if centre is not None:
-        h_all = [x for rows in by_image.values() for _, x, _ in points(rows, "log_logit_scale")]
-        grid = np.linspace(min(h_all), max(h_all), 50)
-        ax.plot(
-            np.exp(grid),
-            np.exp(centre[1] - 2.0 * (grid - centre[0])),
-            color="0.3",
-            linestyle=":",
-            linewidth=1.0,
-            label="exponent 2 (the theory): logit_scale = c / h^2",
-        )
+    ax.plot(
+        *guide(lines[0]),
+        color="0.3",
+        linestyle=":",
+        linewidth=1.0,
+        label="exponent 2 (the theory): logit_scale = c / h^2",
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=8)

@@ -75,6 +75,41 @@ def reported_steps(
     return [r["step"] for r in chosen], {r["step"]: r["timestep"] for r in rows}
 
 
+def _generate(
+    args: argparse.Namespace, pipe: Any, config: Any, call: dict, model: Any
+) -> tuple[Any, Any, list[dict], Any]:
+    """One reference's generation as the run chose it: the plain observed call (with ``--store-maps``
+    its x0 estimates), the calibrated pair (``--calibrate``: the adapter's call and the exact NW
+    head's) or the trained call and its end-to-end control passes.
+
+    Returns:
+        ``(the adapter's pipeline output, its pass's recorder (skipped pairs, failed steps, maps),
+        its records of every key set with the calibration's or the control's columns merged, the x0
+        previews or None)``.
+    """
+    from nw_adapter.correlate.calibrate_cli import run_calibrated
+    from nw_adapter.correlate.end_to_end_cli import run_end_to_end
+    from nw_adapter.correlate.previews import X0Previews
+    from nw_adapter.integration.mixin import nw_processor
+
+    if args.calibrate:  # the adapter's call and the exact NW head's (no maps: refused)
+        calibrated = run_calibrated(args, pipe, config, call)
+        return calibrated.output, calibrated.recorder, calibrated.records, None
+    if args.end_to_end_control:  # the trained call and K untrained passes (no maps: refused)
+        controlled = run_end_to_end(args, pipe, config, call)
+        return controlled.trained_output, controlled.recorder, controlled.records, None
+    with contextlib.ExitStack() as stack:
+        recorder = stack.enter_context(nw_processor(pipe, config))
+        previews = None
+        if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
+            true_cfg = model.call.get("true_cfg_scale", 1.0)
+            previews = stack.enter_context(
+                X0Previews(pipe, recorder, config.map_steps, true_cfg_scale=true_cfg)
+            )
+        output = pipe(**call)
+    return output, recorder, recorder.to_records(key_set=None), previews
+
+
 def _image_worker(
     args: argparse.Namespace,
     pipe: Any,
@@ -85,18 +120,19 @@ def _image_worker(
     run_id: str | None = None,
 ):
     """``work(key) -> (image_entry, records)`` for :func:`nw_adapter.correlate.sweep.run_sweep`;
-    the records' ``run`` is ``run_id`` (one per run: the sweep's fingerprint) when given."""
+    the records' ``run`` is ``run_id`` (one per run: the sweep's fingerprint) when given.
+
+    Every kind of rho run (plain, ``--calibrate``, ``--end-to-end-control``) generates through
+    :func:`_generate` and writes through one path: the skipped note and the failed steps of the
+    adapter's pass, ``generated.png``, SD 3.5's joint key set as ``rho_joint.csv``, the IP key set's
+    records, and with ``--store-maps`` the maps and x0 estimates."""
     import torch
 
     from nw_adapter.atomic import atomic_write
     from nw_adapter.correlate import families
-    from nw_adapter.correlate.calibrate_cli import run_calibrated
-    from nw_adapter.correlate.end_to_end_cli import run_end_to_end
     from nw_adapter.correlate.images import load_reference_image
     from nw_adapter.correlate.outputs import draw_image_maps, skipped_note
-    from nw_adapter.correlate.previews import X0Previews
     from nw_adapter.correlate.sweep import image_dir
-    from nw_adapter.integration.mixin import nw_processor
 
     def work(key: str) -> tuple[dict, list[dict]]:
         info = infos[key]
@@ -105,42 +141,24 @@ def _image_worker(
         generator = torch.Generator(device="cpu").manual_seed(args.seed)
         call = {**model.call_arguments(args), "ip_adapter_image": reference, "generator": generator}
         run = {"run": run_id} if run_id else {}
-        if args.calibrate:  # the adapter's call and the exact NW head's (no maps: refused)
-            output, recorded = run_calibrated(args, pipe, config, call)
-            atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))
-            entry = {**info.to_dict(), "generated": str(folder.relative_to(out_dir) / "generated.png")}
-            return entry, [{"reference": key, **record, **run} for record in recorded]
-        if args.end_to_end_control:  # the trained call and K untrained passes (no maps: refused)
-            output, recorded, _ = run_end_to_end(args, pipe, config, call)
-            atomic_write(folder / "generated.png", lambda tmp: output.images[0].save(tmp))
-            entry = {**info.to_dict(), "generated": str(folder.relative_to(out_dir) / "generated.png")}
-            return entry, [{"reference": key, **record, **run} for record in recorded]
-        with contextlib.ExitStack() as stack:
-            recorder = stack.enter_context(nw_processor(pipe, config))
-            previews = None
-            if args.store_maps:  # x0 estimates at the map steps, from a hook that changes nothing
-                true_cfg = model.call.get("true_cfg_scale", 1.0)
-                previews = stack.enter_context(
-                    X0Previews(pipe, recorder, config.map_steps, true_cfg_scale=true_cfg)
-                )
+        with warnings.catch_warnings():
             # the recorder's skip warning becomes one note below (raw warnings only with -v)
-            stack.enter_context(warnings.catch_warnings())
             if not args.verbose:
                 warnings.filterwarnings("ignore", message="NWRecorder: the NW side computation failed")
-            output = pipe(**call)
-        generated = output.images[0]
+            output, recorder, recorded, previews = _generate(args, pipe, config, call, model)
         skipped = skipped_note(recorder, args.mode, info.path.name)
         if skipped:
             note(args.quiet, skipped)
         failure = recorder.failed_steps_line(see=None)  # steps without statistics: even with -qq
         if failure:
             print(f"error: {info.path.name}: {failure}", file=sys.stderr)
+        generated = output.images[0]
         relative = folder.relative_to(out_dir)
         atomic_write(folder / "generated.png", lambda tmp: generated.save(tmp))
         entry = {**info.to_dict(), "generated": str(relative / "generated.png")}
-        if families.write_joint_records(recorder, folder) is not None:  # SD 3.5's joint key set
+        if families.write_joint_records(recorded, folder) is not None:  # SD 3.5's joint key set
             entry["joint_records"] = str(relative / "rho_joint.csv")
-        records = [{"reference": key, **record, **run} for record in recorder.to_records()]
+        records = [{"reference": key, **r, **run} for r in recorded if r.get("key_set", "ip") == "ip"]
         if args.store_maps:
             recorder.save_maps(folder / "maps.safetensors")
             for step, image in previews.images().items():

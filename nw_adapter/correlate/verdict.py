@@ -617,9 +617,16 @@ def per_image_values(reference: Any, rows: Sequence[dict], draws: int = 0) -> di
     ``-d log logit_scale / d log h``), ``exponent_control_draws`` (the control's, its scale matched
     once per run), ``r2_nw_control_draws``, ``rho_slope`` (slope of rho on ``-log h``),
     ``log_scale_ratio_draws`` (mean over steps of ``log key_scale_k``), the step means of the
-    readings of the table (:data:`READINGS`) and ``steps``.
+    readings of the table (:data:`READINGS`), ``steps`` and ``h_steps`` (the distinct finite
+    positive schedule h among them: a slope on log h needs two).
     """
-    values: dict[str, Any] = {"reference": reference, "steps": len(rows), "draws": draws}
+    levels = {round(math.log(h), 12) for r in rows if (h := r.get("h_schedule")) is not None and h > 0}
+    values: dict[str, Any] = {
+        "reference": reference,
+        "steps": len(rows),
+        "h_steps": len(levels),
+        "draws": draws,
+    }
     for null in NULL_STATS:
         values[f"rho_minus_{null}"] = _mean_difference(rows, "rho", null)
     per_draw = {
@@ -727,16 +734,49 @@ _EMPTY_TEST: dict[str, Any] = {
 }  # fmt: skip
 
 
+SINGLE_H_REASON = "not identified: no slope on log h, every reference's steps share one schedule h"
+"""Why a part that is a slope on log h (the exponent, the rise) is not measured on such a run."""
+
+NO_VALUE_REASON = "not identified for any reference: too few finite values (see skipped)"
+"""Why a part whose columns hold finite values has no value for any reference (e.g. a slope whose
+values are finite at one step only)."""
+
+
+def _identified(part: Part, images: Sequence[dict]) -> bool:
+    """Whether some reference has a finite value of ``part`` (of some draw, for a part against the
+    control)."""
+
+    def finite(value: Any) -> bool:
+        return value is not None and math.isfinite(value)
+
+    if part.control_of:
+        return any(finite(v) for image in images for v in image[f"{part.key}_draws"])
+    return any(finite(image[part.key]) for image in images)
+
+
+def _unidentified_reason(part: Part, images: Sequence[dict]) -> str:
+    """Why no reference has a value of ``part``: a slope on log h without two noise levels, else NaN."""
+    if "h_schedule" in part.needs and all(image.get("h_steps", 2) < 2 for image in images):
+        return SINGLE_H_REASON
+    return NO_VALUE_REASON
+
+
 def _test_part(
     part: Part, images: Sequence[dict], recorded: set[str], draws: int, arm: Arm = ADAPTER
 ) -> dict[str, Any]:
-    """One part's test over images (and draws), without its status (see :func:`_with_status`)."""
+    """One part's test over images (and draws), without its status (see :func:`_with_status`).
+
+    Not measured (``measured`` False, a one-line ``reason``): its columns were not recorded, no
+    reference has a value (:data:`SINGLE_H_REASON`, :data:`NO_VALUE_REASON`), or fewer than two do."""
     missing, reason = _unmeasured(part, recorded, draws, arm)
     entry: dict[str, Any] = {"key": part.key, "label": part.label, "margin": part.margin}
     if part.target is not None:
         entry["target"] = part.target
     if reason is not None:
         return {**entry, **_EMPTY_TEST, "test": None, "measured": False, "reason": reason, "missing": missing}
+    if not _identified(part, images):
+        reason = _unidentified_reason(part, images)
+        return {**entry, **_EMPTY_TEST, "test": None, "measured": False, "reason": reason, "missing": []}
     if part.control_of:
         matrix = [[math.nan if v is None else v for v in image[f"{part.key}_draws"]] for image in images]
         result = two_level_test(matrix, margin=part.margin, alpha=ALPHA, confidence=CONFIDENCE).to_dict()
@@ -904,9 +944,17 @@ def _anchors(adapter: Sequence[dict], exact: Sequence[dict] | None) -> dict[str,
     return {"control": control, "exact": measured}
 
 
+ANCHOR_RESOLUTION = 0.01
+"""Anchors closer than this on an axis do not define a position on it (None): 0.01 is the smallest
+exponent difference counted (:data:`MARGINS`) and 1% of r2_nw's range. SD 3.5's RMS-normalised keys
+give its control r2_nw 1.000000002, the exact head's 1: the tiny SD 3.5 adapter's r2_nw 0.71 read
+"form +174203791" of the way to the exact head, and "nearer the exact head" (main at 7b2f1f0)."""
+
+
 def _position(value: float | None, low: float | None, high: float | None) -> float | None:
-    """Where ``value`` lies from ``low`` (0) to ``high`` (1); None when undefined or the anchors coincide."""
-    if value is None or low is None or high is None or abs(high - low) < 1e-9:
+    """Where ``value`` lies from ``low`` (0) to ``high`` (1); None when undefined or the anchors are
+    closer than :data:`ANCHOR_RESOLUTION`."""
+    if value is None or low is None or high is None or abs(high - low) < ANCHOR_RESOLUTION:
         return None
     return (value - low) / (high - low)
 

@@ -58,10 +58,12 @@ def paper_lines(summary: dict) -> list[str]:
         lines += [
             "## The paper beside this run",
             "",
-            "Regenerated from this run's results. 'reproduces' = the paper's value lies inside the "
-            "project's 95% interval (for a paper value of 0: the interval lies inside +-10%); 'no "
-            "conclusion' = the learned OFF model is not a fair baseline there (not at least as good as the "
-            "training-free plug-in on its own training distribution), so its comparison says nothing.",
+            "Regenerated from this run's results. 'yes' = the project's 95% interval lies inside the "
+            "band that counts as the paper's value (+-10 percentage points; a factor of 1.5 for a "
+            "ratio); 'too wide to tell' = the interval holds the paper's value but reaches "
+            "beyond that band, so the run cannot say it reproduces it; 'no conclusion' = the learned OFF "
+            "model is not a fair baseline there (not at least as good as the training-free plug-in on its "
+            "own training distribution), so its comparison says nothing.",
             "",
             "| paper | claim | project (95% interval) | same quantity? | reproduces? |",
             "|---|---|---|---|---|",

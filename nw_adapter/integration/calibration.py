@@ -137,6 +137,8 @@ class CalibratedCall:
         pure_noise_steps: steps of the exact pass not recorded because h is infinite there.
         meta: ``{"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c"}``
             (None without calibration): rho.json's ``calibration`` entry.
+        recorder: the first pass's :class:`~nw_adapter.integration.recorder.NWRecorder` (its
+            skipped pairs, failed steps and context; its own records lack the exact columns).
     """
 
     records: list[dict[str, Any]]
@@ -146,6 +148,7 @@ class CalibratedCall:
     unmatched: int = 0
     pure_noise_steps: list[int] = dataclasses.field(default_factory=list)
     meta: dict[str, Any] | None = None
+    recorder: Any = None
 
 
 def _config(config: NWProcessorConfig | Mapping[str, Any] | None) -> NWProcessorConfig:
@@ -184,7 +187,8 @@ def observe_call(
         one plain call); the processors are removed, also after an exception.
 
     Raises:
-        NWConfigError: a configuration that is not observe, or a bad ``schedule_c``.
+        NWConfigError: a configuration that is not observe, a bad ``schedule_c`` (the configuration's
+            own rule), or ``schedule_c`` other than 1 without ``calibrate`` (it would be ignored).
         NWInstallError: NW processors already installed.
 
     Example:
@@ -196,21 +200,20 @@ def observe_call(
     config = _config(config)
     if isinstance(calibrate, bool) is False:
         raise NWConfigError(f"observe_call: calibrate must be True or False, got {calibrate!r}")
-    if (
-        isinstance(schedule_c, bool)
-        or not isinstance(schedule_c, int | float)
-        or not (math.isfinite(schedule_c) and schedule_c > 0)
-    ):
-        raise NWConfigError(f"observe_call: schedule_c must be a finite number > 0, got {schedule_c!r}")
+    exact = exact_config(config, schedule_c=schedule_c)  # schedule_c checked by the config's rule, now
+    if not calibrate:
+        if exact.schedule_c != 1.0:
+            raise NWConfigError(
+                f"observe_call: schedule_c={schedule_c!r} sets the exact head's bandwidth of calibrate=True, "
+                "which is off; pass calibrate=True or leave schedule_c at 1.0"
+            )
+        exact = None
     if active_recorder(pipe) is not None:
         raise NWInstallError("observe_call: remove the installed NW processors first (it installs its own)")
-    exact = (
-        exact_config(config, schedule_c=float(schedule_c)) if calibrate else None
-    )  # checked before generating
     replay = RandomStateReplay(call_kwargs)
-    output, records, _ = observed_call(pipe, config, call_kwargs)
+    output, records, first = observed_call(pipe, config, call_kwargs)
     if exact is None:
-        return CalibratedCall(records, output)
+        return CalibratedCall(records, output, recorder=first)
     with replay.replay(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exact_output, exact_records, recorder = observed_call(pipe, exact, call_kwargs)
@@ -221,5 +224,5 @@ def observe_call(
         if others or "the NW side computation failed" not in str(warning.message):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     unmatched = merge_exact(records, exact_records)
-    meta = {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": float(schedule_c)}
-    return CalibratedCall(records, output, exact_output, exact_records, unmatched, pure_noise, meta)
+    meta = {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": exact.schedule_c}
+    return CalibratedCall(records, output, exact_output, exact_records, unmatched, pure_noise, meta, first)

@@ -373,6 +373,8 @@ class EndToEndResult:
         trained_output: The trained call's pipeline output.
         control_outputs: The K control calls' outputs.
         unmatched: Per draw, trained records without a control record (a skipped side computation).
+        recorder: The trained call's :class:`~nw_adapter.integration.recorder.NWRecorder` (its
+            skipped pairs and failed steps; its own records lack the control columns).
     """
 
     records: list[dict[str, Any]]
@@ -380,6 +382,7 @@ class EndToEndResult:
     trained_output: Any
     control_outputs: list[Any]
     unmatched: list[int] = dataclasses.field(default_factory=list)
+    recorder: Any = None
 
 
 def _config(recorder_config: NWProcessorConfig | Mapping[str, Any] | None) -> NWProcessorConfig:
@@ -567,7 +570,7 @@ def end_to_end_control(
     built = [build_untrained_draw(pipe, seed=seed + k) for k in range(draws)]  # fails before generating
     random_state = RandomStateReplay(call_kwargs)
     with _capture_embeds(denoiser) as seen:
-        trained_output, records, _ = observed_call(pipe, config, call_kwargs)
+        trained_output, records, recorder = observed_call(pipe, config, call_kwargs)
     if not seen:
         raise NWInstallError(
             "end_to_end_control: no image embeddings entered the image projection; pass ip_adapter_image "
@@ -597,4 +600,4 @@ def end_to_end_control(
         "values_copied": all(all(v) for v in built[0].value_copied.values()),
         "keys_copied": all(all(v) for v in built[0].adapter.copied.values()),
     }
-    return EndToEndResult(records, meta, trained_output, outputs, unmatched)
+    return EndToEndResult(records, meta, trained_output, outputs, unmatched, recorder)

@@ -1,5 +1,6 @@
 """Output folders of the four kinds of run, each written in a second or two: three from synthetic
-data (no model), the support sets by the command line on the trained tiny model.
+data (no model), the support sets and a calibrated rho run by the command line on the trained tiny
+model.
 
 Each is what the command line leaves in ``--out`` (its ``rho.json`` / ``support.json`` /
 ``compare_swap.json``, the generated images, maps and x0 estimates), built with the command line's
@@ -8,6 +9,8 @@ own document builders, and its ``report.html`` written by the command line's own
 - :func:`rho_run`: two references, PNDM's repeated timestep, three blocks, the per-layer control
   (2 draws), stored maps at three steps (four image tokens, two grids);
 - :func:`end_to_end_run`: the same records under the end-to-end control's meta, no maps;
+- :func:`calibrated_run`: a rho run with ``--calibrate`` (the exact NW head measured in the same
+  pipeline), run by the command line on the trained tiny model (three digits, four steps);
 - :func:`support_run`: two support sets (m = 2 and m = 3), run by the command line on the trained
   tiny model (the support-set run reads the theory's posterior from a real generation);
 - :func:`swap_run`: three references, two rules, with the comparison's images.
@@ -152,6 +155,29 @@ def rho_run(out: Path, *, maps: bool = True, control: str = "per-layer") -> dict
 def end_to_end_run(out: Path) -> dict:
     """A rho run of the end-to-end control (its ``control`` meta, no maps)."""
     return rho_run(out, maps=False, control="end-to-end")
+
+
+CALIBRATED_DIGITS = (1, 3, 7)
+"""The example digits of :func:`calibrated_run`."""
+
+
+def calibrated_run(out: Path) -> dict:
+    """A calibrated rho run's ``--out`` and its ``report.html``, written by the command line itself on
+    the trained tiny model (three example digits, 4 steps, the exact head's second generation per
+    digit: about 2 s); returns ``rho.json``."""
+    import contextlib
+    import io
+    import json
+
+    from nw_adapter.correlate.cli import main
+    from nw_adapter.models.tiny_digits import example_image_path
+
+    argv = ["--model", "tiny", "--steps", "4", "--calibrate", "-qq", "--out", str(out)]
+    for value in CALIBRATED_DIGITS:
+        argv += ["--image", str(example_image_path(value))]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    return json.loads((out / "rho.json").read_text(encoding="utf-8"))
 
 
 def support_run(out: Path) -> dict:

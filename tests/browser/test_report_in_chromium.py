@@ -2,11 +2,13 @@
 
 One browser session for the four kinds of run (a rho run with stored maps, the end-to-end control,
 support sets, ``--compare-swap``; :mod:`report_inputs` writes their folders with the command line's
-own writers). Per page the test reads the rendered DOM: the verdict (or conclusion) line is the
-document's, every figure is drawn and its legend names exactly the expected series, the page asked
-for no resource (everything is inline), the console holds no error; on the maps, moving the step
-slider changes the heat map shown and its title, and the menu changes the choice; on the support
-sets, the menu changes the set drawn and the title its winners. A screenshot of each page is saved under
+own writers) and a calibrated rho run (``--calibrate``: the calibrated table's three columns, the
+exact head's verdict and its measured series in the bandwidth figure). Per page the test reads the
+rendered DOM: the verdict (or conclusion) line is the document's, every figure is drawn and its
+legend names exactly the expected series, the page asked for no resource (everything is inline),
+the console holds no error; on the maps, moving the step slider changes the heat map shown and its
+title, and the menu changes the choice; on the support sets, the menu changes the set drawn and the
+title its winners. A screenshot of each page is saved under
 ``$NW_ADAPTER_SCREENSHOTS`` (default: ``report-screenshots`` in pytest's temporary folder).
 
 Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them) and selenium; without
@@ -90,6 +92,7 @@ def runs(tmp_path_factory) -> dict:
         "end-to-end": (base / "e2e", report_inputs.end_to_end_run(base / "e2e")),
         "support": (base / "support", report_inputs.support_run(base / "support")),
         "swap": (base / "swap", report_inputs.swap_run(base / "swap")[0]),
+        "calibrated": (base / "calibrated", report_inputs.calibrated_run(base / "calibrated")),
     }
 
 
@@ -259,3 +262,34 @@ def test_every_kind_of_report_renders_offline_in_chromium(browser, runs, screens
     assert len(images) == 3 * (1 + 1 + 2 + 1)  # per reference: itself, stock, two swaps, a new seed
     assert all(complete and width > 0 for complete, width in images)  # every data URI decoded
     _common_checks(browser, "swap", screenshots)
+
+    folder, document = runs["calibrated"]
+    result = document["verdict"]
+    _open(browser, folder / "report.html")
+    line = browser.execute_script("return document.getElementById('verdict-line').textContent")
+    assert line == f"verdict: {result['conclusion']}"
+    columns = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#readings thead th')).map(e => e.textContent)"
+    )
+    assert columns == ["reading", "adapter", "exact NW head", "control"]  # the three side by side
+    cells = browser.execute_script(
+        "return Array.from(document.querySelectorAll('#readings tbody tr'))"
+        ".map(r => Array.from(r.querySelectorAll('td')).map(c => c.textContent))"
+    )
+    exponent = next(r for r in result["readings"] if r["key"] == "exponent")
+    assert len(cells) == len(result["readings"]) and cells[0][0] == exponent["label"]
+    assert all(cell != "-" for cell in cells[0])  # each anchor's exponent is measured
+    exact = result["anchors"]["exact"]
+    line = browser.execute_script("return document.getElementById('exact-verdict-line').textContent")
+    assert line == f"calibration, the exact head in this pipeline: {exact['verdict']['conclusion']}"
+    legend = _legend(browser, "bandwidth-path")
+    assert legend[2] == f"exact NW head (measured): 3 units, exponent {exact['exponent']:+.3f}"
+    assert legend[0].startswith("adapter: 3 units") and legend[1].startswith(
+        "scale-matched control (3 draws)"
+    )
+    drawn = browser.execute_script(  # the exact head's series: one marker per step, each drawn
+        "return document.querySelectorAll('#bandwidth-path .scatterlayer .trace')[2]"
+        ".querySelectorAll('.points path').length"
+    )
+    assert drawn == len({r["step"] for r in document["records"]})
+    _common_checks(browser, "calibrated", screenshots)

@@ -10,6 +10,7 @@ import base64
 import html
 import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -33,6 +34,7 @@ def pages(tmp_path_factory) -> dict:
 
     base = tmp_path_factory.mktemp("pages")
     out = {"rho": report_inputs.rho_run(base / "rho"), "support": report_inputs.support_run(base / "support")}
+    out["calibrated"] = report_inputs.calibrated_run(base / "calibrated")
     out["swap"], out["comparison"] = report_inputs.swap_run(base / "swap")
     out["base"] = base
     return out
@@ -131,6 +133,123 @@ def test_the_verdict_renders_fields_of_later_versions_and_anchors_side_by_side()
     assert "calibrated" in page and "0.930" in page  # a part's field of a later version
     assert "exact head" in page and "exact head's exponent" in page  # a clause's further list
     assert "calibration" in page and "false_positive_rate" in page  # the verdict's field of a later version
+
+
+def _reading(value: dict | None) -> str:
+    """A reading's cell as the console's calibrated table prints it."""
+    return "-" if value is None else f"{value['mean']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"
+
+
+def _table(page: str, table_id: str) -> tuple[list[str], list[list[str]]]:
+    """The header and body cells of the table ``id=table_id`` (tags stripped)."""
+    match = re.search(rf'<table id="{table_id}">(.*?)</table>', page, flags=re.S)
+    assert match is not None, table_id
+
+    def cells(row: str, tag: str) -> list[str]:
+        return [re.sub("<[^>]+>", "", c) for c in re.findall(rf"<{tag}[^>]*>(.*?)</{tag}>", row)]
+
+    rows = re.findall(r"<tr>(.*?)</tr>", match.group(1), flags=re.S)
+    return cells(rows[0], "th"), [cells(row, "td") for row in rows[1:]]
+
+
+def test_a_calibrated_report_shows_the_adapter_beside_the_exact_head_and_the_control(pages) -> None:
+    """A ``--calibrate`` run of the command line (the trained tiny model, 3 digits, 4 steps): the
+    calibrated table (one row per reading, the adapter, the exact NW head and the control side by
+    side, the console's numbers), the anchors, the adapter's place between them, the exact head's own
+    verdict (the positive conclusion, its parts), and the run's header line."""
+    document = pages["calibrated"]
+    result = document["verdict"]
+    page = html.unescape(text(pages["base"] / "calibrated" / REPORT_NAME))
+    header, body = _table(page, "readings")
+    assert header == ["reading", "adapter", "exact NW head", "control"]
+    assert len(body) == len(result["readings"]) == 8
+    for row, reading in zip(body, result["readings"], strict=True):
+        assert row == [reading["label"], *(_reading(reading[arm]) for arm in ("adapter", "exact", "control"))]
+    exact, control = result["anchors"]["exact"], result["anchors"]["control"]
+    assert exact["source"] == "measured" and exact["verdict"]["evidence"] is True
+    assert (
+        f"anchors: control: exponent {control['exponent']:+.3f}, r2_nw {control['r2_nw']:.3f}; exact NW head "
+        f"(measured with --calibrate): exponent {exact['exponent']:+.3f}, r2_nw {exact['r2_nw']:.3f}"
+    ) in page
+    position = result["position"]
+    assert (
+        f"path {position['path']:+.2f}, form {position['form']:+.2f}: nearer the {position['nearer']}" in page
+    )
+    line = f"calibration, the exact head in this pipeline: {exact['verdict']['conclusion']}"
+    assert f'id="exact-verdict-line">{line}<' in page
+    for clause in exact["verdict"]["clauses"].values():  # the exact head's parts, as the adapter's
+        for part in clause["parts"]:
+            assert f'<td class="num">[{part["low"]:+.3f}, {part["high"]:+.3f}]</td>' in page, part["label"]
+    assert "calibrated: the exact NW head at the schedule's h = 1 sigma_t / alpha_t" in page
+    assert page.index('id="anchors"') < page.index('data-clause="bandwidth"')  # the anchors first
+
+
+def test_the_bandwidth_figure_draws_the_exact_heads_measured_line_and_the_verdicts_exponents(pages) -> None:
+    """The report's bandwidth path and ``bandwidth.png`` draw the same lines: the adapter, the control
+    and the exact head measured in the same pipeline, each labelled by the verdict's exponent (theory
+    2); the exact head's points are its per-step geometric means over the references."""
+    from nw_adapter.correlate.html_report.rho_figures import bandwidth_figure
+    from nw_adapter.correlate.plotting import bandwidth_figure as png_figure
+
+    document = pages["calibrated"]
+    result, records, half = document["verdict"], document["records"], document["half"]
+    figure = bandwidth_figure(records, half, control="per-layer")
+    traces = {trace.name.split(":")[0]: trace for trace in figure.data}
+    assert list(traces) == [
+        "adapter",
+        "scale-matched control (3 draws)",
+        "exact NW head (measured)",
+        "exponent 2",
+    ]
+    reported = {e["key"]: e["mean"] for e in result["clauses"]["bandwidth"]["reported"]}
+    for name, exponent in (
+        ("adapter", reported["exponent"]),
+        ("scale-matched control (3 draws)", reported["exponent_control"]),
+        ("exact NW head (measured)", result["anchors"]["exact"]["exponent"]),
+    ):
+        assert traces[name].name.endswith(f"3 units, exponent {exponent:+.3f}"), traces[name].name
+    exact = traces["exact NW head (measured)"]
+    for step, y in zip(exact.customdata, exact.y, strict=True):
+        logs = [
+            np.mean([math.log(r["logit_scale_exact"]) for r in records
+                     if r["half"] == half and r["step"] == step and r["reference"] == reference])
+            for reference in sorted({r["reference"] for r in records})
+        ]  # fmt: skip
+        assert y == pytest.approx(math.exp(np.mean(logs)), rel=1e-5)
+    labels = png_figure(records, half).axes[0].get_legend_handles_labels()[1]
+    exponent = result["anchors"]["exact"]["exponent"]
+    assert f"exact NW head (measured): 3 images, exponent {exponent:+.2f}" in labels
+
+
+def test_the_controls_path_in_the_report_is_the_verdicts_matched_once_per_run() -> None:
+    """The control's line divides out the per-step scale matching (matched once per run, as the
+    verdict reads it): a control whose matched logit scale follows only its per-step key scale (1/h)
+    has exponent 0 in the verdict and in the figure (main at 7b2f1f0 drew the per-step matched
+    values: exponent +1)."""
+    import report_inputs
+
+    from nw_adapter.correlate.html_report.rho_figures import bandwidth_figure
+    from nw_adapter.correlate.verdict import verdict
+
+    records = report_inputs.records(["a", "b", "c"])
+    for record in records:
+        for k in range(2):
+            record[f"key_scale_{k}"] = 1.0 / record["h_schedule"]
+            record[f"logit_scale_control_{k}"] = (1.5 + k) / record["h_schedule"]
+    reported = {e["key"]: e for e in verdict(records)["clauses"]["bandwidth"]["reported"]}
+    assert reported["exponent_control"]["mean"] == pytest.approx(0.0, abs=1e-9)
+    (control,) = [t for t in bandwidth_figure(records, "cond").data if "control" in t.name]
+    assert control.name.endswith("exponent +0.000") or control.name.endswith("exponent -0.000")
+
+
+def test_an_uncalibrated_report_shows_the_readings_beside_the_control_and_the_theorys_anchor(pages) -> None:
+    result = pages["rho"]["verdict"]
+    page = html.unescape(text(pages["base"] / "rho" / REPORT_NAME))
+    header, body = _table(page, "readings")
+    measured = [r for r in result["readings"] if r["adapter"] or r["control"]]  # the rows with a value
+    assert header == ["reading", "adapter", "control"] and len(body) == len(measured) == 6
+    assert "exact NW head (the theory's values: not measured, run with --calibrate): exponent +2.000" in page
+    assert "exact-verdict-line" not in page and "calibrated:" not in page
 
 
 def test_the_support_report_shows_the_attention_beside_the_latent_posterior_in_the_consoles_words(
@@ -280,6 +399,50 @@ def test_nw_adapter_report_of_a_recorder_its_records_and_a_folder(pages, tmp_pat
         nw_adapter.report(tmp_path)
     with pytest.raises(ValueError, match="cannot make a report of int"):
         nw_adapter.report(3)
+
+
+def test_nw_adapter_report_of_calibrated_calls_shows_the_calibrated_verdict() -> None:
+    """The notebook route of a calibration: ``nw_adapter.report`` of ``observe_call(...,
+    calibrate=True)`` results (one digit each) shows what the command line's report shows: the
+    records' own verdict, the calibrated table, the exact head's verdict and its measured line."""
+    import torch
+
+    pipe = nw_adapter.load_tiny_digits()
+    pipe.set_progress_bar_config(disable=True)
+    config = nw_adapter.NWProcessorConfig(untrained_control=True, untrained_draws=2)
+    calls = [
+        nw_adapter.observe_call(
+            pipe,
+            {
+                "prompt": "a photograph",
+                "ip_adapter_image": nw_adapter.tiny_digit_image(d),
+                "num_inference_steps": 4,
+                "generator": torch.Generator().manual_seed(0),
+            },
+            config=config,
+            calibrate=True,
+        )
+        for d in (2, 5, 8)
+    ]
+    page = nw_adapter.report(calls)
+    result = nw_adapter.verdict(
+        [{"reference": f"call {i}", **r} for i, call in enumerate(calls) for r in call.records]
+    )
+    shown = html.unescape(page.to_html())
+    assert f'id="verdict-line">verdict: {result["conclusion"]}<' in shown
+    header, body = _table(shown, "readings")
+    assert header == ["reading", "adapter", "exact NW head", "control"] and len(body) == 8
+    assert result["anchors"]["exact"]["verdict"]["evidence"] is True
+    assert (
+        f"calibration, the exact head in this pipeline: {result['anchors']['exact']['verdict']['conclusion']}"
+        in shown
+    )
+    assert "calibrated: the exact NW head at the schedule's h = 1 sigma_t / alpha_t" in shown
+    assert "control: scale-matched untrained keys in every layer, the same queries, 2 draws" in shown
+    assert (
+        f"exact NW head (measured): 3 units, exponent {result['anchors']['exact']['exponent']:+.3f}" in shown
+    )
+    assert nw_adapter.report(calls[0]).title.endswith("4 steps, bandwidth matched, 1 reference")
 
 
 def test_importing_the_package_the_report_module_or_asking_for_help_loads_no_plotly() -> None:

@@ -129,6 +129,9 @@ def test_two_level_test_leaves_out_missing_draws_then_references_and_counts_them
     assert math.isnan(two_level_test([[0.1, 0.2]]).p)  # one reference: no test
     flat = two_level_test([[0.1, 0.1], [0.1, 0.1]], margin=0.0)
     assert flat.p == 0.0 and flat.significant is True  # no spread at all: decided by the value
+    empty = two_level_test([[None, math.nan]] * 4)  # no value at all: no reference is counted
+    assert (empty.n, empty.draws, empty.dropped_references, empty.dropped_draws) == (0, 0, 4, 2)
+    assert empty.significant is False and math.isnan(empty.mean)
 
 
 def test_a_difference_within_the_margin_never_counts() -> None:

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,26 +81,27 @@ computed again (with a note naming what changed): f073761's compare-swap run rec
 tiny models built into the cache ``tiny``), where its rho run and this version record ``"tiny"``."""
 
 
+def _strings_mapped(value: Any, change: Callable[[str], str]) -> Any:
+    """``value`` (JSON-like) with ``change`` applied to every string in it."""
+    if isinstance(value, dict):
+        return {key: _strings_mapped(item, change) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_strings_mapped(item, change) for item in value]
+    return change(value) if isinstance(value, str) else value
+
+
 def portable(value: Any, cache: Path) -> Any:
     """``value`` with the repository and cache paths in its strings replaced by placeholders."""
-    if isinstance(value, dict):
-        return {key: portable(item, cache) for key, item in value.items()}
-    if isinstance(value, list):
-        return [portable(item, cache) for item in value]
-    if isinstance(value, str):
-        return value.replace(str(cache), "<cache>").replace(str(REPO), "<repo>")
-    return value
+    return _strings_mapped(
+        value, lambda text: text.replace(str(cache), "<cache>").replace(str(REPO), "<repo>")
+    )
 
 
 def unportable(value: Any, cache: Path) -> Any:
     """The inverse of :func:`portable`: the placeholders back to this machine's paths."""
-    if isinstance(value, dict):
-        return {key: unportable(item, cache) for key, item in value.items()}
-    if isinstance(value, list):
-        return [unportable(item, cache) for item in value]
-    if isinstance(value, str):
-        return value.replace("<cache>", str(cache)).replace("<repo>", str(REPO))
-    return value
+    return _strings_mapped(
+        value, lambda text: text.replace("<cache>", str(cache)).replace("<repo>", str(REPO))
+    )
 
 
 def captured_identities(argv: list[str], out: Path, cache: Path) -> list[dict]:

@@ -17,8 +17,10 @@ Small: 4 - 6 bundled digits, 8 - 10 steps (about 1 s per generation on one core)
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,6 +133,25 @@ def test_calibrate_merges_the_exact_head_and_keeps_the_pipeline_as_after_one_cal
     assert active_recorder(sd15) is None
 
 
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"calibrate": True, "schedule_c": 0}, "schedule_c"),
+        ({"calibrate": True, "schedule_c": "1"}, "schedule_c"),
+        ({"calibrate": True, "schedule_c": math.inf}, "schedule_c"),
+        ({"schedule_c": 2.0}, "which is off; pass calibrate=True"),
+    ],
+)
+def test_observe_call_refuses_a_schedule_c_it_cannot_use(sd15, options, words) -> None:
+    """schedule_c is checked by the configuration's own rule (one check, not a copy of it), before
+    anything runs, and refused without calibrate=True, where it would be ignored."""
+    from nw_adapter.integration.errors import NWConfigError
+
+    with pytest.raises(NWConfigError, match=words):
+        observe_call(sd15, _call(3, steps=1), **options)
+    assert active_recorder(sd15) is None
+
+
 @pytest.mark.parametrize(("model", "exact_low"), [("sd15", 1.9), ("flux", 1.6)])
 def test_the_trained_adapter_between_its_anchors(request, model, exact_low) -> None:
     """The trained tiny adapters, calibrated (6 digits, 8 steps): no evidence, nearer the control
@@ -155,6 +176,33 @@ def test_the_trained_adapter_between_its_anchors(request, model, exact_low) -> N
     rows = {row["key"]: row for row in outcome["readings"]}
     assert rows["exponent"]["exact"]["mean"] > exact_low and abs(rows["exponent"]["adapter"]["mean"]) < 0.6
     assert rows["r2_nw"]["exact"]["mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_one_step_leaves_the_exact_heads_path_not_measured(sd15) -> None:
+    """One denoising step: no slope on log h, so the bandwidth clause is "not measured" with its
+    reason, for the adapter and for the exact head, which gets neither the positive conclusion nor
+    "not met" (main at 7b2f1f0: "bandwidth clause not met" for both); its NW form is still read
+    (r2_nw 1.000, met)."""
+    from nw_adapter.correlate.verdict import SINGLE_H_REASON
+
+    records = []
+    config = NWProcessorConfig(untrained_control=True)
+    for digit in range(3):
+        result = observe_call(sd15, _call(digit, steps=1), config=config, calibrate=True)
+        records += [{"reference": f"digit{digit}", **r} for r in result.records]
+    assert {r["step"] for r in records} == {0}
+    outcome = verdict(records)
+    own = outcome["anchors"]["exact"]["verdict"]
+    for clauses in (outcome["clauses"], own["clauses"]):
+        bandwidth = clauses["bandwidth"]
+        assert bandwidth["status"] == "not measured" and bandwidth["reason"] == SINGLE_H_REASON, bandwidth
+    assert own["evidence"] is False and own["clauses"]["nw_form"]["status"] == "met"
+    assert own["conclusion"] == (
+        "no evidence of kernel smoothing on the schedule (3 reference images): bandwidth clause not "
+        "measured, NW-form clause met"
+    )
+    assert outcome["clauses"]["rise"]["status"] == "not measured"
+    assert outcome["anchors"]["exact"]["exponent"] is None and outcome["position"]["path"] is None
 
 
 # --- the command line: --calibrate ----------------------------------------------------------------
@@ -271,3 +319,38 @@ def test_the_exact_pass_stacks_its_steps_and_equals_the_per_layer_path(sd15) -> 
                 name
             )
     assert len({r["bandwidth_exact"] for r in stacked.records}) > 1  # several steps' h in one stack
+
+
+def test_a_calibrated_sd3_run_writes_what_the_plain_run_writes(tmp_path, capsys) -> None:
+    """The rho run's three kinds share one path from the generation to the files: on tiny-sd3 with
+    the schedule's bandwidth (its pure-noise step not recorded), ``--calibrate`` writes the plain
+    run's per-image files (``rho_joint.csv``: the joint key set's records, the same as the plain run's
+    plus the exact head's columns) and prints its per-image lines, the skipped note and the steps
+    without statistics (main at 7b2f1f0: neither the file nor the lines)."""
+    import csv
+
+    def run(name: str, *extra: str) -> tuple[Path, list[str]]:
+        out = tmp_path / name
+        argv = ["--model", "tiny-sd3", "--steps", "2", "--bandwidth", "schedule", "--out", str(out), *extra]
+        for digit in (3, 5):
+            argv += ["--image", str(tiny_digit_path(digit))]
+        code, _, err = _cli(argv, capsys)
+        assert code == 0, err
+        return out, [
+            line for line in err.splitlines() if not line.startswith(("progress:", "WARNING: tiny-sd3"))
+        ]
+
+    plain, plain_err = run("plain")
+    calibrated, calibrated_err = run("calibrated", "--calibrate")
+    assert calibrated_err == plain_err and len(plain_err) == 4  # per image: the skipped note, the failed step
+    assert all("Warning" not in line for line in calibrated_err)
+    for folder in sorted((plain / "images").iterdir()):
+        twin = calibrated / "images" / folder.name
+        assert sorted(p.name for p in twin.iterdir()) == sorted(p.name for p in folder.iterdir())
+        with open(folder / "rho_joint.csv") as a, open(twin / "rho_joint.csv") as b:
+            joint, joint_calibrated = list(csv.DictReader(a)), list(csv.DictReader(b))
+        assert {r["key_set"] for r in joint_calibrated} == {"joint"} and len(joint_calibrated) == len(joint)
+        assert [r["rho"] for r in joint_calibrated] == [r["rho"] for r in joint]  # the same first pass
+        assert all(math.isfinite(float(r["rho_exact"])) for r in joint_calibrated)
+    document = json.loads((calibrated / "rho.json").read_text())
+    assert all(image["joint_records"].endswith("rho_joint.csv") for image in document["images"])

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_errors import one_line_error
 from PIL import Image
 
 from nw_adapter.atomic import WriteError
@@ -26,12 +27,7 @@ def run(argv: list, capsys) -> tuple[int, str, str]:
 
 def one_line(code: int, err: str, *words: str) -> str:
     # a finished reference's progress line (stderr is not a terminal here) comes before the error
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("progress: ")]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("correlate.py: error: "), err
-    assert "Traceback" not in err
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
+    return one_line_error(code, err, *words, after_progress=True)
 
 
 def digit(d: int) -> str:

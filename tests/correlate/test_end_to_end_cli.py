@@ -102,9 +102,10 @@ def test_run_end_to_end_returns_the_trained_output_and_merged_records(
     )  # fmt: skip
     stock = pipe(**kwargs, generator=torch.Generator().manual_seed(0)).images
     args = _parse("--end-to-end-control", "--end-to-end-draws", "2")
-    output, records, meta = run_end_to_end(
+    result = run_end_to_end(
         args, pipe, NWProcessorConfig(), dict(kwargs, generator=torch.Generator().manual_seed(0))
     )
+    output, records, meta = result.trained_output, result.records, result.control
     assert torch.equal(output.images, stock)
     assert meta["seeds"] == [0, 1] and meta["kind"] == "end-to-end"
     assert records and all({"rho_control_0", "rho_control_1", "key_scale_1"} <= set(r) for r in records)

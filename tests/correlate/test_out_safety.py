@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from cli_errors import one_line_error
 from test_images import photo
 
 from nw_adapter.atomic import atomic_write_text
@@ -156,15 +157,6 @@ def run_main(argv: list, capsys) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-def one_line_error(code: int, err: str, *words: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("correlate.py: error: ")
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

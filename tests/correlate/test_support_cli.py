@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from cli_errors import one_line_error
 
 from nw_adapter.analysis.support_sets import decided_step, support_steps
 from nw_adapter.correlate.cli import main
@@ -21,16 +22,6 @@ def run(argv: list, capsys) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-def one_line_error(code: int, err: str, *words: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("correlate.py: error: "), err
-    assert "Traceback" not in err
-    for word in words:
-        assert word in lines[0], lines[0]
-    return lines[0]
 
 
 def digit(d: int) -> str:

@@ -452,3 +452,95 @@ def test_records_with_and_without_settings_are_refused_in_one_line() -> None:
     message = str(error.value)
     assert "\n" not in message and "1 record(s) have no 'settings' and 1 have one" in message
     assert "verdict([r for r in records if r.get('settings') is not None])" in message
+
+
+# --- what a run cannot identify is "not measured", never "not met" -------------------------------
+
+
+@pytest.mark.parametrize("steps", ["one step", "one noise level"])
+def test_a_run_without_two_noise_levels_leaves_the_path_not_measured(schedule, steps) -> None:
+    """One step per reference (or every step at one h): no slope on log h, so the exponent and the
+    rise are not measured, with the reason, and the exact head gets neither the positive conclusion
+    nor "not met": its conclusion names the bandwidth clause "not measured" (main at 7b2f1f0: "not
+    met" on a --steps 1 run, its part against the control tested over an empty matrix as n 10, mean
+    nan)."""
+    from nw_adapter.correlate.verdict import SINGLE_H_REASON
+
+    h = schedule[-3:] if steps == "one noise level" else schedule[-1:]
+    at = [h[0]] * len(h)
+    result = verdict(bias_form_records([x**-2 for x in at], at))
+    for key in ("bandwidth", "rise"):
+        clause = result["clauses"][key]
+        assert clause["holds"] is None and clause["status"] == "not measured", clause
+        assert clause["reason"] == SINGLE_H_REASON
+        assert all(
+            not p["measured"] and p["n"] == 0 and p["status"] == "not measured" for p in clause["parts"]
+        )
+    assert result["clauses"]["nw_form"]["holds"] is True  # the form is read at one step
+    assert result["evidence"] is False  # not the positive conclusion, and no clause "not met":
+    assert result["conclusion"].startswith(
+        "no evidence of kernel smoothing on the schedule (4 reference images): bandwidth clause not "
+        "measured, NW-form clause met"
+    )
+    text = format_verdict(result)
+    assert "bandwidth clause not met" not in text and "nan [n/a]" not in text
+    dot = verdict(bias_form_records([x**-2 for x in at], at, key_norm_weight=0.0))  # a dot product
+    assert dot["evidence"] is False and dot["clauses"]["bandwidth"]["status"] == "not measured"
+    assert dot["clauses"]["nw_form"]["status"] == "not met"
+
+
+def test_a_part_with_no_finite_value_is_not_measured_with_its_reason(schedule) -> None:
+    """The control's logit scale finite at the first step only (NaN at every other): no reference has
+    a control exponent, so the part against the control is not measured, with the reason, not "not
+    met" (main at 7b2f1f0: n 4, mean nan, "not met"); the part against the theory still is. NaN at
+    every step: not measured, the column named."""
+    from nw_adapter.correlate.verdict import NO_VALUE_REASON
+
+    records = bias_form_records([h**-2 for h in schedule], schedule)
+    for record in records:
+        for k in range(DRAWS):
+            if record["step"]:
+                record[f"logit_scale_control_{k}"] = math.nan
+    result = verdict(records)
+    parts = {p["key"]: p for p in result["clauses"]["bandwidth"]["parts"]}
+    assert parts["exponent_theory"]["status"] == "met"
+    assert parts["exponent_minus_control"]["measured"] is False
+    assert parts["exponent_minus_control"]["reason"] == NO_VALUE_REASON
+    bandwidth = result["clauses"]["bandwidth"]
+    assert bandwidth["status"] == "not measured" and bandwidth["reason"] == NO_VALUE_REASON
+    assert result["evidence"] is False and "bandwidth clause not measured" in result["conclusion"]
+    for record in records:
+        for k in range(DRAWS):
+            record[f"logit_scale_control_{k}"] = math.nan
+    bandwidth = verdict(records)["clauses"]["bandwidth"]
+    assert bandwidth["status"] == "not measured" and "logit_scale_control_0" in bandwidth["reason"]
+
+
+def test_a_zero_spread_effect_outside_its_band_is_not_met_by_its_value(schedule) -> None:
+    """A fixed temperature with frozen queries: exponent 0.000 [0.000, 0.000] for every reference, far
+    outside [1.5, 2.5]: "not met" by its value (p 1), never "too few references to tell"."""
+    result = verdict(bias_form_records([1.0] * len(schedule), schedule, frozen=True))
+    part = next(p for p in result["clauses"]["bandwidth"]["parts"] if p["key"] == "exponent_theory")
+    assert part["se"] == 0.0 and part["p"] == 1.0 and part["status"] == "not met", part
+    assert result["evidence"] is False
+
+
+def test_anchors_that_coincide_on_an_axis_place_nothing_on_it() -> None:
+    """A control already of the NW form (SD 3.5's RMS-normalised keys: r2_nw 1.000000002, the exact
+    head's 1) defines no position on the form axis: the adapter is placed by its path alone (main at
+    7b2f1f0: "form +174203791 of the way", "nearer the exact head" for an adapter on the control's
+    path)."""
+    from tests.correlate.test_verdict import make_records
+
+    records = make_records(images=4, exponent=0.0, form=0.71)
+    for record in records:
+        for k in range(3):
+            record[f"r2_nw_control_{k}"] = 1.0 + 2e-9  # as SD 3.5 read it
+    result = verdict(records)
+    assert result["anchors"]["control"]["r2_nw"] == pytest.approx(1.0)
+    position = result["position"]
+    assert position["form"] is None and abs(position["path"]) < 0.1 and position["nearer"] == "control"
+    assert (
+        "nearer the control (path" in result["conclusion"]
+        and "form" not in result["conclusion"].split(";")[1]
+    )

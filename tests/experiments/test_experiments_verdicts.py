@@ -173,3 +173,32 @@ def test_holm():
     adj = holm([0.01, 0.04, math.nan, 0.03])
     assert adj[0] == pytest.approx(0.03) and adj[3] == pytest.approx(0.06) and adj[1] == pytest.approx(0.06)
     assert math.isnan(adj[2])
+
+
+def _shells(ratio: float, ci: tuple[float, float], paper: float = 6.4) -> dict:
+    row = {"d": 32, "ratio": ratio, "ratio_ci": ci, "paper_ratio": paper, "fair": {"fair": True}, "neff": 1.8}
+    return {"shells": {"rows": [row]}}
+
+
+def test_reproduces_only_when_the_interval_is_narrow_enough_to_say_so():
+    """'yes' needs the interval inside the band that counts as the paper's value (a factor of 1.5 for
+    a ratio, +-10 points for a percentage): the full scale's 5.9x [4.4, 8.6] reproduces the paper's
+    6.4x; the quick scale's 8.7x [4.4, 136.9] holds it but is 31-fold wide (main at 7b2f1f0: 'yes');
+    an interval that misses it above 1 is the direction only."""
+    from nw_adapter.experiments.aggregate import paper_table
+
+    def verdict_of(ratio, ci):
+        (row,) = [r for r in paper_table(_shells(ratio, ci)) if r["claim"].startswith("shells: plug-in /")]
+        return row["reproduces"]
+
+    assert verdict_of(5.9, (4.4, 8.6)) == "yes"
+    wide = verdict_of(8.7, (4.4, 136.9))
+    assert wide.startswith("too wide to tell") and "4.27 to 9.6" in wide
+    assert verdict_of(2.6, (1.7, 4.3)) == "direction only"
+    assert verdict_of(0.8, (0.5, 1.2)) == "no"
+    digits = {"digits": {"rows": [{"m": 10, "paper_advantage": 0.24, "advantage": 0.2,
+                                   "advantage_ci": (0, 0), "classes": list(range(10))}]}}  # fmt: skip
+    for ci, expected in (((0.18, 0.31), "yes"), ((-0.05, 0.6), "too wide to tell"), ((-0.83, 0.01), "no")):
+        digits["digits"]["rows"][0]["advantage_ci"] = ci
+        (row,) = paper_table(digits)
+        assert row["reproduces"].startswith(expected), (ci, row["reproduces"])

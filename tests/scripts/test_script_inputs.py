@@ -63,6 +63,16 @@ def _spy(monkeypatch, target: object, name: str) -> list:
     return calls
 
 
+def _refused(module, argv, words, spied, workdir, monkeypatch, capsys) -> None:
+    """``module`` (a loaded script) refuses ``argv`` in one line naming ``words`` (exit 2), before any
+    of ``spied`` (``(object, function name)`` pairs: what it would run) is called, and writes nothing."""
+    calls = [_spy(monkeypatch, target, name) for target, name in spied]
+    code, err = call(module, argv, monkeypatch, capsys)
+    one_line(code, err, *words)
+    assert not any(calls)
+    _unchanged(workdir)
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
@@ -77,11 +87,7 @@ def _spy(monkeypatch, target: object, name: str) -> list:
 def test_train_tiny(argv, words, workdir, monkeypatch, capsys):
     import nw_adapter.models.training.run as training
 
-    calls = _spy(monkeypatch, training, "run_training")
-    code, err = call(load("train_tiny"), argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
+    _refused(load("train_tiny"), argv, words, [(training, "run_training")], workdir, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize(
@@ -96,11 +102,8 @@ def test_train_tiny(argv, words, workdir, monkeypatch, capsys):
 def test_train_tiny_flow(argv, words, workdir, monkeypatch, capsys):
     import nw_adapter.models.training.flux_run as training
 
-    calls = _spy(monkeypatch, training, "run_flux_training")
-    code, err = call(load("train_tiny_flow"), argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
+    spied = [(training, "run_flux_training")]
+    _refused(load("train_tiny_flow"), argv, words, spied, workdir, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize(
@@ -170,12 +173,7 @@ def test_readings_table(make, words, tmp_path, monkeypatch, capsys):
 )
 def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
     module = load("evaluate_tiny")
-    calls = _spy(monkeypatch, module, "rho")
-    _spy(monkeypatch, module, "training")
-    code, err = call(module, argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
+    _refused(module, argv, words, [(module, "rho"), (module, "training")], workdir, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize(
@@ -191,20 +189,14 @@ def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
 )
 def test_fair_baseline_search(argv, words, workdir, monkeypatch, capsys):
     module = load("run_fair_baseline_search")
-    calls = _spy(monkeypatch, module, "train_scale")
-    code, err = call(module, argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
+    _refused(module, argv, words, [(module, "train_scale")], workdir, monkeypatch, capsys)
 
 
 def test_paper_subset_refuses_an_empty_out(workdir, monkeypatch, capsys):
     module = load("run_paper_subset")
-    calls = _spy(monkeypatch, module, "run_experiments")
-    code, err = call(module, ["--out", ""], monkeypatch, capsys)
-    one_line(code, err, "--out is empty")
-    assert not calls
-    _unchanged(workdir)
+    _refused(
+        module, ["--out", ""], ["--out is empty"], [(module, "run_experiments")], workdir, monkeypatch, capsys
+    )
 
 
 @pytest.mark.parametrize(
@@ -231,50 +223,33 @@ def test_evaluate_tiny_refuses_a_model_folder_with_damaged_weights(workdir, monk
     unet = model / "unet" / "diffusion_pytorch_model.safetensors"
     unet.write_bytes(unet.read_bytes()[:1000])
     module = load("evaluate_tiny")
-    calls = _spy(monkeypatch, module, "quality")
-    code, err = call(module, ["quality", "--model-dir", str(model), "--out", "e"], monkeypatch, capsys)
-    one_line(code, err, "unet/diffusion_pytorch_model.safetensors is not a complete safetensors file")
-    assert not calls
-    _unchanged(workdir)
+    argv = ["quality", "--model-dir", str(model), "--out", "e"]
+    words = ["unet/diffusion_pytorch_model.safetensors is not a complete safetensors file"]
+    _refused(module, argv, words, [(module, "quality")], workdir, monkeypatch, capsys)
+
+
+STUDIES = {"plug_in_field_study": "exact_field_errors", "verdict_false_positives": "count_verdicts"}
+"""The two study scripts and the function each runs first (spied: it must not run on bad input)."""
 
 
 @pytest.mark.parametrize(
-    ("argv", "words"),
+    ("script", "argv", "words"),
     [
-        (["--out", ""], ["--out is empty"]),
-        (["--out", "taken"], ["--out 'taken' is a file"]),
-        (["--out", "run", "--seeds", "x"], ["--seeds must be a whole number"]),
+        *((script, ["--out", ""], ["--out is empty"]) for script in STUDIES),
+        *((script, ["--out", "taken"], ["--out 'taken' is a file"]) for script in STUDIES),
+        ("plug_in_field_study", ["--out", "run", "--seeds", "x"], ["--seeds must be a whole number"]),
+        ("verdict_false_positives", ["--out", "run", "--steps", "0"], ["--steps"]),
     ],
-    ids=["empty-out", "file-out", "seeds-x"],
+    ids=["study-empty-out", "fp-empty-out", "study-file-out", "fp-file-out", "study-seeds-x", "fp-steps-0"],
 )
-def test_plug_in_field_study(argv, words, workdir, monkeypatch, capsys):
-    """Before, --out '' was the current folder ('exists and is not an empty folder') after argparse's
-    usage block: six lines."""
-    module = load("plug_in_field_study")
-    calls = _spy(monkeypatch, module, "exact_field_errors")
-    code, err = call(module, argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
-
-
-@pytest.mark.parametrize(
-    ("argv", "words"),
-    [
-        (["--out", ""], ["--out is empty"]),
-        (["--out", "taken"], ["--out 'taken' is a file"]),
-        (["--out", "run", "--steps", "0"], ["--steps"]),
-    ],
-    ids=["empty-out", "file-out", "steps-0"],
-)
-def test_verdict_false_positives(argv, words, workdir, monkeypatch, capsys):
-    """Before, --out '' ran every model in the current folder (104 s, its models/ written there)."""
-    module = load("verdict_false_positives")
-    calls = _spy(monkeypatch, module, "count_verdicts")
-    code, err = call(module, argv, monkeypatch, capsys)
-    one_line(code, err, *words)
-    assert not calls
-    _unchanged(workdir)
+def test_the_study_scripts_check_their_options_before_running(
+    script, argv, words, workdir, monkeypatch, capsys
+):
+    """Before, plug_in_field_study.py's --out '' was the current folder ('exists and is not an empty
+    folder') after argparse's usage block: six lines; verdict_false_positives.py's --out '' ran every
+    model in the current folder (104 s, its models/ written there)."""
+    module = load(script)
+    _refused(module, argv, words, [(module, STUDIES[script])], workdir, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("script", ["train_tiny", "train_tiny_flow"])

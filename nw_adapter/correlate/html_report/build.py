@@ -190,10 +190,41 @@ def _recorder_report(recorder: Any, generated: Any) -> Report:
     return rho_report(document, maps=maps, source="a recorder")
 
 
+def _is_calibrated_call(source: Any) -> bool:
+    """Whether ``source`` is an :class:`~nw_adapter.integration.calibration.CalibratedCall` (by its
+    fields: the command line's layer imports no integration module here)."""
+    return all(hasattr(source, name) for name in ("records", "exact_records", "meta", "recorder"))
+
+
+def _calls_report(calls: Sequence[Any]) -> Report:
+    """The report of :func:`~nw_adapter.integration.calibration.observe_call` results, one reference
+    each: their records (each call's records labelled ``call <i>`` unless they name their
+    ``reference``), the calibration's meta in the header."""
+    from nw_adapter.correlate.html_report.rho_report import rho_report
+
+    records = [
+        record if "reference" in record else {"reference": f"call {index}", **record}
+        for index, call in enumerate(calls)
+        for record in call.records
+    ]
+    if not records:
+        raise ValueError("report: the calls hold no records; run observe_call first")
+    meta = next((call.meta for call in calls if call.meta), None)
+    first = calls[0].recorder
+    context = first.records().context if first is not None else {}
+    document = _records_document(records, context, getattr(first, "config", None), calibration=meta)
+    return rho_report(document, source=f"observe_call ({len(calls)} call{'' if len(calls) == 1 else 's'})")
+
+
 def _records_document(
-    records: Sequence[Mapping[str, Any]], context: Mapping[str, Any], config: Any = None
+    records: Sequence[Mapping[str, Any]],
+    context: Mapping[str, Any],
+    config: Any = None,
+    *,
+    calibration: Mapping[str, Any] | None = None,
 ) -> dict:
-    """The ``rho.json``-shaped document of records from a notebook (no reference images, no files)."""
+    """The ``rho.json``-shaped document of records from a notebook (no reference images, no files;
+    ``calibration``: the exact head's meta of a calibrated call, rho.json's ``config["calibration"]``)."""
     from nw_adapter.analysis.records import Records
     from nw_adapter.correlate.report import build_report, control_meta
 
@@ -206,6 +237,7 @@ def _records_document(
         "bandwidth": context.get("bandwidth"),
         "mode": getattr(config, "mode", None) or (records[0].get("mode") if records else None),
         "scheduler_class": context.get("scheduler"),
+        **({"calibration": dict(calibration)} if calibration else {}),
     }
     control = None
     draws = Records(records).summary()
@@ -226,7 +258,9 @@ def report(source: Any, *, generated: Any = None) -> Report:
             :class:`~nw_adapter.integration.recorder.NWRecorder` (its records and, with
             ``store_maps=True``, its maps), a list of records (``rec.to_records()``), or a
             :class:`~nw_adapter.analysis.consequence.SwapComparison` of
-            :func:`~nw_adapter.compare_swap` (its images included).
+            :func:`~nw_adapter.compare_swap` (its images included), or the result of
+            :func:`~nw_adapter.observe_call` (a ``CalibratedCall``) or a list of them, one reference
+            each (with ``calibrate=True``: the adapter beside the exact NW head and the control).
         generated: with a recorder: the generated image(s), one per pipeline call, drawn under its
             maps (PIL images; default: the maps alone).
 
@@ -248,6 +282,10 @@ def report(source: Any, *, generated: Any = None) -> Report:
         return _path_report(Path(source))
     if hasattr(source, "to_records") and hasattr(source, "maps"):
         return _recorder_report(source, generated)
+    if _is_calibrated_call(source):
+        return _calls_report([source])
+    if isinstance(source, list | tuple) and source and all(_is_calibrated_call(s) for s in source):
+        return _calls_report(source)
     if hasattr(source, "per_reference") and hasattr(source, "rules"):
         return _comparison_report(source)
     if isinstance(source, list | tuple) and all(isinstance(r, Mapping) for r in source):
@@ -259,7 +297,7 @@ def report(source: Any, *, generated: Any = None) -> Report:
         return rho_report(document, source="records")
     raise ValueError(
         f"report: cannot make a report of {type(source).__name__}; pass an output folder, an NWRecorder, its "
-        "records (a list of dicts) or a SwapComparison"
+        "records (a list of dicts), observe_call's result(s) or a SwapComparison"
     )
 
 

@@ -64,6 +64,8 @@ span.key { white-space: nowrap; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .verdict-line { font-size: 1.08em; font-weight: 600; margin: 8px 0; padding: 8px 12px;
                 background: #f0f4fa; border-left: 4px solid #1f77b4; }
+.verdict-line.exact { font-size: 1em; background: #f0f8f1; border-left-color: #2ca02c; }
+div.anchors { border-left: 3px solid #e3e3e3; padding-left: 12px; margin: 10px 0 18px; }
 .status-met { color: #17803d; font-weight: 600; }
 .status-not-met { color: #b42318; font-weight: 600; }
 .status-other { color: #6b6b6b; font-weight: 600; }

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from nw_adapter.correlate.html_report.images import data_uri, grey, pool_to_cap, thumbnail
+from nw_adapter.correlate.html_report.rho_figures import dropdown
 
 __all__ = [
     "HEAD_CAP",
@@ -300,17 +301,7 @@ def maps_figure(reference: ReferenceMaps, *, spread: float, diff_spread: float, 
         margin={"l": 20, "r": 20, "t": 110, "b": 90},
         images=images,
         sliders=sliders,
-        updatemenus=[
-            {
-                "buttons": buttons,
-                "direction": "down",
-                "x": 0,
-                "xanchor": "left",
-                "y": 1.32,
-                "yanchor": "top",
-                "showactive": True,
-            }
-        ],
+        updatemenus=[dropdown(buttons, 1.32)],
         coloraxis={
             **weight_scale(uniform, spread),
             "colorbar": {

@@ -18,7 +18,16 @@ import numpy as np
 
 from nw_adapter.analysis import records as rec
 
-__all__ = ["TEMPLATE", "bandwidth_figure", "rho_blocks_figure", "rho_layers_figure"]
+__all__ = [
+    "TEMPLATE",
+    "bandwidth_figure",
+    "dotted_line",
+    "dropdown",
+    "lay_out",
+    "rho_blocks_figure",
+    "rho_layers_figure",
+    "whole_steps",
+]
 
 _DASH = {"-": "solid", ":": "dot", "--": "dash", "-.": "dashdot"}
 
@@ -49,6 +58,51 @@ TEMPLATE: dict[str, Any] = {
 """A small plotly template (plotly's default one adds ~10 kB of JSON to every figure)."""
 
 
+def lay_out(
+    fig: Any,
+    title: str,
+    *,
+    height: int = 460,
+    legend: dict[str, Any] | None = None,
+    bottom: int = 120,
+    top: int | None = None,
+    title_size: int = 14,
+    title_y: float | None = None,
+    **layout: Any,
+) -> Any:
+    """The report's layout of a figure: :data:`TEMPLATE`, its title (``title_size`` px, at
+    ``title_y``), the height, the legend's place (default below the plot) and the bottom (and top)
+    margin; ``layout``: the figure's own further settings (axes, menus)."""
+    heading: dict[str, Any] = {"text": title, "font": {"size": title_size}}
+    if title_y is not None:
+        heading["y"] = title_y
+    margin = {"b": bottom} if top is None else {"b": bottom, "t": top}
+    fig.update_layout(
+        template=TEMPLATE, height=height, legend=legend or {"y": -0.2}, margin=margin, title=heading, **layout
+    )
+    return fig
+
+
+def dropdown(buttons: list[dict[str, Any]], y: float, *, showactive: bool | None = True) -> dict[str, Any]:
+    """A figure's menu (plotly's ``updatemenus`` entry): ``buttons`` in a drop-down at the top left,
+    its top at ``y`` (in the plot's height)."""
+    menu: dict[str, Any] = {"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": y}
+    menu["yanchor"] = "top"
+    if showactive is not None:
+        menu["showactive"] = showactive
+    return menu
+
+
+def dotted_line(x: Sequence[float], y: Sequence[float], name: str, color: str, width: float | None = None):
+    """A reference line (a guide, a level, a diagonal): dotted, in the legend, without hover."""
+    import plotly.graph_objects as go
+
+    line: dict[str, Any] = {"color": color, "dash": "dot"}
+    if width is not None:
+        line["width"] = width
+    return go.Scatter(x=list(x), y=list(y), mode="lines", name=name, line=line, hoverinfo="skip")
+
+
 def colour(name: str) -> str:
     """A matplotlib colour (``"0.45"`` grey levels included) as CSS."""
     from matplotlib.colors import to_hex
@@ -66,6 +120,16 @@ def _series(rows: Sequence[dict], key: str) -> list[float | None]:
 
 def _step_axis(rows: Sequence[dict]) -> tuple[list[int], list[float | None]]:
     return [int(r["step"]) for r in rows], _series(rows, "timestep")
+
+
+def whole_steps(last: int) -> dict[str, Any]:
+    """A step axis's ticks on whole steps, about 10 of them up to step ``last`` (plotly would put ticks
+    at half steps on a short run)."""
+    return {"dtick": max(1, math.ceil(last / 10))}
+
+
+def _last_step(rows: Sequence[dict]) -> int:
+    return max((int(r["step"]) for r in rows), default=0)
 
 
 def _hover(name: str) -> str:
@@ -183,17 +247,10 @@ def rho_blocks_figure(records: Sequence[dict], half: str, *, control: str | None
                 col=col,
             )
             shown.add(label)
-    fig.update_layout(
-        template=TEMPLATE,
-        height=430,
-        legend={"y": -0.22},
-        margin={"b": 110},
-        title={
-            "text": "rho over denoising, per block (click a legend entry to hide or show it)",
-            "font": {"size": 14},
-        },
-    )
+    title = "rho over denoising, per block (click a legend entry to hide or show it)"
+    lay_out(fig, title, height=430, legend={"y": -0.22}, bottom=110)
     fig.update_xaxes(title_text="step (denoiser call)", row=1, col=(len(names) + 1) // 2)
+    fig.update_xaxes(**whole_steps(_last_step(rows)))
     fig.update_yaxes(title_text="Spearman rho", row=1, col=1)
     return fig
 
@@ -256,24 +313,14 @@ def rho_layers_figure(records: Sequence[dict], half: str, *, control: str | None
         buttons.append(
             {"label": label, "method": "update", "args": [{"visible": visible}, {"title.text": title}]}
         )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=460,
-        legend={"y": -0.2},
-        margin={"b": 120, "t": 90},
-        title={"text": "rho of every IP layer", "font": {"size": 14}, "y": 0.97},
-        updatemenus=[
-            {
-                "buttons": buttons,
-                "direction": "down",
-                "x": 0,
-                "xanchor": "left",
-                "y": 1.13,
-                "yanchor": "top",
-                "showactive": True,
-            }
-        ],
+    lay_out(
+        fig,
+        "rho of every IP layer",
+        top=90,
+        title_y=0.97,
+        updatemenus=[dropdown(buttons, 1.13)],
         xaxis_title="step (denoiser call)",
+        xaxis=whole_steps(_last_step(rows)),
         yaxis_title="Spearman rho",
     )
     return fig
@@ -281,109 +328,67 @@ def rho_layers_figure(records: Sequence[dict], half: str, *, control: str | None
 
 def bandwidth_figure(records: Sequence[dict], half: str, *, control: str | None = None):
     """The bandwidth path: ``logit_scale`` (the RMS of the row-centred logits, the branch's inverse
-    temperature) against the schedule's h per step, log-log; per step the geometric mean over
-    units of the verdict's per-unit means (:func:`nw_adapter.correlate.verdict.image_step_means`)
-    with the 95% t interval over units, for the adapter and the control (the mean over its draws),
-    and the line of exponent 2 (an exact NW head, ``logit_scale = c / h^2``). The exponent in each
-    legend entry is ``-d log logit_scale / d log h``, the mean over units (the verdict's).
+    temperature) against the schedule's h per step, log-log; the lines of ``bandwidth.png``
+    (:func:`nw_adapter.correlate.bandwidth_path.bandwidth_lines`): per step the geometric mean over
+    units with its 95% t interval, for the adapter, the control (the mean over its draws, its scale
+    matched once per run as the verdict reads it) and, in a calibrated run, the exact NW head measured
+    in the same pipeline; and the line of exponent 2 (an exact NW head, ``logit_scale = c / h^2``).
+    The exponent in each legend entry is ``-d log logit_scale / d log h`` (theory 2), the verdict's.
 
     Returns:
         The figure, or None when no step has a positive ``logit_scale`` and h.
     """
     import plotly.graph_objects as go
 
-    from nw_adapter.core.intervals import t_interval
-    from nw_adapter.correlate.verdict import image_step_means, slope_on_log_h
-    from nw_adapter.integration.schema import control_column, control_draws
+    from nw_adapter.correlate.bandwidth_path import ARMS, bandwidth_lines, guide
+    from nw_adapter.integration.schema import control_draws
 
+    lines = bandwidth_lines(records, half)
+    if not lines or lines[0].arm != "adapter":
+        return None
     draws = control_draws({name for r in records for name in r})
-    by_unit = image_step_means(records, half, draws)
-    controls = [f"log_{control_column('logit_scale', k)}" for k in range(draws)]
-    for rows in by_unit.values():
-        for row in rows:
-            logs = [row[name] for name in controls if row.get(name) is not None]
-            row["log_control"] = float(np.mean(logs)) if logs else None
-    arms = [("log_logit_scale", "adapter", rec.RHO_COLOR, "circle")]
-    if draws:
-        arms.append(("log_control", rec.control_name(control, draws), "#ff7f0e", "square"))
+    symbols = {"adapter": "circle", "control": "square", "exact": "triangle-up"}
+    names = {"adapter": "adapter", "control": rec.control_name(control, draws), "exact": ARMS["exact"][0]}
     fig = go.Figure()
-    centre = None
     seen: list[float] = []
-    for key, label, color, symbol in arms:
-        per_step: dict[int, list[tuple[float, float]]] = {}
-        for rows in by_unit.values():
-            for row in rows:
-                h = row.get("h_schedule")
-                if row.get(key) is not None and h is not None and h > 0 and math.isfinite(h):
-                    per_step.setdefault(int(row["step"]), []).append((math.log(h), row[key]))
-        if not per_step:
-            continue
-        steps = sorted(per_step, key=lambda s: -np.mean([p[0] for p in per_step[s]]))
-        xs = [float(np.exp(np.mean([p[0] for p in per_step[s]]))) for s in steps]
-        stats = [t_interval([p[1] for p in per_step[s]]) for s in steps]
-        ys = [float(np.exp(m)) for m, _, _ in stats]
-        seen += ys + [float(np.exp(v)) for _, lo, hi in stats for v in (lo, hi) if math.isfinite(v)]
-        n = max(len(per_step[s]) for s in steps)
-        sloped = ["log_logit_scale"] if key == "log_logit_scale" else controls
-        exponents = [
-            v
-            for rows in by_unit.values()
-            for name in sloped
-            if (v := slope_on_log_h(rows, name, -1.0)) is not None
-        ]
-        exponent = f", exponent {np.mean(exponents):+.3f}" if exponents else ""
+    for line in lines:
+        label, color = names[line.arm], ARMS[line.arm][1]
+        ys, lows, highs = line.mean, line.low, line.high
+        seen += ys + [v for v in (*lows, *highs) if math.isfinite(v)]
+        exponent = "" if line.exponent is None else f", exponent {line.exponent:+.3f}"
         error = None
-        if n >= 2:
+        if line.units >= 2:
             error = {
                 "type": "data",
                 "symmetric": False,
-                "array": [float(np.exp(hi)) - y for (_, _, hi), y in zip(stats, ys, strict=True)],
-                "arrayminus": [y - float(np.exp(lo)) for (_, lo, _), y in zip(stats, ys, strict=True)],
+                "array": [round(hi - y, 6) for hi, y in zip(highs, ys, strict=True)],
+                "arrayminus": [round(y - lo, 6) for lo, y in zip(lows, ys, strict=True)],
                 "thickness": 1,
                 "width": 2,
             }
         fig.add_trace(
             go.Scatter(
-                x=xs,
-                y=ys,
-                customdata=steps,
+                x=[round(h, 6) for h in line.h],
+                y=[round(y, 6) for y in ys],
+                customdata=line.steps,
                 error_y=error,
                 mode="lines+markers",
-                name=f"{label}: {n} units{exponent}",
-                marker={"color": color, "symbol": symbol, "size": 6},
+                name=f"{label}: {line.units} units{exponent}",
+                marker={"color": color, "symbol": symbols[line.arm], "size": 6},
                 line={"color": color, "width": 1.4},
                 hovertemplate=f"{label}<br>step %{{customdata}}<br>h %{{x:.4g}}"
                 "<br>logit_scale %{y:.4g}<extra></extra>",
             )
         )
-        if key == "log_logit_scale":
-            centre = (float(np.mean(np.log(xs))), float(np.mean(np.log(ys))), min(xs), max(xs))
-    if centre is None:
-        return None
-    grid = np.linspace(math.log(centre[2]), math.log(centre[3]), 30)
-    fig.add_trace(
-        go.Scatter(
-            x=np.exp(grid).round(6).tolist(),
-            y=np.exp(centre[1] - 2.0 * (grid - centre[0])).round(6).tolist(),
-            mode="lines",
-            name="exponent 2: an exact NW head (c / h^2)",
-            line={"color": "#555", "dash": "dot"},
-            hoverinfo="skip",
-        )
-    )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=460,
-        legend={"y": -0.2},
-        margin={"b": 120},
-        title={
-            "text": "bandwidth path: logit_scale against the schedule's h (log-log)",
-            "font": {"size": 14},
-        },
+    xs, ys = guide(lines[0])
+    name = "exponent 2: an exact NW head (c / h^2)"
+    fig.add_trace(dotted_line([round(x, 6) for x in xs], [round(y, 6) for y in ys], name, "#555"))
+    return lay_out(
+        fig,
+        "bandwidth path: logit_scale against the schedule's h (log-log)",
         xaxis={"type": "log", "title": "schedule bandwidth h = sigma_t / alpha_t"},
         yaxis={"type": "log", "title": "logit_scale (RMS of row-centred logits)", "range": _log_range(seen)},
     )
-    return fig
 
 
 def _log_range(values: Sequence[float]) -> list[float]:

@@ -23,7 +23,7 @@ from nw_adapter.correlate.html_report.rho_figures import (
 )
 from nw_adapter.correlate.html_report.verdict_html import verdict_html
 
-__all__ = ["AXES_LEGEND", "gallery_html", "rho_report"]
+__all__ = ["AXES_LEGEND", "calibration_line", "gallery_html", "rho_report"]
 
 AXES_LEGEND: dict[str, str] = {
     "step (x axis)": "the denoiser call (0 = the first); PNDM's two calls at one timestep are two steps, "
@@ -39,6 +39,16 @@ AXES_LEGEND: dict[str, str] = {
 }
 """The legend of the report's axes and map panels (the columns' words are
 :data:`~nw_adapter.analysis.records.COLUMN_LEGEND`, the console's)."""
+
+
+def calibration_line(calibration: Mapping[str, Any]) -> str:
+    """The header line of a calibrated run (``rho.json``'s ``config["calibration"]``)."""
+    c = calibration.get("schedule_c", 1.0)
+    return (
+        f"calibrated: the {calibration.get('kind', 'exact NW head')} at the schedule's h = {c:g} sigma_t / "
+        "alpha_t swapped into every recorded layer, a second generation per reference with the same seed "
+        "and noise, read by the same instrument (its columns {stat}_exact)"
+    )
 
 
 def gallery_html(items: Sequence[tuple[str, Any, str | Sequence[str]]]) -> str:
@@ -123,6 +133,9 @@ def rho_report(
         + (f"; seed {config['seed']}" if config.get("seed") is not None else "")
     )
     page.lines.append(rec.control_line(kind, draws))
+    calibration = config.get("calibration")
+    if isinstance(calibration, Mapping):
+        page.lines.append(calibration_line(calibration))
     note = repeated_timestep_note(dict(report))
     if note:
         page.lines.append(f"note: {note}")
@@ -159,7 +172,12 @@ def rho_report(
             bandwidth,
             "bandwidth-path",
             caption="Per step, the geometric mean over units with its 95% t interval; the exponent is "
-            "-d log logit_scale / d log h (2 for an exact NW head, 0 for a fixed temperature).",
+            "-d log logit_scale / d log h (2 for an exact NW head, 0 for a fixed temperature)"
+            + (
+                "; the exact NW head's line is measured in the same pipeline (--calibrate)."
+                if isinstance(calibration, Mapping)
+                else "."
+            ),
         )
 
     stored = [m for m in maps if m.steps()]

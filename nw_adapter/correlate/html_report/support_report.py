@@ -29,7 +29,7 @@ import numpy as np
 
 from nw_adapter.correlate.html_report.document import Markup, Report, config_rows, escape, number, table_html
 from nw_adapter.correlate.html_report.images import read_image
-from nw_adapter.correlate.html_report.rho_figures import TEMPLATE
+from nw_adapter.correlate.html_report.rho_figures import dotted_line, dropdown, lay_out, whole_steps
 from nw_adapter.correlate.html_report.rho_report import gallery_html
 
 __all__ = ["SETS_SHOWN", "groups_figure", "sets_figure", "support_legend", "support_report", "x0_figure"]
@@ -181,20 +181,19 @@ def sets_figure(sets: Sequence[Mapping[str, Any]]):
         }
         for entry, members, title in zip(sets, groups, titles, strict=True)
     ]
-    fig.update_layout(
-        template=TEMPLATE,
+    lay_out(
+        fig,
+        escape(titles[0]) if titles else "",
         height=620,
         legend={"y": -0.12, "orientation": "h"},
-        margin={"b": 150, "t": 110},
-        title={"text": escape(titles[0]) if titles else "", "font": {"size": 13}, "y": 0.98},
-        updatemenus=[
-            {"buttons": buttons, "direction": "down", "x": 0, "xanchor": "left", "y": 1.17, "yanchor": "top"}
-        ]
-        if len(sets) > 1
-        else [],
+        bottom=150,
+        top=110,
+        title_size=13,
+        title_y=0.98,
+        updatemenus=[dropdown(buttons, 1.17, showactive=None)] if len(sets) > 1 else [],
     )
     last = max((int(s["step"]) for entry in sets for s in entry.get("steps") or []), default=0)
-    fig.update_xaxes(dtick=max(1, math.ceil(last / 10)))  # whole steps
+    fig.update_xaxes(**whole_steps(last))
     fig.update_xaxes(title_text="step (denoiser call)", row=2, col=1)
     fig.update_yaxes(range=[-0.02, 1.02])
     return fig
@@ -296,16 +295,8 @@ def groups_figure(sets: Sequence[Mapping[str, Any]]):
             for row, values in enumerate(panels, start=1):
                 _bands(fig, x, np.array(values, dtype=float), colour=colour, dash=dash, name=name, row=row,
                        showlegend=row == 1, hover="progress %{x:.2f}")  # fmt: skip
-    fig.update_layout(
-        template=TEMPLATE,
-        height=640,
-        legend={"y": -0.12},
-        margin={"b": 140},
-        title={
-            "text": "per group of sets: mean over sets with 95% t bands (clipped to [0, 1])",
-            "font": {"size": 14},
-        },
-    )
+    title = "per group of sets: mean over sets with 95% t bands (clipped to [0, 1])"
+    lay_out(fig, title, height=640, legend={"y": -0.12}, bottom=140)
     fig.update_xaxes(title_text="denoising progress (step / last step)", row=2, col=1)
     fig.update_yaxes(range=[-0.05, 1.05])
     return fig
@@ -316,7 +307,6 @@ def x0_figure(sets: Sequence[Mapping[str, Any]]):
     ||x0 - mean of the references||`` per step, over the schedule's h (log scale, reversed: denoising
     runs left to right), mean over sets with 95% t bands; 0 (the plug-in field) and 1 (the references'
     mean, where the posterior is even) marked. None where no set has the reading."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     groups = {
@@ -348,27 +338,9 @@ def x0_figure(sets: Sequence[Mapping[str, Any]]):
             (0.0, "0: the plug-in field (the posterior's NW mean)", "#d62728"),
             (1.0, "1: the references' mean (where the posterior is even)", "#777"),
         ):
-            fig.add_trace(
-                go.Scatter(
-                    x=[lowest, highest],
-                    y=[level, level],
-                    mode="lines",
-                    name=name,
-                    line={"color": colour, "dash": "dot", "width": 1.2},
-                    hoverinfo="skip",
-                )
-            )
-    fig.update_layout(
-        template=TEMPLATE,
-        height=460,
-        legend={"y": -0.22},
-        margin={"b": 140},
-        title={
-            "text": "the learned x0 against the plug-in field's: "
-            "||x0 - m_h|| / ||x0 - mean of the references||",
-            "font": {"size": 14},
-        },
-    )
+            fig.add_trace(dotted_line([lowest, highest], [level, level], name, colour, 1.2))
+    title = "the learned x0 against the plug-in field's: ||x0 - m_h|| / ||x0 - mean of the references||"
+    lay_out(fig, title, legend={"y": -0.22}, bottom=140)
     ticks = [
         t for t in (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0) if lowest / 1.5 <= t <= highest * 1.5
     ]

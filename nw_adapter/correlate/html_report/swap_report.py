@@ -15,7 +15,7 @@ from typing import Any
 
 from nw_adapter.correlate.html_report.document import Markup, Report, config_rows, escape, number, table_html
 from nw_adapter.correlate.html_report.images import read_image
-from nw_adapter.correlate.html_report.rho_figures import TEMPLATE
+from nw_adapter.correlate.html_report.rho_figures import dotted_line, lay_out
 from nw_adapter.correlate.html_report.rho_report import gallery_html
 
 __all__ = ["swap_report"]
@@ -63,26 +63,15 @@ def _figure(document: Mapping[str, Any]):
             )
         )
     top = max(top * 1.05, 1e-3)
-    fig.add_trace(
-        go.Scatter(
-            x=[0, top],
-            y=[0, top],
-            mode="lines",
-            name="swap moves it as much as a new seed",
-            line={"color": "#777", "dash": "dot"},
-            hoverinfo="skip",
-        )
-    )
-    fig.update_layout(
-        template=TEMPLATE,
+    fig.add_trace(dotted_line([0, top], [0, top], "swap moves it as much as a new seed", "#777"))
+    return lay_out(
+        fig,
+        "per reference: the swap's change against a new seed's",
         height=420,
-        legend={"y": -0.2},
-        margin={"b": 110},
-        title={"text": "per reference: the swap's change against a new seed's", "font": {"size": 14}},
+        bottom=110,
         xaxis={"title": "|seed-stock| (0-1)", "range": [0, top]},
         yaxis={"title": "|swap-stock| (0-1)", "range": [0, top]},
     )
-    return fig
 
 
 def swap_report(document: Mapping[str, Any], comparison: Any = None, *, source: str | None = None) -> Report:

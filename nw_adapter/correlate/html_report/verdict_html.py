@@ -7,6 +7,12 @@ nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter, 
 exact head side by side) are columns side by side. Fields this module does not know are shown, not
 dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
 :data:`~nw_adapter.correlate.verdict.STATUS_WORDS`).
+
+The anchors come first, under the conclusion: the calibrated table (one row per reading, the
+adapter, the exact NW head and the control side by side: the verdict's ``readings``), the two
+anchors' exponent and r2_nw, the adapter's position between them (``position``), and the exact
+head's own verdict when a calibrated run measured it (``anchors.exact.verdict``: its conclusion and
+its two clauses with their parts).
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ _KNOWN_TOP = {
     "clauses",
     "skipped",
     "nonfinite",
+    "power",
+    "anchors",
+    "position",
+    "readings",
 }
 
 
@@ -165,6 +175,115 @@ def _plain(value: Any) -> str:
     return number(value) if not isinstance(value, str) else escape(value)
 
 
+def _clause_html(key: str, clause: Mapping[str, Any], images: int, level: int = 3) -> str:
+    """One clause: its label and status, the table of its parts, and every further list or object it
+    holds (``reported``: the values reported beside it, not tested)."""
+    label = escape(clause.get("label", key))
+    parts = [f'<h{level} data-clause="{escape(key)}">{label}: {_status(clause, images)}</h{level}>']
+    if isinstance(clause.get("parts"), list):
+        parts.append(_entries_table(clause["parts"]))
+    for name, value in clause.items():
+        if name in ("parts", "label", "short", "holds", "reason"):
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+            title = "reported (not tested)" if name == "reported" else name.replace("_", " ")
+            parts.append(f'<p class="note">{escape(title)}:</p>{_entries_table(value)}')
+        elif isinstance(value, Mapping) and value:
+            parts.append(f'<p class="note">{escape(name.replace("_", " "))}:</p>{_plain(value)}')
+    return "".join(parts)
+
+
+_ARMS = (("adapter", "adapter"), ("exact", "exact NW head"), ("control", "control"))
+"""The calibrated table's columns: the verdict's ``readings`` field and its header (the console's)."""
+
+
+def _reading_cell(value: Any) -> str:
+    """A reading as the console's calibrated table prints it: ``mean [low, high]`` (3 decimals)."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("mean"), int | float):
+        return "-"
+    low, high = value.get("low"), value.get("high")
+    interval = (
+        f" [{low:.3f}, {high:.3f}]" if isinstance(low, int | float) and isinstance(high, int | float) else ""
+    )
+    return f"{value['mean']:.3f}{interval}"
+
+
+def _shown(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) and not isinstance(value, bool) else "n/a"
+
+
+def _anchors_html(result: Mapping[str, Any], images: int) -> str:
+    """The adapter between its anchors: the calibrated table (the adapter, the exact NW head and the
+    control side by side, one row per reading), the anchors' exponent and r2_nw, the adapter's
+    position between them, and the exact head's own verdict (its conclusion, its two clauses). Empty
+    for a verdict of an older version (no ``anchors`` nor ``readings``)."""
+    anchors = result.get("anchors") if isinstance(result.get("anchors"), Mapping) else {}
+    rows = [  # the readings some arm measured
+        r
+        for r in result.get("readings") or []
+        if isinstance(r, Mapping) and any(isinstance(r.get(key), Mapping) for key, _ in _ARMS)
+    ]
+    if not anchors and not rows:
+        return ""
+    control, exact = anchors.get("control") or {}, anchors.get("exact") or {}
+    measured = exact.get("source") == "measured"
+    title = "the adapter between its anchors: the control (0) and the exact NW head (1)"
+    parts = [f'<div class="anchors" id="anchors"><h3>{escape(title)}</h3>']
+    if rows:
+        shown = [(key, name) for key, name in _ARMS if any(isinstance(r.get(key), Mapping) for r in rows)]
+        if "adapter" not in dict(shown):
+            shown.insert(0, ("adapter", "adapter"))
+        parts.append(
+            '<p class="note">'
+            + ("calibrated readings" if measured else "readings")
+            + " (mean over reference images [95% interval]; the control: each image's mean over its draws; "
+            "logit_scale and h_eff: geometric means):</p>"
+        )
+        body = [
+            [r.get("label", r.get("key"))] + [_reading_cell(r.get(key)) for key, _ in shown] for r in rows
+        ]
+        table = table_html(
+            ["reading", *(name for _, name in shown)], body, numeric=[False] + [True] * len(shown)
+        )
+        parts.append(table.replace('<div class="wide"><table>', '<div class="wide"><table id="readings">', 1))
+    if anchors:
+        source = (
+            "measured with --calibrate"
+            if measured
+            else "the theory's values: not measured, run with --calibrate"
+        )
+        parts.append(
+            '<p class="note" id="anchor-values">anchors: control: exponent '
+            f"{_shown(control.get('exponent'), '+.3f')}, r2_nw {_shown(control.get('r2_nw'), '.3f')}; "
+            f"exact NW head ({escape(source)}): exponent "
+            f"{_shown(exact.get('exponent'), '+.3f')}, r2_nw {_shown(exact.get('r2_nw'), '.3f')}</p>"
+        )
+    position = result.get("position") if isinstance(result.get("position"), Mapping) else {}
+    if position.get("nearer"):
+        parts.append(
+            '<p class="note" id="position">the adapter between them (0 = control, 1 = exact head): path '
+            f"{_shown(position.get('path'), '+.2f')}, form {_shown(position.get('form'), '+.2f')}: "
+            f"nearer the {escape(position['nearer'])}</p>"
+        )
+    own = exact.get("verdict")
+    if isinstance(own, Mapping) and own.get("conclusion"):
+        parts.append(
+            '<p class="verdict-line exact" id="exact-verdict-line">calibration, the exact head in this '
+            f"pipeline: {escape(own['conclusion'])}</p>"
+        )
+        clauses = [
+            _clause_html(key, clause, int(exact.get("images") or images), level=4)
+            for key, clause in (own.get("clauses") or {}).items()
+            if isinstance(clause, Mapping)
+        ]
+        parts.append(
+            "<details open><summary>the exact head's conditions, part by part (judged as the adapter is)"
+            f"</summary>{''.join(clauses)}</details>"
+        )
+    parts.append("</div>")
+    return "".join(parts)
+
+
 def verdict_html(result: Mapping[str, Any]) -> str:
     """The verdict: its conclusion line, the unit line, per clause its status and tables, the
     skipped values, the per-image values (folded), any other field, the method and the legend."""
@@ -180,21 +299,13 @@ def verdict_html(result: Mapping[str, Any]) -> str:
         + (f", {draws} control draws" if draws else "")
         + f"; mean [95% interval], one-sided, alpha {escape(result.get('alpha', 0.05))}</p>"
     )
+    anchors = _anchors_html(result, images)
+    parts.append(anchors)
+    if anchors:
+        parts.append("<h3>the trained adapter, clause by clause</h3>")
     for key, clause in (result.get("clauses") or {}).items():
-        if not isinstance(clause, Mapping):
-            continue
-        label = escape(clause.get("label", key))
-        parts.append(f'<h3 data-clause="{escape(key)}">{label}: {_status(clause, images)}</h3>')
-        if isinstance(clause.get("parts"), list):
-            parts.append(_entries_table(clause["parts"]))
-        for name, value in clause.items():
-            if name in ("parts", "label", "short", "holds", "reason"):
-                continue
-            if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
-                title = "reported (not tested)" if name == "reported" else name.replace("_", " ")
-                parts.append(f'<p class="note">{escape(title)}:</p>{_entries_table(value)}')
-            elif isinstance(value, Mapping) and value:
-                parts.append(f'<p class="note">{escape(name.replace("_", " "))}:</p>{_plain(value)}')
+        if isinstance(clause, Mapping):
+            parts.append(_clause_html(key, clause, images))
     skipped = result.get("skipped") or {}
     if skipped:
         rows = [
