@@ -326,8 +326,10 @@ class SwapComparison:
         """The one-line conclusion of the intervals (:func:`conclusion` of :meth:`summary`)."""
         return conclusion(self.summary())
 
-    def table(self) -> str:
-        """The summary as fixed-width text, its conclusion, a legend of every column and the methods.
+    def table(self, *, legend: bool = True) -> str:
+        """The summary as fixed-width text, its conclusion, a legend of every column and the methods
+        (``legend=False``: the summary and its conclusion only, as ``correlate.py --compare-swap``
+        prints them without ``-v``).
 
         Means are printed ``mean [low, high]`` (Student t 95% interval over references, cut to the
         range the quantity can take; ``[too few]`` below :data:`MIN_REFERENCES`); kept counts
@@ -360,7 +362,9 @@ class SwapComparison:
             "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
             for line in lines
         ]
-        legend = [*LEGEND, KEEPS_LEGEND] if self.judged else list(LEGEND)
+        if not legend:
+            return "\n".join([*text, conclusion(summary) + "."])
+        words = [*LEGEND, KEEPS_LEGEND] if self.judged else list(LEGEND)
         methods = (
             f"mean [{CONFIDENCE:.0%} interval over references, inside the range the quantity can take: "
             "Student t for swap - seed and CLIP-I change, log scale (Cox) of the distance from the nearer "
@@ -370,7 +374,7 @@ class SwapComparison:
             methods += f"; class agreement with Clopper-Pearson {CONFIDENCE:.0%} intervals"
         methods += f"; CLIP-I from the image encoder's {self.embedding}."
         return "\n".join(
-            [*text, conclusion(summary) + ".", "columns:", *(f"  {line}" for line in legend), methods]
+            [*text, conclusion(summary) + ".", "columns:", *(f"  {line}" for line in words), methods]
         )
 
     def to_dataframe(self):

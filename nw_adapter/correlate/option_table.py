@@ -417,7 +417,10 @@ OPTIONS: tuple[Option, ...] = (
         EVERY_RUN, action="count", default=0,
     ),
     Option(
-        ("-v", "--verbose"), _OUTPUT, "also show the libraries' own warnings and notes", EVERY_RUN,
+        ("-v", "--verbose"), _OUTPUT,
+        "print everything: the full verdict (every part's interval, p and n), the calibrated table, the "
+        "legends, the per-set lines of a support-set run; and the libraries' own warnings and notes",
+        EVERY_RUN,
         action="store_true", default=False,
     ),
     # compare-swap

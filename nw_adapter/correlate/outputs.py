@@ -442,9 +442,10 @@ def remove_report(out_dir: Path) -> None:
         remove_regular_file(Path(out_dir) / name)
 
 
-def write_outputs(report: dict, out_dir: Path) -> str:
+def write_outputs(report: dict, out_dir: Path, *, detail: bool = True) -> str:
     """Write ``rho.json``, ``rho.csv``, ``rho.png``, ``bandwidth.png`` and ``report.html`` of a report; return
-    what to print.
+    what to print (:func:`~nw_adapter.correlate.report.format_report`: everything with ``detail``, else
+    the one-screen text that ends in where the details are).
 
     ``bandwidth.png`` needs the fitted bandwidths (``h_eff``) in the records; without them it is not
     drawn (and an older one in ``out_dir`` is removed, so it never describes another run).
@@ -466,10 +467,10 @@ def write_outputs(report: dict, out_dir: Path) -> str:
     )
     if drawn is None:
         remove_regular_file(out_dir / "bandwidth.png")
-    return format_report(report)
+    return format_report(report, detail=detail, out_dir=out_dir)
 
 
-def replot(out: Path, *, all_steps: bool = False) -> str:
+def replot(out: Path, *, all_steps: bool = False, detail: bool = True) -> str:
     """Redraw ``rho.json``/``rho.csv``/``rho.png`` and every ``attention_maps.png`` of a finished run.
 
     Nothing is recomputed: the report is rebuilt from the saved records (table rows chosen
@@ -477,7 +478,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
     maps, images and x0 previews.
 
     Returns:
-        The text the run printed (context line, table, verdict).
+        The text the run printed (context line, table, verdict; with ``detail``, as ``-v`` printed it).
 
     Raises:
         OutputError: No readable ``rho.json`` of this tool in ``out``, or a malformed one (the
@@ -521,7 +522,7 @@ def replot(out: Path, *, all_steps: bool = False) -> str:
         check_image_folder(out, key, option="--replot", is_own=is_image_output)
     with OutputLock(out, option="--replot"):
         remove_interrupted_writes(out, keys)
-        text = write_outputs(report, out)
+        text = write_outputs(report, out, detail=detail)
         for image in report["images"]:
             if image.get("maps"):
                 records = [r for r in report["records"] if r.get("reference") == image["key"]]
@@ -558,5 +559,5 @@ def _check_one_run(records: Sequence[dict], out: Path) -> None:
 
 def run(args: Any) -> int:
     """``--replot OUT``: redraw a finished run and print its report (the run table's replot row)."""
-    print(replot(Path(args.replot), all_steps=args.all_steps))
+    print(replot(Path(args.replot), all_steps=args.all_steps, detail=args.verbose))
     return 0

@@ -257,10 +257,20 @@ def random_weights_note(report: dict) -> str | None:
     return f"{model} has random weights: these numbers test the code and say nothing about any trained model"
 
 
-def format_report(report: dict) -> str:
-    """What the command line prints: a context line, the table, its legend, the calibrated table of
-    a calibrated run (adapter, exact head and control side by side, one row per reading:
-    :func:`~nw_adapter.correlate.verdict.format_readings`) and the verdict."""
+def format_report(report: dict, *, detail: bool = True, out_dir: str | os.PathLike | None = None) -> str:
+    """What the command line prints.
+
+    ``detail=True`` (the default; ``correlate.py -v``): a context line, the table, its legend, the
+    calibrated table of a calibrated run (adapter, exact head and control side by side, one row per
+    reading: :func:`~nw_adapter.correlate.verdict.format_readings`) and the full verdict.
+
+    ``detail=False`` (``correlate.py`` without ``-v``: one screen): what ran (model, references,
+    steps, the control and the calibration), the table, the brief verdict
+    (:func:`~nw_adapter.correlate.verdict.format_verdict` with ``detail=False``) and one line saying
+    where the details are (``-v``, and ``report.html``, ``rho.json``, ``rho.csv`` in ``out_dir``).
+    """
+    if not detail:
+        return _brief_report(report, out_dir)
     records = report["records"]
     half = report["half"]
     kept = [r for r in records if r.get("half") == half]
@@ -283,6 +293,50 @@ def format_report(report: dict) -> str:
     if calibrated:
         lines.append(calibrated)
     lines.append(format_verdict(report["verdict"]))
+    warning = random_weights_note(report)
+    if warning:
+        lines.insert(0, f"WARNING: {warning}")
+    return "\n".join(lines)
+
+
+def details_line(verdict_result: dict, out_dir: str | os.PathLike | None) -> str:
+    """The last line of the brief report: where the rest is (``-v``; the files of ``out_dir``)."""
+    from nw_adapter.correlate.verdict import skipped_count
+
+    skipped = skipped_count(verdict_result)
+    left_out = f", the {skipped} values left out of the means" if skipped else ""
+    report = "report.html" if out_dir is None else str(Path(out_dir) / "report.html")
+    return (
+        f"details: -v prints every part's interval, p and n{left_out} and the legends; open {report} in a "
+        "browser (offline, interactive); every record in rho.json / rho.csv"
+    )
+
+
+def _brief_report(report: dict, out_dir: str | os.PathLike | None) -> str:
+    records = report["records"]
+    half = report["half"]
+    kept = [r for r in records if r.get("half") == half]
+    config = report.get("config", {})
+    model = (config.get("model") or {}).get("model")
+    references = len({r.get("reference") for r in kept})
+    layers, heads = len({r.get("layer") for r in kept}), len({r.get("head") for r in kept})
+    lines = [
+        f"attention vs NW weights, {model}: {references} reference image(s), {config.get('steps')} steps "
+        f"({config.get('scheduler_class', 'scheduler')}), bandwidth {config.get('bandwidth')}, mode "
+        f"{config.get('mode')}; {half} half, means over {layers} layer(s) x {heads} head(s)"
+    ]
+    control = control_line(*control_kind_and_draws(report))
+    if config.get("calibration"):
+        control += (
+            "; calibrated: each reference run again with the exact NW head at the schedule's h, same seed"
+        )
+    lines.append(control)
+    note = repeated_timestep_note(report)
+    if note:
+        lines.append(f"note: {note}")
+    verdict_result = report["verdict"]
+    lines += [format_table(report["table"]), format_verdict(verdict_result, detail=False)]
+    lines.append(details_line(verdict_result, out_dir))
     warning = random_weights_note(report)
     if warning:
         lines.insert(0, f"WARNING: {warning}")

@@ -283,7 +283,7 @@ def _sweep(
         targets=() if args.all_steps else PAPER_TIMESTEPS,
     )
     try:
-        text = write_outputs(report, out_dir)
+        text = write_outputs(report, out_dir, detail=args.verbose)
     except WriteError:
         remove_report(out_dir)  # no report of this run in part: rho.json without its figures
         raise

@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         note(args.quiet, "classes not judged: the digit judge reads the digits models' 32 x 32 images only")
     from nw_adapter.correlate import support_report as report
 
-    print(report.format_document(document))
+    print(report.format_document(document, detail=args.verbose, out_dir=out_dir))
     return 0
 
 

@@ -313,30 +313,50 @@ READINGS = {
 """The per-set readings, in the words of the terminal report's set lines (the HTML report's legend)."""
 
 
-def format_document(document: dict[str, Any]) -> str:
-    """The terminal report: one line per set, then the groups' tables."""
+BRIEF_LEGEND = (
+    "concentration = (largest share - 1/m) / (1 - 1/m) at the last step (0 even, 1 one reference); "
+    "[95% t interval over sets]; p: exact one-sided binomial test over sets against chance 1/m"
+)
+"""The legend of the brief terminal report: the tables' terms a reader needs first (:data:`LEGEND`
+with ``-v``)."""
+
+
+def _set_line(e: dict[str, Any]) -> str:
+    clip = ", ".join(f"{r['clip_cosine']:.3f}" for r in e["references"])
+    shown = [r["label"] if r.get("label") is not None else r["judged"] for r in e["references"]]
+    classes = (
+        ""
+        if e["judged_generated"] is None
+        else f"; classes refs {shown} -> generated {e['judged_generated']}"
+    )
+    final = e["steps"][-1] if e["steps"] else None
+    mass = ""
+    if final is not None:
+        shares = [[round(x, 3) for x in final.get(key, [])] for key in ("mass", "posterior")]
+        mass = f"; last step A {shares[0]} posterior {shares[1]}"
+    distances = ", ".join(f"{d:.2f}" for d in e.get("final_distances", []))
+    return (
+        f"  {e['key']} (m={e['num_refs']}, {e['classes']}): winner A {e['winner']} from step "
+        f"{e['decided_step']}, posterior {e['posterior_winner']} from step "
+        f"{e['posterior_decided_step']}; "
+        f"generated latent nearest {e['final_nearest']} [{distances}]; CLIP-I [{clip}] nearest "
+        f"{e['clip_nearest']}{mass}{classes}"
+    )
+
+
+def format_document(
+    document: dict[str, Any], *, detail: bool = True, out_dir: str | os.PathLike | None = None
+) -> str:
+    """The terminal report: with ``detail`` (``-v``) one line per set, then the groups' tables and their
+    legend (:data:`LEGEND`); without it (one screen) the groups' tables, their brief legend
+    (:data:`BRIEF_LEGEND`) and a last line saying where the per-set readings are (``out_dir``'s
+    ``report.html``, ``support.json`` / ``support.csv``)."""
     lines = [HEADER]
-    for e in document["sets"]:
-        clip = ", ".join(f"{r['clip_cosine']:.3f}" for r in e["references"])
-        shown = [r["label"] if r.get("label") is not None else r["judged"] for r in e["references"]]
-        classes = "" if e["judged_generated"] is None else (
-            f"; classes refs {shown} -> generated {e['judged_generated']}"
-        )  # fmt: skip
-        final = e["steps"][-1] if e["steps"] else None
-        mass = ""
-        if final is not None:
-            shares = [[round(x, 3) for x in final.get(key, [])] for key in ("mass", "posterior")]
-            mass = f"; last step A {shares[0]} posterior {shares[1]}"
-        distances = ", ".join(f"{d:.2f}" for d in e.get("final_distances", []))
-        lines.append(
-            f"  {e['key']} (m={e['num_refs']}, {e['classes']}): winner A {e['winner']} from step "
-            f"{e['decided_step']}, posterior {e['posterior_winner']} from step "
-            f"{e['posterior_decided_step']}; "
-            f"generated latent nearest {e['final_nearest']} [{distances}]; CLIP-I [{clip}] nearest "
-            f"{e['clip_nearest']}{mass}{classes}"
-        )
+    if detail:
+        lines += [_set_line(e) for e in document["sets"]]
+    gap = [""] if detail else []
     for title, columns in TABLES:
-        lines += ["", f"{title}:"]
+        lines += [*gap, f"{title}:"]
         lines.append(
             f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:<26}" for _, label in columns)
         )
@@ -345,7 +365,7 @@ def format_document(document: dict[str, Any]) -> str:
                 f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
                 + " ".join(f"{_cell(row[name]):<26}" for name, _ in columns)
             )
-    lines += ["", "counts over sets:"]
+    lines += [*gap, "counts over sets:"]
     lines.append(
         f"{'m':>2} {'classes':<8} {'sets':>4}  " + " ".join(f"{label:>15}" for label in COUNT_LABELS)
     )
@@ -354,7 +374,17 @@ def format_document(document: dict[str, Any]) -> str:
             f"{row['num_refs']:>2} {row['classes']:<8} {row['sets']:>4}  "
             + " ".join(f"{_count(row[name]):>15}" for name in GROUP_COUNTS)
         )
-    lines.append(LEGEND)
+    if detail:
+        lines.append(LEGEND)
+        return "\n".join(lines)
+    report = "report.html" if out_dir is None else str(Path(out_dir) / "report.html")
+    sets = len(document["sets"])
+    lines += [
+        BRIEF_LEGEND,
+        f"details: -v prints every set's readings ({sets} set(s)) and the full legend; open {report} in a "
+        "browser (offline: each set's attention mass beside its latent posterior); every set in "
+        "support.json / support.csv",
+    ]
     return "\n".join(lines)
 
 

@@ -232,5 +232,5 @@ def run(args: argparse.Namespace) -> int:
             if read_text(out_dir / CSV_NAME) != rows_csv(document):  # the rows file follows the JSON
                 atomic.atomic_write_text(out_dir / CSV_NAME, rows_csv(document))
             write_swap_report(out_dir, document)  # report.html: this document's is kept
-    print(format_document(document))
+    print(format_document(document, detail=args.verbose, out_dir=out_dir))
     return 0

@@ -282,9 +282,10 @@ def comparison_of(document: dict) -> Any:
     )
 
 
-def format_document(document: dict) -> str:
-    """What the command prints: a context line, the table (with its conclusion and legend), and the notes
-    that qualify it."""
+def format_document(document: dict, *, detail: bool = True, out_dir: Path | None = None) -> str:
+    """What the command prints: a context line, the table with its conclusion, and the notes that qualify
+    it; with ``detail`` (``-v``) the legend of every column and the methods under the table, without it a
+    last line saying where they are (``out_dir``'s ``report.html``, ``compare_swap.json`` / ``.csv``)."""
     from nw_adapter.correlate.report import random_weights_note
 
     config = document["config"]
@@ -296,7 +297,7 @@ def format_document(document: dict) -> str:
         f"image(s), {config['model']['model']}, {config['steps']} steps "
         f"({config.get('scheduler_class', 'scheduler')}), {guidance}, "
         f"seed {config['seed']} (reference i: seed + i)",
-        comparison_of(document).table(),
+        comparison_of(document).table(legend=detail),
     ]
     source = config["labels"]
     if source == "bundled":
@@ -305,6 +306,13 @@ def format_document(document: dict) -> str:
         lines.append("classes: as given with --labels")
     else:
         lines.append(f"note: {source}")
+    if not detail:
+        report = "report.html" if out_dir is None else str(Path(out_dir) / "report.html")
+        lines.append(
+            "details: -v prints the legend of every column and the methods; open "
+            f"{report} in a browser (offline: the images side by side); every reference's row in "
+            f"{JSON_NAME} / {CSV_NAME}"
+        )
     warning = random_weights_note({"config": config})
     if warning:
         lines.insert(0, f"WARNING: {warning}")

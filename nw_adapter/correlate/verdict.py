@@ -1553,19 +1553,28 @@ def _skipped_lines(result: dict) -> list[str]:
     return ["  skipped (left out of the means):", *(line for e in entries for line in _wrapped(e))]
 
 
-def format_verdict(result: dict) -> str:
-    """The verdict as printed: the conclusion line, then per clause its status, its parts and
-    what it reports (indented), the anchors and the adapter's place between them, the unit line,
-    the skipped values and the legend (:data:`LEGEND`).
+def format_verdict(result: dict, *, detail: bool = True) -> str:
+    """The verdict as text.
 
-    Each part: mean [95% interval], one-sided p, n images (x draws), margin (an equivalence part:
-    its band, with the 90% interval its decision reads), and when not met its smallest detectable
-    effect at 80% power against the effect it is compared with.
+    ``detail=True`` (the default, what ``correlate.py -v`` prints): the conclusion line, then per
+    clause its status, its parts and what it reports (indented), the anchors and the adapter's place
+    between them, the unit line, the skipped values and the legend (:data:`LEGEND`). Each part: mean
+    [95% interval], one-sided p, n images (x draws), margin (an equivalence part: its band, with the
+    90% interval its decision reads), and when not met its smallest detectable effect at 80% power
+    against the effect it is compared with.
+
+    ``detail=False`` (what ``correlate.py`` prints without ``-v``): the conclusion line, one line per
+    clause (:func:`_brief_clause`: its status and, unless met, the parts that decide it with their
+    smallest detectable effect), the anchors beside the adapter, the exact head's own conclusion in a
+    calibrated run, and the number of values left out of the means. With one reference image only
+    the conclusion line ("undecided").
 
     Raises:
         RecordError: (a ``ValueError``) ``result`` is not a verdict (:func:`check_verdict_result`).
     """
     check_verdict_result(result)
+    if not detail:
+        return "\n".join(_brief_lines(result))
     lines = [f"verdict: {result['conclusion']}"]
     images = result["images"]
     for key, clause in result["clauses"].items():
@@ -1587,6 +1596,118 @@ def format_verdict(result: dict) -> str:
     for entry in LEGEND:
         lines.extend(_wrapped(entry))
     return "\n".join(lines)
+
+
+PART_NAMES: dict[str, str] = {
+    "exponent_theory": "exponent",
+    "exponent_minus_control": "exponent - control's",
+    "r2_nw": "r2_nw",
+    "nw_gain_minus_control": "nw_gain - control",
+    "rho_minus_control": "rho - control",
+    **{f"rho_minus_{null}": f"rho - {NULL_LABELS[null]} null" for null in NULL_STATS},
+    "rise_minus_control": "rise of rho - control's",
+}
+"""Each part's name in the brief verdict (:func:`format_verdict` with ``detail=False``); the detailed
+verdict prints its ``label``."""
+
+
+_NO_BREAK = "\u00a0"
+"""Joins the words of the brief verdict that a wrapped line keeps together (textwrap breaks at ASCII
+whitespace only); replaced by spaces once the line is wrapped."""
+
+
+def _unbroken(text: str) -> str:
+    return text.replace(" ", _NO_BREAK)
+
+
+def _brief_part(part: Mapping[str, Any], clause_status: str) -> str:
+    """``"exponent - control's -0.060 (smallest detectable +0.038, sought +1.976)"``: a part of the brief
+    verdict (sought: the effect a "not met" is judged against, ``compared_with``; an equivalence part:
+    its band and the narrowest margin the run could establish); its own status follows when it differs
+    from its clause's."""
+    name = PART_NAMES.get(part.get("key", ""), part["label"])
+    status = part.get("status")
+    if not part.get("measured"):
+        return f"{name} {part.get('reason') or 'not measured'}"
+    text = _unbroken(f"{name} {_signed(part['mean'])}")
+    mde = part.get("mde")
+    if status != "met" and part.get("test") == "equivalence (TOST)":
+        low, high = part["target"] - part["margin"], part["target"] + part["margin"]
+        could = "no margin it could establish" if mde is None else f"narrowest margin {mde:.3f}"
+        text += f" (band [{low:g}, {high:g}], {could})"
+    elif status != "met":
+        could = "no detectable effect" if mde is None else _unbroken(f"smallest detectable {mde:+.3f}")
+        versus = part.get("compared_with")
+        text += f" ({could}" + ("" if versus is None else _unbroken(f", sought {versus:+.3f}")) + ")"
+    if status and status != clause_status:
+        text += f": {status}"
+    return text
+
+
+def _brief_clause(clause: Mapping[str, Any], key: str, images: int) -> str:
+    """One line of the brief verdict per clause: its name, ``[reported]`` for a question that is no
+    condition of the conclusion, its status; a met clause with its parts' means, any other with the
+    parts that are not met (each with its smallest detectable effect and the effect sought)."""
+    status = _clause_status(clause, images)
+    asked = "" if clause.get("condition", key in EVIDENCE_CLAUSES) else " [reported]"
+    head = f"{clause.get('short') or clause['label']}{asked}: {status}"
+    if clause["holds"] is None:
+        return head
+    parts = [p for p in clause["parts"] if p.get("measured") or p.get("n")]
+    if clause["holds"] is not True:
+        parts = [p for p in parts if p.get("status") != "met"]
+    shown = "; ".join(_brief_part(p, clause.get("status") or status) for p in parts)
+    return f"{head}: {shown}" if shown else head
+
+
+def _brief_anchor_lines(result: Mapping[str, Any]) -> list[str]:
+    """The adapter beside its two anchors (exponent / r2_nw) and, when calibrated, the exact head's
+    own outcome."""
+    anchors = result.get("anchors")
+    if not isinstance(anchors, Mapping):
+        return []
+    control, exact = anchors.get("control") or {}, anchors.get("exact") or {}
+    readings = {row.get("key"): row.get("adapter") or {} for row in result.get("readings") or []}
+
+    def pair(exponent: Any, r2_nw: Any) -> str:
+        shown = [
+            "n/a" if exponent is None else f"{exponent:+.3f}",
+            "n/a" if r2_nw is None else f"{r2_nw:.3f}",
+        ]
+        return _unbroken(" / ".join(shown))
+
+    source = "measured" if exact.get("source") == "measured" else "the theory's"
+    adapter = pair(readings.get("exponent", {}).get("mean"), readings.get("r2_nw", {}).get("mean"))
+    lines = [
+        f"anchors (exponent / r2_nw): control {pair(control.get('exponent'), control.get('r2_nw'))}, "
+        f"adapter {adapter}, exact NW head {pair(exact.get('exponent'), exact.get('r2_nw'))} ({source})"
+    ]
+    own = exact.get("verdict")
+    if isinstance(own, Mapping) and own.get("conclusion"):
+        outcome = {True: "evidence", False: "no evidence"}.get(own.get("evidence"), "undecided")
+        why = str(own["conclusion"]).partition("): ")[2] or own["conclusion"]
+        lines.append(f"calibration: the exact NW head in this pipeline: {outcome} ({why})")
+    return lines
+
+
+def skipped_count(result: Mapping[str, Any]) -> int:
+    """How many values the verdict left out of its means (``skipped``; an older version's ``nonfinite``)."""
+    skipped = result.get("skipped")
+    if isinstance(skipped, Mapping):
+        return sum(int(entry["count"]) for entry in skipped.values())
+    return sum(int(count) for count in (result.get("nonfinite") or {}).values())
+
+
+def _brief_lines(result: Mapping[str, Any]) -> list[str]:
+    lines = [f"verdict: {result['conclusion']}"]
+    images = result["images"]
+    if images < 2:  # undecided: every clause needs several reference images
+        return lines
+    for key, clause in result["clauses"].items():
+        lines += [line.replace(_NO_BREAK, " ") for line in _fit(_brief_clause(clause, key, images), "  ")]
+    for line in _brief_anchor_lines(result):
+        lines += [wrapped.replace(_NO_BREAK, " ") for wrapped in _fit(line, "  ")]
+    return lines
 
 
 def format_readings(result: dict) -> str | None:

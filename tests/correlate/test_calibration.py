@@ -267,13 +267,25 @@ def test_a_calibrated_run_writes_its_anchor_table_figure_and_replots_the_same(tm
     result = report["verdict"]
     assert result["anchors"]["exact"]["source"] == "measured"
     assert result["anchors"]["exact"]["verdict"]["evidence"] is True
-    assert "calibrated readings (mean over reference images [95% interval]):" in printed
-    assert "calibration, the exact head in this pipeline: evidence of kernel smoothing" in " ".join(
-        printed.split()
+    flat = " ".join(printed.split())  # the brief text (one screen): the anchors and the exact head's outcome
+    assert (
+        "; calibrated: each reference run again with the exact NW head at the schedule's h, same seed" in flat
     )
+    exact = result["anchors"]["exact"]
+    assert f"exact NW head {exact['exponent']:+.3f} / {exact['r2_nw']:.3f} (measured)" in flat
+    assert (
+        "calibration: the exact NW head in this pipeline: evidence (bandwidth clause and NW-form clause met)"
+        in flat
+    )
+    assert "calibrated readings" not in printed  # the calibrated table: with -v
     assert result == verdict([{**r} for r in records])  # the stored verdict is the records'
     code, replotted, _ = _cli(["--replot", str(out)], capsys)
     assert code == 0 and replotted.strip() == printed.strip()
+    code, detailed, _ = _cli(["--replot", str(out), "-v"], capsys)  # -v: everything
+    assert code == 0 and "calibrated readings (mean over reference images [95% interval]):" in detailed
+    assert "calibration, the exact head in this pipeline: evidence of kernel smoothing" in " ".join(
+        detailed.split()
+    )
     from nw_adapter.correlate.plotting import bandwidth_figure
 
     fig = bandwidth_figure(records, result["half"])

@@ -75,18 +75,28 @@ class TerminalStringIO(io.StringIO):
         return True
 
 
-def verdict_start(lines: list[str]) -> int:
-    """Index of the verdict's conclusion line; its details follow, indented, to the end."""
+def verdict_start(lines: list[str], *, detail: bool = False) -> int:
+    """Index of the verdict's conclusion line; its details follow, indented, to the end (without
+    ``-v``: then one last line saying where the details are)."""
     index = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
-    assert all(line.startswith("  ") for line in lines[index + 1 :])
+    body = lines[index + 1 :]
+    if not detail:
+        assert body[-1].startswith("details: -v prints every part's interval, p and n"), body[-1:]
+        body = body[:-1]
+    assert all(line.startswith("  ") for line in body)
     return index
 
 
-def printed_table(stdout: str) -> tuple[str, str]:
-    """The printed table and verdict (the legend between them checked: one line per column shown)."""
+def printed_table(stdout: str, *, detail: bool = False) -> tuple[str, str]:
+    """The printed table and verdict (with ``-v`` the legend between them checked: one line per column
+    shown; without it no legend, and the verdict without its last line, where the details are)."""
     lines = stdout.strip().splitlines()
     assert lines[0].startswith("attention vs NW weights") and lines[1].startswith("control: ")
-    index = verdict_start(lines)
+    index = verdict_start(lines, detail=detail)
+    if not detail:
+        assert not any(line.startswith("legend (") for line in lines)
+        first = 3 if lines[2].startswith("note: ") else 2
+        return "\n".join(lines[first:index]), "\n".join(lines[index:-1])
     legend = next(i for i, line in enumerate(lines) if line.startswith("legend (means over layers"))
     table = lines[2:legend]
     assert [line.split()[0] for line in lines[legend + 1 : index]] == table[0].split()
@@ -191,7 +201,7 @@ def test_printed_table_equals_the_json(baseline) -> None:
     report = json.loads((baseline["out"] / "rho.json").read_text())
     table, verdict_line = printed_table(baseline["stdout"])
     assert table == format_table(report["table"])
-    assert verdict_line == format_verdict(report["verdict"])
+    assert verdict_line == format_verdict(report["verdict"], detail=False)
     parsed = parse_table(table)
     assert [row["step"] for row in parsed] == [row["step"] for row in report["table"]] == [0, 1]
     for shown, row in zip(parsed, report["table"], strict=True):
@@ -287,6 +297,11 @@ def test_replot_redraws_everything_from_the_saved_files(baseline, monkeypatch, c
     for path in drawn:
         with Image.open(path) as img:
             assert img.format == "PNG"
+    code, stdout, err = run(["--replot", out, "-v"], capsys)  # -v: the legend and the full verdict
+    report = json.loads(saved)
+    table, verdict_lines = printed_table(stdout, detail=True)
+    assert code == 0 and table == format_table(report["table"])
+    assert verdict_lines == format_verdict(report["verdict"]) and "  legend:" in verdict_lines
     code, _, err = run(["--replot", out.parent / "nothing-here"], capsys)
     assert code == 2 and "no rho.json there" in err
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nw_adapter.correlate.cli import main
+from nw_adapter.correlate.report import details_line
 from nw_adapter.correlate.verdict import CLAUSES, LEGACY_REASON, control_column, format_verdict
 from nw_adapter.integration.schema import READING_STATS, UNTRAINED_STATS, is_control_column
 
@@ -57,12 +58,30 @@ def test_three_images_print_the_verdict_over_images_and_write_its_fields(three_d
         legacy = any("rho_untrained" in r for r in report["records"])
         assert (LEGACY_REASON in (result["clauses"]["training"]["reason"] or "")) is legacy
     assert result["draws"] == sum(control_column("rho", k) in report["records"][0] for k in range(8))
-    lines = three_digits["stdout"].splitlines()
+    lines = three_digits["stdout"].splitlines()  # the brief text: the verdict, then where the details are
     start = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
-    assert "\n".join(lines[start:]) == format_verdict(result)
+    assert "\n".join(lines[start:-1]) == format_verdict(result, detail=False)
+    assert lines[-1] == details_line(result, three_digits["out"])
     assert lines[start] == f"verdict: {result['conclusion']}"
+    heads = [line.split(":")[0].strip().removesuffix(" [reported]") for line in lines[start + 1 : -1]
+             if not line.startswith("    ")]  # fmt: skip
+    assert heads[: len(CLAUSES)] == [c.short for c in CLAUSES]  # one line per clause (wrapped: indented)
     drawn = any(r.get("logit_scale") for r in report["records"])  # the bandwidth path's reading
     assert (three_digits["out"] / "bandwidth.png").is_file() is drawn
+
+
+def test_verbose_prints_the_full_verdict(three_digits, tmp_path, capsys) -> None:
+    """``-v`` (here on a redraw of the same run) prints the verdict with every part and the legend."""
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(three_digits["out"], out)
+    assert main(["--replot", str(out), "-v"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    result = json.loads((out / "rho.json").read_text())["verdict"]
+    start = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
+    assert "\n".join(lines[start:]) == format_verdict(result)
+    assert "  legend:" in lines and lines[start + 1].startswith(f"  {CLAUSES[0].label}: ")
 
 
 def test_replot_of_an_old_file_recomputes_the_verdict_from_its_records(three_digits, tmp_path, capsys):
@@ -86,5 +105,7 @@ def test_replot_of_an_old_file_recomputes_the_verdict_from_its_records(three_dig
     rebuilt = json.loads(path.read_text())["verdict"]
     assert rebuilt["images"] == 3 and rebuilt["evidence"] is False
     assert rebuilt["clauses"]["training"]["holds"] is None
-    assert f"{CLAUSES[1].label}: not measured" in printed
+    assert f"  {CLAUSES[1].short}: not measured: " in printed  # the brief text's clause line
+    assert main(["--replot", str(out), "-v"]) == 0
+    assert f"{CLAUSES[1].label}: not measured" in capsys.readouterr().out
     assert not (out / "bandwidth.png").exists()  # no h_eff in the records: no stale figure

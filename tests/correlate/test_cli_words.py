@@ -198,4 +198,8 @@ def test_replot_reads_its_own_schema_version(tmp_path: Path, capsys) -> None:
     out.mkdir()
     (out / "rho.json").write_text(json.dumps(_report(untrained=False)))
     assert cli.main(["--replot", str(out)]) == 0
-    assert "legend (means over layers" in capsys.readouterr().out
+    printed = capsys.readouterr().out  # the brief text: the table, the verdict, where the details are
+    assert "\nverdict: " in printed and printed.splitlines()[-1].startswith("details: -v prints")
+    assert "legend (means over layers" not in printed
+    assert cli.main(["--replot", str(out), "-v"]) == 0
+    assert "legend (means over layers" in capsys.readouterr().out  # -v: the legends too

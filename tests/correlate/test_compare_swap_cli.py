@@ -84,8 +84,13 @@ def test_writes_parseable_files_and_prints_the_table(finished):
         assert row["key"] == saved["key"] and row["rule"] == saved["rule"]
         assert float(row["abs_diff"]) == saved["abs_diff"] and row["swap_keeps"] == str(saved["swap_keeps"])
     printed = finished["stdout"]
-    assert comparison_of(document).table() in printed  # the printed table is the file's
+    assert comparison_of(document).table(legend=False) in printed  # the printed table is the file's
     assert "stock keeps class" in printed and "bundled held-out digits" in printed
+    assert printed.strip().splitlines()[-1] == (  # the brief text (no -v): where the legend and rows are
+        "details: -v prints the legend of every column and the methods; open "
+        f"{finished['out'] / 'report.html'} in a browser (offline: the images side by side); every "
+        "reference's row in compare_swap.json / compare_swap.csv"
+    )
 
 
 def test_a_log_gets_a_plain_progress_line_per_reference(finished):
@@ -103,9 +108,13 @@ def test_a_log_gets_a_plain_progress_line_per_reference(finished):
 def test_printed_table_has_bounded_intervals_units_a_legend_and_a_conclusion(finished):
     document = json.loads((finished["out"] / JSON_NAME).read_text())
     printed = finished["stdout"]
-    assert " px" not in printed and "|swap-stock| (0-1)" in printed and "columns:" in printed
+    assert " px" not in printed and "|swap-stock| (0-1)" in printed and "columns:" not in printed
     (conclusion,) = [line for line in printed.splitlines() if line.startswith("conclusion")]
     assert conclusion == comparison_of(document).conclusion() + "."
+    detailed = format_document(document, detail=True)  # what -v prints: the legend of every column too
+    assert "columns:" in detailed and "  |swap-stock| (0-1): mean absolute difference" in detailed
+    brief = printed.strip().splitlines()
+    assert brief[-1].startswith("details: ") and set(brief[:-1]) <= set(detailed.splitlines())
     for row in document["summary"]:
         for column, (low, high) in consequence.RANGES.items():
             assert low <= row[f"{column}_low"] <= row[f"{column}_high"] <= high, column
@@ -147,7 +156,7 @@ def test_resume_reuses_without_generating(finished, capsys, monkeypatch, tmp_pat
     (out / ".report.abcd1234.tmp.html").write_text("<!DOCTYPE html>")  # a killed report's
     calls = []
     monkeypatch.setattr(consequence, "compare_swap", lambda *a, **k: calls.append(a))
-    code, printed, err = run([*BASE, *images_args(), "--out", out], capsys)
+    code, printed, err = run([*BASE, *images_args(), "--out", out, "-v"], capsys)  # -v: the whole table
     assert code == 0 and not calls and "resumed" in err
     assert (out / JSON_NAME).read_text() == before and (out / CSV_NAME).read_text() == rows
     assert not (out / ".compare_swap.abcd1234.tmp.json").exists()

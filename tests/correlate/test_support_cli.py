@@ -14,7 +14,7 @@ from cli_errors import one_line_error
 
 from nw_adapter.analysis.support_sets import decided_step, support_steps
 from nw_adapter.correlate.cli import main
-from nw_adapter.correlate.support_report import concentration, group_summary
+from nw_adapter.correlate.support_report import concentration, format_document, group_summary
 from nw_adapter.models.tiny_digits import example_image_path
 
 
@@ -218,11 +218,15 @@ def test_the_digit_models_are_the_trained_digits_models():
 def test_a_flux_digits_support_set_run_judges_classes(capsys, tmp_path):
     """The trained Flux digits model: its references' known classes and the judge's class of the image."""
     argv = ["--model", "tiny-flux-digits", "--steps", "2", "--support-set", f"{digit(3)},{digit(7)}", "-qq"]
-    code, printed, err = run([*argv, "--out", tmp_path / "out"], capsys)
+    code, printed, err = run([*argv, "-v", "--out", tmp_path / "out"], capsys)  # -v: the per-set lines too
     assert code == 0, err
-    (entry,) = json.loads((tmp_path / "out" / "support.json").read_text())["sets"]
+    document = json.loads((tmp_path / "out" / "support.json").read_text())
+    (entry,) = document["sets"]
     assert entry["classes"] == "mixed" and entry["class_source"] == "known"
     assert isinstance(entry["judged_generated"], int)
     first = entry["steps"][0]  # flow matching's pure-noise step: the latent posterior is exactly 1/m
     assert first["posterior"] == [0.5, 0.5]
-    assert "set00 (m=2, mixed)" in printed
+    assert "set00 (m=2, mixed)" in printed and printed.strip() == format_document(document)
+    brief = format_document(document, detail=False, out_dir=tmp_path / "out")  # without -v: one screen
+    assert "set00 (m=2, mixed)" not in brief and " 2 mixed " in brief and "counts over sets:" in brief
+    assert brief.splitlines()[-1].startswith("details: -v prints every set's readings (1 set(s))")
