@@ -1405,31 +1405,49 @@ def _clause_status(clause: dict, images: int) -> str:
     return f"not measured: {clause['reason']}"
 
 
-def _anchor_lines(result: dict) -> list[str]:
-    """The anchors and the adapter's place between them (results of older versions: none)."""
-    anchors, position = result.get("anchors"), result.get("position") or {}
+def anchor_sentences(result: Mapping[str, Any], *, unmeasured: str = "the theory's values") -> dict[str, str]:
+    """The anchors in words, as the console and the report print them: ``"anchors"`` (the control's and
+    the exact head's exponent and r2_nw), ``"position"`` (the adapter between them) and ``"exact"`` (the
+    exact head's own conclusion), each where the result has it (a result of an older version: none).
+
+    Args:
+        result: :func:`verdict`'s result.
+        unmeasured: How the exact head's values are named when they are the theory's (not measured).
+    """
+    anchors = result.get("anchors")
     if not isinstance(anchors, Mapping):
-        return []
+        return {}
+    position = result.get("position") if isinstance(result.get("position"), Mapping) else {}
     control, exact = anchors.get("control") or {}, anchors.get("exact") or {}
 
     def shown(x: Any, fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
-    source = "measured with --calibrate" if exact.get("source") == "measured" else "the theory's values"
-    lines = [
-        f"anchors: control: exponent {shown(control.get('exponent'), '+.3f')}, r2_nw "
+    source = "measured with --calibrate" if exact.get("source") == "measured" else unmeasured
+    sentences = {
+        "anchors": f"anchors: control: exponent {shown(control.get('exponent'), '+.3f')}, r2_nw "
         f"{shown(control.get('r2_nw'), '.3f')}; exact NW head ({source}): exponent "
         f"{shown(exact.get('exponent'), '+.3f')}, r2_nw {shown(exact.get('r2_nw'), '.3f')}"
-    ]
+    }
     if position.get("nearer"):
-        lines.append(
+        sentences["position"] = (
             "the adapter between them (0 = control, 1 = exact head): path "
             f"{shown(position.get('path'), '+.2f')}, form {shown(position.get('form'), '+.2f')}: nearer the "
             f"{position['nearer']}"
         )
     own = exact.get("verdict")
     if isinstance(own, Mapping) and own.get("conclusion"):
-        lines.append(f"calibration, the exact head in this pipeline: {own['conclusion']}")
+        sentences["exact"] = f"calibration, the exact head in this pipeline: {own['conclusion']}"
+    return sentences
+
+
+def _anchor_lines(result: dict) -> list[str]:
+    """The anchors and the adapter's place between them (results of older versions: none), then the
+    exact head's measured parts."""
+    sentences = anchor_sentences(result)
+    lines = list(sentences.values())
+    own = ((result.get("anchors") or {}).get("exact") or {}).get("verdict")
+    if "exact" in sentences and isinstance(own, Mapping):
         for key in EVIDENCE_CLAUSES:
             clause = (own.get("clauses") or {}).get(key)
             if isinstance(clause, Mapping):

@@ -225,7 +225,7 @@ def _anchors_html(result: Mapping[str, Any], images: int) -> str:
     ]
     if not anchors and not rows:
         return ""
-    control, exact = anchors.get("control") or {}, anchors.get("exact") or {}
+    exact = anchors.get("exact") or {}
     measured = exact.get("source") == "measured"
     title = "the adapter between its anchors: the control (0) and the exact NW head (1)"
     parts = [f'<div class="anchors" id="anchors"><h3>{escape(title)}</h3>']
@@ -246,30 +246,16 @@ def _anchors_html(result: Mapping[str, Any], images: int) -> str:
             ["reading", *(name for _, name in shown)], body, numeric=[False] + [True] * len(shown)
         )
         parts.append(table.replace('<div class="wide"><table>', '<div class="wide"><table id="readings">', 1))
-    if anchors:
-        source = (
-            "measured with --calibrate"
-            if measured
-            else "the theory's values: not measured, run with --calibrate"
-        )
-        parts.append(
-            '<p class="note" id="anchor-values">anchors: control: exponent '
-            f"{_shown(control.get('exponent'), '+.3f')}, r2_nw {_shown(control.get('r2_nw'), '.3f')}; "
-            f"exact NW head ({escape(source)}): exponent "
-            f"{_shown(exact.get('exponent'), '+.3f')}, r2_nw {_shown(exact.get('r2_nw'), '.3f')}</p>"
-        )
-    position = result.get("position") if isinstance(result.get("position"), Mapping) else {}
-    if position.get("nearer"):
-        parts.append(
-            '<p class="note" id="position">the adapter between them (0 = control, 1 = exact head): path '
-            f"{_shown(position.get('path'), '+.2f')}, form {_shown(position.get('form'), '+.2f')}: "
-            f"nearer the {escape(position['nearer'])}</p>"
-        )
+    from nw_adapter.correlate.verdict import anchor_sentences
+
+    sentences = anchor_sentences(result, unmeasured="the theory's values: not measured, run with --calibrate")
+    for key, css, element in (("anchors", "note", "anchor-values"), ("position", "note", "position")):
+        if key in sentences:
+            parts.append(f'<p class="{css}" id="{element}">{escape(sentences[key])}</p>')
     own = exact.get("verdict")
-    if isinstance(own, Mapping) and own.get("conclusion"):
+    if "exact" in sentences:
         parts.append(
-            '<p class="verdict-line exact" id="exact-verdict-line">calibration, the exact head in this '
-            f"pipeline: {escape(own['conclusion'])}</p>"
+            f'<p class="verdict-line exact" id="exact-verdict-line">{escape(sentences["exact"])}</p>'
         )
         clauses = [
             _clause_html(key, clause, int(exact.get("images") or images), level=4)
