@@ -89,6 +89,7 @@ from nw_adapter.core.intervals import (
     two_level_test,
 )
 from nw_adapter.integration.schema import (
+    EXACT_C_FIELD,
     KEY_SCALE,
     NULL_STATS,
     UNTRAINED_SUFFIX,
@@ -1175,9 +1176,12 @@ def check_one_run(records: Sequence[dict]) -> None:
     reference images: one unit (a ``reference``, or a pipeline ``call`` without one, e.g. the call
     0 of two recorders) in two runs would average two runs' generations as one image. Records
     without these fields (older files) pass, but not mixed with records that have a settings digest.
+    Calibrated records (the exact head's ``_exact`` columns) pool only with calibrated records of
+    the same exact-head bandwidth constant (:func:`_check_one_calibration`).
 
     Raises:
-        RecordError: one line naming the models, modes, settings or runs found and how to keep one.
+        RecordError: one line naming the models, modes, settings, calibrations or runs found and how
+            to keep one.
     """
     for name in ("model", "mode"):
         found = _values(records, name)
@@ -1206,6 +1210,7 @@ def check_one_run(records: Sequence[dict]) -> None:
             f"{', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'}; judge one setting at a "
             f"time, e.g. verdict([r for r in records if r.get({SETTINGS_FIELD!r}) == {digests[0]!r}])"
         )
+    _check_one_calibration(records)
     runs_of: dict[str, list[Any]] = {}
     for record in records:
         run = record.get("run")
@@ -1221,6 +1226,39 @@ def check_one_run(records: Sequence[dict]) -> None:
             f"({', '.join(repr(r) for r in runs[:3])}), which would be pooled as one reference image; "
             f"judge one run at a time, e.g. verdict([r for r in records if r.get('run') == {runs[0]!r}]), "
             "or give each run's records their own 'reference'"
+        )
+
+
+def _calibrated(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` carries the exact head's columns (a calibrated run's record)."""
+    return EXACT.column("r2_nw") in record or EXACT.column("logit_scale") in record
+
+
+def _check_one_calibration(records: Sequence[dict]) -> None:
+    """Refuse calibrated records pooled with uncalibrated ones, or with records of another exact-head
+    bandwidth constant C (:data:`~nw_adapter.integration.schema.EXACT_C_FIELD`; records without it,
+    of older files, are not compared): the exact head would be measured on some reference images
+    only, and counted over all of them, or its readings (``logit_scale``, ``h_eff``, ``kl``) would
+    average two bandwidths.
+
+    Raises:
+        RecordError: one line naming the counts or the constants, and the filter that keeps one.
+    """
+    calibrated = sum(_calibrated(r) for r in records)
+    if 0 < calibrated < len(records):
+        raise RecordError(
+            f"verdict: {calibrated} record(s) carry the exact head's columns ('{{stat}}{EXACT_SUFFIX}') and "
+            f"{len(records) - calibrated} do not: records of a calibrated run and of an uncalibrated one are "
+            "not one sample (the exact head would be measured on some reference images only); judge them "
+            f"apart, e.g. verdict([r for r in records if {EXACT.column('r2_nw')!r} in r])"
+        )
+    constants = _values(records, EXACT_C_FIELD)
+    if len(constants) > 1:
+        raise RecordError(
+            f"verdict: records of {len(constants)} exact-head bandwidths h = C sigma_t / alpha_t "
+            f"(C = {', '.join(repr(c) for c in constants[:3])}) are not one sample: the exact head's "
+            "readings would average two bandwidths; judge one at a time, e.g. "
+            f"verdict([r for r in records if r.get({EXACT_C_FIELD!r}) == {constants[0]!r}])"
         )
 
 

@@ -15,7 +15,10 @@ pass's records, matched by call, step, layer, head, half, adapter, image and key
 - ``{X}_exact`` for every statistic X of :data:`~nw_adapter.integration.schema.STAT_NAMES`,
   ``h_eff_exact_reason``, and ``exact_reason`` (None, or why the record has no twin);
 - ``{X}_exact_control_{k}`` for X in :data:`~nw_adapter.integration.schema.CONTROL_RECORDED` and
-  ``key_scale_exact_{k}``: the control on the exact head's queries.
+  ``key_scale_exact_{k}``: the control on the exact head's queries;
+- ``exact_schedule_c`` (:data:`~nw_adapter.integration.schema.EXACT_C_FIELD`): the exact head's
+  bandwidth constant; the verdict pools calibrated records only of one C, never with uncalibrated
+  records.
 
 The verdict (:func:`nw_adapter.verdict`) then measures the exact head as its anchor: it places the
 adapter between the control (the same algebra, no learning) and the exact head (the theory), and
@@ -41,7 +44,13 @@ from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.end_to_end import RandomStateReplay, observed_call, record_key
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.mixin import active_recorder
-from nw_adapter.integration.schema import CONTROL_RECORDED, H_EFF_REASON_FIELD, STAT_NAMES, control_draws
+from nw_adapter.integration.schema import (
+    CONTROL_RECORDED,
+    EXACT_C_FIELD,
+    H_EFF_REASON_FIELD,
+    STAT_NAMES,
+    control_draws,
+)
 
 __all__ = [
     "EXACT_REASON_FIELD",
@@ -82,7 +91,7 @@ def exact_columns(draws: int) -> tuple[str, ...]:
             f"key_scale{EXACT_SUFFIX}_{k}",
         )
     )
-    return (*own, f"h_eff{EXACT_SUFFIX}_reason", EXACT_REASON_FIELD, *controls)
+    return (*own, f"h_eff{EXACT_SUFFIX}_reason", EXACT_REASON_FIELD, EXACT_C_FIELD, *controls)
 
 
 def exact_config(config: NWProcessorConfig, *, schedule_c: float = 1.0) -> NWProcessorConfig:
@@ -95,9 +104,11 @@ def exact_config(config: NWProcessorConfig, *, schedule_c: float = 1.0) -> NWPro
     )
 
 
-def merge_exact(records: list[dict[str, Any]], exact: list[dict[str, Any]]) -> int:
-    """Add the exact pass's statistics to ``records`` in place (module docstring); returns the
-    number of records left without a match (their ``_exact`` columns NaN)."""
+def merge_exact(records: list[dict[str, Any]], exact: list[dict[str, Any]], schedule_c: float = 1.0) -> int:
+    """Add the exact pass's statistics to ``records`` in place (module docstring), and the exact
+    head's bandwidth constant ``schedule_c`` as :data:`~nw_adapter.integration.schema.EXACT_C_FIELD`
+    (the verdict pools calibrated records only of one C); returns the number of records left
+    without a match (their ``_exact`` columns NaN)."""
     by_key = {record_key(r): r for r in exact}
     draws = control_draws({name for r in exact for name in r})
     missing = 0
@@ -105,6 +116,7 @@ def merge_exact(records: list[dict[str, Any]], exact: list[dict[str, Any]]) -> i
         match = by_key.get(record_key(record))
         missing += match is None
         record[EXACT_REASON_FIELD] = None if match is not None else NO_EXACT_RECORD
+        record[EXACT_C_FIELD] = float(schedule_c)
         for stat in STAT_NAMES:
             if stat in record:
                 record[f"{stat}{EXACT_SUFFIX}"] = math.nan if match is None else match.get(stat, math.nan)
@@ -223,6 +235,6 @@ def observe_call(
     for warning in caught:  # the pure-noise step is expected; anything else is said again
         if others or "the NW side computation failed" not in str(warning.message):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    unmatched = merge_exact(records, exact_records)
+    unmatched = merge_exact(records, exact_records, exact.schedule_c)
     meta = {"kind": "exact NW head", "mode": "swap", "bandwidth": "schedule", "schedule_c": exact.schedule_c}
     return CalibratedCall(records, output, exact_output, exact_records, unmatched, pure_noise, meta, first)

@@ -97,6 +97,11 @@ STAT_NAMES: tuple[str, ...] = _SPEC_STAT_NAMES
 H_EFF_REASON_FIELD = "h_eff_reason"
 NAN_REASONS_FIELD = "nan_reasons"
 
+#: The record field of a calibrated run's exact-head bandwidth constant C (``h = C sigma_t /
+#: alpha_t``, :mod:`nw_adapter.integration.calibration`): its ``{stat}_exact`` columns mean the same
+#: only for the same C, so the verdict never pools records of different C.
+EXACT_C_FIELD = "exact_schedule_c"
+
 #: The statistics of the scale-matched untrained-adapter control (THEORY.md section 4), per draw
 #: k: ``{X}_control_{k}`` is statistic X of the same queries against draw k's untrained keys
 #: rescaled per (batch row, head) to the trained keys' RMS norm, ``k0m = k0 key_rms(k) /

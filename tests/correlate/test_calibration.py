@@ -128,6 +128,8 @@ def test_calibrate_merges_the_exact_head_and_keeps_the_pipeline_as_after_one_cal
         assert record["logit_scale_exact"] == twin["logit_scale"] and record["r2_nw_exact"] == twin["r2_nw"]
         assert record["logit_scale_exact_control_0"] == twin["logit_scale_control_0"]
         assert record["key_scale_exact_2"] == twin["key_scale_2"]
+        assert record["exact_schedule_c"] == 1.0  # the exact head's C: the verdict pools one C only
+    assert all("exact_schedule_c" not in r for r in plain.records)
     with pytest.raises(ValueError, match="config.mode must be 'observe'"):
         observe_call(sd15, _call(3), config=NWProcessorConfig(mode="swap"), calibrate=True)
     assert active_recorder(sd15) is None

@@ -454,6 +454,51 @@ def test_records_with_and_without_settings_are_refused_in_one_line() -> None:
     assert "verdict([r for r in records if r.get('settings') is not None])" in message
 
 
+def _calibrated(records: list[dict], c: float | None) -> list[dict]:
+    """``records`` as a calibrated run writes them: the exact head's columns (here the head's own
+    values) and, when ``c`` is given, its bandwidth constant C."""
+    out = []
+    for record in records:
+        exact = {f"{name}_exact": record[name] for name in ("logit_scale", "r2_nw", "rho", "nw_gain")}
+        out.append({**record, **exact, **({} if c is None else {"exact_schedule_c": c})})
+    return out
+
+
+def test_calibrated_and_uncalibrated_records_are_refused_in_one_line(schedule) -> None:
+    """Main at 54caff4 pooled them: the exact head, measured on 2 of the 4 references, was judged
+    and counted as "(4 reference images)"."""
+    from nw_adapter.analysis.validation import RecordError
+
+    records = nw_head_records(schedule, schedule)
+    first = {"ref0", "ref1"}
+    mixed = _calibrated([r for r in records if r["reference"] in first], 1.0)
+    mixed += [r for r in records if r["reference"] not in first]
+    with pytest.raises(RecordError) as error:
+        verdict(mixed)
+    message = str(error.value)
+    assert "\n" not in message and "are not one sample" in message
+    assert "verdict([r for r in records if 'r2_nw_exact' in r])" in message
+    kept = verdict([r for r in mixed if "r2_nw_exact" in r])
+    assert kept["images"] == 2 and kept["anchors"]["exact"]["images"] == 2
+
+
+def test_calibrated_records_of_two_exact_head_bandwidths_are_refused(schedule) -> None:
+    """``--calibrate-c`` 1 and 2 over different references: main at 54caff4 averaged the exact
+    head's logit_scale and h_eff over the two bandwidths. Records without the constant (files of
+    older versions) are not compared on it."""
+    from nw_adapter.analysis.validation import RecordError
+
+    records = nw_head_records(schedule, schedule)
+    first = {"ref0", "ref1"}
+    ones = [r for r in records if r["reference"] in first]
+    twos = [r for r in records if r["reference"] not in first]
+    with pytest.raises(RecordError) as error:
+        verdict(_calibrated(ones, 1.0) + _calibrated(twos, 2.0))
+    message = str(error.value)
+    assert "\n" not in message and "(C = 1.0, 2.0) are not one sample" in message
+    assert verdict(_calibrated(ones, 1.0) + _calibrated(twos, None))["images"] == REFERENCES
+
+
 # --- what a run cannot identify is "not measured", never "not met" -------------------------------
 
 
