@@ -388,7 +388,6 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     return fig
 
 
-
 def label_log_axis(ax, which: str) -> None:
     """Tick labels of ``ax``'s log ``which`` axis ("x" or "y") that never overlap: the decades as
     plain numbers, and between them the 2s and 5s where the drawn range spans less than two decades
@@ -405,6 +404,7 @@ def label_log_axis(ax, which: str) -> None:
     axis.set_major_formatter(plain)
     axis.set_minor_locator(LogLocator(base=10.0, subs=subs if decades < 2.0 else "auto"))
     axis.set_minor_formatter(plain if decades < 2.0 else NullFormatter())
+
 
 def plot_bandwidth(records: Sequence[dict], half: str, path: str | os.PathLike, *, title: str | None = None):
     """Write :func:`bandwidth_figure` to ``path`` (PNG, atomically); None (nothing written) without
