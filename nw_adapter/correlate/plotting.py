@@ -376,14 +376,34 @@ def bandwidth_figure(records: Sequence[dict], half: str, *, title: str | None = 
     )
     ax.set_xscale("log")
     ax.set_yscale("log")
+    label_log_axis(ax, "x")
+    label_log_axis(ax, "y")
     ax.set_xlabel("schedule bandwidth h = sigma_t / alpha_t", fontsize=8)
     ax.set_ylabel("logit_scale (RMS of row-centred logits)", fontsize=8)
-    ax.tick_params(labelsize=7)
+    ax.tick_params(which="both", labelsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.legend(loc="outside lower center", fontsize=6.5, frameon=False, ncol=1)
     if title:
         fig.suptitle(wrap_title(title, 3.3, 8), fontsize=8)
     return fig
+
+
+def label_log_axis(ax, which: str) -> None:
+    """Tick labels of ``ax``'s log ``which`` axis ("x" or "y") that never overlap: the decades as
+    plain numbers, and between them the 2s and 5s where the drawn range spans less than two decades
+    (also the 3s below half a decade), else none (matplotlib's default labels the minor ticks of a
+    range under a few decades in scientific notation, which collides on a narrow figure)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    low, high = sorted(abs(v) for v in (ax.get_xlim() if which == "x" else ax.get_ylim()))
+    decades = math.log10(high / low) if low > 0 else math.inf
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    subs = (2.0, 3.0, 5.0) if decades < 0.5 else (2.0, 5.0)
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_locator(LogLocator(base=10.0))
+    axis.set_major_formatter(plain)
+    axis.set_minor_locator(LogLocator(base=10.0, subs=subs if decades < 2.0 else "auto"))
+    axis.set_minor_formatter(plain if decades < 2.0 else NullFormatter())
 
 
 def plot_bandwidth(records: Sequence[dict], half: str, path: str | os.PathLike, *, title: str | None = None):

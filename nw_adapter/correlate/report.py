@@ -287,8 +287,7 @@ def format_report(report: dict, *, detail: bool = True, out_dir: str | os.PathLi
     if note:
         context += f"; note: {note}"
     table = report["table"]
-    control = control_line(*control_kind_and_draws(report))
-    lines = [context, control, format_table(table), format_legend(table)]
+    lines = [context, controls_line(report), format_table(table), format_legend(table)]
     calibrated = format_readings(report["verdict"])
     if calibrated:
         lines.append(calibrated)
@@ -297,6 +296,15 @@ def format_report(report: dict, *, detail: bool = True, out_dir: str | os.PathLi
     if warning:
         lines.insert(0, f"WARNING: {warning}")
     return "\n".join(lines)
+
+
+def controls_line(report: dict) -> str:
+    """What the adapter is read beside: the control that ran and, in a calibrated run, the exact head
+    (one line, the same under ``-v``, without it and in ``--replot``)."""
+    line = control_line(*control_kind_and_draws(report))
+    if report.get("config", {}).get("calibration"):
+        line += "; calibrated: each reference run again with the exact NW head at the schedule's h, same seed"
+    return line
 
 
 def details_line(verdict_result: dict, out_dir: str | os.PathLike | None) -> str:
@@ -325,12 +333,7 @@ def _brief_report(report: dict, out_dir: str | os.PathLike | None) -> str:
         f"({config.get('scheduler_class', 'scheduler')}), bandwidth {config.get('bandwidth')}, mode "
         f"{config.get('mode')}; {half} half, means over {layers} layer(s) x {heads} head(s)"
     ]
-    control = control_line(*control_kind_and_draws(report))
-    if config.get("calibration"):
-        control += (
-            "; calibrated: each reference run again with the exact NW head at the schedule's h, same seed"
-        )
-    lines.append(control)
+    lines.append(controls_line(report))
     note = repeated_timestep_note(report)
     if note:
         lines.append(f"note: {note}")

@@ -368,6 +368,29 @@ def test_report_carries_the_verdict_and_prints_it() -> None:
     assert format_verdict(report["verdict"]) in format_report(report)
 
 
+@pytest.mark.parametrize("exponent", [0.0, 0.2, 2.0, 6.0])  # y over ~0.1 (flat) to ~12 decades
+@pytest.mark.parametrize("steps", [3, 6, 40])
+def test_bandwidth_figure_tick_labels_never_overlap(steps, exponent) -> None:
+    """A run of few steps spans a decade or two of h: matplotlib's default labelled every minor tick
+    in scientific notation there, at a larger size than the decades, and the labels ran together."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from nw_adapter.correlate.plotting import bandwidth_figure
+
+    fig = bandwidth_figure(make_records(images=3, steps=steps, exponent=exponent), "cond")
+    ax = fig.axes[0]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    for axis in (ax.xaxis, ax.yaxis):
+        ticks = [t for t in axis.get_major_ticks() + axis.get_minor_ticks() if t.label1.get_visible()]
+        boxes = [t.label1.get_window_extent(renderer) for t in ticks if t.label1.get_text()]
+        inside = [b for b in boxes if ax.bbox.x0 - 40 <= b.x0 and b.x1 <= ax.bbox.x1 + 40]
+        assert len(inside) >= 2  # at least two labelled values to read the scale by
+        assert {t.label1.get_fontsize() for t in ticks} == {7.0}
+        for i, first in enumerate(inside):
+            assert not any(first.overlaps(second) for second in inside[i + 1 :])
+
+
 def test_bandwidth_figure_draws_the_logit_scale_path_per_step_and_the_exponent_2_line(tmp_path) -> None:
     from PIL import Image
 
