@@ -74,7 +74,9 @@ def test_the_rho_report_shows_every_part_with_its_interval_and_the_consoles_lege
         for part in clause["parts"]:
             if part["low"] is not None:  # the console's numbers: signed, 3 decimals
                 cells = f'<td class="num">{part["mean"]:+.3f}</td>'
-                cells += f'<td class="num">[{part["low"]:+.3f}, {part["high"]:+.3f}]</td>'
+                cells += f'<td class="num">[{part["low"]:+.3f}, {part["high"]:+.3f}]'
+                # the equivalence test's interval is its 90% one (the console's -v says so too)
+                cells += " (90%)</td>" if part["test"] == "equivalence (TOST)" else "</td>"
                 assert cells in page, part["label"]
     for key, _, _ in shown_columns(document["steps"]):
         assert COLUMN_LEGEND[key] in page

@@ -1,10 +1,11 @@
 """The verdict as HTML, read generically from the dict :func:`nw_adapter.correlate.verdict.verdict` returns.
 
-Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval,
-p, n, margin and every other field a part carries); any further list of entries of a clause
-(``reported``, or anchors added in later versions) is a table of its own, and a part's or entry's
-nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter, the control and the
-exact head side by side) are columns side by side. Fields this module does not know are shown, not
+Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval
+(the equivalence test's 90%, marked so, as the console's ``-v`` does), p, n, margin and every other
+field a part carries); any further list of entries of a clause (``reported``, or anchors added in
+later versions) is a table of its own, and a part's or entry's nested results (a dict holding
+``mean`` / ``low`` / ``high``: e.g. the adapter, the control and the exact head side by side) are
+columns side by side. Fields this module does not know are shown, not
 dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
 :data:`~nw_adapter.correlate.verdict.STATUS_WORDS`).
 
@@ -130,8 +131,9 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
         row: list[Any] = []
         for column in columns:
             value = entry.get(column)
-            if column == "interval":
-                row.append(_interval(entry))
+            if column == "interval":  # the equivalence test's decision reads its 90% interval
+                tost = entry.get("test") == "equivalence (TOST)" and entry.get("low") is not None
+                row.append(_interval(entry) + (" (90%)" if tost else ""))
             elif column in ("mean", "margin", "theory") and isinstance(value, int | float):
                 row.append(_signed(value) if column == "mean" else f"{value:g}")
             elif column == "p":
@@ -283,7 +285,8 @@ def verdict_html(result: Mapping[str, Any]) -> str:
         f'<p class="note">unit: {escape(result.get("unit", "reference image"))}, one seed each, n {images}'
         + (f" ({merged} of the same content merged: counted once)" if merged else "")
         + (f", {draws} control draws" if draws else "")
-        + f"; mean [95% interval], one-sided, alpha {escape(result.get('alpha', 0.05))}</p>"
+        + "; mean [95% interval; the equivalence test's: 90%], one-sided, alpha "
+        + f"{escape(result.get('alpha', 0.05))}</p>"
     )
     anchors = _anchors_html(result, images)
     parts.append(anchors)
