@@ -2,10 +2,10 @@
 
 Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval
 (the equivalence test's 90%, marked so, as the console's ``-v`` does), p, n, margin and every other
-field a part carries); any further list of entries of a clause (``reported``, or anchors added in
-later versions) is a table of its own, and a part's or entry's nested results (a dict holding
-``mean`` / ``low`` / ``high``: e.g. the adapter, the control and the exact head side by side) are
-columns side by side. Fields this module does not know are shown, not
+field a part carries; a caveat, a sentence, under the table); any further list of entries of a
+clause (``reported``, or anchors added in later versions) is a table of its own, and a part's or
+entry's nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter, the control
+and the exact head side by side) are columns side by side. Fields this module does not know are shown, not
 dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
 :data:`~nw_adapter.correlate.verdict.STATUS_WORDS`).
 
@@ -37,9 +37,11 @@ _PART_ORDER = (
     "significant",
     "measured",
     "theory",
-    "caveat",
     "reason",
 )
+_NOTES = ("caveat",)
+"""Fields of a sentence or more: written under the table, one line per entry that has one, rather
+than as a column that a sentence squeezes to a word a line (and pushes the table past the page)."""
 _HIDDEN = {"key", "low", "high", "se", "dropped_references", "dropped_draws", "missing"}
 _KNOWN_TOP = {
     "conclusion",
@@ -119,7 +121,7 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
             if name not in nested:
                 nested.append(name)
         holders |= {k for k, v in entry.items() if isinstance(v, Mapping) and _results({k: v})}
-    present = {k for e in entries for k in e} - holders
+    present = {k for e in entries for k in e} - holders - set(_NOTES)
     columns = [c for c in _PART_ORDER if c in present or (c == "interval" and "low" in present)]
     columns += sorted(k for k in present - set(columns) - _HIDDEN if k not in ("low", "high"))
     columns = [c for c in columns if c == "interval" or any(e.get(c) is not None for e in entries)]
@@ -148,7 +150,13 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
     numeric = [c in ("mean", "interval", "p", "n", "margin", "theory") for c in columns] + [False] * len(
         nested
     )
-    return table_html(header, rows, numeric=numeric)
+    notes = [
+        f'<p class="note">{escape(entry.get("label", ""))}: {name}: {escape(entry[name])}</p>'
+        for entry in entries
+        for name in _NOTES
+        if entry.get(name)
+    ]
+    return table_html(header, rows, numeric=numeric) + "".join(notes)
 
 
 def _status(clause: Mapping[str, Any], images: int) -> Markup:
