@@ -63,7 +63,9 @@ class NWFieldMixin:
     posterior_steps: list[dict[str, Any]] | None = None
     """After a call: the posterior over the references per step and CFG half along the generation's
     own path (:attr:`~nw_adapter.integration.latent_probe.LatentSupportProbe.rows`; its
-    ``x0_nw_ratio`` is 0 up to rounding, the field being the plug-in)."""
+    ``x0_nw_ratio`` is 0 up to rounding, the field being the plug-in). With several images in one
+    call each reading is the mean over them (images that land on different references give a mixed
+    ``posterior``): call once per image to read each one's."""
 
     @classmethod
     def from_pipe(
