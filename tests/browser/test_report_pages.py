@@ -198,7 +198,9 @@ def test_a_calibrated_report_shows_the_adapter_beside_the_exact_head_and_the_con
     assert f'id="exact-verdict-line">{line}<' in page
     for clause in exact["verdict"]["clauses"].values():  # the exact head's parts, as the adapter's
         for part in clause["parts"]:
-            assert f'<td class="num">[{part["low"]:+.3f}, {part["high"]:+.3f}]</td>' in page, part["label"]
+            tost = " (90%)" if part["test"] == "equivalence (TOST)" else ""  # the interval the test reads
+            cell = f'<td class="num">[{part["low"]:+.3f}, {part["high"]:+.3f}]{tost}</td>'
+            assert cell in page, part["label"]
     assert "calibrated: the exact NW head at the schedule's h = 1 sigma_t / alpha_t" in page
     assert page.index('id="anchors"') < page.index('data-clause="bandwidth"')  # the anchors first
 
