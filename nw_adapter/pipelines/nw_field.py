@@ -71,7 +71,8 @@ class NWFieldMixin:
     def from_pipe(
         cls, pipeline: Any, *, references: Sequence[Any] | None = None, tau: float = 0.0, **kwargs: Any
     ) -> Any:
-        """diffusers' ``from_pipe`` (same components, no copy) plus :meth:`set_references`.
+        """diffusers' ``from_pipe`` (same components, no copy) plus :meth:`set_references`; quiet
+        as the loaders are (:func:`~nw_adapter.models.loaders.quiet_loading`).
 
         Args:
             pipeline: a loaded pipeline of this family.
@@ -79,7 +80,10 @@ class NWFieldMixin:
             tau: smoothing of the support in latent units (0: the plug-in field).
             **kwargs: diffusers' ``from_pipe`` arguments (components to replace, ...).
         """
-        new = super().from_pipe(pipeline, **kwargs)
+        from nw_adapter.library_output import library_output
+
+        with library_output(bars=True):  # diffusers' float32 cast note, as the loaders hide it
+            new = super().from_pipe(pipeline, **kwargs)
         if references is not None:
             new.set_references(references, tau=tau)
         elif tau:
