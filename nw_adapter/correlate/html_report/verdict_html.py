@@ -1,12 +1,12 @@
 """The verdict as HTML, read generically from the dict :func:`nw_adapter.correlate.verdict.verdict` returns.
 
 Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval
-(the equivalence test's 90%, marked so, as the console's ``-v`` does), p, n, margin and every other
-field a part carries; a caveat, a sentence, under the table); any further list of entries of a
-clause (``reported``, or anchors added in later versions) is a table of its own, and a part's or
-entry's nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter, the control
-and the exact head side by side) are columns side by side. Fields this module does not know are shown, not
-dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
+(the equivalence test's 90%, said in its test column as the console's ``-v`` says it), p, n, margin
+and every other field a part carries; a caveat, a sentence, under the table); any further list of
+entries of a clause (``reported``, or anchors added in later versions) is a table of its own, and a
+part's or entry's nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter,
+the control and the exact head side by side) are columns side by side. Fields this module does not
+know are shown, not dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
 :data:`~nw_adapter.correlate.verdict.STATUS_WORDS`).
 
 The anchors come first, under the conclusion: the calibrated table (one row per reading, the
@@ -133,9 +133,12 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
         row: list[Any] = []
         for column in columns:
             value = entry.get(column)
-            if column == "interval":  # the equivalence test's decision reads its 90% interval
-                tost = entry.get("test") == "equivalence (TOST)" and entry.get("low") is not None
-                row.append(_interval(entry) + (" (90%)" if tost else ""))
+            if column == "interval":
+                row.append(_interval(entry))
+            elif column == "test" and value == "equivalence (TOST)":
+                # its decision reads the 90% interval (said in the wrapping text column, not widening
+                # the interval's)
+                row.append(f"{value}, its interval 90%")
             elif column in ("mean", "margin", "theory") and isinstance(value, int | float):
                 row.append(_signed(value) if column == "mean" else f"{value:g}")
             elif column == "p":
