@@ -346,8 +346,9 @@ OPTIONS: tuple[Option, ...] = (
         RHO_RUNS, default="matched", parse=values.bandwidth, records=(Record("bandwidth", RHO_RUNS),),
         hints={
             COMPARE_SWAP: "it swaps in the NW head under each rule of --swap-rules: pass them there",
-            SUPPORT_SETS: "its NW masses use the schedule's bandwidth h = sigma_t / alpha_t (the theory's, "
-            "no head-space choice): drop --bandwidth",
+            SUPPORT_SETS: "its posterior over the references' latents (the space of x_t) uses the "
+            "schedule's h = sigma_t / alpha_t, and it computes no NW weights in the head's q/k space: "
+            "drop --bandwidth",
         },
     ),
     Option(

@@ -124,7 +124,9 @@ def encode_references(
 
     Args:
         pipe: an SD 1.5 / SDXL, SD 3 or Flux pipeline (its VAE and image processor are used).
-        images: m >= 1 reference images (PIL, or what ``pipe.image_processor.preprocess`` takes).
+        images: m >= 1 reference images (PIL, or what ``pipe.image_processor.preprocess`` takes); a
+            PIL image of another mode than RGB (grayscale, palette, with alpha) is converted to RGB
+            first, its alpha composited over white as the command line reads image files.
         height, width: the generation's size in pixels (default :func:`default_size`); the images
             are resized to it, as the pipeline's own img2img path does.
 
@@ -143,7 +145,7 @@ def encode_references(
     height, width = height or default_h, width or default_w
     vae = pipe.vae
     param = next(vae.parameters())
-    pixels = pipe.image_processor.preprocess(images, height=height, width=width)
+    pixels = pipe.image_processor.preprocess([_rgb(image) for image in images], height=height, width=width)
     pixels = pixels.to(device=param.device, dtype=param.dtype)
     z = vae.encode(pixels).latent_dist.mean.to(torch.float64)
     z = _vae_normalise(vae, z, space.family)
@@ -151,6 +153,18 @@ def encode_references(
         m, c, h, w = z.shape
         z = pipe._pack_latents(z, m, c, h, w)
     return z
+
+
+def _rgb(image: Any) -> Any:
+    """A PIL image as RGB (the VAE's three channels; alpha over white), anything else as it is."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image) or image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def flatten_states(x: torch.Tensor) -> torch.Tensor:

@@ -13,16 +13,22 @@ Example:
     >>> field = StableDiffusionNWFieldPipeline.from_pipe(stock_pipe, references=[a, b])  # doctest: +SKIP
 """
 
-from nw_adapter.pipelines.nw_field import (
-    FluxNWFieldPipeline,
-    StableDiffusion3NWFieldPipeline,
-    StableDiffusionNWFieldPipeline,
-    StableDiffusionXLNWFieldPipeline,
-)
-from nw_adapter.pipelines.pipeline_flux_nw import FluxNWPipeline
-from nw_adapter.pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
-from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
-from nw_adapter.pipelines.pipeline_stable_diffusion_xl_nw import StableDiffusionXLNWPipeline
+from nw_adapter.library_output import library_output
+
+# diffusers' pipeline modules import transformers' image processors, which log a note on import
+# (the torchvision fallback); quiet here as in the loaders and the command line (``-v`` / verbose=True
+# there shows the libraries' own output)
+with library_output():
+    from nw_adapter.pipelines.nw_field import (
+        FluxNWFieldPipeline,
+        StableDiffusion3NWFieldPipeline,
+        StableDiffusionNWFieldPipeline,
+        StableDiffusionXLNWFieldPipeline,
+    )
+    from nw_adapter.pipelines.pipeline_flux_nw import FluxNWPipeline
+    from nw_adapter.pipelines.pipeline_stable_diffusion_3_nw import StableDiffusion3NWPipeline
+    from nw_adapter.pipelines.pipeline_stable_diffusion_nw import StableDiffusionNWPipeline
+    from nw_adapter.pipelines.pipeline_stable_diffusion_xl_nw import StableDiffusionXLNWPipeline
 
 __all__ = [
     "FluxNWFieldPipeline",

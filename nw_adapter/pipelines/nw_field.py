@@ -63,13 +63,16 @@ class NWFieldMixin:
     posterior_steps: list[dict[str, Any]] | None = None
     """After a call: the posterior over the references per step and CFG half along the generation's
     own path (:attr:`~nw_adapter.integration.latent_probe.LatentSupportProbe.rows`; its
-    ``x0_nw_ratio`` is 0 up to rounding, the field being the plug-in)."""
+    ``x0_nw_ratio`` is 0 up to rounding, the field being the plug-in). With several images in one
+    call each reading is the mean over them (images that land on different references give a mixed
+    ``posterior``): call once per image to read each one's."""
 
     @classmethod
     def from_pipe(
         cls, pipeline: Any, *, references: Sequence[Any] | None = None, tau: float = 0.0, **kwargs: Any
     ) -> Any:
-        """diffusers' ``from_pipe`` (same components, no copy) plus :meth:`set_references`.
+        """diffusers' ``from_pipe`` (same components, no copy) plus :meth:`set_references`; quiet
+        as the loaders are (:func:`~nw_adapter.models.loaders.quiet_loading`).
 
         Args:
             pipeline: a loaded pipeline of this family.
@@ -77,7 +80,10 @@ class NWFieldMixin:
             tau: smoothing of the support in latent units (0: the plug-in field).
             **kwargs: diffusers' ``from_pipe`` arguments (components to replace, ...).
         """
-        new = super().from_pipe(pipeline, **kwargs)
+        from nw_adapter.library_output import library_output
+
+        with library_output(bars=True):  # diffusers' float32 cast note, as the loaders hide it
+            new = super().from_pipe(pipeline, **kwargs)
         if references is not None:
             new.set_references(references, tau=tau)
         elif tau:

@@ -76,6 +76,11 @@ def test_the_rho_report_shows_every_part_with_its_interval_and_the_consoles_lege
                 cells = f'<td class="num">{part["mean"]:+.3f}</td>'
                 cells += f'<td class="num">[{part["low"]:+.3f}, {part["high"]:+.3f}]</td>'
                 assert cells in page, part["label"]
+                if part["test"] == "equivalence (TOST)":  # its interval is the 90% one (as -v says)
+                    assert (
+                        f'<td>equivalence (TOST), its interval 90%</td><td class="num">{part["mean"]:+.3f}'
+                        in page
+                    )
     for key, _, _ in shown_columns(document["steps"]):
         assert COLUMN_LEGEND[key] in page
     assert all(entry in page for entry in LEGEND)
@@ -133,6 +138,23 @@ def test_the_verdict_renders_fields_of_later_versions_and_anchors_side_by_side()
     assert "calibrated" in page and "0.930" in page  # a part's field of a later version
     assert "exact head" in page and "exact head's exponent" in page  # a clause's further list
     assert "calibration" in page and "false_positive_rate" in page  # the verdict's field of a later version
+
+
+def test_a_parts_caveat_is_a_line_under_its_table_not_a_column() -> None:
+    """A caveat is a sentence (one control draw: ...): written under the clause's table with its
+    part's label, where a column of it squeezed the sentence to a word a line and pushed the table
+    past the page's width."""
+    from nw_adapter.correlate.html_report.verdict_html import verdict_html
+
+    caveat = "one control draw: the variance between draws is not estimated; record several draws"
+    part = {"key": "p", "label": "exponent - control's exponent", "test": "one-sample t (one draw)"}
+    part |= {"mean": -0.05, "low": -0.07, "high": -0.03, "p": 0.99, "n": 4, "draws": 1, "caveat": caveat}
+    plain = dict(part, label="the other part", caveat=None)
+    clause = {"label": "bandwidth clause", "holds": False, "reason": None, "parts": [part, plain]}
+    page = verdict_html({"conclusion": "no evidence", "images": 4, "clauses": {"bandwidth": clause}})
+    assert "<th>caveat</th>" not in page and f"<td>{html.escape(caveat)}</td>" not in page
+    assert f'<p class="note">exponent - control&#x27;s exponent: caveat: {html.escape(caveat)}</p>' in page
+    assert page.count("caveat:") == 1  # only the part that has one
 
 
 def _reading(value: dict | None) -> str:

@@ -116,7 +116,8 @@ def test_the_parser_is_the_table() -> None:
         # --support-set read neither --bandwidth nor --all-steps nor --control-draws (same support.csv)
         (
             ["--support-set", "a.png,b.png", "--bandwidth", "fitted"],
-            "--bandwidth is not read by the support-set run",
+            "--bandwidth is not read by the support-set run (--support-set/--support-dir); its posterior "
+            "over the references' latents (the space of x_t) uses the schedule's h",
         ),
         (["--support-set", "a.png,b.png", "--all-steps"], "--all-steps is not read by the support-set run"),
         (

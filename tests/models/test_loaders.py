@@ -45,9 +45,11 @@ def test_the_default_cache_is_the_one_the_cli_uses(monkeypatch, tmp_path):
 
 
 def test_loading_in_a_notebook_is_as_quiet_as_the_command_line():
-    """A fresh interpreter (a notebook's first load): the trained tiny models load without a line on
-    stderr (no torchvision fallback note, no float32 cast note, no progress bars); ``verbose=True``
-    shows the libraries' own output, so the quiet one is not an accident of the environment."""
+    """A fresh interpreter (a notebook's first load, the README's imports): the companion pipelines
+    import, the trained tiny models load and the plug-in field's ``from_pipe`` (docs/api.md's
+    example) runs without a line on stderr (no torchvision fallback note, no float32 cast note, no
+    progress bars); ``verbose=True`` shows the libraries' own output, so the quiet one is not an
+    accident of the environment."""
     import subprocess
     import sys
     from pathlib import Path
@@ -56,7 +58,10 @@ def test_loading_in_a_notebook_is_as_quiet_as_the_command_line():
 
     script = (
         "import sys, nw_adapter\n"
-        "nw_adapter.load_tiny_digits(); nw_adapter.load_tiny_flux_digits()\n"
+        "from nw_adapter.pipelines import StableDiffusionNWFieldPipeline, StableDiffusionNWPipeline\n"
+        "pipe = nw_adapter.load_tiny_digits(pipeline_class=StableDiffusionNWPipeline)\n"
+        "StableDiffusionNWFieldPipeline.from_pipe(pipe, references=[nw_adapter.tiny_digit_image(3)])\n"
+        "nw_adapter.load_tiny_flux_digits()\n"
         "print('---', file=sys.stderr)\n"
         "nw_adapter.load_tiny_digits(verbose=True)\n"
     )

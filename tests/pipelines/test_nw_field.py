@@ -300,3 +300,22 @@ def test_plug_in_field_on_a_stock_pipeline_restores_the_unet_after_an_interrupt(
         pipe(num_inference_steps=3, prompt="", callback_on_step_end=interrupt)
     assert pipe.unet is real and pipe.config["unet"][1] == "UNet2DConditionModel"
     assert (len(real._forward_pre_hooks), len(real._forward_hooks)) == hooks
+
+
+def test_references_of_other_modes_and_sizes_are_read_as_rgb(digits, references):
+    """A grayscale, a palette and an RGBA reference of another size give the latents of their RGB
+    forms (alpha over white), beside an RGB one, as the command line reads image files."""
+    from PIL import Image
+
+    gray = references[0].convert("L").resize((50, 30))
+    palette = references[1].convert("P")
+    rgba = references[0].convert("RGBA")
+    rgba.putalpha(128)
+    as_rgb = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    field = StableDiffusionNWFieldPipeline.from_pipe(digits, references=[gray, palette, rgba, references[1]])
+    expected = StableDiffusionNWFieldPipeline.from_pipe(
+        digits, references=[gray.convert("RGB"), palette.convert("RGB"), as_rgb, references[1]]
+    )
+    assert torch.equal(field.reference_latents(), expected.reference_latents())
+    out = field(num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert out.images.shape == (1, *field.reference_latents().shape[1:])

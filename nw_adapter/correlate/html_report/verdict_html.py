@@ -1,11 +1,12 @@
 """The verdict as HTML, read generically from the dict :func:`nw_adapter.correlate.verdict.verdict` returns.
 
-Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval,
-p, n, margin and every other field a part carries); any further list of entries of a clause
-(``reported``, or anchors added in later versions) is a table of its own, and a part's or entry's
-nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter, the control and the
-exact head side by side) are columns side by side. Fields this module does not know are shown, not
-dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
+Every clause the dict holds is shown with its status and a table of its parts (mean, 95% interval
+(the equivalence test's 90%, said in its test column as the console's ``-v`` says it), p, n, margin
+and every other field a part carries; a caveat, a sentence, under the table); any further list of
+entries of a clause (``reported``, or anchors added in later versions) is a table of its own, and a
+part's or entry's nested results (a dict holding ``mean`` / ``low`` / ``high``: e.g. the adapter,
+the control and the exact head side by side) are columns side by side. Fields this module does not
+know are shown, not dropped. The words are the console's (:data:`~nw_adapter.correlate.verdict.LEGEND`,
 :data:`~nw_adapter.correlate.verdict.STATUS_WORDS`).
 
 The anchors come first, under the conclusion: the calibrated table (one row per reading, the
@@ -36,9 +37,11 @@ _PART_ORDER = (
     "significant",
     "measured",
     "theory",
-    "caveat",
     "reason",
 )
+_NOTES = ("caveat",)
+"""Fields of a sentence or more: written under the table, one line per entry that has one, rather
+than as a column that a sentence squeezes to a word a line (and pushes the table past the page)."""
 _HIDDEN = {"key", "low", "high", "se", "dropped_references", "dropped_draws", "missing"}
 _KNOWN_TOP = {
     "conclusion",
@@ -118,7 +121,7 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
             if name not in nested:
                 nested.append(name)
         holders |= {k for k, v in entry.items() if isinstance(v, Mapping) and _results({k: v})}
-    present = {k for e in entries for k in e} - holders
+    present = {k for e in entries for k in e} - holders - set(_NOTES)
     columns = [c for c in _PART_ORDER if c in present or (c == "interval" and "low" in present)]
     columns += sorted(k for k in present - set(columns) - _HIDDEN if k not in ("low", "high"))
     columns = [c for c in columns if c == "interval" or any(e.get(c) is not None for e in entries)]
@@ -132,6 +135,10 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
             value = entry.get(column)
             if column == "interval":
                 row.append(_interval(entry))
+            elif column == "test" and value == "equivalence (TOST)":
+                # its decision reads the 90% interval (said in the wrapping text column, not widening
+                # the interval's)
+                row.append(f"{value}, its interval 90%")
             elif column in ("mean", "margin", "theory") and isinstance(value, int | float):
                 row.append(_signed(value) if column == "mean" else f"{value:g}")
             elif column == "p":
@@ -146,7 +153,13 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
     numeric = [c in ("mean", "interval", "p", "n", "margin", "theory") for c in columns] + [False] * len(
         nested
     )
-    return table_html(header, rows, numeric=numeric)
+    notes = [
+        f'<p class="note">{escape(entry.get("label", ""))}: {name}: {escape(entry[name])}</p>'
+        for entry in entries
+        for name in _NOTES
+        if entry.get(name)
+    ]
+    return table_html(header, rows, numeric=numeric) + "".join(notes)
 
 
 def _status(clause: Mapping[str, Any], images: int) -> Markup:
@@ -283,7 +296,8 @@ def verdict_html(result: Mapping[str, Any]) -> str:
         f'<p class="note">unit: {escape(result.get("unit", "reference image"))}, one seed each, n {images}'
         + (f" ({merged} of the same content merged: counted once)" if merged else "")
         + (f", {draws} control draws" if draws else "")
-        + f"; mean [95% interval], one-sided, alpha {escape(result.get('alpha', 0.05))}</p>"
+        + "; mean [95% interval; the equivalence test's: 90%], one-sided, alpha "
+        + f"{escape(result.get('alpha', 0.05))}</p>"
     )
     anchors = _anchors_html(result, images)
     parts.append(anchors)
