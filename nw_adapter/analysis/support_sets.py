@@ -177,6 +177,10 @@ class SupportSetRun:
         final_distances: per reference, the distance of the generated latent to its latent.
         final_latent: ``[D]`` float64, the generated latent (flattened; None when not read).
         probe_errors: denoiser forwards the latent probe skipped (0 normally).
+        references: the reference images as given (PIL), in set order (for a report).
+        settings: what the call ran with: the pipeline's ``model`` (its ``name_or_path``), ``seed``,
+            the scheduler's class and the call's plain arguments (``num_inference_steps``,
+            ``guidance_scale``, the prompt, ...).
     """
 
     image: Any
@@ -189,6 +193,8 @@ class SupportSetRun:
     final_distances: list[float] = field(default_factory=list)
     final_latent: torch.Tensor | None = None
     probe_errors: int = 0
+    references: list[Any] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def clip_nearest(self) -> int:
@@ -228,6 +234,16 @@ class SupportSetRun:
         if self.judged is None:
             return None
         return [label == self.judged[0] for label in self.judged[1:]]
+
+
+def _plain(call: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments that are plain values (numbers, strings, booleans, None): what a report
+    can state of the run."""
+    return {
+        key: value
+        for key, value in call.items()
+        if value is None or isinstance(value, bool | int | float | str)
+    }
 
 
 def _check_call(call: dict[str, Any]) -> None:
@@ -332,5 +348,9 @@ def observe_support_set(
     return SupportSetRun(
         image, records, cosine.tolist(), used, judged, support_steps(records, latent_rows=probe.rows),
         latent_steps=probe.rows, final_distances=final["distances"], final_latent=latent,
-        probe_errors=probe.errors,
+        probe_errors=probe.errors, references=references,
+        settings={
+            "model": getattr(pipe, "name_or_path", None), "seed": seed,
+            "scheduler_class": type(pipe.scheduler).__name__, **_plain(call),
+        },
     )  # fmt: skip

@@ -94,3 +94,33 @@ def test_an_exception_in_the_call_removes_every_hook_and_processor(digits, three
         observe_support_set(digits, three_seven, callback_on_step_end=boom, **CALL)
     assert (len(digits.unet._forward_pre_hooks), len(digits.unet._forward_hooks)) == hooks
     assert all(digits.unet.attn_processors[name] is p for name, p in processors.items())
+
+
+def test_a_report_of_runs_from_python_shows_their_sets_images_and_settings(digits, three_seven, tmp_path):
+    """nw_adapter.report of observe_support_set's runs: the command line's support-set page, the
+    references and generations from memory; runs of other settings are refused in one line."""
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    import nw_adapter
+
+    runs = [observe_support_set(digits, three_seven, seed=seed, **CALL) for seed in (0, 1)]
+    assert runs[0].references == three_seven and runs[0].settings["num_inference_steps"] == 6
+    page = nw_adapter.report(runs)
+    html = page.save(tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "support sets:" in html and "2 sets" in html
+    assert "6 steps (PNDMScheduler), seed 0, 1" in html
+    assert html.count('<div class="card support">') == 2
+    pictures = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+    decoded = [Image.open(io.BytesIO(base64.b64decode(p))) for p in pictures]
+    assert (
+        len([picture for picture in decoded if picture.size[0] > 1]) == 6
+    )  # per set: 2 references, 1 generation
+    assert "reference 0" in html and "reference 1" in html and "reference reference" not in html
+    assert nw_adapter.report(runs[0]).title.endswith("1 set")
+    other = observe_support_set(digits, three_seven, seed=0, prompt="a photograph", num_inference_steps=2)
+    with pytest.raises(ValueError, match="support-set run 1 ran with other settings than run 0"):
+        nw_adapter.report([runs[0], other])

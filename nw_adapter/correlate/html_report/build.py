@@ -260,7 +260,9 @@ def report(source: Any, *, generated: Any = None) -> Report:
             :class:`~nw_adapter.analysis.consequence.SwapComparison` of
             :func:`~nw_adapter.compare_swap` (its images included), or the result of
             :func:`~nw_adapter.observe_call` (a ``CalibratedCall``) or a list of them, one reference
-            each (with ``calibrate=True``: the adapter beside the exact NW head and the control).
+            each (with ``calibrate=True``: the adapter beside the exact NW head and the control), or
+            :func:`~nw_adapter.observe_support_set`'s result (a ``SupportSetRun``) or a list of them,
+            one set each (their references and generations shown from memory).
         generated: with a recorder: the generated image(s), one per pipeline call, drawn under its
             maps (PIL images; default: the maps alone).
 
@@ -288,6 +290,10 @@ def report(source: Any, *, generated: Any = None) -> Report:
         return _calls_report(source)
     if hasattr(source, "per_reference") and hasattr(source, "rules"):
         return _comparison_report(source)
+    if _is_support_run(source):
+        return _support_runs_report([source])
+    if isinstance(source, list | tuple) and source and all(_is_support_run(s) for s in source):
+        return _support_runs_report(source)
     if isinstance(source, list | tuple) and all(isinstance(r, Mapping) for r in source):
         from nw_adapter.correlate.html_report.rho_report import rho_report
 
@@ -297,8 +303,54 @@ def report(source: Any, *, generated: Any = None) -> Report:
         return rho_report(document, source="records")
     raise ValueError(
         f"report: cannot make a report of {type(source).__name__}; pass an output folder, an NWRecorder, its "
-        "records (a list of dicts), observe_call's result(s) or a SwapComparison"
+        "records (a list of dicts), observe_call's result(s), a SwapComparison or observe_support_set's "
+        "result(s)"
     )
+
+
+def _is_support_run(source: Any) -> bool:
+    """Whether ``source`` is a :class:`~nw_adapter.analysis.support_sets.SupportSetRun` (by its fields)."""
+    return all(hasattr(source, name) for name in ("latent_steps", "clip_cosine", "final_distances", "steps"))
+
+
+def _support_runs_report(runs: Sequence[Any]) -> Report:
+    """The support-set report of :func:`~nw_adapter.analysis.support_sets.observe_support_set`'s runs,
+    one set each (``set 0``, ``set 1``, ...), their images from memory; the settings shown are the
+    first run's, and runs of other settings are refused (their sets would not be comparable)."""
+    from nw_adapter.correlate.html_report.support_report import support_report
+    from nw_adapter.correlate.support_report import SUPPORT_SCHEMA, group_summary, set_entry
+
+    settings = [dict(getattr(run, "settings", {}) or {}) for run in runs]
+    for i, other in enumerate(settings[1:], start=1):
+        if {k: v for k, v in other.items() if k != "seed"} != {
+            k: v for k, v in settings[0].items() if k != "seed"
+        }:
+            raise ValueError(
+                f"report: support-set run {i} ran with other settings than run 0 ({other} against "
+                f"{settings[0]}); pass runs of one setting (the seed may differ)"
+            )
+    entries, pictures = [], {}
+    for i, run in enumerate(runs):
+        key = f"set {i}"
+        files = [{"file": None, "sha256": None} for _ in run.clip_cosine]
+        entries.append(set_entry(key, files, run, generated=None))
+        pictures[key] = (list(getattr(run, "references", []) or []), run.image)
+    first = settings[0]
+    seeds = list(dict.fromkeys(str(one.get("seed")) for one in settings))
+    if len(seeds) > 1:  # one set per seed, all shown: "seed 0, 1, 2"
+        first = {**first, "seed": ", ".join(seeds)}
+    config = {
+        "model": {"model": first.get("model")},
+        "steps": first.get("num_inference_steps"),
+        **{k: v for k, v in first.items() if k not in ("model", "num_inference_steps")},
+    }
+    document = {
+        "schema": SUPPORT_SCHEMA,
+        "config": config,
+        "sets": entries,
+        "summary": group_summary(entries),
+    }
+    return support_report(document, None, source="observe_support_set", pictures=pictures)
 
 
 def _path_report(path: Path) -> Report:

@@ -51,7 +51,8 @@ def support_legend() -> str:
 
 
 def _name(entry: Mapping[str, Any], r: int) -> str:
-    return f"{r}: {Path(str(entry['references'][r].get('file', r))).name}"
+    file = entry["references"][r].get("file")
+    return f"{r}: {Path(str(file)).name}" if file else f"reference {r}"
 
 
 def _value(value: Any) -> float | None:
@@ -441,11 +442,15 @@ def _legend_html(entries: Mapping[str, str]) -> str:
     return f'<dl class="legend">{items}</dl>'
 
 
-def _cards(sets: Sequence[Mapping[str, Any]], out_dir: Path | None) -> str:
+def _cards(
+    sets: Sequence[Mapping[str, Any]], out_dir: Path | None, pictures: Mapping[str, tuple[Sequence[Any], Any]]
+) -> str:
     """Per set: its references (CLIP-I, class, latent distance to the generation) beside its generation
-    (the winners, the nearest references, the judged class)."""
+    (the winners, the nearest references, the judged class); ``pictures``: per set key, its references
+    and generation in memory (a run from Python), else read from the files."""
     cards = []
     for entry in sets:
+        shown_references, shown_generated = pictures.get(entry["key"], ((), None))
         items = []
         distances = entry.get("final_distances") or []
         for r, reference in enumerate(entry["references"]):
@@ -456,8 +461,11 @@ def _cards(sets: Sequence[Mapping[str, Any]], out_dir: Path | None) -> str:
             if label is not None:
                 caption.append(f"class {label}")
             picture = read_image(reference["file"]) if reference.get("file") else None
-            items.append((f"reference {_name(entry, r)}", picture, caption))
-        generated = None
+            if r < len(shown_references):
+                picture = shown_references[r]
+            name = _name(entry, r)  # "0: file.png", or "reference 0" for an image from memory
+            items.append((name if name.startswith("reference ") else f"reference {name}", picture, caption))
+        generated = shown_generated
         if out_dir is not None and entry.get("generated"):
             generated = read_image(out_dir / entry["generated"])
         caption = ["one reference: no winner"] if entry["num_refs"] < 2 else _winner_lines(entry)
@@ -473,11 +481,16 @@ def _cards(sets: Sequence[Mapping[str, Any]], out_dir: Path | None) -> str:
 
 
 def support_report(
-    document: Mapping[str, Any], out_dir: Path | None = None, *, source: str | None = None
+    document: Mapping[str, Any],
+    out_dir: Path | None = None,
+    *,
+    source: str | None = None,
+    pictures: Mapping[str, tuple[Sequence[Any], Any]] | None = None,
 ) -> Report:
     """The :class:`Report` of a ``support.json`` document; ``out_dir``: its folder (the generated
     images ``sets/<key>/generated.png``; the references are read from their own paths, where they
-    still are)."""
+    still are); ``pictures``: per set key, its references and generation as images (PIL) where they
+    are in memory (:func:`~nw_adapter.analysis.support_sets.observe_support_set`'s runs)."""
     from nw_adapter.correlate.report import random_weights_note
     from nw_adapter.correlate.support_report import HEADER, READINGS
 
@@ -487,10 +500,13 @@ def support_report(
     page = Report(
         title=f"support sets: {model}, {len(sets)} set{'s' if len(sets) != 1 else ''}", kind="support-sets"
     )
-    page.lines.append(
-        f"{config.get('steps')} steps ({config.get('scheduler_class', 'scheduler')}), guidance "
-        f"{config.get('guidance_scale')}, seed {config.get('seed')}"
-    )
+    ran = [
+        f"{config['steps']} steps" if config.get("steps") is not None else None,
+        f"({config['scheduler_class']})" if config.get("scheduler_class") else None,
+        f"guidance {config['guidance_scale']}" if config.get("guidance_scale") is not None else None,
+        f"seed {config['seed']}" if config.get("seed") is not None else None,
+    ]
+    page.lines.append(", ".join(part for part in ran if part).replace(", (", " ("))
     page.lines.append(HEADER)
     if config.get("posterior_space"):
         page.lines.append(f"posterior space: {config['posterior_space']}")
@@ -542,7 +558,7 @@ def support_report(
     section.parts.append(sets_table(sets))
     section.parts.append(_legend_html(READINGS))
     section = page.section("References and generations", "images")
-    section.parts.append(_cards(sets[:SETS_SHOWN], out_dir))
+    section.parts.append(_cards(sets[:SETS_SHOWN], out_dir, pictures or {}))
     if len(sets) > SETS_SHOWN:
         section.parts.append(
             f'<p class="note">the images of the first {SETS_SHOWN} of {len(sets)} sets are shown '
