@@ -42,7 +42,7 @@ from nw_adapter.analysis.consequence import encode_images
 from nw_adapter.integration.config import NWProcessorConfig
 from nw_adapter.integration.families import families_where, family_of_pipeline
 from nw_adapter.integration.latent_probe import LatentSupportProbe
-from nw_adapter.integration.latent_support import encode_references, latent_space
+from nw_adapter.integration.latent_support import encode_references, latent_space, reference_image
 from nw_adapter.integration.mixin import nw_processor
 from nw_adapter.integration.schema import SUPPORT_REFERENCES, SUPPORT_SCALARS, support_mass_column
 
@@ -298,7 +298,8 @@ def observe_support_set(
 
     Args:
         pipe: a diffusers pipeline with one IP-Adapter and its image encoder loaded.
-        references: the m >= 1 reference images (PIL), in the order their masses are numbered.
+        references: the m >= 1 reference images (PIL, or image files' paths), in the order their
+            masses are numbered.
         config: the processors' configuration (default: observe, statistics on).
         judge: optional class judge, list of PIL images -> one label per image
             (e.g. :func:`nw_adapter.models.digits_quality.digit_judge`).
@@ -319,6 +320,7 @@ def observe_support_set(
     references = list(references)
     if not references:
         raise ValueError("observe_support_set: no reference image; pass a list of one or more images")
+    references = [reference_image(image, i) for i, image in enumerate(references)]  # a path opened
     family = family_of_pipeline(pipe)  # the registry's row says whether its pipeline takes a set
     if family.support_sets is not None:
         able = " or ".join(row.label for row in families_where(lambda row: row.support_sets is None))

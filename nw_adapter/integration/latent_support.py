@@ -36,6 +36,7 @@ __all__ = [
     "encode_references",
     "flatten_states",
     "latent_space",
+    "reference_image",
 ]
 
 
@@ -124,9 +125,10 @@ def encode_references(
 
     Args:
         pipe: an SD 1.5 / SDXL, SD 3 or Flux pipeline (its VAE and image processor are used).
-        images: m >= 1 reference images (PIL, or what ``pipe.image_processor.preprocess`` takes); a
-            PIL image of another mode than RGB (grayscale, palette, with alpha) is converted to RGB
-            first, its alpha composited over white as the command line reads image files.
+        images: m >= 1 reference images (PIL, or what ``pipe.image_processor.preprocess`` takes, or
+            an image file's path, opened with PIL: :func:`reference_image`); a PIL image of another
+            mode than RGB (grayscale, palette, with alpha) is converted to RGB first, its alpha
+            composited over white as the command line reads image files.
         height, width: the generation's size in pixels (default :func:`default_size`); the images
             are resized to it, as the pipeline's own img2img path does.
 
@@ -135,7 +137,7 @@ def encode_references(
         (Flux, packed as ``pipe._pack_latents`` packs x_t).
 
     Raises:
-        ValueError: no image.
+        ValueError: no image; a reference that is none of these, or a file that is no image.
     """
     images = list(images)
     if not images:
@@ -145,6 +147,7 @@ def encode_references(
     height, width = height or default_h, width or default_w
     vae = pipe.vae
     param = next(vae.parameters())
+    images = [reference_image(image, i) for i, image in enumerate(images)]
     pixels = pipe.image_processor.preprocess([_rgb(image) for image in images], height=height, width=width)
     pixels = pixels.to(device=param.device, dtype=param.dtype)
     z = vae.encode(pixels).latent_dist.mean.to(torch.float64)
@@ -153,6 +156,30 @@ def encode_references(
         m, c, h, w = z.shape
         z = pipe._pack_latents(z, m, c, h, w)
     return z
+
+
+def reference_image(image: Any, index: int) -> Any:
+    """A reference as the image processor takes it: a PIL image, array or tensor as it is, an image
+    file's path opened (PIL); anything else is one ValueError naming the reference and the fix."""
+    import os
+
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image | np.ndarray | torch.Tensor):
+        return image
+    if isinstance(image, str | os.PathLike):
+        try:
+            with Image.open(image) as handle:
+                handle.load()
+                return handle.copy()
+        except (OSError, UnidentifiedImageError) as exc:
+            raise ValueError(f"reference {index}: cannot read the image file '{image}' ({exc}); pass an "
+                             "image file's path, or a PIL image") from None  # fmt: skip
+    raise ValueError(
+        f"reference {index} is {type(image).__name__}; pass a PIL image (or a numpy array, a torch tensor, "
+        "an image file's path)"
+    )
 
 
 def _rgb(image: Any) -> Any:

@@ -91,14 +91,18 @@ class NWFieldMixin:
         return new
 
     def set_references(self, references: Sequence[Any], *, tau: float = 0.0) -> None:
-        """Use ``references`` (m >= 1 images) as the field's support; ``tau`` >= 0 its smoothing."""
+        """Use ``references`` (m >= 1 images: PIL, arrays, tensors or image files' paths) as the field's
+        support; ``tau`` >= 0 its smoothing. A reference of another kind, or a file that is no image,
+        is one ValueError naming it (:func:`~nw_adapter.integration.latent_support.reference_image`)."""
         if isinstance(references, str | bytes) or not isinstance(references, Sequence) or not references:
             raise ValueError(
                 "references must be a non-empty list of images, e.g. references=[image_a, image_b]"
             )
         if isinstance(tau, bool) or not isinstance(tau, int | float) or not (math.isfinite(tau) and tau >= 0):
             raise ValueError(f"tau must be a finite number >= 0 (0: the plug-in field), got {tau!r}")
-        self._nw_references = list(references)
+        from nw_adapter.integration.latent_support import reference_image
+
+        self._nw_references = [reference_image(image, i) for i, image in enumerate(references)]
         self._nw_tau = float(tau)
         self._nw_latents = {}
 

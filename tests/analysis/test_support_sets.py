@@ -79,6 +79,8 @@ def test_the_flux_posterior_is_even_at_pure_noise(three_seven):
 def test_zero_steps_and_a_judge_with_the_wrong_count_are_refused(digits, three_seven):
     with pytest.raises(ValueError, match="num_inference_steps must be a whole number >= 1, got 0"):
         observe_support_set(digits, three_seven, num_inference_steps=0)
+    with pytest.raises(ValueError, match="reference 1 is NoneType; pass a PIL image"):
+        observe_support_set(digits, [three_seven[0], None], prompt="a", num_inference_steps=1)
     with pytest.raises(ValueError, match="the judge returned 1 labels for 3 images"):
         observe_support_set(digits, three_seven, judge=lambda images: [0], prompt="a", num_inference_steps=1)
 

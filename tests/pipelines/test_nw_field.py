@@ -319,3 +319,23 @@ def test_references_of_other_modes_and_sizes_are_read_as_rgb(digits, references)
     assert torch.equal(field.reference_latents(), expected.reference_latents())
     out = field(num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="latent")
     assert out.images.shape == (1, *field.reference_latents().shape[1:])
+
+
+def test_a_reference_path_is_read_and_anything_else_is_one_line(digits, references, tmp_path):
+    """A reference given as an image file's path is that image; None, a number or a file that is no
+    image is one ValueError naming the reference (diffusers' 'Input is in incorrect format' before)."""
+    path = tmp_path / "three.png"
+    references[0].save(path)
+    field = StableDiffusionNWFieldPipeline.from_pipe(digits, references=[str(path), references[1]])
+    expected = StableDiffusionNWFieldPipeline.from_pipe(digits, references=[references[0], references[1]])
+    assert torch.equal(field.reference_latents(), expected.reference_latents())
+    (tmp_path / "not_an_image.png").write_text("text")
+    for bad, words in [
+        (None, "reference 1 is NoneType; pass a PIL image"),
+        (3, "reference 1 is int; pass a PIL image"),
+        (tmp_path / "not_an_image.png", "reference 1: cannot read the image file"),
+        (tmp_path / "missing.png", "reference 1: cannot read the image file"),
+    ]:
+        with pytest.raises(ValueError, match=words) as raised:
+            StableDiffusionNWFieldPipeline.from_pipe(digits, references=[references[0], bad])
+        assert "\n" not in str(raised.value)
