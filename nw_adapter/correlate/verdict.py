@@ -1774,15 +1774,11 @@ def format_readings(result: dict) -> str | None:
     if not rows or not any(row.get("exact") for row in rows):
         return None
 
-    def cell(value: Mapping[str, Any] | None) -> str:
-        if not value or value.get("mean") is None:
-            return "-"
-        low, high = value.get("low"), value.get("high")
-        interval = f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
-        return f"{value['mean']:.3f}{interval}"
-
     header = ("reading", "adapter", "exact NW head", "control")
-    body = [(row["key"], cell(row["adapter"]), cell(row["exact"]), cell(row["control"])) for row in rows]
+    body = [
+        (row["key"], *(reading_cell(row[arm], row["key"]) for arm in ("adapter", "exact", "control")))
+        for row in rows
+    ]
     widths = [max(len(r[i]) for r in (header, *body)) for i in range(4)]
     lines = [
         "  ".join(
@@ -1791,5 +1787,35 @@ def format_readings(result: dict) -> str | None:
         )
         for r in (header, *body)
     ]
-    legend = [f"  {row['key']}: {row['label']}" for row in rows]
-    return "\n".join(["calibrated readings (mean over reference images [95% interval]):", *lines, *legend])
+    legend = [
+        f"  {row['label'] if row['label'].startswith(row['key']) else row['key'] + ': ' + row['label']}"
+        for row in rows
+    ]
+    title = "calibrated readings (mean over reference images [95% interval, cut to the reading's range]):"
+    return "\n".join([title, *lines, *legend])
+
+
+READING_RANGES: dict[str, tuple[float, float]] = {
+    "r2_nw": (0.0, 1.0),
+    "rho": (-1.0, 1.0),
+    "rho_minus_spread_null": (-2.0, 2.0),
+    "kl": (0.0, math.inf),
+}
+"""The values a row of the calibrated table can take (a share of variance, a correlation, a
+difference of two, a divergence): a t interval's end beyond them is shown at the bound."""
+
+
+def reading_cell(value: Mapping[str, Any] | None, key: str) -> str:
+    """One cell of the calibrated table, ``mean [low, high]`` to 3 decimals, the interval cut to the
+    reading's range (:data:`READING_RANGES`: the control's r2_nw reads [0.594, 1.000], not 1.047)
+    and no negative zero (a KL of -0.0000001 is 0.000); "-" where the arm has no value."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("mean"), int | float):
+        return "-"
+    bottom, top = READING_RANGES.get(key, (-math.inf, math.inf))
+
+    def shown(x: float) -> str:
+        return f"{min(max(x, bottom), top) + 0.0:.3f}".replace("-0.000", "0.000")
+
+    low, high = value.get("low"), value.get("high")
+    finite = isinstance(low, int | float) and isinstance(high, int | float)
+    return shown(value["mean"]) + (f" [{shown(low)}, {shown(high)}]" if finite else "")

@@ -157,9 +157,23 @@ def test_a_parts_caveat_is_a_line_under_its_table_not_a_column() -> None:
     assert page.count("caveat:") == 1  # only the part that has one
 
 
-def _reading(value: dict | None) -> str:
-    """A reading's cell as the console's calibrated table prints it."""
-    return "-" if value is None else f"{value['mean']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"
+_BOUNDS = {
+    "r2_nw": (0.0, 1.0),
+    "rho": (-1.0, 1.0),
+    "rho_minus_spread_null": (-2.0, 2.0),
+    "kl": (0.0, math.inf),
+}
+
+
+def _reading(value: dict | None, key: str) -> str:
+    """A reading's cell as the console's calibrated table prints it: the interval cut to the
+    reading's range, no negative zero."""
+    if value is None:
+        return "-"
+    low, high = _BOUNDS.get(key, (-math.inf, math.inf))
+    x = [f"{min(max(value[k], low), high):.3f}" for k in ("mean", "low", "high")]
+    x = ["0.000" if v == "-0.000" else v for v in x]
+    return f"{x[0]} [{x[1]}, {x[2]}]"
 
 
 def _table(page: str, table_id: str) -> tuple[list[str], list[list[str]]]:
@@ -186,7 +200,10 @@ def test_a_calibrated_report_shows_the_adapter_beside_the_exact_head_and_the_con
     assert header == ["reading", "adapter", "exact NW head", "control"]
     assert len(body) == len(result["readings"]) == 8
     for row, reading in zip(body, result["readings"], strict=True):
-        assert row == [reading["label"], *(_reading(reading[arm]) for arm in ("adapter", "exact", "control"))]
+        assert row == [
+            reading["label"],
+            *(_reading(reading[arm], reading["key"]) for arm in ("adapter", "exact", "control")),
+        ]
     exact, control = result["anchors"]["exact"], result["anchors"]["control"]
     assert exact["source"] == "measured" and exact["verdict"]["evidence"] is True
     assert (

@@ -284,7 +284,11 @@ def test_a_calibrated_run_writes_its_anchor_table_figure_and_replots_the_same(tm
     code, replotted, _ = _cli(["--replot", str(out)], capsys)
     assert code == 0 and replotted.strip() == printed.strip()
     code, detailed, _ = _cli(["--replot", str(out), "-v"], capsys)  # -v: everything
-    assert code == 0 and "calibrated readings (mean over reference images [95% interval]):" in detailed
+    assert (
+        code == 0
+        and "calibrated readings (mean over reference images [95% interval, cut to the reading's range]):"
+        in detailed
+    )
     assert "; calibrated: each reference run again with the exact NW head at the schedule's h, same seed" in (
         " ".join(detailed.split())
     )  # -v says what ran as the brief text does

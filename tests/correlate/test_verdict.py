@@ -454,3 +454,25 @@ def test_one_control_draw_is_the_one_sample_t_test_with_its_caveat_printed() -> 
     assert part["p"] == pytest.approx(stats.ttest_1samp(values, 0.0, alternative="greater").pvalue)
     text = " ".join(format_verdict(result).split())
     assert "caveat: one control draw: the variance between draws is not estimated" in text
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("r2_nw", {"mean": 0.821, "low": 0.594, "high": 1.047}, "0.821 [0.594, 1.000]"),  # a t end past 1
+        ("kl", {"mean": 2e-9, "low": -3e-7, "high": 4e-7}, "0.000 [0.000, 0.000]"),  # no "-0.000"
+        ("rho", {"mean": 0.9, "low": 0.7, "high": 1.2}, "0.900 [0.700, 1.000]"),
+        ("nw_gain", {"mean": -0.016, "low": -0.036, "high": 0.004}, "-0.016 [-0.036, 0.004]"),  # unbounded
+        ("r2_nw", {"mean": 0.762, "low": 0.728, "high": 0.796}, "0.762 [0.728, 0.796]"),  # inside: as is
+        ("exponent", {"mean": -0.0000004, "low": -0.2, "high": 0.2}, "0.000 [-0.200, 0.200]"),
+        ("rho", None, "-"),
+    ],
+)
+def test_calibrated_cells_keep_a_reading_in_its_range(key, value, shown) -> None:
+    from nw_adapter.correlate.html_report.verdict_html import _anchors_html
+    from nw_adapter.correlate.verdict import format_readings, reading_cell
+
+    assert reading_cell(value, key) == shown
+    result = {"readings": [{"key": key, "label": key, "adapter": value, "exact": value, "control": None}]}
+    if value is not None:
+        assert shown in format_readings(result) and shown in _anchors_html(result, 3)

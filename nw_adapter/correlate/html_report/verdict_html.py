@@ -210,17 +210,6 @@ _ARMS = (("adapter", "adapter"), ("exact", "exact NW head"), ("control", "contro
 """The calibrated table's columns: the verdict's ``readings`` field and its header (the console's)."""
 
 
-def _reading_cell(value: Any) -> str:
-    """A reading as the console's calibrated table prints it: ``mean [low, high]`` (3 decimals)."""
-    if not isinstance(value, Mapping) or not isinstance(value.get("mean"), int | float):
-        return "-"
-    low, high = value.get("low"), value.get("high")
-    interval = (
-        f" [{low:.3f}, {high:.3f}]" if isinstance(low, int | float) and isinstance(high, int | float) else ""
-    )
-    return f"{value['mean']:.3f}{interval}"
-
-
 def _shown(value: Any, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, int | float) and not isinstance(value, bool) else "n/a"
 
@@ -230,6 +219,8 @@ def _anchors_html(result: Mapping[str, Any], images: int) -> str:
     control side by side, one row per reading), the anchors' exponent and r2_nw, the adapter's
     position between them, and the exact head's own verdict (its conclusion, its two clauses). Empty
     for a verdict of an older version (no ``anchors`` nor ``readings``)."""
+    from nw_adapter.correlate.verdict import reading_cell
+
     anchors = result.get("anchors") if isinstance(result.get("anchors"), Mapping) else {}
     rows = [  # the readings some arm measured
         r
@@ -249,11 +240,13 @@ def _anchors_html(result: Mapping[str, Any], images: int) -> str:
         parts.append(
             '<p class="note">'
             + ("calibrated readings" if measured else "readings")
-            + " (mean over reference images [95% interval]; the control: each image's mean over its draws; "
+            + " (mean over reference images [95% interval, cut to the reading's range]; the control: each "
+            "image's mean over its draws; "
             "logit_scale and h_eff: geometric means):</p>"
         )
         body = [
-            [r.get("label", r.get("key"))] + [_reading_cell(r.get(key)) for key, _ in shown] for r in rows
+            [r.get("label", r.get("key"))] + [reading_cell(r.get(key), str(r.get("key"))) for key, _ in shown]
+            for r in rows
         ]
         table = table_html(
             ["reading", *(name for _, name in shown)], body, numeric=[False] + [True] * len(shown)
