@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 __all__ = [
     "SEED_LIMIT",
@@ -99,15 +99,49 @@ def one_line_argument_error(message: str) -> str:
     return text
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's ``store``, except that a second, different value of the same option is an error:
+    argparse keeps the last one and drops the first without a word (``--steps 3 ... --steps 50``)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values, option_string=None
+    ):
+        given = getattr(parser, "_values_given", None)
+        if given is not None:
+            if self.dest in given and given[self.dest][0] != values:
+                first, flag = given[self.dest]
+                raise argparse.ArgumentError(
+                    self,
+                    f"{flag} given twice with different values ({first}, then {values}); a run reads one: "
+                    "give it once",
+                )
+            given.setdefault(self.dest, (values, option_string))
+        super().__call__(parser, namespace, values, option_string)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """ArgumentParser whose errors raise :attr:`error_class` with one line (no usage block).
 
     The line is argparse's message (:func:`one_line_argument_error`), for an unrecognised option
     close to a known one ``; did you mean --steps?``, then ``(see --help)``. The command line
-    prints it after its ``prog: error:`` and exits with status 2.
+    prints it after its ``prog: error:`` and exits with status 2. An option that stores one value
+    given twice with different values is such an error too (argparse would keep the last one
+    silently); repeated with the same value, or an ``append`` option, it is not.
     """
 
     error_class: type[Exception] = ValueError
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        self._values_given: dict[str, tuple[Any, str]] | None = {}
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            self._values_given = None
 
     def error(self, message: str) -> NoReturn:
         raise self.error_class(f"{one_line_argument_error(message)}{self._guess(message)} (see --help)")

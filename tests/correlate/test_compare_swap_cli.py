@@ -247,7 +247,8 @@ def test_unknown_reference_without_labels_has_no_agreement(capsys, tmp_path):
     reference = tmp_path / "other.png"
     shutil.copy(example_image_path(5), reference)
     _flip_corner(reference)
-    argv = [*BASE, "--image", reference, "--swap-rules", "fitted", "--steps", "1", "--out", tmp_path / "out"]
+    base = ["--compare-swap", "--model", "tiny"]  # BASE with one rule and one step (each option given once)
+    argv = [*base, "--image", reference, "--swap-rules", "fitted", "--steps", "1", "--out", tmp_path / "out"]
     code, printed, _ = run(argv, capsys)
     assert code == 0
     document = json.loads((tmp_path / "out" / JSON_NAME).read_text())

@@ -277,3 +277,17 @@ def test_every_script_parses_with_a_one_line_parser():
         path.name for path in sorted(SCRIPTS.glob("*.py")) if "argparse.ArgumentParser(" in path.read_text()
     ]
     assert plain == []
+
+
+@pytest.mark.parametrize(
+    "script, training, function",
+    [("train_tiny", "run", "run_training"), ("train_tiny_flow", "flux_run", "run_flux_training")],
+)
+def test_an_option_given_twice_with_different_values_is_one_line(
+    script, training, function, workdir, monkeypatch, capsys
+):
+    """argparse would keep the last --seed and drop the first without a word."""
+    module = importlib.import_module(f"nw_adapter.models.training.{training}")
+    argv = ["--out", "run", "--seed", "1", "--seed", "2"]
+    words = ["--seed given twice with different values (1, then 2)", "give it once"]
+    _refused(load(script), argv, words, [(module, function)], workdir, monkeypatch, capsys)
