@@ -61,7 +61,7 @@ class SupportSetInput:
 
 
 def _dir_sets(folder: Path) -> list[SupportSetInput]:
-    from nw_adapter.correlate.images import collect_image_paths
+    from nw_adapter.correlate.images import NoImagesError, collect_image_paths
 
     if not folder.is_dir():
         raise SupportSetError(
@@ -71,8 +71,13 @@ def _dir_sets(folder: Path) -> list[SupportSetInput]:
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
             files = tuple(path for path, _ in collect_image_paths([], [str(sub)]))
-        except Exception:  # noqa: BLE001 - an empty or unreadable subfolder is not a set
+        except NoImagesError:  # a subfolder without images is not a set (a bad entry is refused)
             files = ()
+        except OSError as exc:
+            raise SupportSetError(
+                f"--support-dir: cannot read '{sub}' ({exc.strerror or type(exc).__name__}); fix its "
+                "permissions or move it out of the folder"
+            ) from None
         if not files:
             continue
         if len(files) > MAX_REFERENCES:
@@ -122,6 +127,13 @@ def collect_sets(args: argparse.Namespace, *, quiet: int = 2) -> list[tuple[Supp
     noted: set[Path] = set()
     for s in sets:
         infos = [load_reference_image(path, label="--support-set")[1] for path in s.files]
+        for later, info in enumerate(infos):
+            first = next((other for other in infos[:later] if other.pixels == info.pixels), None)
+            if first is not None:  # one picture twice: its mass and posterior would be split in two
+                raise SupportSetError(
+                    f"support set '{s.key}': '{info.path}' is the same picture as '{first.path}'; a set's "
+                    "references are distinct images (each gets its own share of the mass): drop one"
+                )
         for info in infos:
             if info.path not in noted:
                 noted.add(info.path)
