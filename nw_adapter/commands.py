@@ -168,12 +168,20 @@ class ScriptParser(OneLineParser):
 
 def output_folder_problem(path: str | os.PathLike, option: str = "--out") -> str | None:
     """Why ``path`` cannot be a command's output folder (None: it can): an empty path (it would be
-    the current folder), an existing file, or a path below a file."""
+    the current folder), a symbolic link that leads nowhere (on the path), an existing file, or a
+    path below a file."""
     text = os.fspath(path)
     if not text.strip():
         example = f"{option} runs/out" if option.startswith("-") else "runs/out"
         return f"{option} is empty (that would be the current folder); pass a folder, e.g. {example}"
     folder = Path(text).expanduser()
+    broken = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    if broken is not None:  # a loop or a missing target: the folder could be neither made nor used
+        where = "" if broken == folder else f" (its folder '{broken}')"
+        return (
+            f"{option} '{text}'{where} is a symbolic link that leads nowhere (a loop or a missing target); "
+            "remove the link or pass another folder"
+        )
     if folder.exists() and not folder.is_dir():
         return f"{option} '{text}' is a file; pass a folder (new or existing)"
     parent = next((p for p in folder.parents if p.exists()), None)

@@ -291,3 +291,17 @@ def test_an_option_given_twice_with_different_values_is_one_line(
     argv = ["--out", "run", "--seed", "1", "--seed", "2"]
     words = ["--seed given twice with different values (1, then 2)", "give it once"]
     _refused(load(script), argv, words, [(module, function)], workdir, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling/run"])
+def test_an_out_through_a_link_that_leads_nowhere_is_one_line(link, workdir, monkeypatch, capsys):
+    """A symbolic-link loop or a dangling link as --out (or on its path) passed the check and ended in
+    a traceback when the script made the folder, after its work had started."""
+    import nw_adapter.models.training.run as training
+
+    (workdir / "loop").symlink_to("loop")
+    (workdir / "dangling").symlink_to(workdir / "moved")
+    runs = _spy(monkeypatch, training, "run_training")
+    code, err = call(load("train_tiny"), ["--out", link], monkeypatch, capsys)
+    one_line(code, err, f"--out '{link}'", "symbolic link that leads nowhere")
+    assert sorted(p.name for p in workdir.iterdir()) == ["dangling", "loop", "taken"] and not runs
