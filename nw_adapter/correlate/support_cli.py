@@ -127,13 +127,6 @@ def collect_sets(args: argparse.Namespace, *, quiet: int = 2) -> list[tuple[Supp
     noted: set[Path] = set()
     for s in sets:
         infos = [load_reference_image(path, label="--support-set")[1] for path in s.files]
-        for later, info in enumerate(infos):
-            first = next((other for other in infos[:later] if other.pixels == info.pixels), None)
-            if first is not None:  # one picture twice: its mass and posterior would be split in two
-                raise SupportSetError(
-                    f"support set '{s.key}': '{info.path}' is the same picture as '{first.path}'; a set's "
-                    "references are distinct images (each gets its own share of the mass): drop one"
-                )
         for info in infos:
             if info.path not in noted:
                 noted.add(info.path)

@@ -121,17 +121,6 @@ def test_support_sets_of_the_same_content_are_one_set(tmp_path, capsys):
     assert "one.jpg: CMYK converted to RGB" in err  # the rho run's note, printed once
 
 
-@pytest.mark.parametrize("twice", ["same file", "same pixels as BMP"])
-def test_a_support_set_holding_one_picture_twice_is_refused(twice, tmp_path, capsys, no_model_load):
-    """One picture twice in a set was two references: its mass and posterior split in two halves."""
-    other = tmp_path / "three.bmp"
-    Image.open(example_image_path(3)).save(other)
-    second = digit(3) if twice == "same file" else other
-    code, _, err = run(["--support-set", f"{digit(3)},{second}", *TINY, "--out", tmp_path / "out"], capsys)
-    one_line(code, err, "support set 'set00'", "is the same picture as", "drop one")
-    assert not (tmp_path / "out").exists() and not no_model_load
-
-
 @pytest.mark.parametrize("entry", ["dangling link", "folder"])
 @pytest.mark.parametrize("run_kind", ["rho", "support-dir"])
 def test_an_entry_with_an_image_name_that_is_no_file_is_refused(
