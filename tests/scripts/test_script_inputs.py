@@ -184,8 +184,9 @@ def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
         (["--out", "taken/rows.jsonl"], ["lies inside the file"]),
         (["--out", "rows.jsonl", "--tasks", "1"], ["--tasks"]),
         (["--out", "rows.jsonl", "--checkpoints", ""], ["--checkpoints is empty"]),
+        (["--out", "taken"], ["--out 'taken': line 1 is not a row of this script"]),  # was a traceback
     ],
-    ids=["empty-out", "folder-out", "inside-a-file", "tasks-1", "empty-checkpoints"],
+    ids=["empty-out", "folder-out", "inside-a-file", "tasks-1", "empty-checkpoints", "not-its-rows"],
 )
 def test_fair_baseline_search(argv, words, workdir, monkeypatch, capsys):
     module = load("run_fair_baseline_search")
