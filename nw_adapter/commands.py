@@ -22,7 +22,7 @@ import argparse
 import difflib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -160,6 +160,28 @@ class OneLineParser(argparse.ArgumentParser):
 class ScriptParser(OneLineParser):
     """ArgumentParser of the scripts in ``scripts/``: a bad option is one line on stderr,
     ``prog: error: message (see --help)``, and exit status 2 (no usage block, no traceback)."""
+
+    def refuse_unread(
+        self, argv: Sequence[str] | None, choice: str, reads: Mapping[str, Iterable[str]]
+    ) -> None:
+        """Refuse an option given that the script's ``choice`` (its first argument) does not read.
+
+        ``reads`` maps an option's flag to the choices that read it; an option given (also at its
+        default value) with another choice is one line, exit status 2, never ignored.
+        """
+        saved = [(action, action.default) for action in self._actions if action.option_strings]
+        try:
+            for action, _ in saved:
+                action.default = argparse.SUPPRESS
+            given = set(vars(self.parse_args(argv)))
+        finally:
+            for action, default in saved:
+                action.default = default
+        for flag, readers in reads.items():
+            dest = next(action.dest for action, _ in saved if flag in action.option_strings)
+            readers = sorted(readers)
+            if dest in given and choice not in readers:
+                self.error(f"{flag} is not read by '{choice}'; drop it (it is read by {', '.join(readers)})")
 
     def error(self, message: str) -> NoReturn:
         text = f"{one_line_argument_error(message)}{self._guess(message)} (see --help)"

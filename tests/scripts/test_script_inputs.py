@@ -177,6 +177,24 @@ def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
+    ("script", "argv", "words"),
+    [
+        ("evaluate_tiny", ["quality", "--run-dir", "runs/tiny"], "--run-dir is not read by 'quality'"),
+        ("evaluate_tiny", ["captions", "--steps", "25"], "--steps is not read by 'captions'"),
+        ("evaluate_tiny", ["training", "--out", "o"], "--out is not read by 'training'"),
+        ("evaluate_tiny_flow", ["losses", "--card", "card.md"], "--card is not read by 'losses'"),
+        ("evaluate_tiny_flow", ["pilot", "--limit", "2"], "--limit is not read by 'pilot'"),
+        ("evaluate_tiny_flow", ["quality", "--ip-scales", "1", "2"], "--ip-scales is not read by 'quality'"),
+    ],
+)
+def test_an_option_the_evaluation_does_not_read_is_refused(script, argv, words, workdir, monkeypatch, capsys):
+    """Given to an evaluation that does not read it, an option was dropped without a word."""
+    module = load(script)
+    spied = [(module, name) for name in ("quality", "captions", "training", "pilot") if hasattr(module, name)]
+    _refused(module, argv, [words, "drop it"], spied, workdir, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
     ("argv", "words"),
     [
         (["--out", ""], ["--out is empty", "JSON-lines file"]),
