@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         SUPPORT_RUN,
         OutputLock,
         check_apart,
+        check_apart_from_models,
         check_output_dir,
         remove_interrupted_writes,
     )
@@ -223,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         args.out, files=[file for files in args.support_set for file in files], folders=args.support_dir,
         option="--support-set",
     )  # fmt: skip
+    check_apart_from_models(args.out, args)
     out_dir = check_output_dir(args.out, [s.key for s, _ in sets], run=SUPPORT_RUN)
     judged = args.model in DIGIT_MODELS and all(
         size in (None, DIGIT_SIZE) for size in (args.height, args.width)

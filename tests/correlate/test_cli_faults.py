@@ -101,6 +101,32 @@ def test_an_out_inside_a_support_set_folder_is_refused(tmp_path, capsys, no_mode
     assert not (sets / "pair" / "out").exists()
 
 
+@pytest.mark.parametrize("run_kind", ["rho", "compare-swap", "support-sets"])
+@pytest.mark.parametrize("where", ["shipped weights", "local --model folder"])
+def test_an_out_among_a_models_files_is_refused_before_anything(
+    run_kind, where, refs, tmp_path, capsys, no_model_load
+):
+    """--model tiny --out nw_adapter/models/weights/tiny_digits wrote the run's report and images/
+    into the installed package, among the model's own files."""
+    from nw_adapter.correlate.outputs import SHIPPED_WEIGHTS
+
+    if where == "shipped weights":
+        model, out = ["--model", "tiny"], SHIPPED_WEIGHTS / "tiny_digits" / "not_written"
+    else:
+        (tmp_path / "my_model").mkdir()
+        model, out = ["--model", tmp_path / "my_model"], tmp_path / "my_model"
+    source = {
+        "rho": ["--image-dir", refs],
+        "compare-swap": ["--compare-swap", "--image-dir", refs],
+        "support-sets": ["--support-set", f"{refs / 'digit_3.png'},{refs / 'digit_7.png'}"],
+    }[run_kind]
+    code, _, err = run([*source, *model, "--steps", "1", "--out", out], capsys)
+    one_line(code, err, "a run never writes among a model's files")
+    assert not (SHIPPED_WEIGHTS / "tiny_digits" / "not_written").exists() and not no_model_load
+    if where != "shipped weights":
+        assert list((tmp_path / "my_model").iterdir()) == []
+
+
 # --- 3: units counted by content -------------------------------------------------------------------
 
 
