@@ -184,6 +184,11 @@ def _output_file(text: str) -> Path:
     path = Path(text).expanduser()
     if not text.strip():
         raise argparse.ArgumentTypeError(f"--out is empty; {wanted}")
+    broken = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if broken is not None:  # a loop or a missing target: the rows could not be appended, after the search
+        raise argparse.ArgumentTypeError(
+            f"--out '{text}': '{broken}' is a symbolic link that leads nowhere; {wanted}"
+        )
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"--out '{text}' is a folder; {wanted}")
     parent = next((p for p in path.parents if p.exists()), None)

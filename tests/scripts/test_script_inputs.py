@@ -203,10 +203,24 @@ def test_an_option_the_evaluation_does_not_read_is_refused(script, argv, words, 
         (["--out", "rows.jsonl", "--tasks", "1"], ["--tasks"]),
         (["--out", "rows.jsonl", "--checkpoints", ""], ["--checkpoints is empty"]),
         (["--out", "taken"], ["--out 'taken': line 1 is not a row of this script"]),  # was a traceback
+        (
+            ["--out", "../loop"],
+            ["--out '../loop': '../loop' is a symbolic link that leads nowhere"],
+        ),  # ran, then failed
     ],
-    ids=["empty-out", "folder-out", "inside-a-file", "tasks-1", "empty-checkpoints", "not-its-rows"],
+    ids=[
+        "empty-out",
+        "folder-out",
+        "inside-a-file",
+        "tasks-1",
+        "empty-checkpoints",
+        "not-its-rows",
+        "link-loop",
+    ],
 )
 def test_fair_baseline_search(argv, words, workdir, monkeypatch, capsys):
+    if "../loop" in argv:  # beside the current folder, which stays as it was
+        (workdir.parent / "loop").symlink_to("loop")
     module = load("run_fair_baseline_search")
     _refused(module, argv, words, [(module, "train_scale")], workdir, monkeypatch, capsys)
 
