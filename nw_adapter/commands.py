@@ -22,9 +22,9 @@ import argparse
 import difflib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 __all__ = [
     "SEED_LIMIT",
@@ -99,15 +99,49 @@ def one_line_argument_error(message: str) -> str:
     return text
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's ``store``, except that a second, different value of the same option is an error:
+    argparse keeps the last one and drops the first without a word (``--steps 3 ... --steps 50``)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values, option_string=None
+    ):
+        given = getattr(parser, "_values_given", None)
+        if given is not None:
+            if self.dest in given and given[self.dest][0] != values:
+                first, flag = given[self.dest]
+                raise argparse.ArgumentError(
+                    self,
+                    f"{flag} given twice with different values ({first}, then {values}); a run reads one: "
+                    "give it once",
+                )
+            given.setdefault(self.dest, (values, option_string))
+        super().__call__(parser, namespace, values, option_string)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """ArgumentParser whose errors raise :attr:`error_class` with one line (no usage block).
 
     The line is argparse's message (:func:`one_line_argument_error`), for an unrecognised option
     close to a known one ``; did you mean --steps?``, then ``(see --help)``. The command line
-    prints it after its ``prog: error:`` and exits with status 2.
+    prints it after its ``prog: error:`` and exits with status 2. An option that stores one value
+    given twice with different values is such an error too (argparse would keep the last one
+    silently); repeated with the same value, or an ``append`` option, it is not.
     """
 
     error_class: type[Exception] = ValueError
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
+        self._values_given: dict[str, tuple[Any, str]] | None = {}
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            self._values_given = None
 
     def error(self, message: str) -> NoReturn:
         raise self.error_class(f"{one_line_argument_error(message)}{self._guess(message)} (see --help)")
@@ -127,6 +161,28 @@ class ScriptParser(OneLineParser):
     """ArgumentParser of the scripts in ``scripts/``: a bad option is one line on stderr,
     ``prog: error: message (see --help)``, and exit status 2 (no usage block, no traceback)."""
 
+    def refuse_unread(
+        self, argv: Sequence[str] | None, choice: str, reads: Mapping[str, Iterable[str]]
+    ) -> None:
+        """Refuse an option given that the script's ``choice`` (its first argument) does not read.
+
+        ``reads`` maps an option's flag to the choices that read it; an option given (also at its
+        default value) with another choice is one line, exit status 2, never ignored.
+        """
+        saved = [(action, action.default) for action in self._actions if action.option_strings]
+        try:
+            for action, _ in saved:
+                action.default = argparse.SUPPRESS
+            given = set(vars(self.parse_args(argv)))
+        finally:
+            for action, default in saved:
+                action.default = default
+        for flag, readers in reads.items():
+            dest = next(action.dest for action, _ in saved if flag in action.option_strings)
+            readers = sorted(readers)
+            if dest in given and choice not in readers:
+                self.error(f"{flag} is not read by '{choice}'; drop it (it is read by {', '.join(readers)})")
+
     def error(self, message: str) -> NoReturn:
         text = f"{one_line_argument_error(message)}{self._guess(message)} (see --help)"
         self.exit(2, f"{self.prog}: error: {text}\n")
@@ -134,12 +190,20 @@ class ScriptParser(OneLineParser):
 
 def output_folder_problem(path: str | os.PathLike, option: str = "--out") -> str | None:
     """Why ``path`` cannot be a command's output folder (None: it can): an empty path (it would be
-    the current folder), an existing file, or a path below a file."""
+    the current folder), a symbolic link that leads nowhere (on the path), an existing file, or a
+    path below a file."""
     text = os.fspath(path)
     if not text.strip():
         example = f"{option} runs/out" if option.startswith("-") else "runs/out"
         return f"{option} is empty (that would be the current folder); pass a folder, e.g. {example}"
     folder = Path(text).expanduser()
+    broken = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    if broken is not None:  # a loop or a missing target: the folder could be neither made nor used
+        where = "" if broken == folder else f" (its folder '{broken}')"
+        return (
+            f"{option} '{text}'{where} is a symbolic link that leads nowhere (a loop or a missing target); "
+            "remove the link or pass another folder"
+        )
     if folder.exists() and not folder.is_dir():
         return f"{option} '{text}' is a file; pass a folder (new or existing)"
     parent = next((p for p in folder.parents if p.exists()), None)

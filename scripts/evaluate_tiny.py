@@ -416,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--card", type=Path, default=None, help="model card whose section to rewrite")
     args = parser.parse_args(argv)
+    evaluations = {"quality", "captions", "rho", "conflict"}
+    parser.refuse_unread(
+        argv, args.what, {"--run-dir": {"training"}, "--steps": {"rho"}, "--out": evaluations}
+    )
     sections = ("training", "files") if args.what == "training" else (args.what,)
     run_dir = args.run_dir if args.what == "training" else None
     if not model_folder_ready(

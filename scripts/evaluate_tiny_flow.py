@@ -264,6 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         help="pilot: IP scales to measure, each >= 0 (default 1)",
     )
     args = parser.parse_args(argv)
+    reads = {
+        "--run-dir": {"training"},
+        "--out": {"quality", "losses", "pilot"},
+        "--true-cfg-scale": {"quality", "pilot"},
+        "--limit": {"quality"},
+        "--card": {"quality", "training"},
+        "--ip-scales": {"pilot"},
+    }
+    parser.refuse_unread(argv, args.what, reads)
     sections = {"training": ("training", "files"), "quality": ("quality",)}.get(args.what, ())
     card = args.card if sections else None  # losses and pilot write no card section
     run_dir = args.run_dir if args.what == "training" else None

@@ -150,11 +150,32 @@ def _append_line(path: Path, row: dict) -> None:
 
 
 def _done(path: Path) -> set[tuple]:
-    """(scale, tasks, points) of the rows in ``path``; rows without an evaluation size are 32 x 400."""
+    """(scale, tasks, points) of the rows in ``path``; rows without an evaluation size are 32 x 400.
+
+    Raises:
+        ValueError: ``path`` is not a file of this script's rows (one line naming the line and the fix).
+    """
     if not path.exists():
         return set()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {(tuple(r["scale"]), r.get("eval_tasks", 32), r.get("eval_points", 400)) for r in rows}
+    done = set()
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"--out '{path}': cannot be read ({exc}); pass this script's JSON-lines file"
+        ) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            done.add((tuple(row["scale"]), row.get("eval_tasks", 32), row.get("eval_points", 400)))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ValueError(
+                f"--out '{path}': line {number} is not a row of this script (JSON with a 'scale'); pass "
+                "its JSON-lines file or a new one"
+            ) from None
+    return done
 
 
 def _output_file(text: str) -> Path:
@@ -163,6 +184,11 @@ def _output_file(text: str) -> Path:
     path = Path(text).expanduser()
     if not text.strip():
         raise argparse.ArgumentTypeError(f"--out is empty; {wanted}")
+    broken = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if broken is not None:  # a loop or a missing target: the rows could not be appended, after the search
+        raise argparse.ArgumentTypeError(
+            f"--out '{text}': '{broken}' is a symbolic link that leads nowhere; {wanted}"
+        )
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"--out '{text}' is a folder; {wanted}")
     parent = next((p for p in path.parents if p.exists()), None)
@@ -203,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    done = _done(args.out)
+    try:
+        done = _done(args.out)
+    except ValueError as exc:
+        p.error(str(exc))
     todo = [i for i in scales if (SCALES[i], args.tasks, args.points) not in done]
     if not todo:
         return 0

@@ -64,6 +64,10 @@ class ImageInputError(ValueError):
     """A reference image that cannot be used; the message is one line with the fix."""
 
 
+class NoImagesError(ImageInputError):
+    """A folder holding no image file (``--support-dir`` skips such a subfolder: it is no set)."""
+
+
 @dataclass(frozen=True)
 class ReferenceImage:
     """A validated reference image.
@@ -361,13 +365,23 @@ def _scan_dir(folder: Path) -> list[Path]:
         raise ImageInputError(f"--image-dir '{folder}': folder not found; check the path")
     if not folder.is_dir():
         raise ImageInputError(f"--image-dir '{folder}': is a file, not a folder; pass files with --image")
-    found = sorted(
-        p
-        for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
+    named = sorted(
+        p for p in folder.iterdir() if not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
     )
+    for path in named:  # an image's name that is no file is refused, never skipped (it would change n)
+        if path.is_symlink() and not path.exists():
+            raise ImageInputError(
+                f"--image-dir '{folder}': '{path.name}' is a dangling symbolic link (to "
+                f"'{os.readlink(path)}'); fix or remove the link"
+            )
+        if not path.is_file():
+            raise ImageInputError(
+                f"--image-dir '{folder}': '{path.name}' is a folder or special file, not an image; rename or "
+                "move it"
+            )
+    found = named
     if not found:
-        raise ImageInputError(
+        raise NoImagesError(
             f"--image-dir '{folder}': contains no images ({', '.join(IMAGE_SUFFIXES)}); "
             "add images or pass files with --image"
         )

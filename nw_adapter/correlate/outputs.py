@@ -239,6 +239,35 @@ def check_apart(
             )
 
 
+SHIPPED_WEIGHTS = Path(__file__).resolve().parents[1] / "models" / "weights"
+"""The package's shipped model weights (the embedded models' folders)."""
+
+
+def check_apart_from_models(out: Path, args: Any) -> None:
+    """Refuse an ``--out`` that is or lies inside a model's folder: a local ``--model``,
+    ``--ip-adapter`` or ``--image-encoder`` folder, or the package's shipped weights.
+
+    A run's report, figures and ``images/`` would be written among the model's files (with
+    ``--model tiny --out nw_adapter/models/weights/tiny_digits``, into the installed package).
+
+    Raises:
+        OutputError: One line naming the folder and the fix.
+    """
+    where = os.path.realpath(Path(out).expanduser())
+    folders: list[tuple[str, Path]] = [("the package's shipped model weights", SHIPPED_WEIGHTS)]
+    for option in ("--model", "--ip-adapter", "--image-encoder"):
+        value = getattr(args, option[2:].replace("-", "_"), None)
+        if value and Path(value).expanduser().is_dir():
+            folders.append((f"the {option} folder", Path(value).expanduser()))
+    for what, folder in folders:
+        relation = _relation(where, os.path.realpath(folder))
+        if relation in ("is", "is inside"):
+            raise OutputError(
+                f"--out '{out}' {relation} {what} '{folder}'; a run never writes among a model's files: pass "
+                "an --out outside it"
+            )
+
+
 LOCK_NAME = ".nw-adapter.lock"
 
 

@@ -26,7 +26,7 @@ from nw_adapter.commands import note, progress_line
 from nw_adapter.correlate.console import library_output, quiet_libraries, show_progress_bars
 from nw_adapter.correlate.images import ReferenceImage, collect_image_paths, validate_images
 from nw_adapter.correlate.options import END_TO_END, CLIError
-from nw_adapter.correlate.outputs import check_apart, check_output_dir
+from nw_adapter.correlate.outputs import check_apart, check_apart_from_models, check_output_dir
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
 
 __all__ = ["processor_config", "reported_steps", "run"]
@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     """
     infos = validate_images(collect_image_paths(args.image, args.image_dir))
     check_apart(args.out, files=args.image, folders=args.image_dir, option="--image")
+    check_apart_from_models(args.out, args)
     out_dir = check_output_dir(args.out, [info.key for info in infos])
     processor_config(args)  # option errors now, before any model is loaded
     quiet_libraries(args)

@@ -61,7 +61,7 @@ class SupportSetInput:
 
 
 def _dir_sets(folder: Path) -> list[SupportSetInput]:
-    from nw_adapter.correlate.images import collect_image_paths
+    from nw_adapter.correlate.images import NoImagesError, collect_image_paths
 
     if not folder.is_dir():
         raise SupportSetError(
@@ -71,8 +71,13 @@ def _dir_sets(folder: Path) -> list[SupportSetInput]:
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
             files = tuple(path for path, _ in collect_image_paths([], [str(sub)]))
-        except Exception:  # noqa: BLE001 - an empty or unreadable subfolder is not a set
+        except NoImagesError:  # a subfolder without images is not a set (a bad entry is refused)
             files = ()
+        except OSError as exc:
+            raise SupportSetError(
+                f"--support-dir: cannot read '{sub}' ({exc.strerror or type(exc).__name__}); fix its "
+                "permissions or move it out of the folder"
+            ) from None
         if not files:
             continue
         if len(files) > MAX_REFERENCES:
@@ -206,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         SUPPORT_RUN,
         OutputLock,
         check_apart,
+        check_apart_from_models,
         check_output_dir,
         remove_interrupted_writes,
     )
@@ -218,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         args.out, files=[file for files in args.support_set for file in files], folders=args.support_dir,
         option="--support-set",
     )  # fmt: skip
+    check_apart_from_models(args.out, args)
     out_dir = check_output_dir(args.out, [s.key for s, _ in sets], run=SUPPORT_RUN)
     judged = args.model in DIGIT_MODELS and all(
         size in (None, DIGIT_SIZE) for size in (args.height, args.width)

@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         SWAP_RUN,
         OutputLock,
         check_apart,
+        check_apart_from_models,
         check_output_dir,
         remove_interrupted_writes,
     )
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
     infos = validate_images(collect_image_paths(args.image, args.image_dir))
     check_apart(args.out, files=args.image, folders=args.image_dir, option="--image")
+    check_apart_from_models(args.out, args)
     out_dir = check_output_dir(args.out, run=SWAP_RUN)
     for info in infos:  # validate_images merged files of the same content: one reference each
         for text in info.notes:

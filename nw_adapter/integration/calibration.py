@@ -200,7 +200,8 @@ def observe_call(
 
     Raises:
         NWConfigError: a configuration that is not observe, a bad ``schedule_c`` (the configuration's
-            own rule), or ``schedule_c`` other than 1 without ``calibrate`` (it would be ignored).
+            own rule), ``schedule_c`` other than 1 without ``calibrate`` (it would be ignored), or
+            ``num_inference_steps`` below 1.
         NWInstallError: NW processors already installed.
 
     Example:
@@ -222,6 +223,11 @@ def observe_call(
         exact = None
     if active_recorder(pipe) is not None:
         raise NWInstallError("observe_call: remove the installed NW processors first (it installs its own)")
+    steps = call_kwargs.get("num_inference_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise NWConfigError(  # the scheduler would divide by zero inside the call
+            f"observe_call: num_inference_steps must be a whole number >= 1, got {steps!r}"
+        )
     replay = RandomStateReplay(call_kwargs)
     output, records, first = observed_call(pipe, config, call_kwargs)
     if exact is None:

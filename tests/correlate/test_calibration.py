@@ -154,6 +154,16 @@ def test_observe_call_refuses_a_schedule_c_it_cannot_use(sd15, options, words) -
     assert active_recorder(sd15) is None
 
 
+@pytest.mark.parametrize("steps", [0, -1, 2.5, True])
+def test_observe_call_refuses_a_step_count_below_one_before_the_call(sd15, steps) -> None:
+    """num_inference_steps=0 was diffusers' ZeroDivisionError from inside the scheduler."""
+    from nw_adapter.integration.errors import NWConfigError
+
+    with pytest.raises(NWConfigError, match="observe_call: num_inference_steps must be a whole number >= 1"):
+        observe_call(sd15, {**_call(3, steps=1), "num_inference_steps": steps}, calibrate=True)
+    assert active_recorder(sd15) is None
+
+
 @pytest.mark.parametrize(("model", "exact_low"), [("sd15", 1.9), ("flux", 1.6)])
 def test_the_trained_adapter_between_its_anchors(request, model, exact_low) -> None:
     """The trained tiny adapters, calibrated (6 digits, 8 steps): no evidence, nearer the control

@@ -101,6 +101,32 @@ def test_an_out_inside_a_support_set_folder_is_refused(tmp_path, capsys, no_mode
     assert not (sets / "pair" / "out").exists()
 
 
+@pytest.mark.parametrize("run_kind", ["rho", "compare-swap", "support-sets"])
+@pytest.mark.parametrize("where", ["shipped weights", "local --model folder"])
+def test_an_out_among_a_models_files_is_refused_before_anything(
+    run_kind, where, refs, tmp_path, capsys, no_model_load
+):
+    """--model tiny --out nw_adapter/models/weights/tiny_digits wrote the run's report and images/
+    into the installed package, among the model's own files."""
+    from nw_adapter.correlate.outputs import SHIPPED_WEIGHTS
+
+    if where == "shipped weights":
+        model, out = ["--model", "tiny"], SHIPPED_WEIGHTS / "tiny_digits" / "not_written"
+    else:
+        (tmp_path / "my_model").mkdir()
+        model, out = ["--model", tmp_path / "my_model"], tmp_path / "my_model"
+    source = {
+        "rho": ["--image-dir", refs],
+        "compare-swap": ["--compare-swap", "--image-dir", refs],
+        "support-sets": ["--support-set", f"{refs / 'digit_3.png'},{refs / 'digit_7.png'}"],
+    }[run_kind]
+    code, _, err = run([*source, *model, "--steps", "1", "--out", out], capsys)
+    one_line(code, err, "a run never writes among a model's files")
+    assert not (SHIPPED_WEIGHTS / "tiny_digits" / "not_written").exists() and not no_model_load
+    if where != "shipped weights":
+        assert list((tmp_path / "my_model").iterdir()) == []
+
+
 # --- 3: units counted by content -------------------------------------------------------------------
 
 
@@ -119,6 +145,28 @@ def test_support_sets_of_the_same_content_are_one_set(tmp_path, capsys):
     assert "set 'set01' holds the same references as set 'set00'" in err
     assert "set 'set02' holds the same references as set 'set00'" in err
     assert "one.jpg: CMYK converted to RGB" in err  # the rho run's note, printed once
+
+
+@pytest.mark.parametrize("entry", ["dangling link", "folder"])
+@pytest.mark.parametrize("run_kind", ["rho", "support-dir"])
+def test_an_entry_with_an_image_name_that_is_no_file_is_refused(
+    entry, run_kind, tmp_path, capsys, no_model_load
+):
+    """A dangling link or a folder named like an image in a references folder was skipped without a
+    word (one reference fewer; a --support-dir set one smaller)."""
+    folder = tmp_path / "sets" / "pair"
+    folder.mkdir(parents=True)
+    for d in (3, 7):
+        shutil.copy(example_image_path(d), folder / f"digit_{d}.png")
+    if entry == "dangling link":
+        (folder / "digit_1.png").symlink_to(folder / "moved.png")
+    else:
+        (folder / "digit_1.png").mkdir()
+    source = ["--image-dir", folder] if run_kind == "rho" else ["--support-dir", tmp_path / "sets"]
+    code, _, err = run([*source, *TINY, "--out", tmp_path / "out"], capsys)
+    words = "dangling symbolic link" if entry == "dangling link" else "not an image"
+    one_line(code, err, "'digit_1.png'", words)
+    assert not (tmp_path / "out").exists() and not no_model_load
 
 
 def test_reference_images_of_the_same_pixels_are_one_reference(tmp_path):

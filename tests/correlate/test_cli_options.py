@@ -51,6 +51,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize("option", WALKED, ids=lambda option: option.name)
 def test_every_option_is_read_or_refused_by_every_run(option, run) -> None:
     argv = [*context(run), *option_argv(option)]
+    if option.dest in run.selectors and option.action is None:  # its value replaces the context's: given once
+        argv = [*option_argv(option)]
     chooses = next((other for other in RUNS if option.dest in other.selectors), None)
     if chooses is not None and chooses is not run:  # it chooses its own run: read by that one, or refused
         try:
@@ -95,7 +97,9 @@ def test_example_dir_answers_for_every_run(capsys) -> None:
 def test_the_walk_covers_every_option_and_the_samples_are_not_defaults() -> None:
     for option in WALKED:
         if takes_value(option):
-            args = _parse([*context(RUN_BY_NAME[sorted(option.runs)[0]]), *option_argv(option)])
+            run = RUN_BY_NAME[sorted(option.runs)[0]]
+            given_once = option.dest in run.selectors and option.action is None  # not the context's too
+            args = _parse([*([] if given_once else context(run)), *option_argv(option)])
             assert getattr(args, option.dest) != option.default, option.name
     assert set(SAMPLES) == {option.dest for option in WALKED if takes_value(option)}
     assert set(READ_ELSEWHERE) <= set(OPTION_BY_DEST)
@@ -156,6 +160,27 @@ def test_the_drifted_options_are_refused_in_one_line(argv, words, capsys, tmp_pa
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and words in lines[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--steps", "3", "--steps", "50"], "--steps given twice with different values (3, then 50)"),
+        (["--model", "tiny-sd3", "--model", "tiny"], "--model given twice with different values"),
+        (["--out", "a", "--out", "b"], "--out given twice with different values (a, then b)"),
+        (["--bandwidth", "fitted", "--bandwidth=matched"], "--bandwidth given twice"),
+    ],
+)
+def test_an_option_given_twice_with_different_values_is_refused(argv, words, capsys, tmp_path) -> None:
+    """argparse keeps the last value of a repeated option and drops the first without a word."""
+    code = main(["--image", str(tmp_path / "a.png"), *argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and words in lines[0] and "give it once" in lines[0], lines
+
+
+def test_an_option_repeated_with_its_value_or_an_appending_one_is_read() -> None:
+    args = parse_args(["--image", "a.png", "--image", "b.png", "--steps", "3", "--steps", "3", "-q", "-q"])
+    assert [str(path) for path in args.image] == ["a.png", "b.png"] and args.steps == 3 and args.quiet == 2
 
 
 def test_the_record_keys_of_each_run() -> None:
@@ -265,7 +290,10 @@ def test_a_new_generation_option_is_one_row_and_one_line(tmp_path, capsys, monke
         (["--guidance-scale", "1"], "--guidance-rescale rescales classifier-free guidance"),
         (["--model", "tiny-flux"], "--guidance-rescale is not read by Flux pipelines"),
     ):
-        code = main([*base, "--guidance-rescale", "0.7", *extra, "--out", str(tmp_path / "refused")])
+        argv = [*base, "--guidance-rescale", "0.7", *extra, "--out", str(tmp_path / "refused")]
+        if "--model" in extra:  # in place of the base's (an option is given once)
+            del argv[argv.index("--model") : argv.index("--model") + 2]
+        code = main(argv)
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err and words in err, err
     assert not (tmp_path / "refused").exists()

@@ -210,7 +210,8 @@ def test_resume_refuses_what_is_not_this_run(finished, capsys, monkeypatch, tmp_
     if change is not None:
         change(out)
     calls = _spy(monkeypatch)
-    argv = [*BASE, *images_args(DIGITS[:1]), "--out", out, *extra]  # one reference keeps it short
+    base = BASE if "--swap-rules" not in extra else BASE[:-2]  # each option given once
+    argv = [*base, *images_args(DIGITS[:1]), "--out", out, *extra]  # one reference keeps it short
     code, printed, err = run(argv, capsys)
     assert code == 0 and len(calls) == 1 and reason in err and "computing it again" in err
     document = json.loads((out / JSON_NAME).read_text())
@@ -247,7 +248,8 @@ def test_unknown_reference_without_labels_has_no_agreement(capsys, tmp_path):
     reference = tmp_path / "other.png"
     shutil.copy(example_image_path(5), reference)
     _flip_corner(reference)
-    argv = [*BASE, "--image", reference, "--swap-rules", "fitted", "--steps", "1", "--out", tmp_path / "out"]
+    base = ["--compare-swap", "--model", "tiny"]  # BASE with one rule and one step (each option given once)
+    argv = [*base, "--image", reference, "--swap-rules", "fitted", "--steps", "1", "--out", tmp_path / "out"]
     code, printed, _ = run(argv, capsys)
     assert code == 0
     document = json.loads((tmp_path / "out" / JSON_NAME).read_text())

@@ -54,6 +54,12 @@ TINY = [
 ]
 
 
+def _with(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value replaced (an option is given once: a second value is refused)."""
+    at = argv.index(flag)
+    return [*argv[: at + 1], value, *argv[at + 2 :]]
+
+
 def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["--out", str(out), *TINY]) == 0
@@ -122,7 +128,7 @@ def test_quick_path_end_to_end_and_resume(tmp_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in (out / "results").glob("*.json")} == stamps
     assert len(json.loads((out / "timing.json").read_text())["invocations"]) == 2
     # a different configuration in the same folder is refused
-    assert main(["--out", str(out), *TINY[:-2], "--support-sizes", "1,4"]) == 2
+    assert main(["--out", str(out), *_with(TINY, "--support-sizes", "1,4")]) == 2
     assert "different configuration" in capsys.readouterr().err
     assert not list(out.glob(".*.tmp"))
 
@@ -224,7 +230,7 @@ def test_the_grid_runs_on_a_dask_cluster_with_the_same_results_and_resumes(tmp_p
     cluster would be reached by its address) gives the local pool's results unit for unit; a rerun
     skips the finished units whichever engine ran them; a changed configuration is still refused."""
     distributed = pytest.importorskip("distributed", reason="the cluster extra (dask[distributed]) is absent")
-    tiny = [*TINY, "--regimes", "dims", "--dims", "2"]
+    tiny = [*_with(TINY, "--dims", "2"), "--regimes", "dims"]
     local = tmp_path / "local"
     assert main(["--out", str(local), *tiny]) == 0
     with distributed.LocalCluster(
@@ -234,9 +240,7 @@ def test_the_grid_runs_on_a_dask_cluster_with_the_same_results_and_resumes(tmp_p
         args = [
             "--out",
             str(cluster),
-            *tiny,
-            "--workers",
-            "2",
+            *_with(tiny, "--workers", "2"),
             "--engine",
             "dask",
             "--scheduler",

@@ -177,6 +177,24 @@ def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
+    ("script", "argv", "words"),
+    [
+        ("evaluate_tiny", ["quality", "--run-dir", "runs/tiny"], "--run-dir is not read by 'quality'"),
+        ("evaluate_tiny", ["captions", "--steps", "25"], "--steps is not read by 'captions'"),
+        ("evaluate_tiny", ["training", "--out", "o"], "--out is not read by 'training'"),
+        ("evaluate_tiny_flow", ["losses", "--card", "card.md"], "--card is not read by 'losses'"),
+        ("evaluate_tiny_flow", ["pilot", "--limit", "2"], "--limit is not read by 'pilot'"),
+        ("evaluate_tiny_flow", ["quality", "--ip-scales", "1", "2"], "--ip-scales is not read by 'quality'"),
+    ],
+)
+def test_an_option_the_evaluation_does_not_read_is_refused(script, argv, words, workdir, monkeypatch, capsys):
+    """Given to an evaluation that does not read it, an option was dropped without a word."""
+    module = load(script)
+    spied = [(module, name) for name in ("quality", "captions", "training", "pilot") if hasattr(module, name)]
+    _refused(module, argv, [words, "drop it"], spied, workdir, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
     ("argv", "words"),
     [
         (["--out", ""], ["--out is empty", "JSON-lines file"]),
@@ -184,10 +202,25 @@ def test_evaluate_tiny(argv, words, workdir, monkeypatch, capsys):
         (["--out", "taken/rows.jsonl"], ["lies inside the file"]),
         (["--out", "rows.jsonl", "--tasks", "1"], ["--tasks"]),
         (["--out", "rows.jsonl", "--checkpoints", ""], ["--checkpoints is empty"]),
+        (["--out", "taken"], ["--out 'taken': line 1 is not a row of this script"]),  # was a traceback
+        (
+            ["--out", "../loop"],
+            ["--out '../loop': '../loop' is a symbolic link that leads nowhere"],
+        ),  # ran, then failed
     ],
-    ids=["empty-out", "folder-out", "inside-a-file", "tasks-1", "empty-checkpoints"],
+    ids=[
+        "empty-out",
+        "folder-out",
+        "inside-a-file",
+        "tasks-1",
+        "empty-checkpoints",
+        "not-its-rows",
+        "link-loop",
+    ],
 )
 def test_fair_baseline_search(argv, words, workdir, monkeypatch, capsys):
+    if "../loop" in argv:  # beside the current folder, which stays as it was
+        (workdir.parent / "loop").symlink_to("loop")
     module = load("run_fair_baseline_search")
     _refused(module, argv, words, [(module, "train_scale")], workdir, monkeypatch, capsys)
 
@@ -277,3 +310,31 @@ def test_every_script_parses_with_a_one_line_parser():
         path.name for path in sorted(SCRIPTS.glob("*.py")) if "argparse.ArgumentParser(" in path.read_text()
     ]
     assert plain == []
+
+
+@pytest.mark.parametrize(
+    "script, training, function",
+    [("train_tiny", "run", "run_training"), ("train_tiny_flow", "flux_run", "run_flux_training")],
+)
+def test_an_option_given_twice_with_different_values_is_one_line(
+    script, training, function, workdir, monkeypatch, capsys
+):
+    """argparse would keep the last --seed and drop the first without a word."""
+    module = importlib.import_module(f"nw_adapter.models.training.{training}")
+    argv = ["--out", "run", "--seed", "1", "--seed", "2"]
+    words = ["--seed given twice with different values (1, then 2)", "give it once"]
+    _refused(load(script), argv, words, [(module, function)], workdir, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling/run"])
+def test_an_out_through_a_link_that_leads_nowhere_is_one_line(link, workdir, monkeypatch, capsys):
+    """A symbolic-link loop or a dangling link as --out (or on its path) passed the check and ended in
+    a traceback when the script made the folder, after its work had started."""
+    import nw_adapter.models.training.run as training
+
+    (workdir / "loop").symlink_to("loop")
+    (workdir / "dangling").symlink_to(workdir / "moved")
+    runs = _spy(monkeypatch, training, "run_training")
+    code, err = call(load("train_tiny"), ["--out", link], monkeypatch, capsys)
+    one_line(code, err, f"--out '{link}'", "symbolic link that leads nowhere")
+    assert sorted(p.name for p in workdir.iterdir()) == ["dangling", "loop", "taken"] and not runs
