@@ -1094,6 +1094,16 @@ VALUE_RANGES: dict[str, tuple[float, float, bool, str]] = {
     "logit_scale": (0.0, math.inf, True, "an RMS of logits"),
     "h_eff": (0.0, math.inf, False, "a bandwidth"),
     KEY_SCALE: (0.0, math.inf, False, "a ratio of key norms"),
+    "pearson": (-1.0, 1.0, True, "a Pearson correlation"),
+    "top1": (0.0, 1.0, True, "a share of query rows"),
+    "r2_key": (0.0, 1.0, True, "a share of variance"),
+    "js": (0.0, math.log(2.0), True, "a Jensen-Shannon divergence, at most log 2"),
+    **{name: (0.0, math.inf, True, "a divergence") for name in ("kl", "kl_nw_fit", "kl_key_prior")},
+    **{name: (1.0, math.inf, True, "an effective number of keys") for name in ("neff_attn", "neff_nw")},
+    **{name: (0.0, math.inf, True, "a norm or a spread") for name in ("q_norm", "key_rms", "key_norm_cv")},
+    "qk_spread_ratio": (0.0, math.inf, True, "a ratio of spreads"),
+    "h_eff_se": (0.0, math.inf, True, "a standard error"),
+    "fit_rows": (0.0, math.inf, True, "a count of query rows"),
 }
 """The statistics the verdict reads, with their range ``(low, high, low included, what it is)``:
 a value outside it (rho = 5), or an infinite one, is refused (NaN and None are "not measured")."""
