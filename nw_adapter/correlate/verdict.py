@@ -1104,9 +1104,13 @@ VALUE_RANGES: dict[str, tuple[float, float, bool, str]] = {
     "qk_spread_ratio": (0.0, math.inf, True, "a ratio of spreads"),
     "h_eff_se": (0.0, math.inf, True, "a standard error"),
     "fit_rows": (0.0, math.inf, True, "a count of query rows"),
+    "h_schedule": (0.0, math.inf, True, "the schedule's sigma_t / alpha_t, inf at pure noise"),
 }
 """The statistics the verdict reads, with their range ``(low, high, low included, what it is)``:
 a value outside it (rho = 5), or an infinite one, is refused (NaN and None are "not measured")."""
+
+_INFINITE_ALLOWED = frozenset({"h_schedule"})
+"""Fields whose range includes +inf itself (flow matching's first step, pure noise: h = inf)."""
 
 _RANGE_TOLERANCE = 1e-4
 """Float rounding allowed beyond a bound: a float32 rho or r2_nw of 1 + 1e-5 (sums over thousands of
@@ -1132,15 +1136,16 @@ def check_value_ranges(records: Sequence[Mapping[str, Any]]) -> None:
             if math.isnan(x):
                 continue
             low, high, closed, what = VALUE_RANGES[stat]
-            inside = math.isfinite(x) and low - _RANGE_TOLERANCE <= x <= high + _RANGE_TOLERANCE
+            infinite = x == math.inf and stat in _INFINITE_ALLOWED
+            inside = infinite or (math.isfinite(x) and low - _RANGE_TOLERANCE <= x <= high + _RANGE_TOLERANCE)
             inside = inside and (closed or x > low)
             if not inside:
                 bracket = (
                     f"{'[' if closed else '('}{low:g}, {high:g}]"
-                    if math.isfinite(high)
+                    if math.isfinite(high) or stat in _INFINITE_ALLOWED
                     else (f"{'[' if closed else '('}{low:g}, inf)" if math.isfinite(low) else "finite")
                 )
-                shown = "inf" if math.isinf(x) else f"{x:g}"
+                shown = ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
                 raise RecordError(
                     f"verdict: records[{index}]: field '{name}' is {shown}, outside {bracket} ({what}); "
                     f"{_RECORDS_FIX}"

@@ -415,6 +415,8 @@ def _one_record(**values) -> dict:
         ("top1", 2.0, "field 'top1' is 2, outside [0, 1]"),
         ("neff_attn", -3.0, "field 'neff_attn' is -3, outside [1, inf)"),
         ("js", math.inf, "field 'js' is inf, outside [0, 0.693147]"),
+        ("h_schedule", -0.5, "field 'h_schedule' is -0.5, outside [0, inf]"),  # was left out of the slope
+        ("h_schedule", -math.inf, "field 'h_schedule' is -inf, outside [0, inf]"),
     ],
 )
 def test_verdict_refuses_values_outside_their_range(field, value, words) -> None:
@@ -430,6 +432,15 @@ def test_verdict_refuses_values_outside_their_range(field, value, words) -> None
     with pytest.raises(RecordError) as error:
         verdict(records)
     assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_a_pure_noise_step_and_its_edges_are_read() -> None:
+    """h = inf (flow matching's first step) and h = 0 (a last sigma of 0) are a schedule's own values:
+    read, not refused; only values below 0 are errors."""
+    records = [
+        _one_record(reference=f"r{i}", h_schedule=h, rho=0.5) for i, h in enumerate((math.inf, 0.0, 2.0))
+    ]
+    assert verdict(records)["images"] == 3
 
 
 def test_comparison_records_refuse_values_outside_their_range() -> None:
