@@ -1339,11 +1339,15 @@ def verdict(records: Sequence[dict], *, half: str | None = None, merged_files: i
         ``skipped`` (:func:`skipped_values`) and ``nonfinite`` (column -> its count).
 
     Raises:
-        ValueError: no records of that half.
+        ValueError: no records of that half; ``merged_files`` not a whole number >= 0.
         RecordError: (a ``ValueError``) a malformed record, a value out of its range, records of
             several models, modes or settings (or with and without a settings digest), or a unit
             of several runs (:func:`check_one_run`); one line naming them and the fix.
     """
+    if isinstance(merged_files, bool) or not isinstance(merged_files, int) or merged_files < 0:
+        raise ValueError(
+            f"merged_files must be a whole number >= 0 (files merged before the run), got {merged_files!r}"
+        )
     records = check_verdict_records(records)
     if not records:
         raise ValueError("records: empty; nothing to judge (did the run record any step?)")

@@ -443,6 +443,12 @@ def test_a_pure_noise_step_and_its_edges_are_read() -> None:
     assert verdict(records)["images"] == 3
 
 
+@pytest.mark.parametrize("merged", [-1, 1.5, True, "2"])
+def test_a_merged_file_count_that_is_no_count_is_refused(merged) -> None:
+    with pytest.raises(ValueError, match="merged_files must be a whole number >= 0"):
+        verdict([_one_record(rho=0.5)], merged_files=merged)
+
+
 def test_comparison_records_refuse_values_outside_their_range() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, HEADS, 8, 4, generator=gen), torch.randn(1, HEADS, 3, 4, generator=gen)
