@@ -320,7 +320,6 @@ def observe_support_set(
     references = list(references)
     if not references:
         raise ValueError("observe_support_set: no reference image; pass a list of one or more images")
-    references = [reference_image(image, i) for i, image in enumerate(references)]  # a path opened
     family = family_of_pipeline(pipe)  # the registry's row says whether its pipeline takes a set
     if family.support_sets is not None:
         able = " or ".join(row.label for row in families_where(lambda row: row.support_sets is None))
@@ -332,6 +331,7 @@ def observe_support_set(
     config = config if config is not None else NWProcessorConfig(mode="observe")
     if config.mode != "observe":
         raise ValueError("observe_support_set observes; pass an observe config (mode='observe')")
+    references = [reference_image(image, i) for i, image in enumerate(references)]  # a path opened
     space = latent_space(pipe)
     latents = encode_references(pipe, references, height=call.get("height"), width=call.get("width"))
     probe = LatentSupportProbe(pipe, latents, space)

@@ -49,6 +49,10 @@ def check_entry(
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
             break
+        except NotADirectoryError:  # a file on the way: out itself, or an entry above this one
+            raise OutputError(
+                f"{option} '{out}': '{path.parent}' is a file, not a folder; pass {option} a folder"
+            ) from None
         except OSError as exc:
             raise OutputError(
                 f"{option} '{out}': cannot inspect '{path}' ({exc.strerror or type(exc).__name__}); fix its "

@@ -1094,9 +1094,23 @@ VALUE_RANGES: dict[str, tuple[float, float, bool, str]] = {
     "logit_scale": (0.0, math.inf, True, "an RMS of logits"),
     "h_eff": (0.0, math.inf, False, "a bandwidth"),
     KEY_SCALE: (0.0, math.inf, False, "a ratio of key norms"),
+    "pearson": (-1.0, 1.0, True, "a Pearson correlation"),
+    "top1": (0.0, 1.0, True, "a share of query rows"),
+    "r2_key": (0.0, 1.0, True, "a share of variance"),
+    "js": (0.0, math.log(2.0), True, "a Jensen-Shannon divergence, at most log 2"),
+    **{name: (0.0, math.inf, True, "a divergence") for name in ("kl", "kl_nw_fit", "kl_key_prior")},
+    **{name: (1.0, math.inf, True, "an effective number of keys") for name in ("neff_attn", "neff_nw")},
+    **{name: (0.0, math.inf, True, "a norm or a spread") for name in ("q_norm", "key_rms", "key_norm_cv")},
+    "qk_spread_ratio": (0.0, math.inf, True, "a ratio of spreads"),
+    "h_eff_se": (0.0, math.inf, True, "a standard error"),
+    "fit_rows": (0.0, math.inf, True, "a count of query rows"),
+    "h_schedule": (0.0, math.inf, True, "the schedule's sigma_t / alpha_t, inf at pure noise"),
 }
 """The statistics the verdict reads, with their range ``(low, high, low included, what it is)``:
 a value outside it (rho = 5), or an infinite one, is refused (NaN and None are "not measured")."""
+
+_INFINITE_ALLOWED = frozenset({"h_schedule"})
+"""Fields whose range includes +inf itself (flow matching's first step, pure noise: h = inf)."""
 
 _RANGE_TOLERANCE = 1e-4
 """Float rounding allowed beyond a bound: a float32 rho or r2_nw of 1 + 1e-5 (sums over thousands of
@@ -1122,15 +1136,16 @@ def check_value_ranges(records: Sequence[Mapping[str, Any]]) -> None:
             if math.isnan(x):
                 continue
             low, high, closed, what = VALUE_RANGES[stat]
-            inside = math.isfinite(x) and low - _RANGE_TOLERANCE <= x <= high + _RANGE_TOLERANCE
+            infinite = x == math.inf and stat in _INFINITE_ALLOWED
+            inside = infinite or (math.isfinite(x) and low - _RANGE_TOLERANCE <= x <= high + _RANGE_TOLERANCE)
             inside = inside and (closed or x > low)
             if not inside:
                 bracket = (
                     f"{'[' if closed else '('}{low:g}, {high:g}]"
-                    if math.isfinite(high)
+                    if math.isfinite(high) or stat in _INFINITE_ALLOWED
                     else (f"{'[' if closed else '('}{low:g}, inf)" if math.isfinite(low) else "finite")
                 )
-                shown = "inf" if math.isinf(x) else f"{x:g}"
+                shown = ("-inf" if x < 0 else "inf") if math.isinf(x) else f"{x:g}"
                 raise RecordError(
                     f"verdict: records[{index}]: field '{name}' is {shown}, outside {bracket} ({what}); "
                     f"{_RECORDS_FIX}"
@@ -1324,11 +1339,15 @@ def verdict(records: Sequence[dict], *, half: str | None = None, merged_files: i
         ``skipped`` (:func:`skipped_values`) and ``nonfinite`` (column -> its count).
 
     Raises:
-        ValueError: no records of that half.
+        ValueError: no records of that half; ``merged_files`` not a whole number >= 0.
         RecordError: (a ``ValueError``) a malformed record, a value out of its range, records of
             several models, modes or settings (or with and without a settings digest), or a unit
             of several runs (:func:`check_one_run`); one line naming them and the fix.
     """
+    if isinstance(merged_files, bool) or not isinstance(merged_files, int) or merged_files < 0:
+        raise ValueError(
+            f"merged_files must be a whole number >= 0 (files merged before the run), got {merged_files!r}"
+        )
     records = check_verdict_records(records)
     if not records:
         raise ValueError("records: empty; nothing to judge (did the run record any step?)")

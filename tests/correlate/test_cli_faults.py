@@ -304,6 +304,15 @@ def test_replot_of_records_of_two_models_is_one_line(tmp_path, capsys):
     assert stdout == ""
 
 
+def test_replot_of_a_file_says_it_is_no_folder(tmp_path, capsys):
+    """--replot FILE said "cannot inspect 'FILE/rho.json' (Not a directory); fix its permissions"."""
+    plain = tmp_path / "notes.txt"
+    plain.write_text("not a run")
+    code, stdout, err = run(["--replot", plain], capsys)
+    one_line(code, err, f"'{plain}' is a file, not a folder", "pass --replot a folder")
+    assert "permissions" not in err and stdout == ""
+
+
 # --- a failed write removes its partial siblings and says what was kept ---------------------------
 
 

@@ -409,6 +409,14 @@ def _one_record(**values) -> dict:
         ("logit_scale", -0.1, "field 'logit_scale' is -0.1, outside [0, inf)"),
         ("h_eff_exact", 0.0, "field 'h_eff_exact' is 0, outside (0, inf)"),
         ("key_scale_1", math.inf, "field 'key_scale_1' is inf, outside (0, inf)"),
+        ("pearson", 3.0, "field 'pearson' is 3, outside [-1, 1]"),  # fields the verdict does not test
+        ("kl", -1.0, "field 'kl' is -1, outside [0, inf)"),
+        ("kl_control_2", math.inf, "field 'kl_control_2' is inf, outside [0, inf)"),
+        ("top1", 2.0, "field 'top1' is 2, outside [0, 1]"),
+        ("neff_attn", -3.0, "field 'neff_attn' is -3, outside [1, inf)"),
+        ("js", math.inf, "field 'js' is inf, outside [0, 0.693147]"),
+        ("h_schedule", -0.5, "field 'h_schedule' is -0.5, outside [0, inf]"),  # was left out of the slope
+        ("h_schedule", -math.inf, "field 'h_schedule' is -inf, outside [0, inf]"),
     ],
 )
 def test_verdict_refuses_values_outside_their_range(field, value, words) -> None:
@@ -426,6 +434,21 @@ def test_verdict_refuses_values_outside_their_range(field, value, words) -> None
     assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
+def test_a_pure_noise_step_and_its_edges_are_read() -> None:
+    """h = inf (flow matching's first step) and h = 0 (a last sigma of 0) are a schedule's own values:
+    read, not refused; only values below 0 are errors."""
+    records = [
+        _one_record(reference=f"r{i}", h_schedule=h, rho=0.5) for i, h in enumerate((math.inf, 0.0, 2.0))
+    ]
+    assert verdict(records)["images"] == 3
+
+
+@pytest.mark.parametrize("merged", [-1, 1.5, True, "2"])
+def test_a_merged_file_count_that_is_no_count_is_refused(merged) -> None:
+    with pytest.raises(ValueError, match="merged_files must be a whole number >= 0"):
+        verdict([_one_record(rho=0.5)], merged_files=merged)
+
+
 def test_comparison_records_refuse_values_outside_their_range() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, HEADS, 8, 4, generator=gen), torch.randn(1, HEADS, 3, 4, generator=gen)
@@ -436,6 +459,16 @@ def test_comparison_records_refuse_values_outside_their_range() -> None:
     control = {**trained, "rho": torch.tensor([[0.2, math.inf]])}
     with pytest.raises(ValueError, match=r"controls\[0\]\['rho'\]: inf is outside"):
         comparison_records(trained, [control], reference="r", step=0, h_schedule=1.0)
+    for field, value in [
+        ("pearson", 3.0),
+        ("kl", -1.0),
+        ("top1", 2.0),
+        ("neff_attn", -3.0),
+        ("js", math.inf),
+    ]:
+        with pytest.raises(ValueError, match=rf"trained\['{field}'\]: {value:g} is outside"):
+            comparison_records({**trained, field: torch.full((1, HEADS), value)}, [], reference="r", step=0,
+                               h_schedule=1.0)  # fmt: skip
     with pytest.raises(ValueError, match=r"key_scales\[0\]: 0 is outside \(0, inf\)"):
         comparison_records(trained, [trained], reference="r", step=0, h_schedule=1.0, key_scales=[0.0])
 
