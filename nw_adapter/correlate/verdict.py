@@ -1098,7 +1098,7 @@ VALUE_RANGES: dict[str, tuple[float, float, bool, str]] = {
     "top1": (0.0, 1.0, True, "a share of query rows"),
     "r2_key": (0.0, 1.0, True, "a share of variance"),
     "js": (0.0, math.log(2.0), True, "a Jensen-Shannon divergence, at most log 2"),
-    **{name: (0.0, math.inf, True, "a divergence") for name in ("kl", "kl_nw_fit", "kl_key_prior")},
+    **{name: (0.0, math.inf, True, "a KL divergence") for name in ("kl", "kl_nw_fit", "kl_key_prior")},
     **{name: (1.0, math.inf, True, "an effective number of keys") for name in ("neff_attn", "neff_nw")},
     **{name: (0.0, math.inf, True, "a norm or a spread") for name in ("q_norm", "key_rms", "key_norm_cv")},
     "qk_spread_ratio": (0.0, math.inf, True, "a ratio of spreads"),
@@ -1109,8 +1109,10 @@ VALUE_RANGES: dict[str, tuple[float, float, bool, str]] = {
 """The statistics the verdict reads, with their range ``(low, high, low included, what it is)``:
 a value outside it (rho = 5), or an infinite one, is refused (NaN and None are "not measured")."""
 
-_INFINITE_ALLOWED = frozenset({"h_schedule"})
-"""Fields whose range includes +inf itself (flow matching's first step, pure noise: h = inf)."""
+_INFINITE_ALLOWED = frozenset({"h_schedule", "kl", "kl_nw_fit", "kl_key_prior"})
+"""Fields whose range includes +inf itself: h at flow matching's first step (pure noise), and a
+KL divergence where one distribution has mass the other has not (it counts as not finite in the
+means, as before)."""
 
 _RANGE_TOLERANCE = 1e-4
 """Float rounding allowed beyond a bound: a float32 rho or r2_nw of 1 + 1e-5 (sums over thousands of

@@ -71,8 +71,11 @@ def make_records(
                             "scale": 1.0,
                             "num_keys": 4,
                         }
-                        for name in STAT_FIELDS:
-                            record[name] = rng.uniform(0, 1)
+                        for name in STAT_FIELDS:  # each in its range (the verdict refuses others)
+                            u = rng.uniform(0, 1)
+                            record[name] = (
+                                1 + 3 * u if name.startswith("neff") else (0.69 * u if name == "js" else u)
+                            )
                         record["rho"] = rho if half == "cond" else math.nan
                         records.append(record)
     return records

@@ -410,8 +410,8 @@ def _one_record(**values) -> dict:
         ("h_eff_exact", 0.0, "field 'h_eff_exact' is 0, outside (0, inf)"),
         ("key_scale_1", math.inf, "field 'key_scale_1' is inf, outside (0, inf)"),
         ("pearson", 3.0, "field 'pearson' is 3, outside [-1, 1]"),  # fields the verdict does not test
-        ("kl", -1.0, "field 'kl' is -1, outside [0, inf)"),
-        ("kl_control_2", math.inf, "field 'kl_control_2' is inf, outside [0, inf)"),
+        ("kl", -1.0, "field 'kl' is -1, outside [0, inf]"),
+        ("kl_control_2", -0.5, "field 'kl_control_2' is -0.5, outside [0, inf]"),
         ("top1", 2.0, "field 'top1' is 2, outside [0, 1]"),
         ("neff_attn", -3.0, "field 'neff_attn' is -3, outside [1, inf)"),
         ("js", math.inf, "field 'js' is inf, outside [0, 0.693147]"),
