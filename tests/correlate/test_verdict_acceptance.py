@@ -435,11 +435,13 @@ def test_verdict_refuses_values_outside_their_range(field, value, words) -> None
 
 
 def test_a_pure_noise_step_and_its_edges_are_read() -> None:
-    """h = inf (flow matching's first step) and h = 0 (a last sigma of 0) are a schedule's own values:
-    read, not refused; only values below 0 are errors."""
+    """h = inf (flow matching's first step) and h = 0 (a last sigma of 0) are a schedule's own values,
+    and an infinite KL a divergence's: read, not refused; only values below 0 are errors."""
     records = [
         _one_record(reference=f"r{i}", h_schedule=h, rho=0.5) for i, h in enumerate((math.inf, 0.0, 2.0))
     ]
+    assert verdict(records)["images"] == 3
+    records[0]["kl"] = math.inf  # a divergence may be infinite: read (and counted as not finite)
     assert verdict(records)["images"] == 3
 
 
