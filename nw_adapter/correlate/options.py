@@ -87,6 +87,15 @@ class CLIError(Exception):
 # --- parsing and checking ------------------------------------------------------------------------
 
 
+USAGE = (
+    "%(prog)s (--image FILE | --image-dir DIR) [--model MODEL] [--steps N] [--out OUT]\n"
+    "                    [--calibrate | --compare-swap | --end-to-end-control] [options]\n"
+    "       %(prog)s (--support-set FILES | --support-dir DIR) [--out OUT] [options]\n"
+    "       %(prog)s --replot OUT"
+)
+"""The runs' usage lines (every option, and which runs read it, below and in docs/cli.md)."""
+
+
 class _Parser(OneLineParser):
     """ArgumentParser whose errors are one line (no usage block) and raise :class:`CLIError`."""
 
@@ -98,10 +107,14 @@ def build_parser(prog: str = PROG, *, defaults: bool = True) -> argparse.Argumen
     namespace holds the options given, see :func:`given_options`)."""
     parser = _Parser(
         prog=prog,
+        usage=USAGE,
         description=(
-            "Generate with IP-Adapter and report, per denoising timestep, how closely the image branch's "
-            "cross-attention follows Nadaraya-Watson (Gaussian-kernel) weights: Spearman rho with its three "
-            "nulls, Pearson, KL and effective sample sizes, averaged over layers and heads."
+            "Generate with IP-Adapter and read, at every denoising step, whether the image branch's "
+            "cross-attention is the Nadaraya-Watson (Gaussian-kernel) smoother the theory predicts: rho "
+            "with its three nulls beside a scale-matched untrained control, the bandwidth path against "
+            "the theory's exponent 2, and a verdict (with --calibrate, beside the exact NW head run in the "
+            "same pipeline); writes rho.json / rho.csv, figures and report.html (one interactive page) "
+            "into --out."
         ),
         epilog=(
             "Quick offline run: --model tiny --steps 3. Several processes: accelerate launch --multi_gpu "
