@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -119,6 +120,10 @@ class _StoreOnce(argparse._StoreAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$", re.I)
+"""A command-line word that is a negative number, also in scientific notation or infinite: a value."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """ArgumentParser whose errors raise :attr:`error_class` with one line (no usage block).
 
@@ -135,6 +140,9 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
+        # argparse reads "-1e3", "-inf" and "-nan" as unknown options ("expected one argument");
+        # as values, the option's own check names the range (no option here looks like a number)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def parse_known_args(self, args=None, namespace=None):  # noqa: D102 (argparse's)
         self._values_given: dict[str, tuple[Any, str]] | None = {}

@@ -86,6 +86,10 @@ def test_empty_image_directory(tmp_path: Path, capsys) -> None:
         (["--guidance-scale", "nan"], "--guidance-scale must be a finite number >= 0"),
         (["--ip-scale", "-0.5"], "--ip-scale must be a finite number >= 0"),
         (["--seed", "-3"], "--seed must be between 0 and 2**63 - 1"),
+        (["--ip-scale", "-inf"], "--ip-scale must be a finite number >= 0, got '-inf'"),  # not "expected one
+        (["--ip-scale", "-1e3"], "--ip-scale must be a finite number >= 0, got '-1e3'"),  # argument"
+        (["--guidance-scale", "-NaN"], "--guidance-scale must be a finite number >= 0, got '-NaN'"),
+        (["--seed", "-1e3"], "--seed must be a whole number, got '-1e3'"),
         (["--height", "30"], "multiple of 8"),
         (["--mode", "replace"], "invalid choice: 'replace'"),
         (["--scheduler", "fast"], "invalid choice: 'fast'"),
