@@ -32,6 +32,7 @@ __all__ = [
     "SUBCOMMANDS",
     "OneLineParser",
     "ScriptParser",
+    "dead_link_on",
     "invoked_as",
     "note",
     "one_line_argument_error",
@@ -196,6 +197,12 @@ class ScriptParser(OneLineParser):
         self.exit(2, f"{self.prog}: error: {text}\n")
 
 
+def dead_link_on(path: Path) -> Path | None:
+    """The first of ``path`` and the folders above it that is a symbolic link leading nowhere (a loop
+    or a missing target), or None: nothing could be made or written below it."""
+    return next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+
+
 def output_folder_problem(path: str | os.PathLike, option: str = "--out") -> str | None:
     """Why ``path`` cannot be a command's output folder (None: it can): an empty path (it would be
     the current folder), a symbolic link that leads nowhere (on the path), an existing file, or a
@@ -205,7 +212,7 @@ def output_folder_problem(path: str | os.PathLike, option: str = "--out") -> str
         example = f"{option} runs/out" if option.startswith("-") else "runs/out"
         return f"{option} is empty (that would be the current folder); pass a folder, e.g. {example}"
     folder = Path(text).expanduser()
-    broken = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    broken = dead_link_on(folder)
     if broken is not None:  # a loop or a missing target: the folder could be neither made nor used
         where = "" if broken == folder else f" (its folder '{broken}')"
         return (

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nw_adapter.commands import ScriptParser, output_folder, whole_number
+from nw_adapter.commands import ScriptParser, dead_link_on, output_folder, whole_number
 from nw_adapter.experiments.baseline import fair_baseline
 from nw_adapter.experiments.evaluation import EvalConfig, evaluate_methods
 from nw_adapter.experiments.fields import model_field, plugin_field
@@ -184,7 +184,7 @@ def _output_file(text: str) -> Path:
     path = Path(text).expanduser()
     if not text.strip():
         raise argparse.ArgumentTypeError(f"--out is empty; {wanted}")
-    broken = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    broken = dead_link_on(path)
     if broken is not None:  # a loop or a missing target: the rows could not be appended, after the search
         raise argparse.ArgumentTypeError(
             f"--out '{text}': '{broken}' is a symbolic link that leads nowhere; {wanted}"

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from nw_adapter.analysis.consequence import encode_images
-from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.config import NWProcessorConfig, step_count_problem
 from nw_adapter.integration.families import families_where, family_of_pipeline
 from nw_adapter.integration.latent_probe import LatentSupportProbe
 from nw_adapter.integration.latent_support import encode_references, latent_space, reference_image
@@ -253,11 +253,9 @@ def _check_call(call: dict[str, Any]) -> None:
             f"observe_support_set: {sorted(given)[0]} is set by the function; pass the images as references "
             "and the seed as seed"
         )
-    steps = call.get("num_inference_steps")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(
-            f"observe_support_set: num_inference_steps must be a whole number >= 1, got {steps!r}"
-        )
+    problem = step_count_problem(call)
+    if problem:
+        raise ValueError(f"observe_support_set: {problem}")
 
 
 def _judged(judge: Callable[[list[Any]], Sequence[Any]], images: list[Any]) -> list[Any]:

@@ -42,13 +42,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from nw_adapter.integration.rgb import to_rgb
 
 IMAGE_SUFFIXES: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 """File name endings (case-insensitive) that ``--image-dir`` picks up."""
-
-_WHITE = (255, 255, 255)
 
 ENCODER_SHORTEST_EDGE = 224
 """Shorter side, in pixels, after the CLIP image processor's resize (IP-Adapter's encoders)."""
@@ -142,64 +141,6 @@ def _check_file(path: Path, label: str) -> None:
         raise ImageInputError(f"{label} '{path}': is not a regular file; pass a PNG or JPEG file")
     if path.stat().st_size == 0:
         raise ImageInputError(f"{label} '{path}': file is empty (0 bytes); pass a real PNG or JPEG file")
-
-
-def _to_rgb(img: Image.Image) -> tuple[Image.Image, list[str]]:
-    """Convert a decoded Pillow image to 8-bit RGB, returning the notes of what was done."""
-    notes: list[str] = []
-    mode = img.mode
-    if mode == "RGB":
-        return img, notes
-    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
-        values = np.asarray(img, dtype=np.float64)
-        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
-        if mode == "I" and (low < 0 or high > 65535):
-            raise ImageInputError(
-                f"32-bit integer image with values from {low:.0f} to {high:.0f} has no defined 8-bit "
-                "scale (neither 8- nor 16-bit data); save it as an 8-bit RGB PNG"
-            )
-        if mode == "I" and high <= 255:
-            gray = values.astype(np.uint8)
-            notes.append("32-bit integer grayscale with 8-bit values (0-255) converted to RGB")
-        else:
-            gray = np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8)
-            kind = "16-bit grayscale" if mode != "I" else "32-bit integer grayscale with 16-bit values"
-            notes.append(f"{kind} reduced to 8 bits (value / 257) and converted to RGB")
-        return Image.fromarray(gray, mode="L").convert("RGB"), notes
-    if mode == "F":
-        raise ImageInputError(
-            "floating-point image (mode F) has no defined 8-bit scale; save it as an 8-bit RGB PNG"
-        )
-    if mode == "P":
-        if "transparency" in img.info:
-            img = img.convert("RGBA")
-            mode = "RGBA"
-            notes.append("palette image with transparency converted to RGBA")
-        else:
-            notes.append("palette image converted to RGB")
-            return img.convert("RGB"), notes
-    if mode == "PA":
-        img = img.convert("RGBA")
-        mode = "RGBA"
-    if mode in ("RGBA", "LA", "RGBa", "La"):
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, _WHITE + (255,))
-        notes.append(f"{mode} alpha channel composited over a white background")
-        return Image.alpha_composite(background, rgba).convert("RGB"), notes
-    if mode == "CMYK":
-        notes.append("CMYK converted to RGB (Pillow's conversion, no ICC colour management)")
-        return img.convert("RGB"), notes
-    if mode in ("L", "1"):
-        notes.append(f"{'grayscale' if mode == 'L' else 'bilevel'} image converted to RGB")
-        return img.convert("RGB"), notes
-    try:
-        converted = img.convert("RGB")
-    except (ValueError, OSError) as exc:
-        raise ImageInputError(
-            f"pixel mode {mode} cannot be converted to RGB ({_one_line(exc)}); save it as an 8-bit RGB PNG"
-        ) from None
-    notes.append(f"{mode} image converted to RGB")
-    return converted, notes
 
 
 def _png_bit_depth(path: Path) -> int | None:
@@ -336,8 +277,8 @@ def load_reference_image(path: str | Path, *, label: str = "--image") -> tuple[I
         raise ImageInputError(f"{label} '{path}': permission denied; make the file readable") from None
     decoded, mode, size, notes = _decode(path, label)
     try:
-        rgb, more = _to_rgb(decoded)
-    except ImageInputError as exc:
+        rgb, more = to_rgb(decoded)
+    except ValueError as exc:  # no defined 8-bit scale, or a mode Pillow cannot convert
         raise ImageInputError(f"{label} '{path}': {exc}") from None
     from nw_adapter.correlate.digit_sets import pixel_digest
 
@@ -365,10 +306,10 @@ def _scan_dir(folder: Path) -> list[Path]:
         raise ImageInputError(f"--image-dir '{folder}': folder not found; check the path")
     if not folder.is_dir():
         raise ImageInputError(f"--image-dir '{folder}': is a file, not a folder; pass files with --image")
-    named = sorted(
+    found = sorted(
         p for p in folder.iterdir() if not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
     )
-    for path in named:  # an image's name that is no file is refused, never skipped (it would change n)
+    for path in found:  # an image's name that is no file is refused, never skipped (it would change n)
         if path.is_symlink() and not path.exists():
             raise ImageInputError(
                 f"--image-dir '{folder}': '{path.name}' is a dangling symbolic link (to "
@@ -379,7 +320,6 @@ def _scan_dir(folder: Path) -> list[Path]:
                 f"--image-dir '{folder}': '{path.name}' is a folder or special file, not an image; rename or "
                 "move it"
             )
-    found = named
     if not found:
         raise NoImagesError(
             f"--image-dir '{folder}': contains no images ({', '.join(IMAGE_SUFFIXES)}); "

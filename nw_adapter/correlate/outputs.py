@@ -31,6 +31,7 @@ from nw_adapter.atomic import remove_regular_file
 from nw_adapter.correlate.out_paths import OutputError as OutputError  # re-exported
 from nw_adapter.correlate.out_paths import check_entry as check_entry  # re-exported
 from nw_adapter.correlate.report import PAPER_TIMESTEPS
+from nw_adapter.correlate.spec import SHIPPED_WEIGHTS
 from nw_adapter.correlate.sweep import MANIFEST_NAME, check_image_folder, image_dir
 
 PROBE_PREFIX = ".nw-adapter-write-check-"
@@ -237,10 +238,6 @@ def check_apart(
                 f"--out '{out}' contains the {option} file '{file}'; a run never reads its own outputs as "
                 "inputs: pass an --out apart from the inputs (or move the file out of it)"
             )
-
-
-SHIPPED_WEIGHTS = Path(__file__).resolve().parents[1] / "models" / "weights"
-"""The package's shipped model weights (the embedded models' folders)."""
 
 
 def check_apart_from_models(out: Path, args: Any) -> None:

@@ -31,7 +31,9 @@ TINY = "tiny"
 DIGIT_MODELS: tuple[str, ...] = tiny_models(trained=True)
 """``--model`` names of the trained digits models (SD 1.5 and Flux, 32 x 32 images), whose
 generations the digit judge (``nw_adapter.models.digits_quality.digit_judge``) labels."""
-TINY_DIGITS_DIR = Path(__file__).resolve().parents[1] / "models" / "weights" / "tiny_digits"
+SHIPPED_WEIGHTS = Path(__file__).resolve().parents[1] / "models" / "weights"
+"""The package's shipped model weights (the embedded models' folders)."""
+TINY_DIGITS_DIR = SHIPPED_WEIGHTS / "tiny_digits"
 """``--model tiny``: the trained model shipped in the package (``nw_adapter.models.tiny_digits.SHIPPED_DIR``,
 named here without importing torch)."""
 EXAMPLE_DIR = TINY_DIGITS_DIR / "examples"

@@ -103,6 +103,13 @@ from nw_adapter.integration.settings import SETTINGS_FIELD, differing_settings
 ALPHA = 0.05
 """Size of each one-sided test (and so of each clause, by the intersection-union argument)."""
 
+EQUIVALENCE_LABEL = "equivalence (TOST)"
+"""A part's ``test`` when it is two one-sided tests against a band: its decision reads the
+``1 - 2 alpha`` interval (:data:`EQUIVALENCE_LEVEL`), not the 95% one the other parts print."""
+
+EQUIVALENCE_LEVEL = f"{1 - 2 * ALPHA:.0%}"
+"""The equivalence test's interval, as printed: "90%"."""
+
 UNIT = "reference image"
 
 METHOD = (
@@ -789,7 +796,7 @@ def _test_part(
         ).to_dict()
         result = {**{k: tested[k] for k in ("n", "mean", "low", "high", "se", "p", "significant", "mde")},
                   "draws": 0, "caveat": None}  # fmt: skip
-        entry["test"] = "equivalence (TOST)"
+        entry["test"] = EQUIVALENCE_LABEL
     else:
         shifted = [None if v[part.key] is None else v[part.key] - part.margin for v in images]
         tested = greater_than_zero(shifted, alpha=ALPHA, confidence=CONFIDENCE).to_dict()
@@ -821,7 +828,7 @@ def _with_status(entry: dict[str, Any], reference: float | None) -> dict[str, An
         out["status"] = "met"
         return out
     mde, low, high = entry.get("mde"), entry.get("low"), entry.get("high")
-    if entry["test"] == "equivalence (TOST)":  # the interval still reaches the band, too wide to fit in it
+    if entry["test"] == EQUIVALENCE_LABEL:  # the interval still reaches the band, too wide to fit in it
         target, margin = entry["target"], entry["margin"]
         reaches = low is None or high is None or (low <= target + margin and high >= target - margin)
         too_few = reaches and (mde is None or mde > margin)
@@ -1420,9 +1427,9 @@ def _part_line(part: dict) -> str:
     if part["n"] == 0 and not part["measured"]:
         return f"{part['label']}: not measured"
     interval = f"[{_signed(part['low'])}, {_signed(part['high'])}]" if part["low"] is not None else "[n/a]"
-    if part.get("test") == "equivalence (TOST)":
+    if part.get("test") == EQUIVALENCE_LABEL:
         low, high = part["target"] - part["margin"], part["target"] + part["margin"]
-        margin = f", band [{low:g}, {high:g}] (90% interval)"
+        margin = f", band [{low:g}, {high:g}] ({EQUIVALENCE_LEVEL} interval)"
     else:
         margin = f", margin {part['margin']:g}" if part.get("margin") else ""
     p = _p(part["p"], part.get("se"))
@@ -1430,7 +1437,7 @@ def _part_line(part: dict) -> str:
     status = part.get("status")
     if part.get("measured") and status in ("not met", TOO_FEW):
         mde = part.get("mde")
-        if part.get("test") == "equivalence (TOST)":
+        if part.get("test") == EQUIVALENCE_LABEL:
             detect = (
                 "narrowest margin it could establish" if mde is not None else "no margin it could establish"
             )
@@ -1439,7 +1446,7 @@ def _part_line(part: dict) -> str:
         shown = "" if mde is None else f" {mde:+.3f}"
         versus = part.get("compared_with")
         against = (
-            "" if versus is None or part.get("test") == "equivalence (TOST)" else f" (against {versus:+.3f})"
+            "" if versus is None or part.get("test") == EQUIVALENCE_LABEL else f" (against {versus:+.3f})"
         )
         line += f": {status}; {detect}{shown} at {POWER:.0%} power{against}"
     elif part.get("measured") and status == "met":
@@ -1708,7 +1715,7 @@ def _brief_part(part: Mapping[str, Any], clause_status: str) -> str:
         return f"{name} {part.get('reason') or 'not measured'}"
     text = _unbroken(f"{name} {_signed(part['mean'])}")
     mde = part.get("mde")
-    if status != "met" and part.get("test") == "equivalence (TOST)":
+    if status != "met" and part.get("test") == EQUIVALENCE_LABEL:
         low, high = part["target"] - part["margin"], part["target"] + part["margin"]
         could = "no margin it could establish" if mde is None else f"narrowest margin {mde:.3f}"
         text += f" (band [{low:g}, {high:g}], {could})"
@@ -1817,13 +1824,11 @@ def format_readings(result: dict) -> str | None:
 
 
 READING_RANGES: dict[str, tuple[float, float]] = {
-    "r2_nw": (0.0, 1.0),
-    "rho": (-1.0, 1.0),
+    **{key: VALUE_RANGES[key][:2] for key, _ in READINGS if key in VALUE_RANGES},
     "rho_minus_spread_null": (-2.0, 2.0),
-    "kl": (0.0, math.inf),
 }
-"""The values a row of the calibrated table can take (a share of variance, a correlation, a
-difference of two, a divergence): a t interval's end beyond them is shown at the bound."""
+"""The values a row of the calibrated table can take (the records' :data:`VALUE_RANGES`, and a
+difference of two correlations): a t interval's end beyond them is shown at the bound."""
 
 
 def reading_cell(value: Mapping[str, Any] | None, key: str) -> str:

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nw_adapter.integration.config import NWProcessorConfig
+from nw_adapter.integration.config import NWProcessorConfig, step_count_problem
 from nw_adapter.integration.end_to_end import RandomStateReplay, observed_call, record_key
 from nw_adapter.integration.errors import NWConfigError, NWInstallError
 from nw_adapter.integration.mixin import active_recorder
@@ -223,11 +223,9 @@ def observe_call(
         exact = None
     if active_recorder(pipe) is not None:
         raise NWInstallError("observe_call: remove the installed NW processors first (it installs its own)")
-    steps = call_kwargs.get("num_inference_steps")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise NWConfigError(  # the scheduler would divide by zero inside the call
-            f"observe_call: num_inference_steps must be a whole number >= 1, got {steps!r}"
-        )
+    problem = step_count_problem(call_kwargs)
+    if problem:
+        raise NWConfigError(f"observe_call: {problem}")
     replay = RandomStateReplay(call_kwargs)
     output, records, first = observed_call(pipe, config, call_kwargs)
     if exact is None:

@@ -9,7 +9,7 @@ Every option a user can pass to :func:`nw_adapter.integration.mixin.apply_nw_pro
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,6 +63,15 @@ def _str_tuple(option: str, value: Any) -> tuple[str, ...] | None:
     if not value:
         raise _err(option, "is an empty list, which would select nothing", "pass None to select all")
     return tuple(value)
+
+
+def step_count_problem(call: Mapping[str, Any]) -> str | None:
+    """Why a pipeline call's ``num_inference_steps`` cannot run (None: absent, or a whole number >= 1);
+    below 1 the scheduler divides by zero inside the call."""
+    steps = call.get("num_inference_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        return f"num_inference_steps must be a whole number >= 1, got {steps!r}"
+    return None
 
 
 @dataclass

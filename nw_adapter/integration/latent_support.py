@@ -147,8 +147,8 @@ def encode_references(
     height, width = height or default_h, width or default_w
     vae = pipe.vae
     param = next(vae.parameters())
-    images = [reference_image(image, i) for i, image in enumerate(images)]
-    pixels = pipe.image_processor.preprocess([_rgb(image) for image in images], height=height, width=width)
+    images = [_rgb(reference_image(image, i), i) for i, image in enumerate(images)]
+    pixels = pipe.image_processor.preprocess(images, height=height, width=width)
     pixels = pixels.to(device=param.device, dtype=param.dtype)
     z = vae.encode(pixels).latent_dist.mean.to(torch.float64)
     z = _vae_normalise(vae, z, space.family)
@@ -182,16 +182,19 @@ def reference_image(image: Any, index: int) -> Any:
     )
 
 
-def _rgb(image: Any) -> Any:
-    """A PIL image as RGB (the VAE's three channels; alpha over white), anything else as it is."""
+def _rgb(image: Any, index: int) -> Any:
+    """A PIL image as RGB by the command line's rule (:func:`~nw_adapter.integration.rgb.to_rgb`: alpha
+    over white, 16-bit grayscale scaled to 8 bits), anything else as it is."""
     from PIL import Image
 
-    if not isinstance(image, Image.Image) or image.mode == "RGB":
+    from nw_adapter.integration.rgb import to_rgb
+
+    if not isinstance(image, Image.Image):
         return image
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
+    try:
+        return to_rgb(image)[0]
+    except ValueError as exc:
+        raise ValueError(f"reference {index}: {exc}") from None
 
 
 def flatten_states(x: torch.Tensor) -> torch.Tensor:

@@ -321,6 +321,21 @@ def test_references_of_other_modes_and_sizes_are_read_as_rgb(digits, references)
     assert out.images.shape == (1, *field.reference_latents().shape[1:])
 
 
+def test_a_16_bit_reference_is_read_as_the_command_line_reads_it(digits, references):
+    """16-bit grayscale is scaled to 8 bits (value / 257) by the command line's rule, not clipped
+    (Pillow's own conversion would read every value above 255 as white)."""
+    import numpy as np
+    from PIL import Image
+
+    gray8 = np.asarray(references[0].convert("L"), dtype=np.uint16)
+    gray16 = Image.fromarray((gray8 * 257).astype(np.uint16))  # mode I;16
+    field = StableDiffusionNWFieldPipeline.from_pipe(digits, references=[gray16, references[1]])
+    expected = StableDiffusionNWFieldPipeline.from_pipe(
+        digits, references=[references[0].convert("L").convert("RGB"), references[1]]
+    )
+    assert torch.equal(field.reference_latents(), expected.reference_latents())
+
+
 def test_a_reference_path_is_read_and_anything_else_is_one_line(digits, references, tmp_path):
     """A reference given as an image file's path is that image; None, a number or a file that is no
     image is one ValueError naming the reference (diffusers' 'Input is in incorrect format' before)."""

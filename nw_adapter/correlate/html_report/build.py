@@ -310,7 +310,7 @@ def report(source: Any, *, generated: Any = None) -> Report:
 
 def _is_support_run(source: Any) -> bool:
     """Whether ``source`` is a :class:`~nw_adapter.analysis.support_sets.SupportSetRun` (by its fields)."""
-    return all(hasattr(source, name) for name in ("latent_steps", "clip_cosine", "final_distances", "steps"))
+    return all(hasattr(source, name) for name in ("latent_steps", "clip_cosine", "references", "settings"))
 
 
 def _support_runs_report(runs: Sequence[Any]) -> Report:
@@ -320,11 +320,13 @@ def _support_runs_report(runs: Sequence[Any]) -> Report:
     from nw_adapter.correlate.html_report.support_report import support_report
     from nw_adapter.correlate.support_report import SUPPORT_SCHEMA, group_summary, set_entry
 
-    settings = [dict(getattr(run, "settings", {}) or {}) for run in runs]
+    settings = [dict(run.settings) for run in runs]
+
+    def seedless(one: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in one.items() if k != "seed"}
+
     for i, other in enumerate(settings[1:], start=1):
-        if {k: v for k, v in other.items() if k != "seed"} != {
-            k: v for k, v in settings[0].items() if k != "seed"
-        }:
+        if seedless(other) != seedless(settings[0]):
             raise ValueError(
                 f"report: support-set run {i} ran with other settings than run 0 ({other} against "
                 f"{settings[0]}); pass runs of one setting (the seed may differ)"
@@ -334,7 +336,7 @@ def _support_runs_report(runs: Sequence[Any]) -> Report:
         key = f"set {i}"
         files = [{"file": None, "sha256": None} for _ in run.clip_cosine]
         entries.append(set_entry(key, files, run, generated=None))
-        pictures[key] = (list(getattr(run, "references", []) or []), run.image)
+        pictures[key] = (list(run.references), run.image)
     first = settings[0]
     seeds = list(dict.fromkeys(str(one.get("seed")) for one in settings))
     if len(seeds) > 1:  # one set per seed, all shown: "seed 0, 1, 2"

@@ -460,11 +460,12 @@ def _cards(
                 caption.append(f"latent distance {distances[r]:.2f}")
             if label is not None:
                 caption.append(f"class {label}")
-            picture = read_image(reference["file"]) if reference.get("file") else None
-            if r < len(shown_references):
-                picture = shown_references[r]
-            name = _name(entry, r)  # "0: file.png", or "reference 0" for an image from memory
-            items.append((name if name.startswith("reference ") else f"reference {name}", picture, caption))
+            file = reference.get("file")
+            picture = (
+                shown_references[r] if r < len(shown_references) else (read_image(file) if file else None)
+            )
+            title = f"reference {r}: {Path(str(file)).name}" if file else f"reference {r}"
+            items.append((title, picture, caption))
         generated = shown_generated
         if out_dir is not None and entry.get("generated"):
             generated = read_image(out_dir / entry["generated"])

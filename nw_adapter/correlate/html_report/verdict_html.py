@@ -111,6 +111,8 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
     """A table of a clause's parts (or reported values, anchors ...): the known fields in the
     console's order and number formats, the nested results side by side (one column each), every
     other field after them."""
+    from nw_adapter.correlate.verdict import EQUIVALENCE_LABEL, EQUIVALENCE_LEVEL
+
     entries = [e for e in entries if isinstance(e, Mapping)]
     if not entries:
         return ""
@@ -135,10 +137,10 @@ def _entries_table(entries: Sequence[Mapping[str, Any]]) -> str:
             value = entry.get(column)
             if column == "interval":
                 row.append(_interval(entry))
-            elif column == "test" and value == "equivalence (TOST)":
+            elif column == "test" and value == EQUIVALENCE_LABEL:
                 # its decision reads the 90% interval (said in the wrapping text column, not widening
                 # the interval's)
-                row.append(f"{value}, its interval 90%")
+                row.append(f"{value}, its interval {EQUIVALENCE_LEVEL}")
             elif column in ("mean", "margin", "theory") and isinstance(value, int | float):
                 row.append(_signed(value) if column == "mean" else f"{value:g}")
             elif column == "p":
@@ -279,7 +281,7 @@ def _anchors_html(result: Mapping[str, Any], images: int) -> str:
 def verdict_html(result: Mapping[str, Any]) -> str:
     """The verdict: its conclusion line, the unit line, per clause its status and tables, the
     skipped values, the per-image values (folded), any other field, the method and the legend."""
-    from nw_adapter.correlate.verdict import LEGEND
+    from nw_adapter.correlate.verdict import EQUIVALENCE_LEVEL, LEGEND
 
     images = int(result.get("images") or 0)
     parts = [f'<p class="verdict-line" id="verdict-line">verdict: {escape(result.get("conclusion", ""))}</p>']
@@ -289,7 +291,7 @@ def verdict_html(result: Mapping[str, Any]) -> str:
         f'<p class="note">unit: {escape(result.get("unit", "reference image"))}, one seed each, n {images}'
         + (f" ({merged} of the same content merged: counted once)" if merged else "")
         + (f", {draws} control draws" if draws else "")
-        + "; mean [95% interval; the equivalence test's: 90%], one-sided, alpha "
+        + f"; mean [95% interval; the equivalence test's: {EQUIVALENCE_LEVEL}], one-sided, alpha "
         + f"{escape(result.get('alpha', 0.05))}</p>"
     )
     anchors = _anchors_html(result, images)
